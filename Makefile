@@ -1,0 +1,25 @@
+# The two commands of the README. Each installs what it needs first, so both work on a fresh clone.
+PY ?= python3
+PIP = $(PY) -m pip install --quiet
+NOTEBOOKS = notebooks solutions
+
+.PHONY: course test install doctor exercises
+
+install:
+	$(PIP) -e ".[course,dev]"
+
+# Install, then open JupyterLab at chapter 00 (the bundled CPU model runs when no GPU or hub is there).
+course: install
+	$(PY) -m jupyter lab notebooks/00_model_and_generation.ipynb
+
+# Install, then run the whole suite: unit tests, then every notebook executed and checked by nbval.
+test: install
+	$(PY) -m pytest -n 2 --dist loadfile tests
+	$(PY) -m pytest -n 2 --dist loadfile --nbval-lax --nbval-sanitize-with tests/nbval_sanitize.cfg -p no:randomly $(NOTEBOOKS)
+
+doctor:
+	$(PY) -m minifer doctor
+
+# Regenerate exercises/ and solutions/ from their single source.
+exercises:
+	$(PY) tools/build_exercises.py

@@ -1,0 +1,1 @@
+"""The generation engine: request state (``sequence``), the static batching loop, and the ``LLM`` facade."""

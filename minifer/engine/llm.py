@@ -1,0 +1,182 @@
+"""``LLM``: the offline entry point, with vLLM's signature so a learner's code moves to vLLM unchanged.
+
+    from minifer import LLM, SamplingParams
+    llm = LLM("tinystories-target")                       # or a local HF folder, or "Qwen/Qwen3-0.6B"
+    out = llm.generate(["Once upon a time"], SamplingParams(temperature=0, max_tokens=32))
+    print(out[0].outputs[0].text)
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence as SequenceT
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from minifer.config import ModelConfig
+from minifer.engine.sequence import Sequence
+from minifer.engine.static import generate_static
+from minifer.loader import build_model, load_config, load_tokenizer, resolve_model
+from minifer.outputs import RequestOutput
+from minifer.sampling import SamplingParams
+
+_DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+           "float16": torch.float16, "fp16": torch.float16, "half": torch.float16}
+
+Prompt = str | dict[str, Any]
+
+
+def resolve_device(device: str | torch.device | None) -> torch.device:
+    if device is None or device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError("device='cuda' was requested but no CUDA GPU is available")
+    return device
+
+
+def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype:
+    """``"auto"``: float32 on CPU (bf16 matmuls are slow and inexact there), bfloat16 on a GPU."""
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    if dtype not in _DTYPES:
+        raise ValueError(f"unsupported dtype {dtype!r}: use 'auto', {', '.join(_DTYPES)}")
+    return _DTYPES[dtype]
+
+
+class LLM:
+    """A model, its tokenizer, and a generation loop.
+
+    Args:
+        model: bundled name (``"tinystories-target"``), local HF checkpoint directory, or hub id.
+        tokenizer: another folder to take the tokenizer from (default: the model's).
+        dtype: ``"auto"`` (float32 on CPU, bfloat16 on CUDA) or a dtype name.
+        device: ``"cpu"``, ``"cuda"`` or None for the best available.
+        seed: seeds the draws of requests that carry no seed of their own.
+        max_model_len: longest prompt + output (default: the model's ``max_position_embeddings``).
+        load_format: ``"auto"`` (safetensors) or ``"dummy"`` (random weights of the real shape).
+        max_num_seqs: how many sequences share a batch.
+        batching: ``"static"`` (padded batches, the baseline of chapter 03).
+    """
+
+    def __init__(self, model: str | Path, *, tokenizer: str | Path | None = None, dtype: str | torch.dtype = "auto",
+                 device: str | torch.device | None = None, seed: int = 0, max_model_len: int | None = None,
+                 load_format: str = "auto", max_num_seqs: int = 16, batching: str = "static") -> None:
+        if batching != "static":
+            raise ValueError(f"batching must be 'static', got {batching!r}")
+        if not isinstance(max_num_seqs, int) or max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be a positive integer, got {max_num_seqs!r}")
+        self.device = resolve_device(device)
+        self.dtype = resolve_dtype(dtype, self.device)
+        self.model_path = resolve_model(model, need_weights=load_format != "dummy")
+        self.model_config: ModelConfig = load_config(self.model_path)
+        limit = self.model_config.max_position_embeddings
+        if max_model_len is not None and not 1 < max_model_len <= limit:
+            raise ValueError(f"max_model_len must be in [2, {limit}] (the model's max_position_embeddings), "
+                             f"got {max_model_len}")
+        self.max_model_len = max_model_len or limit
+        self.max_num_seqs, self.batching, self.seed = max_num_seqs, batching, seed
+        self.model = build_model(self.model_path, load_format=load_format, dtype=self.dtype, device=self.device,
+                                 max_positions=limit, seed=seed)
+        tok_path = resolve_model(tokenizer) if tokenizer is not None else self.model_path
+        self.tokenizer = load_tokenizer(tok_path)
+        self.eos_token_ids = frozenset(self._eos_ids())
+        self._generator = torch.Generator(device=self.device).manual_seed(seed)
+        self._counter = itertools.count()
+
+    def _eos_ids(self) -> set[int]:
+        ids = set(self.model_config.eos_token_ids)
+        gen_cfg = self.model_path / "generation_config.json" if self.model_path.is_dir() else None
+        if gen_cfg is not None and gen_cfg.is_file():
+            import json
+
+            eos = json.loads(gen_cfg.read_text()).get("eos_token_id")
+            ids.update(eos if isinstance(eos, list) else [] if eos is None else [eos])
+        if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
+            ids.add(self.tokenizer.eos_token_id)
+        return ids
+
+    def get_tokenizer(self):
+        return self.tokenizer
+
+    # --- requests -----------------------------------------------------------------------------------
+
+    def _prompt_ids(self, i: int, prompt: Prompt) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            if not prompt:
+                raise ValueError(f"prompt {i} is empty")
+            if self.tokenizer is None:
+                raise ValueError(f"prompt {i} is text but this model has no tokenizer (dummy weights?): "
+                                 f"pass {{'prompt_token_ids': [...]}}")
+            return prompt, list(self.tokenizer(prompt)["input_ids"])
+        if isinstance(prompt, dict) and "prompt_token_ids" in prompt:
+            ids = prompt["prompt_token_ids"]
+            if not isinstance(ids, (list, tuple)) or not ids:
+                raise ValueError(f"prompt {i}: prompt_token_ids must be a non-empty list of token ids")
+            vocab = self.model_config.vocab_size
+            for t in ids:
+                if not isinstance(t, int) or not 0 <= t < vocab:
+                    raise ValueError(f"prompt {i}: token id {t!r} is out of the vocabulary (size {vocab})")
+            return prompt.get("prompt"), list(ids)
+        raise ValueError(f"prompt {i} must be a string or a dict with 'prompt_token_ids', got {type(prompt).__name__}")
+
+    def make_sequence(self, i: int, prompt: Prompt, params: SamplingParams, request_id: str | None = None) -> Sequence:
+        """Validate one request and turn it into a ``Sequence`` (errors name the prompt and the field)."""
+        if not isinstance(params, SamplingParams):
+            raise TypeError(f"sampling params for prompt {i} must be a SamplingParams, got {type(params).__name__}")
+        text, ids = self._prompt_ids(i, prompt)
+        room = self.max_model_len - len(ids)
+        if room < 1:
+            raise ValueError(f"prompt {i} has {len(ids)} tokens: it must be shorter than max_model_len="
+                             f"{self.max_model_len} to leave room for output")
+        max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
+        gen = self._generator
+        if params.seed is not None:
+            gen = torch.Generator(device=self.device).manual_seed(params.seed)
+        return Sequence(request_id or str(next(self._counter)), text, ids, params, max_tokens,
+                        self.eos_token_ids, generator=gen)
+
+    def generate(self, prompts: Prompt | SequenceT[Prompt],
+                 sampling_params: SamplingParams | SequenceT[SamplingParams] | None = None,
+                 use_tqdm: bool = True) -> list[RequestOutput]:
+        """Generate a completion for every prompt; outputs come back in the order of the prompts.
+
+        All prompts are validated before any work starts, so a bad one raises a ``ValueError`` naming it.
+        """
+        if isinstance(prompts, (str, dict)):
+            prompts = [prompts]
+        prompts = list(prompts)
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        if isinstance(sampling_params, SamplingParams):
+            params = [sampling_params] * len(prompts)
+        else:
+            params = list(sampling_params)
+            if len(params) != len(prompts):
+                raise ValueError(f"got {len(params)} SamplingParams for {len(prompts)} prompts: "
+                                 f"give one, or one per prompt")
+        seqs = [self.make_sequence(i, p, sp) for i, (p, sp) in enumerate(zip(prompts, params))]
+        bar = None
+        if use_tqdm:
+            from tqdm.auto import tqdm
+
+            bar = tqdm(total=len(seqs), desc="Processed prompts", dynamic_ncols=True)
+        generate_static(self.model, seqs, self.max_num_seqs, self.tokenizer,
+                        on_batch_done=(lambda b: bar.update(len(b))) if bar is not None else None)
+        if bar is not None:
+            bar.close()
+        return [s.to_output(self.tokenizer) for s in seqs]
+
+    def chat(self, messages: list[dict[str, str]], sampling_params: SamplingParams | None = None,
+             use_tqdm: bool = False) -> list[RequestOutput]:
+        """One conversation through the tokenizer's chat template (Qwen3 and Llama-3 instruct models)."""
+        if self.tokenizer is None or not getattr(self.tokenizer, "chat_template", None):
+            raise ValueError("this model's tokenizer has no chat template; use generate() with a plain prompt")
+        ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        if isinstance(ids, dict):
+            ids = ids["input_ids"]
+        return self.generate([{"prompt_token_ids": list(ids)}], sampling_params, use_tqdm=use_tqdm)

@@ -1,0 +1,109 @@
+"""One request's state while it is generated: tokens so far, how it samples, and when it must stop.
+
+Both batching modes (static here, continuous in the engine chapters) drive the same ``Sequence``: they
+differ in *which* sequences share a forward pass, never in how a sequence appends a token or decides that
+it is finished.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from enum import Enum
+
+import torch
+
+from minifer.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from minifer.sampling import Logprob, SamplingParams
+
+
+class SequenceStatus(Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass
+class Sequence:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    max_tokens: int  # params.max_tokens clipped to what max_model_len leaves after the prompt
+    eos_token_ids: frozenset[int]
+    generator: torch.Generator | None = None
+    output_token_ids: list[int] = field(default_factory=list)
+    logprobs: list[dict[int, Logprob]] | None = None
+    cumulative_logprob: float = 0.0
+    status: SequenceStatus = SequenceStatus.WAITING
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    text: str | None = None  # set when finished (truncated before a stop string if one matched)
+    metrics: RequestMetrics = field(default_factory=lambda: RequestMetrics(time.perf_counter()))
+
+    def __post_init__(self) -> None:
+        if self.params.logprobs is not None:
+            self.logprobs = []
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is SequenceStatus.FINISHED
+
+    def append_token(self, token: int, logprob: float, entry: dict[int, Logprob] | None, tokenizer) -> None:
+        """Record a sampled token and check, in order: stop token / EOS, stop string, length."""
+        now = time.perf_counter()
+        if self.metrics.first_token_time is None:
+            self.metrics.first_token_time = now
+        self.metrics.token_times.append(now)
+        self.output_token_ids.append(token)
+        self.cumulative_logprob += logprob
+        if self.logprobs is not None and entry is not None:
+            if tokenizer is not None:
+                for t, lp in entry.items():
+                    lp.decoded_token = tokenizer.decode([t])
+            self.logprobs.append(entry)
+        p = self.params
+        if token in p.stop_token_ids:
+            self._finish("stop", token)
+        elif not p.ignore_eos and token in self.eos_token_ids:
+            self._finish("stop", None)
+        elif p.stop and tokenizer is not None and self._match_stop_string(tokenizer):
+            pass
+        elif len(self.output_token_ids) >= self.max_tokens:
+            self._finish("length", None)
+
+    def _match_stop_string(self, tokenizer) -> bool:
+        text = tokenizer.decode(self.output_token_ids, skip_special_tokens=self.params.skip_special_tokens)
+        hits = [(text.find(s), s) for s in self.params.stop if s in text]
+        if not hits:
+            return False
+        pos, s = min(hits)
+        self._finish("stop", s)
+        self.text = text[:pos]  # vLLM drops the stop string from the output text
+        return True
+
+    def _finish(self, reason: str, stop_reason: int | str | None) -> None:
+        self.status = SequenceStatus.FINISHED
+        self.finish_reason, self.stop_reason = reason, stop_reason
+        self.metrics.finished_time = time.perf_counter()
+
+    def abort(self) -> None:
+        self._finish("abort", None)
+
+    def to_output(self, tokenizer) -> RequestOutput:
+        text = self.text
+        if text is None:
+            text = "" if tokenizer is None else tokenizer.decode(
+                self.output_token_ids, skip_special_tokens=self.params.skip_special_tokens)
+            if self.is_finished:
+                self.text = text
+        completion = CompletionOutput(
+            index=0, text=text, token_ids=list(self.output_token_ids),
+            cumulative_logprob=self.cumulative_logprob if self.params.logprobs is not None else None,
+            logprobs=self.logprobs, finish_reason=self.finish_reason, stop_reason=self.stop_reason)
+        return RequestOutput(self.request_id, self.prompt, list(self.prompt_token_ids), [completion],
+                             self.is_finished, self.metrics)

@@ -1,0 +1,75 @@
+"""Static batching: the baseline that continuous batching is measured against (chapters 00 and 03).
+
+Requests are cut into batches of ``batch_size`` in arrival order. Each batch is left-padded to its longest
+prompt, prefilled in one forward, then decoded one token per step *until its longest request finishes*:
+rows that finished early keep occupying their slot (computing padding), and no new request may join.
+Each row also reserves KV memory for prompt + max_tokens up front. Those two wastes are what the paged,
+continuous engine removes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from minifer.engine.sequence import Sequence, SequenceStatus
+from minifer.layers.attention import ContiguousKVCache
+from minifer.models.llama import LlamaForCausalLM
+from minifer.sampling import sample
+
+
+@torch.inference_mode()
+def run_static_batch(model: LlamaForCausalLM, batch: list[Sequence], tokenizer, pad_id: int = 0) -> int:
+    """Generate every sequence of one padded batch to completion. Returns the number of decode steps."""
+    cfg, device = model.config, model.lm_head.weight.device
+    dtype = model.lm_head.weight.dtype
+    b = len(batch)
+    lens = torch.tensor([len(s.prompt_token_ids) for s in batch], device=device)
+    p = int(lens.max())
+    max_new = max(s.max_tokens for s in batch)
+    cache = ContiguousKVCache(cfg.num_hidden_layers, b, cfg.num_key_value_heads, p + max_new, cfg.head_dim,
+                              dtype, device)
+    ids = torch.full((b, p), pad_id, dtype=torch.long, device=device)
+    for i, s in enumerate(batch):
+        ids[i, p - len(s.prompt_token_ids):] = torch.tensor(s.prompt_token_ids, device=device)
+        s.status = SequenceStatus.RUNNING
+        s.metrics.first_scheduled_time = s.metrics.first_scheduled_time or __import__("time").perf_counter()
+    pad = (p - lens)[:, None]
+    slots = torch.arange(p, device=device)[None, :]
+    valid = slots >= pad
+    positions = (slots - pad).clamp(min=0)
+    seen = None
+    if any(s.params.repetition_penalty != 1 for s in batch):
+        seen = torch.zeros(b, cfg.vocab_size, dtype=torch.bool, device=device)
+        seen.scatter_(1, ids, valid)
+
+    cache.begin_step(0, p, valid)
+    hidden = model(ids.reshape(-1), positions.reshape(-1), cache)
+    logits = model.compute_logits(hidden.view(b, p, -1)[:, -1])
+    step = 0
+    ones = torch.ones(b, 1, dtype=torch.bool, device=device)
+    while True:
+        result = sample(logits, [s.params for s in batch], [s.generator for s in batch], seen)
+        for i, s in enumerate(batch):
+            if not s.is_finished:
+                s.append_token(result.token_ids[i], result.sampled_logprob[i], result.logprobs[i], tokenizer)
+        if all(s.is_finished for s in batch):
+            return step
+        nxt = torch.tensor(result.token_ids, device=device)
+        if seen is not None:
+            seen[torch.arange(b, device=device), nxt] = True
+        cache.begin_step(p + step, 1, ones)
+        hidden = model(nxt, lens + step, cache)
+        logits = model.compute_logits(hidden)
+        step += 1
+
+
+def generate_static(model: LlamaForCausalLM, seqs: list[Sequence], batch_size: int, tokenizer,
+                    on_batch_done: Callable[[list[Sequence]], None] | None = None) -> None:
+    """Run ``seqs`` in consecutive padded batches of ``batch_size``."""
+    for start in range(0, len(seqs), batch_size):
+        batch = seqs[start : start + batch_size]
+        run_static_batch(model, batch, tokenizer)
+        if on_batch_done is not None:
+            on_batch_done(batch)

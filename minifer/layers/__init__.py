@@ -1,0 +1,10 @@
+"""The building blocks of the Llama family, as plain functions with small module wrappers.
+
+Chapter 00 teaches these; the exercises rebuild ``rms_norm``, ``apply_rotary`` and top-p sampling and are
+graded against these reference versions.
+"""
+
+from minifer.layers.norm import RMSNorm, rms_norm
+from minifer.layers.rotary import RotaryEmbedding, apply_rotary, rope_inv_freq
+
+__all__ = ["RMSNorm", "rms_norm", "RotaryEmbedding", "apply_rotary", "rope_inv_freq"]

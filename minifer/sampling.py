@@ -1,0 +1,177 @@
+"""Sampling parameters (vLLM's names and defaults) and the logits processors that implement them.
+
+Each step turns the model's next-token logits into one token per sequence:
+
+    logits -> repetition penalty -> / temperature -> top-k -> top-p -> min-p -> softmax -> draw
+
+The processors are plain functions on a ``[batch, vocab]`` tensor with one parameter per row, so a batch
+can mix greedy and sampled requests. ``temperature == 0`` means greedy (argmax after the penalty). Every
+request may carry its own ``seed``: it then draws from its own ``torch.Generator`` and reproduces exactly,
+whatever else shares its batch.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+
+_EPS_TEMPERATURE = 1e-5
+
+
+@dataclass
+class SamplingParams:
+    """How to sample one request. Defaults are vLLM's (note ``max_tokens=16``)."""
+
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    max_tokens: int | None = 16
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    seed: int | None = None
+    logprobs: int | None = None
+    skip_special_tokens: bool = True
+
+    def __post_init__(self) -> None:
+        def bad(name: str, rule: str) -> ValueError:
+            return ValueError(f"SamplingParams.{name} {rule}, got {getattr(self, name)!r}")
+
+        if self.n != 1:
+            raise bad("n", "must be 1 (parallel sampling is not implemented)")
+        if not isinstance(self.temperature, (int, float)) or math.isnan(self.temperature) or self.temperature < 0:
+            raise bad("temperature", "must be >= 0 (0 means greedy)")
+        if not 0 < self.top_p <= 1:
+            raise bad("top_p", "must be in (0, 1]")
+        if not isinstance(self.top_k, int) or self.top_k < -1:
+            raise bad("top_k", "must be -1 or 0 (disabled) or a positive integer")
+        if not 0 <= self.min_p <= 1:
+            raise bad("min_p", "must be in [0, 1]")
+        if not self.repetition_penalty > 0:
+            raise bad("repetition_penalty", "must be > 0 (1 means no penalty)")
+        if self.max_tokens is not None and (not isinstance(self.max_tokens, int) or self.max_tokens < 1):
+            raise bad("max_tokens", "must be an integer >= 1 (or None for up to max_model_len)")
+        if self.logprobs is not None and (not isinstance(self.logprobs, int) or self.logprobs < 0):
+            raise bad("logprobs", "must be None or an integer >= 0")
+        if self.seed is not None and not isinstance(self.seed, int):
+            raise bad("seed", "must be None or an integer")
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        self.stop = list(self.stop or [])
+        if any(not isinstance(s, str) or not s for s in self.stop):
+            raise bad("stop", "must be non-empty strings")
+        self.stop_token_ids = list(self.stop_token_ids or [])
+        if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
+            raise bad("stop_token_ids", "must be non-negative integers")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature < _EPS_TEMPERATURE
+
+
+@dataclass
+class Logprob:
+    """One candidate token's log-probability under the model, and its rank (1 = most likely)."""
+
+    logprob: float
+    rank: int
+    decoded_token: str | None = None
+
+
+# --- processors: each takes logits [B, V] and one parameter per row, returns new logits -------------
+
+
+def apply_repetition_penalty(logits: torch.Tensor, seen: torch.Tensor, penalty: torch.Tensor) -> torch.Tensor:
+    """CTRL-style penalty on every token already in the prompt or output (``seen``: bool ``[B, V]``):
+    positive logits are divided by the penalty, negative ones multiplied, so seen tokens become less likely
+    for ``penalty > 1`` whatever their sign."""
+    p = penalty[:, None].to(logits.dtype)
+    penalized = torch.where(logits > 0, logits / p, logits * p)
+    return torch.where(seen, penalized, logits)
+
+
+def apply_top_k(logits: torch.Tensor, top_k: torch.Tensor) -> torch.Tensor:
+    """Keep the ``k`` largest logits of each row (ties with the k-th kept); ``k <= 0`` keeps all."""
+    vocab = logits.shape[-1]
+    k = torch.where(top_k <= 0, vocab, top_k.clamp(max=vocab))
+    kth = logits.sort(dim=-1, descending=True).values.gather(-1, (k - 1)[:, None])
+    return logits.masked_fill(logits < kth, float("-inf"))
+
+
+def apply_top_p(logits: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """Nucleus sampling: keep the smallest set of most likely tokens whose probabilities sum to >= p."""
+    sorted_logits, order = logits.sort(dim=-1, descending=False)
+    cum = sorted_logits.softmax(dim=-1).cumsum(dim=-1)
+    drop = cum <= (1 - top_p[:, None])  # the low-probability tail whose mass stays below 1 - p
+    drop[:, -1] = False  # always keep the most likely token
+    mask = torch.zeros_like(drop).scatter(-1, order, drop)
+    return logits.masked_fill(mask, float("-inf"))
+
+
+def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
+    """Drop tokens whose probability is below ``min_p`` times the most likely token's."""
+    probs = logits.softmax(dim=-1)
+    threshold = min_p[:, None] * probs.max(dim=-1, keepdim=True).values
+    return logits.masked_fill(probs < threshold, float("-inf"))
+
+
+def process_logits(logits: torch.Tensor, params: list[SamplingParams], seen: torch.Tensor | None) -> torch.Tensor:
+    """All processors in order, in float32. Greedy rows get temperature 1 (their argmax is unaffected)."""
+    dev = logits.device
+    logits = logits.float()
+    pen = torch.tensor([p.repetition_penalty for p in params], device=dev)
+    if seen is not None and bool((pen != 1).any()):
+        logits = apply_repetition_penalty(logits, seen, pen)
+    temps = torch.tensor([1.0 if p.greedy else p.temperature for p in params], device=dev)
+    logits = logits / temps[:, None]
+    if any(p.top_k > 0 for p in params):
+        logits = apply_top_k(logits, torch.tensor([p.top_k for p in params], device=dev))
+    if any(p.top_p < 1 for p in params):
+        logits = apply_top_p(logits, torch.tensor([p.top_p for p in params], device=dev))
+    if any(p.min_p > 0 for p in params):
+        logits = apply_min_p(logits, torch.tensor([p.min_p for p in params], device=dev))
+    return logits
+
+
+@dataclass
+class SampleResult:
+    token_ids: list[int]
+    logprobs: list[dict[int, Logprob] | None] = field(default_factory=list)
+    sampled_logprob: list[float] = field(default_factory=list)
+
+
+def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None],
+           seen: torch.Tensor | None = None) -> SampleResult:
+    """Draw one token per row. ``logprobs`` are those of the *model's* distribution (before penalty,
+    temperature and truncation), as vLLM reports them by default."""
+    processed = process_logits(logits, params, seen)
+    probs = processed.softmax(dim=-1)
+    tokens: list[int] = []
+    for i, p in enumerate(params):
+        if p.greedy:
+            tokens.append(int(processed[i].argmax()))
+        else:
+            tokens.append(int(torch.multinomial(probs[i], 1, generator=generators[i])))
+    raw_logp = logits.float().log_softmax(dim=-1)
+    result = SampleResult(tokens)
+    result.sampled_logprob = [float(raw_logp[i, t]) for i, t in enumerate(tokens)]
+    for i, p in enumerate(params):
+        if p.logprobs is None:
+            result.logprobs.append(None)
+            continue
+        row = raw_logp[i]
+        entry: dict[int, Logprob] = {}
+        if p.logprobs > 0:
+            top = row.topk(min(p.logprobs, row.numel()))
+            for r, (lp, t) in enumerate(zip(top.values.tolist(), top.indices.tolist()), start=1):
+                entry[t] = Logprob(lp, r)
+        t = tokens[i]
+        if t not in entry:
+            entry[t] = Logprob(float(row[t]), int((row > row[t]).sum()) + 1)
+        result.logprobs.append(entry)
+    return result
