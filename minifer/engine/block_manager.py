@@ -1,0 +1,223 @@
+"""The paged KV cache's bookkeeping: fixed-size blocks, block tables, reference counts, prefix caching.
+
+A contiguous KV cache reserves ``max_len`` slots for every sequence up front; most of them are never
+used (chapter 02 measures how many). vLLM's PagedAttention instead cuts the cache into blocks of
+``block_size`` token slots and gives each sequence a *block table*: logical block ``i`` of the sequence
+lives in physical block ``table[i]``, anywhere in the pool. A sequence takes a new block only when its
+last one is full, so at most ``block_size - 1`` slots per sequence are ever empty.
+
+Prefix caching rides on the same tables. A *full* block is identified by a chained hash of its tokens and
+of everything before it, so two requests with the same first 256 tokens map those tokens to the same
+physical blocks. Shared blocks carry a reference count; when it drops to zero a cached block is not
+wiped but parked in an LRU list, still findable by its hash, and only evicted when a free block is
+needed. Every hit is verified against the stored tokens, so a hash collision can never serve wrong KV.
+
+This class only does bookkeeping on integers; the engine's runner owns the tensors.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import OrderedDict, deque
+from dataclasses import dataclass, field
+
+
+@dataclass
+class Block:
+    block_id: int
+    ref_count: int = 0
+    block_hash: int | None = None  # set once the block is full and registered in the prefix cache
+    token_ids: tuple[int, ...] = ()  # what a cached block holds, to verify hits
+
+
+@dataclass
+class _SeqBlocks:
+    table: list[int] = field(default_factory=list)
+    hashes: list[int] = field(default_factory=list)  # chained hashes of the full blocks registered so far
+
+
+def chain_hash(parent: int | None, tokens: tuple[int, ...]) -> int:
+    """Hash of a full block given the hash of the block before it (``None`` for the first block)."""
+    return hash((parent, tokens))
+
+
+class BlockManager:
+    """Allocates KV blocks to sequences. All methods take a sequence id (any hashable)."""
+
+    def __init__(self, num_blocks: int, block_size: int = 16, enable_prefix_caching: bool = True) -> None:
+        if num_blocks < 1 or block_size < 1:
+            raise ValueError(f"num_blocks and block_size must be >= 1, got {num_blocks} and {block_size}")
+        self.num_blocks, self.block_size = num_blocks, block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.blocks = [Block(i) for i in range(num_blocks)]
+        self._free: deque[int] = deque(range(num_blocks))  # ref 0, holding nothing worth keeping
+        self._evictable: OrderedDict[int, None] = OrderedDict()  # ref 0 but cached, least recent first
+        self._cache: dict[int, int] = {}  # block hash -> block id
+        self._seqs: dict[object, _SeqBlocks] = {}
+        self.cache_queries = self.cache_hits = 0  # in blocks
+
+    # --- capacity -------------------------------------------------------------------------------------
+
+    @property
+    def num_free_blocks(self) -> int:
+        """Blocks that can be handed out now (truly free, plus cached ones that may be evicted)."""
+        return len(self._free) + len(self._evictable)
+
+    @property
+    def num_cached_blocks(self) -> int:
+        return len(self._cache)
+
+    def blocks_needed(self, num_tokens: int) -> int:
+        return math.ceil(num_tokens / self.block_size)
+
+    def block_table(self, seq_id: object) -> list[int]:
+        return self._seqs[seq_id].table
+
+    def has_seq(self, seq_id: object) -> bool:
+        return seq_id in self._seqs
+
+    # --- allocation -------------------------------------------------------------------------------------
+
+    def _full_block_hashes(self, token_ids: list[int], start: int = 0, parent: int | None = None) -> list[int]:
+        bs = self.block_size
+        hashes = []
+        for i in range(start, len(token_ids) // bs):
+            parent = chain_hash(parent, tuple(token_ids[i * bs : (i + 1) * bs]))
+            hashes.append(parent)
+        return hashes
+
+    def _lookup_prefix(self, token_ids: list[int]) -> list[int]:
+        """Block ids of the longest cached prefix of full blocks (verified token by token)."""
+        if not self.enable_prefix_caching:
+            return []
+        bs, hits = self.block_size, []
+        for i, h in enumerate(self._full_block_hashes(token_ids)):
+            bid = self._cache.get(h)
+            if bid is None or self.blocks[bid].token_ids != tuple(token_ids[i * bs : (i + 1) * bs]):
+                break
+            hits.append(bid)
+        # The last prompt token must be computed to produce logits: never serve the whole prompt from cache.
+        if hits and len(hits) * bs >= len(token_ids):
+            hits.pop()
+        return hits
+
+    def can_allocate(self, token_ids: list[int]) -> bool:
+        hits = self._lookup_prefix(token_ids)
+        reusable_free = sum(1 for b in hits if self.blocks[b].ref_count == 0)
+        return self.blocks_needed(len(token_ids)) - len(hits) <= self.num_free_blocks - reusable_free
+
+    def allocate(self, seq_id: object, token_ids: list[int]) -> int:
+        """Give a new sequence blocks for its prompt. Returns how many prompt tokens are already cached
+        (their KV need not be computed). Raises ``MemoryError`` if the blocks are not there: call
+        ``can_allocate`` first."""
+        if seq_id in self._seqs:
+            raise ValueError(f"sequence {seq_id!r} already has blocks")
+        if not token_ids:
+            raise ValueError("cannot allocate blocks for an empty sequence")
+        if not self.can_allocate(token_ids):
+            raise MemoryError(f"not enough free KV blocks for {len(token_ids)} tokens")
+        hits = self._lookup_prefix(token_ids)
+        self.cache_queries += len(token_ids) // self.block_size
+        self.cache_hits += len(hits)
+        seq = _SeqBlocks()
+        for bid in hits:
+            self._ref(bid)
+            seq.table.append(bid)
+            seq.hashes.append(self.blocks[bid].block_hash)  # type: ignore[arg-type]
+        for _ in range(self.blocks_needed(len(token_ids)) - len(hits)):
+            seq.table.append(self._take_free())
+        self._seqs[seq_id] = seq
+        return len(hits) * self.block_size
+
+    def can_append(self, seq_id: object, num_tokens: int) -> bool:
+        """Whether the sequence can grow to ``num_tokens`` tokens with the blocks that are free now."""
+        return self.blocks_needed(num_tokens) - len(self._seqs[seq_id].table) <= self.num_free_blocks
+
+    def append_slots(self, seq_id: object, num_tokens: int) -> None:
+        """Grow the sequence's table to hold ``num_tokens`` tokens (call ``can_append`` first)."""
+        seq = self._seqs[seq_id]
+        missing = self.blocks_needed(num_tokens) - len(seq.table)
+        if missing > self.num_free_blocks:
+            raise MemoryError(f"not enough free KV blocks to grow {seq_id!r} to {num_tokens} tokens")
+        for _ in range(missing):
+            seq.table.append(self._take_free())
+
+    def truncate(self, seq_id: object, num_tokens: int) -> None:
+        """Shrink a sequence to ``num_tokens`` tokens (speculative rollback), freeing emptied blocks."""
+        seq = self._seqs[seq_id]
+        keep = self.blocks_needed(num_tokens)
+        while len(seq.table) > keep:
+            self._unref(seq.table.pop())
+        del seq.hashes[num_tokens // self.block_size :]
+
+    def register_computed(self, seq_id: object, token_ids: list[int]) -> None:
+        """Publish the sequence's newly *full* blocks in the prefix cache, once their KV is written.
+        ``token_ids`` are all tokens whose KV is now in the cache."""
+        if not self.enable_prefix_caching:
+            return
+        seq = self._seqs[seq_id]
+        bs = self.block_size
+        parent = seq.hashes[-1] if seq.hashes else None
+        for i, h in enumerate(self._full_block_hashes(token_ids, len(seq.hashes), parent), start=len(seq.hashes)):
+            seq.hashes.append(h)
+            block = self.blocks[seq.table[i]]
+            if block.block_hash is not None or h in self._cache:
+                continue  # already cached (shared hit) or an identical block is cached elsewhere
+            block.block_hash, block.token_ids = h, tuple(token_ids[i * bs : (i + 1) * bs])
+            self._cache[h] = block.block_id
+
+    def free(self, seq_id: object) -> None:
+        """Release a finished, aborted or preempted sequence's blocks. Tail blocks are released first so
+        that, under LRU eviction, a shared prefix outlives the private ends of the sequences using it."""
+        seq = self._seqs.pop(seq_id)
+        for bid in reversed(seq.table):
+            self._unref(bid)
+
+    # --- internals --------------------------------------------------------------------------------------
+
+    def _ref(self, bid: int) -> None:
+        block = self.blocks[bid]
+        if block.ref_count == 0:
+            self._evictable.pop(bid, None)
+        block.ref_count += 1
+
+    def _unref(self, bid: int) -> None:
+        block = self.blocks[bid]
+        if block.ref_count <= 0:
+            raise RuntimeError(f"block {bid} freed twice")
+        block.ref_count -= 1
+        if block.ref_count == 0:
+            if block.block_hash is not None:
+                self._evictable[bid] = None  # most recently used at the end
+            else:
+                self._free.append(bid)
+
+    def _take_free(self) -> int:
+        if self._free:
+            bid = self._free.popleft()
+        elif self._evictable:
+            bid, _ = self._evictable.popitem(last=False)  # evict the least recently used cached block
+            block = self.blocks[bid]
+            del self._cache[block.block_hash]  # type: ignore[arg-type]
+            block.block_hash, block.token_ids = None, ()
+        else:
+            raise MemoryError("no free KV blocks")
+        self.blocks[bid].ref_count = 1
+        return bid
+
+    def check_invariants(self) -> None:
+        """Every block is in exactly one state and reference counts match the tables (used by tests)."""
+        refs = [0] * self.num_blocks
+        for seq in self._seqs.values():
+            for bid in seq.table:
+                refs[bid] += 1
+        for b in self.blocks:
+            assert b.ref_count == refs[b.block_id], f"block {b.block_id}: ref {b.ref_count} != {refs[b.block_id]}"
+            in_free, in_evict = b.block_id in self._free, b.block_id in self._evictable
+            if b.ref_count:
+                assert not in_free and not in_evict, f"block {b.block_id} in use but listed free"
+            else:
+                assert in_free != in_evict, f"block {b.block_id} unused but not in exactly one free list"
+            if b.block_hash is not None:
+                assert self._cache.get(b.block_hash) == b.block_id, f"block {b.block_id} hash not indexed"
+        assert len(self._free) == len(set(self._free)), "a block is listed free twice"

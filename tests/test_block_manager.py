@@ -1,0 +1,126 @@
+"""The paged KV cache's block manager: allocation, prefix caching, eviction, and no leaks under random use."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import minifer.engine.block_manager as bm
+from minifer.engine.block_manager import BlockManager
+
+
+def test_allocate_grow_free_returns_every_block():
+    m = BlockManager(num_blocks=8, block_size=4)
+    assert m.allocate("a", list(range(6))) == 0
+    assert len(m.block_table("a")) == 2 and m.num_free_blocks == 6
+    m.append_slots("a", 9)
+    assert len(m.block_table("a")) == 3
+    m.free("a")
+    m.check_invariants()
+    assert m.num_free_blocks == 8
+
+
+def test_prefix_hit_shares_blocks_and_keeps_last_token_uncached():
+    m = BlockManager(num_blocks=10, block_size=4)
+    prompt = list(range(100, 112))  # three full blocks
+    m.allocate("a", prompt)
+    m.register_computed("a", prompt)
+    # same 8-token prefix, different tail: two blocks are shared
+    assert m.allocate("b", prompt[:8] + [1, 2, 3]) == 8
+    assert m.block_table("b")[:2] == m.block_table("a")[:2]
+    assert m.blocks[m.block_table("a")[0]].ref_count == 2
+    # an identical prompt: the last block is recomputed so the last token yields logits
+    assert m.allocate("c", prompt) == 8
+    m.check_invariants()
+    for s in "abc":
+        m.free(s)
+    m.check_invariants()
+    assert m.num_free_blocks == 10 and m.num_cached_blocks == 3  # kept after release
+
+
+def test_cached_blocks_evicted_lru_only_when_needed():
+    m = BlockManager(num_blocks=4, block_size=2)
+    m.allocate("a", [1, 2, 3, 4])
+    m.register_computed("a", [1, 2, 3, 4])
+    m.free("a")
+    assert m.num_cached_blocks == 2 and m.num_free_blocks == 4
+    m.allocate("b", [9, 9, 9, 9, 9, 9])  # needs 3 blocks: 2 truly free + evict one cached
+    assert m.num_cached_blocks == 1
+    m.check_invariants()
+    # the tail block [3, 4] was released first, so it was the one evicted; the prefix [1, 2] survives
+    m.free("b")
+    assert m.allocate("c", [1, 2, 7]) == 2
+
+
+def test_hash_collision_never_serves_wrong_tokens(monkeypatch):
+    monkeypatch.setattr(bm, "chain_hash", lambda parent, tokens: 42)  # every block collides
+    m = BlockManager(num_blocks=8, block_size=2)
+    m.allocate("a", [1, 2, 3])
+    m.register_computed("a", [1, 2, 3])
+    assert m.allocate("b", [5, 6, 7]) == 0  # same hash, different tokens: a miss
+    assert m.allocate("c", [1, 2, 8]) == 2  # same tokens: a verified hit
+    m.check_invariants()
+
+
+def test_truncate_frees_emptied_blocks():
+    m = BlockManager(num_blocks=6, block_size=4)
+    m.allocate("a", list(range(5)))
+    m.append_slots("a", 13)
+    assert len(m.block_table("a")) == 4
+    m.truncate("a", 6)
+    assert len(m.block_table("a")) == 2 and m.num_free_blocks == 4
+    m.check_invariants()
+
+
+def test_out_of_blocks_is_reported_not_corrupting():
+    m = BlockManager(num_blocks=2, block_size=4)
+    assert not m.can_allocate(list(range(9)))
+    with pytest.raises(MemoryError):
+        m.allocate("a", list(range(9)))
+    m.check_invariants()
+    assert m.num_free_blocks == 2
+    with pytest.raises(ValueError, match="num_blocks"):
+        BlockManager(0)
+
+
+ops = st.lists(
+    st.tuples(st.sampled_from(["alloc", "grow", "register", "truncate", "free"]), st.integers(0, 5),
+              st.lists(st.integers(0, 3), min_size=1, max_size=14), st.integers(1, 30)),
+    max_size=60)
+
+
+@settings(max_examples=200, deadline=None)
+@given(ops=ops, block_size=st.sampled_from([1, 2, 4]), num_blocks=st.integers(1, 12),
+       caching=st.booleans())
+def test_random_workloads_leak_nothing(ops, block_size, num_blocks, caching):
+    m = BlockManager(num_blocks, block_size, enable_prefix_caching=caching)
+    tokens: dict[int, list[int]] = {}
+    for op, sid, toks, n in ops:
+        if op == "alloc" and sid not in tokens:
+            if m.can_allocate(toks):
+                m.allocate(sid, toks)
+                tokens[sid] = list(toks)
+        elif sid in tokens:
+            if op == "grow":
+                new = tokens[sid] + toks
+                if m.can_append(sid, len(new)):
+                    m.append_slots(sid, len(new))
+                    tokens[sid] = new
+            elif op == "register":
+                m.register_computed(sid, tokens[sid])
+            elif op == "truncate":
+                keep = min(n, len(tokens[sid]))
+                m.truncate(sid, keep)
+                tokens[sid] = tokens[sid][:keep]
+            elif op == "free":
+                m.free(sid)
+                del tokens[sid]
+        m.check_invariants()
+        for sid, t in tokens.items():
+            assert len(m.block_table(sid)) >= m.blocks_needed(len(t))
+    for sid in list(tokens):
+        m.free(sid)
+    m.check_invariants()
+    assert m.num_free_blocks == num_blocks
+    assert all(b.ref_count == 0 for b in m.blocks)
