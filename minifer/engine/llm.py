@@ -16,6 +16,8 @@ from typing import Any
 import torch
 
 from minifer.config import ModelConfig
+from minifer.engine.llm_engine import CacheConfig, LLMEngine
+from minifer.engine.scheduler import SchedulerConfig
 from minifer.engine.sequence import Sequence
 from minifer.engine.static import generate_static
 from minifer.loader import build_model, load_config, load_tokenizer, resolve_model
@@ -60,14 +62,21 @@ class LLM:
         max_model_len: longest prompt + output (default: the model's ``max_position_embeddings``).
         load_format: ``"auto"`` (safetensors) or ``"dummy"`` (random weights of the real shape).
         max_num_seqs: how many sequences share a batch.
-        batching: ``"static"`` (padded batches, the baseline of chapter 03).
+        batching: ``"static"`` (padded batches, the baseline of chapter 03) or ``"continuous"``
+            (iteration-level scheduling over the paged KV cache, chapters 02-03).
+        block_size, num_kv_blocks, kv_cache_memory, gpu_memory_utilization, enable_prefix_caching:
+            the paged KV cache (continuous batching only); see ``CacheConfig``.
+        max_num_batched_tokens, enable_chunked_prefill: the scheduler's per-step token budget.
     """
 
     def __init__(self, model: str | Path, *, tokenizer: str | Path | None = None, dtype: str | torch.dtype = "auto",
                  device: str | torch.device | None = None, seed: int = 0, max_model_len: int | None = None,
-                 load_format: str = "auto", max_num_seqs: int = 16, batching: str = "static") -> None:
-        if batching != "static":
-            raise ValueError(f"batching must be 'static', got {batching!r}")
+                 load_format: str = "auto", max_num_seqs: int = 16, batching: str = "static",
+                 block_size: int = 16, num_kv_blocks: int | None = None, kv_cache_memory: int = 256 * 2**20,
+                 gpu_memory_utilization: float = 0.9, enable_prefix_caching: bool = True,
+                 max_num_batched_tokens: int = 2048, enable_chunked_prefill: bool = True) -> None:
+        if batching not in ("static", "continuous"):
+            raise ValueError(f"batching must be 'static' or 'continuous', got {batching!r}")
         if not isinstance(max_num_seqs, int) or max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be a positive integer, got {max_num_seqs!r}")
         self.device = resolve_device(device)
@@ -87,6 +96,18 @@ class LLM:
         self.eos_token_ids = frozenset(self._eos_ids())
         self._generator = torch.Generator(device=self.device).manual_seed(seed)
         self._counter = itertools.count()
+        self.engine: LLMEngine | None = None
+        if batching == "continuous":
+            self.engine = LLMEngine(
+                self.model, self.tokenizer, self.make_sequence,
+                CacheConfig(block_size, num_kv_blocks, kv_cache_memory, gpu_memory_utilization, enable_prefix_caching),
+                SchedulerConfig(max_num_seqs, max_num_batched_tokens, enable_chunked_prefill))
+
+    def stats(self) -> dict[str, float | int]:
+        """KV-cache and scheduler statistics of the continuous engine."""
+        if self.engine is None:
+            raise ValueError("stats() needs batching='continuous' (the static baseline has no paged cache)")
+        return self.engine.stats()
 
     def _eos_ids(self) -> set[int]:
         ids = set(self.model_config.eos_token_ids)
@@ -165,11 +186,26 @@ class LLM:
             from tqdm.auto import tqdm
 
             bar = tqdm(total=len(seqs), desc="Processed prompts", dynamic_ncols=True)
-        generate_static(self.model, seqs, self.max_num_seqs, self.tokenizer,
-                        on_batch_done=(lambda b: bar.update(len(b))) if bar is not None else None)
+        if self.engine is None:
+            generate_static(self.model, seqs, self.max_num_seqs, self.tokenizer,
+                            on_batch_done=(lambda b: bar.update(len(b))) if bar is not None else None)
+        else:
+            self._run_engine(seqs, bar)
         if bar is not None:
             bar.close()
         return [s.to_output(self.tokenizer) for s in seqs]
+
+    def _run_engine(self, seqs: list[Sequence], bar) -> None:
+        engine = self.engine
+        for s in seqs:
+            engine.scheduler.check_fits(s)  # reject before anything runs, as for bad prompts
+        for s in seqs:
+            engine.scheduler.add(s)
+            engine.requests[s.request_id] = s
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                if out.finished and bar is not None:
+                    bar.update(1)
 
     def chat(self, messages: list[dict[str, str]], sampling_params: SamplingParams | None = None,
              use_tqdm: bool = False) -> list[RequestOutput]:

@@ -1,0 +1,139 @@
+"""``LLMEngine``: the online engine — add requests at any time, advance all of them one step at a time.
+
+    engine = LLMEngine.from_llm(LLM("tinystories-target"))   # or LLM(...).engine
+    engine.add_request("a", "Once upon a time", SamplingParams(max_tokens=32))
+    while engine.has_unfinished_requests():
+        for out in engine.step():          # incremental RequestOutputs of the requests that advanced
+            ...
+
+Each ``step`` asks the scheduler for a batch (continuous batching over a paged KV cache), runs it, and
+appends the sampled tokens. A request that cannot be served is rejected at ``add_request`` with a clear
+error; the others are unaffected. Nothing admitted is lost: every request finishes, is aborted by
+``abort_request``, or — when memory runs out — is preempted and later recomputed to the same output.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from minifer.engine.block_manager import BlockManager
+from minifer.engine.runner import ModelRunner
+from minifer.engine.scheduler import Scheduler, SchedulerConfig
+from minifer.engine.sequence import Sequence, SequenceStatus
+from minifer.layers.paged_attention import PagedKVCache
+from minifer.models.llama import LlamaForCausalLM
+from minifer.outputs import RequestOutput
+
+
+@dataclass
+class CacheConfig:
+    block_size: int = 16
+    num_kv_blocks: int | None = None  # overrides the memory budget
+    kv_cache_memory: int = 256 * 2**20  # bytes, on CPU
+    gpu_memory_utilization: float = 0.9  # fraction of the GPU's free memory, on CUDA
+    enable_prefix_caching: bool = True
+
+    def num_blocks(self, bytes_per_block: int, device: torch.device) -> int:
+        if self.num_kv_blocks is not None:
+            if self.num_kv_blocks < 1:
+                raise ValueError(f"num_kv_blocks must be >= 1, got {self.num_kv_blocks}")
+            return self.num_kv_blocks
+        if device.type == "cuda":
+            if not 0 < self.gpu_memory_utilization <= 1:
+                raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+            free, _ = torch.cuda.mem_get_info(device)
+            budget = int(free * self.gpu_memory_utilization) - 2 * 2**30  # headroom for activations
+        else:
+            budget = self.kv_cache_memory
+        n = budget // bytes_per_block
+        if n < 1:
+            raise ValueError(f"KV cache budget of {budget} bytes holds no block of {bytes_per_block} bytes")
+        return n
+
+
+class LLMEngine:
+    def __init__(self, model: LlamaForCausalLM, tokenizer, make_sequence, cache_config: CacheConfig,
+                 scheduler_config: SchedulerConfig) -> None:
+        cfg, device = model.config, model.lm_head.weight.device
+        dtype = model.lm_head.weight.dtype
+        per_block = PagedKVCache.bytes_per_block(cfg.num_hidden_layers, cache_config.block_size,
+                                                 cfg.num_key_value_heads, cfg.head_dim, dtype)
+        num_blocks = cache_config.num_blocks(per_block, device)
+        self.tokenizer = tokenizer
+        self._make_sequence = make_sequence
+        self.block_manager = BlockManager(num_blocks, cache_config.block_size, cache_config.enable_prefix_caching)
+        self.kv_cache = PagedKVCache(cfg.num_hidden_layers, num_blocks, cache_config.block_size,
+                                     cfg.num_key_value_heads, cfg.head_dim, dtype, device)
+        self.scheduler = Scheduler(scheduler_config, self.block_manager)
+        self.runner = ModelRunner(model, self.kv_cache, self.block_manager)
+        self.requests: dict[str, Sequence] = {}
+
+    # --- requests ---------------------------------------------------------------------------------------
+
+    def add_request(self, request_id: str, prompt, params) -> Sequence:
+        """Validate and queue a request. Raises ``ValueError`` (naming the problem) without touching others."""
+        if request_id in self.requests:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        seq = self._make_sequence(0, prompt, params, request_id=request_id)
+        self.scheduler.add(seq)
+        self.requests[request_id] = seq
+        return seq
+
+    def abort_request(self, request_id: str) -> None:
+        seq = self.requests.get(request_id)
+        if seq is None:
+            raise KeyError(f"no unfinished request with id {request_id!r}")
+        self.scheduler.abort(seq)
+        seq.abort()
+        del self.requests[request_id]
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # --- the step -------------------------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        """One forward pass over the scheduled batch. Returns outputs of the requests that got a token."""
+        batch = self.scheduler.schedule()
+        if not batch.seqs:
+            if self.scheduler.has_unfinished():
+                raise RuntimeError("scheduler made no progress: no request fits in the free KV blocks")
+            return []
+        import time
+
+        now = time.perf_counter()
+        for seq in batch.seqs:
+            seq.metrics.first_scheduled_time = seq.metrics.first_scheduled_time or now
+        rows, result = self.runner.execute(batch)
+        for seq, n in zip(batch.seqs, batch.num_new_tokens):
+            seq.num_computed_tokens += n
+            self.block_manager.register_computed(seq.request_id, seq.all_token_ids[: seq.num_computed_tokens])
+        outputs = []
+        for r, i in enumerate(rows):
+            seq = batch.seqs[i]
+            seq.append_token(result.token_ids[r], result.sampled_logprob[r], result.logprobs[r], self.tokenizer)
+            if seq.is_finished:
+                self.scheduler.finish(seq)
+                del self.requests[seq.request_id]
+            outputs.append(seq.to_output(self.tokenizer))
+        return outputs
+
+    def stats(self) -> dict[str, float | int]:
+        bm = self.block_manager
+        in_use = bm.num_blocks - bm.num_free_blocks
+        stored = sum(s.num_computed_tokens for s in self.scheduler.running)
+        return {
+            "kv_blocks_total": bm.num_blocks,
+            "kv_blocks_free": bm.num_free_blocks,
+            "kv_blocks_cached": bm.num_cached_blocks,
+            "kv_utilization": stored / (in_use * bm.block_size) if in_use else 0.0,
+            "num_preemptions": self.scheduler.num_preemptions,
+            "prefix_cache_hit_rate": bm.cache_hits / bm.cache_queries if bm.cache_queries else 0.0,
+            "num_running": len(self.scheduler.running),
+            "num_waiting": len(self.scheduler.waiting),
+        }
+
+
+__all__ = ["LLMEngine", "CacheConfig", "SchedulerConfig", "SequenceStatus"]
