@@ -24,6 +24,7 @@ class PagedAttentionMetadata:
     query_index: torch.Tensor  # [B, T] index into the packed tokens of each (sequence, new-token) pair
     query_valid: torch.Tensor  # [B, T] False for the padding of sequences with fewer new tokens
     key_slots: torch.Tensor  # [B, S] cache slot of each key of each sequence (0 where masked)
+    key_valid: torch.Tensor  # [B, S] False past each sequence's context
     mask: torch.Tensor  # [B, 1, T, S] True where query t of sequence b may attend to key s
     num_tokens: int
 
@@ -50,7 +51,7 @@ class PagedAttentionMetadata:
         # padded query rows attend to key 0 so their (discarded) output stays finite
         mask = mask | (~q_valid[:, :, None] & (s[None, None, :] == 0))
         slot_mapping = key_slots.gather(1, q_pos.clamp(max=s_max - 1))[q_valid]
-        return cls(slot_mapping, query_index, q_valid, key_slots, mask[:, None], int(qlen.sum()))
+        return cls(slot_mapping, query_index, q_valid, key_slots, key_valid, mask[:, None], int(qlen.sum()))
 
 
 def paged_attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -61,8 +62,11 @@ def paged_attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: t
     n, hq, d = q.shape
     hkv = k_cache.shape[-2]
     k_flat, v_flat = k_cache.reshape(-1, hkv, d), v_cache.reshape(-1, hkv, d)
-    keys = k_flat[meta.key_slots].transpose(1, 2)  # [B, Hkv, S, D]
-    values = v_flat[meta.key_slots].transpose(1, 2)
+    # Slots past a sequence's end hold whatever an earlier owner left (even NaN): zero them, since a
+    # masked score still multiplies its value (0 * NaN = NaN).
+    valid = meta.key_valid[:, :, None, None]
+    keys = torch.where(valid, k_flat[meta.key_slots], 0).transpose(1, 2)  # [B, Hkv, S, D]
+    values = torch.where(valid, v_flat[meta.key_slots], 0).transpose(1, 2)
     qb = q[meta.query_index].transpose(1, 2)  # [B, Hq, T, D]
     out = F.scaled_dot_product_attention(qb, keys, values, attn_mask=meta.mask, enable_gqa=True)
     out = out.transpose(1, 2)  # [B, T, Hq, D]
