@@ -1,0 +1,202 @@
+# Source of exercises/00_01_building_blocks.ipynb and solutions/00_01_building_blocks.ipynb.
+# Edit this file, never the notebooks, then run `make exercises` (see exercises/README.md).
+
+# %% [markdown]
+# # Exercises 00–01 · Building blocks: RMSNorm, RoPE, nucleus sampling
+#
+# Three small pieces that every Llama-family model and every sampler needs, rebuilt from scratch:
+#
+# 1. **RMSNorm**, the normalisation in front of every attention and MLP block;
+# 2. **RoPE**, the rotary position embedding that tells attention where each token sits;
+# 3. **top-p (nucleus) filtering**, the sampler's cut of the unlikely tail.
+#
+# Each exercise explains the idea, gives a function whose body you write (replace the
+# `raise NotImplementedError`), then a **check cell** that grades your function against minifer's own
+# (`minifer/layers/norm.py`, `minifer/layers/rotary.py`, `minifer/sampling.py`) on random inputs, odd
+# shapes and edge cases. A check prints `ok` per passing check and stops at the first failure with what
+# differs and a hint. The test suite runs the very same checks.
+
+# %% [markdown] exercise-only
+# Run the cells from the top. Stuck? The solved twin is
+# [`solutions/00_01_building_blocks.ipynb`](../solutions/00_01_building_blocks.ipynb).
+
+# %% [markdown] solution-only
+# *This is the solved twin of [`exercises/00_01_building_blocks.ipynb`](../exercises/00_01_building_blocks.ipynb),
+# generated from `exercises/source/00_01_building_blocks.py` by `make exercises`: edit the source, not
+# this notebook.*
+
+# %%
+import torch
+
+# %% [markdown]
+# ## 1 · RMSNorm
+#
+# A transformer adds every block's output to a running *residual stream*, whose scale drifts from layer to
+# layer. Each attention and MLP block therefore first normalises its input. LayerNorm subtracts the mean
+# and divides by the standard deviation; **RMSNorm** (Zhang & Sennrich, 2019) skips the mean and divides by
+# the root mean square, which is cheaper and works as well. Llama, Qwen and Mistral all use it:
+#
+# $$\mathrm{RMSNorm}(x) = \frac{x}{\sqrt{\frac{1}{d}\sum_{i=1}^{d} x_i^2 + \varepsilon}} \odot w$$
+#
+# over the last dimension (the hidden size $d$), with a learned per-feature scale $w$. The small
+# $\varepsilon$ (`1e-6` in Qwen3, `1e-5` in Llama 2) keeps an all-zero vector from dividing by zero.
+#
+# Models run in bfloat16, whose 8-bit mantissa is coarse, so the statistics are computed in float32 and
+# the normalised result cast back to the input's dtype *before* the multiplication by $w$ (as Hugging
+# Face transformers does, which is what makes minifer's outputs match it).
+
+# %%
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Normalise ``x`` by its root mean square over the last dimension, then scale by ``weight``.
+
+    x: ``[..., hidden]`` in any float dtype; weight: ``[hidden]``; eps: added to the mean of squares.
+    Returns a tensor of ``x``'s shape: computed in float32, cast back to ``x.dtype``, times ``weight``.
+    """
+    ### BEGIN SOLUTION
+    x32 = x.float()  # a no-op (no copy) when x is already float32, so never modify x32 in place
+    inv_rms = torch.rsqrt(x32.pow(2).mean(dim=-1, keepdim=True) + eps)
+    return weight * (x32 * inv_rms).to(x.dtype)
+    ### END SOLUTION
+
+
+# %%
+# NBVAL_CHECK_OUTPUT
+from minifer.grading import check_rms_norm
+
+check_rms_norm(rms_norm)
+
+# %% [markdown]
+# ## 2 · RoPE: rotary position embeddings
+#
+# Attention compares every query with every key by a dot product, which on its own ignores *where* the
+# tokens are: "dog bites man" and "man bites dog" would look alike. **RoPE** (Su et al., 2021) encodes
+# position by *rotating* queries and keys. Split a head's `head_dim` features into `head_dim/2` pairs;
+# at position $m$, pair $i$ is rotated by the angle $m\,\theta_i$ with ($d$ = `head_dim`)
+#
+# $$\theta_i = \text{theta}^{-2i/d}, \qquad i = 0, \dots, d/2 - 1 .$$
+#
+# Pair 0 turns one radian per token, the last pair barely moves: a set of clocks running at geometric
+# speeds (`theta` is 10 000 in Llama 2, 500 000 in Llama 3, 1 000 000 in Qwen). Since rotating $q$ by
+# $m\theta$ and $k$ by $n\theta$ gives $(R_m q)\cdot(R_n k) = q \cdot R_{n-m}\,k$, the attention score
+# depends only on the **distance** $m - n$, not on where the pair of tokens sits in the sequence.
+#
+# ### 2a · The frequencies
+#
+# Write `rope_inv_freq(head_dim, theta)`: the `head_dim // 2` values $\theta_i$ as a float32 tensor
+# (minifer's version also handles the `linear` and `llama3` context-extension scalings; skip those).
+
+# %%
+def rope_inv_freq(head_dim: int, theta: float) -> torch.Tensor:
+    """The rotation frequencies ``theta ** (-2i / head_dim)`` for ``i = 0 .. head_dim/2 - 1`` (float32)."""
+    ### BEGIN SOLUTION
+    exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim  # 2i / head_dim
+    return 1.0 / (theta ** exponents)
+    ### END SOLUTION
+
+
+# %%
+# NBVAL_CHECK_OUTPUT
+from minifer.grading import check_rope_inv_freq
+
+check_rope_inv_freq(rope_inv_freq)
+
+# %% [markdown]
+# ### 2b · Applying the rotation
+#
+# A pair $(a, b)$ rotated by $\varphi$ becomes $(a\cos\varphi - b\sin\varphi,\; b\cos\varphi + a\sin\varphi)$.
+# Llama and Qwen use the **rotate-half** layout: feature $i$ is paired with feature $i + d/2$
+# (not with its neighbour $i+1$, as in the original paper). With $x = [x_1, x_2]$ split into halves, the
+# whole rotation is then one vectorised line:
+#
+# $$\mathrm{rope}(x) = x \odot \cos + \mathrm{rotate\_half}(x) \odot \sin, \qquad
+# \mathrm{rotate\_half}(x) = [-x_2,\; x_1],$$
+#
+# where `cos` and `sin` hold each pair's angle twice, once per half. The engine precomputes them for every
+# position once; for a batch of tokens it looks up one row per token, as this helper does:
+
+# %%
+def rope_cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``cos``/``sin`` of shape ``[tokens, head_dim]`` for the given token positions."""
+    angles = torch.outer(positions.float(), inv_freq)  # [tokens, head_dim/2]: m * theta_i
+    both_halves = torch.cat((angles, angles), dim=-1)  # [tokens, head_dim]: a pair shares its angle
+    return both_halves.cos(), both_halves.sin()
+
+
+# %% [markdown]
+# Write `apply_rotary(x, cos, sin)` for `x` of shape `[tokens, heads, head_dim]` (every head of a token is
+# rotated by that token's angles) and `cos`/`sin` of shape `[tokens, head_dim]`.
+
+# %%
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate ``x`` ``[tokens, heads, head_dim]`` by per-token ``cos``/``sin`` ``[tokens, head_dim]``
+    in the rotate-half layout. Returns a tensor of ``x``'s shape and dtype."""
+    ### BEGIN SOLUTION
+    half = x.shape[-1] // 2
+    x1, x2 = x[..., :half], x[..., half:]
+    rotated = torch.cat((-x2, x1), dim=-1)
+    cos, sin = cos[:, None, :], sin[:, None, :]  # broadcast over the heads
+    return x * cos + rotated * sin
+    ### END SOLUTION
+
+
+# %%
+# NBVAL_CHECK_OUTPUT
+from minifer.grading import check_apply_rotary
+
+check_apply_rotary(apply_rotary)
+
+# %% [markdown]
+# ## 3 · Top-p (nucleus) filtering
+#
+# Sampling from the model's full distribution now and then draws a token from the long tail of unlikely
+# ones, and one bad token can derail the rest of the text. **Nucleus sampling** (Holtzman et al., 2019)
+# samples only from the *nucleus*: the smallest set of most likely tokens whose probabilities sum to at
+# least $p$. Unlike a fixed top-k, it adapts: when the model is sure, the nucleus holds a token or two;
+# when many continuations are plausible, it holds many.
+#
+# Per row of logits: take the softmax, sort the probabilities in descending order and accumulate them. A
+# token is kept when the probability of the tokens ranked **above** it is still below $p$, so the token
+# that crosses $p$ is kept, and the most likely token always is. Every other token's logit becomes
+# $-\infty$, so the softmax that follows gives it probability 0. Each row has its own $p$, because every
+# request in a batch chooses its own sampling parameters. In minifer (`minifer/sampling.py`) this step runs
+# after the temperature and top-k and before min-p.
+#
+# Example: probabilities $(0.5, 0.25, 0.2, 0.05)$ and $p = 0.7$ keep the first two ($0.5 < 0.7$, then
+# $0.75 \ge 0.7$); $p = 0.8$ keeps three.
+
+# %%
+def top_p_mask(logits: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """Nucleus filtering of a batch of next-token logits.
+
+    logits: ``[batch, vocab]`` float32; top_p: ``[batch]``, each in (0, 1].
+    Returns the logits with every token outside its row's nucleus set to ``-inf``; kept tokens keep their
+    logit. The nucleus is the smallest set of most likely tokens whose probabilities sum to >= p (the most
+    likely token is always kept). Do not modify ``logits`` in place.
+    """
+    ### BEGIN SOLUTION
+    probs = logits.softmax(dim=-1)
+    sorted_probs, order = probs.sort(dim=-1, descending=True)
+    mass_above = sorted_probs.cumsum(dim=-1) - sorted_probs  # probability of the tokens ranked above
+    drop_sorted = mass_above >= top_p[:, None]
+    drop_sorted[:, 0] = False  # always keep the most likely token
+    drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)  # back to vocabulary order
+    return logits.masked_fill(drop, float("-inf"))
+    ### END SOLUTION
+
+
+# %%
+# NBVAL_CHECK_OUTPUT
+from minifer.grading import check_top_p
+
+check_top_p(top_p_mask)
+
+# %% [markdown]
+# ## Where these live in the engine
+#
+# * `rms_norm` is `minifer.layers.norm.rms_norm`, called twice per decoder layer and once at the end;
+# * `rope_inv_freq` and `apply_rotary` are in `minifer/layers/rotary.py`; `RotaryEmbedding` precomputes
+#   `cos`/`sin` for all positions, and the model rotates queries and keys right after their projection;
+# * `top_p_mask` is `minifer.sampling.apply_top_p`, one of the logits processors of `process_logits`.
+#
+# minifer's versions differ in details (`apply_top_p` sorts in *ascending* order and drops the tail whose
+# mass stays below $1 - p$), yet the checks accept both, because they compare what the functions return.

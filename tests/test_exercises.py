@@ -1,0 +1,375 @@
+"""The exercise mechanism: generated notebooks in sync with their sources, solutions that pass their
+checks, untouched exercises that fail them, and graders that reject the classic mistakes.
+
+The graders in ``minifer.grading`` are the same functions the notebooks' check cells call; here they
+also grade minifer's own implementations (which must pass) and deliberately wrong ones (which must fail).
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import nbformat
+import pytest
+import torch
+
+from minifer import grading
+from minifer.layers.norm import rms_norm as ref_rms_norm
+from minifer.layers.rotary import apply_rotary as ref_apply_rotary
+from minifer.layers.rotary import rope_inv_freq as ref_rope_inv_freq
+from minifer.sampling import apply_top_p as ref_apply_top_p
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "tools"))
+import build_exercises as bx  # noqa: E402
+
+EXERCISES = bx.discover()
+EXERCISE_IDS = [e.name for e in EXERCISES]
+
+
+# --- the generated files ----------------------------------------------------------------------------
+
+
+def test_there_are_exercises():
+    assert EXERCISES, "no sources in exercises/source/"
+
+
+def test_generated_notebooks_are_up_to_date():
+    proc = subprocess.run([sys.executable, str(ROOT / "tools" / "build_exercises.py"), "--check"],
+                          capture_output=True, text=True, cwd=ROOT)
+    assert proc.returncode == 0, f"exercises/ or solutions/ are stale; run `make exercises`:\n{proc.stderr}"
+
+
+@pytest.mark.parametrize("ex", EXERCISES, ids=EXERCISE_IDS)
+def test_stored_notebooks_are_executed_only_where_they_should_be(ex):
+    exercise, solution = nbformat.read(ex.exercise_path, 4), nbformat.read(ex.solution_path, 4)
+    assert not bx.has_outputs(exercise), "the exercise notebook must be stored unexecuted"
+    assert bx.execution_problems(solution) == []
+    checks = [c for c in solution.cells if bx.is_check_cell(c)]
+    assert checks and len(checks) == len([c for c in exercise.cells if bx.is_check_cell(c)])
+    for cell in checks:  # the stored report is a passing one (nbval then compares it with a fresh run)
+        assert _stdout(cell).rstrip().endswith("checks passed"), cell.source
+
+
+# --- executing the notebooks (what nbval does in CI, plus the exercises) -----------------------------
+
+
+def _execute(path: Path, allow_errors: bool) -> nbformat.NotebookNode:
+    from nbclient import NotebookClient
+
+    nb = nbformat.read(path, as_version=4)
+    NotebookClient(nb, timeout=bx.EXECUTE_TIMEOUT_S, kernel_name="python3", allow_errors=allow_errors,
+                   resources={"metadata": {"path": str(path.parent)}}, record_timing=False).execute()
+    return nb
+
+
+def _stdout(cell) -> str:
+    return "".join(o.get("text", "") for o in cell.get("outputs", [])
+                   if o.get("output_type") == "stream" and o.get("name") == "stdout")
+
+
+def _errors(cell) -> list:
+    return [o for o in cell.get("outputs", []) if o.get("output_type") == "error"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("ex", EXERCISES, ids=EXERCISE_IDS)
+def test_solutions_pass_their_checks(ex):
+    stored = nbformat.read(ex.solution_path, 4)
+    fresh = _execute(ex.solution_path, allow_errors=False)  # raises CellExecutionError on any error
+    for old, new in zip(stored.cells, fresh.cells):
+        if bx.is_check_cell(new):
+            assert _stdout(new) == _stdout(old), f"check output changed from the stored one:\n{new.source}"
+            assert _stdout(new).rstrip().endswith("checks passed")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("ex", EXERCISES, ids=EXERCISE_IDS)
+def test_untouched_exercises_fail_their_checks(ex):
+    nb = _execute(ex.exercise_path, allow_errors=True)
+    checks = [c for c in nb.cells if bx.is_check_cell(c)]
+    assert checks
+    for cell in checks:
+        errors = _errors(cell)
+        assert errors, f"this check passed on the untouched exercise, so it grades nothing:\n{cell.source}"
+        assert errors[0]["ename"] == "AssertionError", (errors[0]["ename"], errors[0]["evalue"])
+        assert "not implemented yet" in errors[0]["evalue"]
+    for cell in nb.cells:
+        if cell.cell_type == "code" and not bx.is_check_cell(cell):
+            assert not _errors(cell), f"only check cells may fail in an untouched exercise:\n{cell.source}"
+
+
+# --- the generator ------------------------------------------------------------------------------------
+
+SOURCE = '''\
+# a note for authors, not copied
+
+# %% [markdown]
+# # Title
+#
+# Some *prose*.
+
+# %%
+import torch
+
+# %%
+class Pool:
+    def take(self, n: int) -> list[int]:
+        """Docstring stays."""
+        ### BEGIN SOLUTION
+        return list(range(n))
+        ### END SOLUTION
+
+# %%
+def f(x):
+    ### BEGIN SOLUTION
+    return x + 1
+    ### END SOLUTION
+    ### BEGIN STUB
+    return ...  # fill in
+    ### END STUB
+
+# %% [markdown] exercise-only
+# Hints for the learner.
+
+# %% solution-only
+print("only in the solution")
+
+# %%
+# NBVAL_CHECK_OUTPUT
+print(f(1))
+'''
+
+
+def _render(text: str, variant: str) -> list[str]:
+    return [t for t in (bx.render_cell(c, variant) for c in bx.parse_source(text)) if t is not None]
+
+
+def test_solution_keeps_the_code_and_drops_markers_and_stubs():
+    cells = _render(SOURCE, "solution")
+    assert cells[0] == "# Title\n\nSome *prose*."
+    assert "return list(range(n))" in cells[2] and "###" not in cells[2]
+    assert cells[3] == "def f(x):\n    return x + 1"
+    assert 'print("only in the solution")' in cells
+    assert "Hints for the learner." not in cells
+
+
+def test_exercise_replaces_solutions_with_stubs():
+    cells = _render(SOURCE, "exercise")
+    assert cells[2] == ('class Pool:\n    def take(self, n: int) -> list[int]:\n        """Docstring stays."""\n'
+                        '        # YOUR CODE HERE\n        raise NotImplementedError("implement Pool.take")')
+    assert cells[3] == "def f(x):\n    return ...  # fill in"  # an explicit stub replaces the default
+    assert "Hints for the learner." in cells
+    assert not any("only in the solution" in c for c in cells)
+    assert not any("a note for authors" in c for c in cells)
+
+
+def test_markdown_solution_blocks_vanish_from_the_exercise():
+    text = "# %% [markdown]\n# Why?\n# ### BEGIN SOLUTION\n# Because.\n# ### END SOLUTION\n"
+    assert _render(text, "exercise") == ["Why?"]
+    assert _render(text, "solution") == ["Why?\nBecause."]
+
+
+def test_cell_ids_are_stable_across_variants():
+    cells = bx.parse_source(SOURCE)
+    ex, sol = (bx.build_notebook(cells, v, "x.py") for v in bx.VARIANTS)
+    assert [c.id for c in ex.cells] == ["cell-00", "cell-01", "cell-02", "cell-03", "cell-04", "cell-06"]
+    assert [c.id for c in sol.cells] == ["cell-00", "cell-01", "cell-02", "cell-03", "cell-05", "cell-06"]
+    assert bx.to_text(bx.build_notebook(cells, "exercise", "x.py")) == bx.to_text(ex)  # deterministic
+    assert bx.is_check_cell(ex.cells[-1]) and not bx.is_check_cell(ex.cells[1])
+
+
+@pytest.mark.parametrize("text, match", [
+    ("# %%\ndef f():\n    ### BEGIN SOLUTION\n    pass\n", "never closed"),
+    ("# %%\n### END SOLUTION\n", "without a matching BEGIN"),
+    ("# %%\n### BEGIN SOLUTION\n### BEGIN STUB\n### END STUB\n### END SOLUTION\n", "inside an open"),
+    ("# %%\n    ### BEGIN SOLUTION:\n", "malformed marker"),
+    ("# %% [markdown]\nnot commented\n", "must start with"),
+    ("# %% exercise_only\npass\n", "unexpected"),
+    ("print('no cells')\n", "no cells"),
+])
+def test_malformed_sources_are_rejected_with_a_location(text, match):
+    with pytest.raises(bx.SourceError, match=match):
+        bx.parse_source(text, "src.py")
+
+
+def test_check_mode_reports_every_kind_of_staleness(tmp_path, monkeypatch):
+    src_dir, ex_dir, sol_dir = tmp_path / "exercises" / "source", tmp_path / "exercises", tmp_path / "solutions"
+    src_dir.mkdir(parents=True)
+    sol_dir.mkdir()
+    for name, value in [("ROOT", tmp_path), ("SOURCE_DIR", src_dir), ("EXERCISE_DIR", ex_dir),
+                        ("SOLUTION_DIR", sol_dir)]:
+        monkeypatch.setattr(bx, name, value)
+    (src_dir / "demo.py").write_text(SOURCE)
+    [ex] = bx.discover()
+    nbs = ex.notebooks()
+    assert any("missing" in s for s in bx.check([ex], True))
+
+    def fake_execute(nb):  # what execute() leaves: counts and outputs, no errors
+        for i, cell in enumerate(c for c in nb.cells if c.cell_type == "code"):
+            cell.execution_count = i + 1
+        return nb
+
+    bx.write_if_changed(ex.exercise_path, nbs["exercise"])
+    bx.write_if_changed(ex.solution_path, fake_execute(nbs["solution"]))
+    assert bx.check([ex], True) == []
+
+    truncated = nbformat.read(ex.solution_path, 4)
+    truncated.cells.pop()
+    bx.write_if_changed(ex.solution_path, truncated)
+    assert any("differs from its source" in s for s in bx.check([ex], True))
+    bx.write_if_changed(ex.solution_path, fake_execute(ex.notebooks()["solution"]))
+
+    unexecuted = ex.notebooks()["solution"]
+    bx.write_if_changed(ex.solution_path, unexecuted)
+    assert any("not executed" in s for s in bx.check([ex], True))
+    bx.write_if_changed(ex.solution_path, fake_execute(ex.notebooks()["solution"]))
+
+    ran = ex.notebooks()["exercise"]
+    ran.cells[1].execution_count = 1
+    bx.write_if_changed(ex.exercise_path, ran)
+    assert any("has outputs" in s for s in bx.check([ex], True))
+    bx.write_if_changed(ex.exercise_path, ex.notebooks()["exercise"])
+
+    (src_dir / "demo.py").write_text(SOURCE.replace("Some *prose*.", "Other prose."))
+    stale = bx.check([ex], True)
+    assert len(stale) == 2 and all("differs from its source" in s for s in stale)
+    (src_dir / "demo.py").write_text(SOURCE)
+
+    (sol_dir / "renamed.ipynb").write_text("{}")
+    assert any("renamed.ipynb has no source" in s for s in bx.check(bx.discover(), True))
+
+
+# --- the graders: the reference passes, wrong versions fail ---------------------------------------
+
+
+REFERENCES = [
+    (grading.check_rms_norm, ref_rms_norm, "rms_norm: 6/6 checks passed"),
+    (grading.check_rope_inv_freq, ref_rope_inv_freq, "rope_inv_freq: 4/4 checks passed"),
+    (grading.check_apply_rotary, ref_apply_rotary, "apply_rotary: 6/6 checks passed"),
+    (grading.check_top_p, ref_apply_top_p, "top_p: 6/6 checks passed"),
+]
+
+
+@pytest.mark.parametrize("grader, reference, summary", REFERENCES, ids=lambda v: getattr(v, "__name__", None))
+def test_graders_pass_minifers_own_implementation(grader, reference, summary, capsys):
+    rng = torch.random.get_rng_state()
+    grader(reference)
+    first = capsys.readouterr().out
+    assert first.splitlines()[-1] == summary
+    grader(reference)
+    assert capsys.readouterr().out == first, "the report must be deterministic (nbval compares it)"
+    assert torch.equal(torch.random.get_rng_state(), rng), "graders must not touch the global RNG"
+
+
+def _rms_no_eps(x, weight, eps):
+    x32 = x.float()
+    return weight * (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True))).to(x.dtype)
+
+
+def _rms_eps_outside_sqrt(x, weight, eps):
+    x32 = x.float()
+    return weight * (x32 / (x32.pow(2).mean(-1, keepdim=True).sqrt() + eps)).to(x.dtype)
+
+
+def _rms_global_mean(x, weight, eps):
+    x32 = x.float()
+    return weight * (x32 * torch.rsqrt(x32.pow(2).mean() + eps)).to(x.dtype)
+
+
+def _rms_in_place(x, weight, eps):
+    x32 = x.float()  # the same tensor as x when x is float32
+    x32.mul_(torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps))
+    return weight * x32.to(x.dtype)
+
+
+def _rms_no_cast_back(x, weight, eps):
+    x32 = x.float()
+    return weight * (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps))
+
+
+def _inv_freq_no_factor_two(head_dim, theta):
+    return 1.0 / theta ** (torch.arange(head_dim // 2).float() / head_dim)
+
+
+def _inv_freq_float64(head_dim, theta):
+    return 1.0 / theta ** (torch.arange(0, head_dim, 2).double() / head_dim)
+
+
+def _rotary_interleaved(x, cos, sin):  # the original paper's (i, i+1) pairs: not what Llama/Qwen use
+    rotated = torch.stack((-x[..., 1::2], x[..., 0::2]), dim=-1).flatten(-2)
+    return x * cos[:, None, :] + rotated * sin[:, None, :]
+
+
+def _rotary_wrong_sign(x, cos, sin):
+    half = x.shape[-1] // 2
+    rotated = torch.cat((x[..., half:], -x[..., :half]), dim=-1)
+    return x * cos[:, None, :] + rotated * sin[:, None, :]
+
+
+def _top_p(logits, top_p, *, strict=False, force_argmax=True, scatter=True, renormalise=False, in_place=False,
+           one_p=False):
+    """A descending-sort top-p with switches for the classic mistakes."""
+    probs, order = logits.softmax(-1).sort(-1, descending=True)
+    p = top_p[:1, None] if one_p else top_p[:, None]
+    drop = probs.cumsum(-1) > p if strict else probs.cumsum(-1) - probs >= p
+    if force_argmax:
+        drop[:, 0] = False
+    mask = torch.zeros_like(drop).scatter(-1, order, drop) if scatter else drop
+    base = logits.log_softmax(-1) if renormalise else logits
+    return base.masked_fill_(mask, float("-inf")) if in_place else base.masked_fill(mask, float("-inf"))
+
+
+def _top_p_ascending_without_guard(logits, top_p):  # minifer's version minus "always keep the argmax"
+    sorted_logits, order = logits.sort(dim=-1)
+    drop = sorted_logits.softmax(-1).cumsum(-1) <= 1 - top_p[:, None]
+    return logits.masked_fill(torch.zeros_like(drop).scatter(-1, order, drop), float("-inf"))
+
+
+WRONG = [
+    (grading.check_rms_norm, _rms_no_eps, "eps goes inside"),
+    (grading.check_rms_norm, _rms_eps_outside_sqrt, "eps goes inside"),
+    (grading.check_rms_norm, _rms_global_mean, "check 1/6"),
+    (grading.check_rms_norm, _rms_in_place, "in place"),
+    (grading.check_rms_norm, _rms_no_cast_back, "dtype torch.float32, expected torch.bfloat16"),
+    (grading.check_rope_inv_freq, _inv_freq_no_factor_two, "check 1/4"),
+    (grading.check_rope_inv_freq, _inv_freq_float64, "dtype torch.float64"),
+    (grading.check_apply_rotary, _rotary_interleaved, "rotate-half layout"),
+    (grading.check_apply_rotary, _rotary_wrong_sign, "check 1/6"),
+    (grading.check_top_p, lambda lg, p: _top_p(lg, p, strict=True), "dropped a token of the nucleus"),
+    (grading.check_top_p, _top_p_ascending_without_guard, "kept no token at all"),
+    (grading.check_top_p, lambda lg, p: _top_p(lg, p, scatter=False), "not the right ones"),
+    (grading.check_top_p, lambda lg, p: _top_p(lg, p, renormalise=True), "original logit"),
+    (grading.check_top_p, lambda lg, p: _top_p(lg, p, in_place=True), "in place"),
+    (grading.check_top_p, lambda lg, p: _top_p(lg, p, one_p=True), "row 1"),
+]
+
+
+@pytest.mark.parametrize("grader, wrong, match", WRONG, ids=[m for _, _, m in WRONG])
+def test_graders_reject_classic_mistakes(grader, wrong, match, capsys):
+    with pytest.raises(AssertionError, match=match):
+        grader(wrong)
+    assert "  FAIL  " in capsys.readouterr().out
+
+
+def test_graders_accept_the_alternative_top_p():
+    grading.check_top_p(_top_p)  # descending sort, exclusive cumsum: the solution's approach
+
+
+def test_not_implemented_stub_gets_a_clear_message(capsys):
+    def stub(*args):
+        raise NotImplementedError("implement rms_norm")
+
+    with pytest.raises(AssertionError, match="not implemented yet"):
+        grading.check_rms_norm(stub)
+
+
+def test_a_crash_in_the_learners_code_names_the_check_and_keeps_the_cause():
+    def crashes(x, cos, sin):
+        return x * cos  # [T, H, D] * [T, D]: a broadcasting error
+
+    with pytest.raises(AssertionError, match=r"check 1/6 .*RuntimeError") as info:
+        grading.check_apply_rotary(crashes)
+    assert isinstance(info.value.__cause__, RuntimeError)
