@@ -16,7 +16,7 @@ GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
 
 @pytest.fixture(scope="module")
 def static_llm():
-    return LLM("tinystories-target", max_num_seqs=32)
+    return LLM("tinystories-target", batching="static", max_num_seqs=32)
 
 
 def continuous(**kw) -> LLM:

@@ -62,8 +62,8 @@ class LLM:
         max_model_len: longest prompt + output (default: the model's ``max_position_embeddings``).
         load_format: ``"auto"`` (safetensors) or ``"dummy"`` (random weights of the real shape).
         max_num_seqs: how many sequences share a batch.
-        batching: ``"static"`` (padded batches, the baseline of chapter 03) or ``"continuous"``
-            (iteration-level scheduling over the paged KV cache, chapters 02-03).
+        batching: ``"continuous"`` (iteration-level scheduling over the paged KV cache, chapters 02-03)
+            or ``"static"`` (padded batches with a contiguous cache, the baseline of chapter 03).
         block_size, num_kv_blocks, kv_cache_memory, gpu_memory_utilization, enable_prefix_caching:
             the paged KV cache (continuous batching only); see ``CacheConfig``.
         max_num_batched_tokens, enable_chunked_prefill: the scheduler's per-step token budget.
@@ -71,7 +71,7 @@ class LLM:
 
     def __init__(self, model: str | Path, *, tokenizer: str | Path | None = None, dtype: str | torch.dtype = "auto",
                  device: str | torch.device | None = None, seed: int = 0, max_model_len: int | None = None,
-                 load_format: str = "auto", max_num_seqs: int = 16, batching: str = "static",
+                 load_format: str = "auto", max_num_seqs: int = 16, batching: str = "continuous",
                  block_size: int = 16, num_kv_blocks: int | None = None, kv_cache_memory: int = 256 * 2**20,
                  gpu_memory_utilization: float = 0.9, enable_prefix_caching: bool = True,
                  max_num_batched_tokens: int = 2048, enable_chunked_prefill: bool = True) -> None:

@@ -81,8 +81,10 @@ class PagedKVCache:
     def __init__(self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
                  dtype: torch.dtype, device: torch.device | str) -> None:
         shape = (num_layers, num_blocks, block_size, num_kv_heads, head_dim)
-        self.k = torch.zeros(shape, dtype=dtype, device=device)
-        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        # Uninitialised on purpose: attention never reads a slot before it is written (masked slots are
+        # zeroed after the gather), and the OS commits the pages only as blocks are first used.
+        self.k = torch.empty(shape, dtype=dtype, device=device)
+        self.v = torch.empty(shape, dtype=dtype, device=device)
         self.block_size = block_size
         self.meta: PagedAttentionMetadata | None = None
 
