@@ -27,6 +27,9 @@ class PagedAttentionMetadata:
     key_valid: torch.Tensor  # [B, S] False past each sequence's context
     mask: torch.Tensor  # [B, 1, T, S] True where query t of sequence b may attend to key s
     num_tokens: int
+    block_tables: torch.Tensor  # [B, max_blocks] int32 (padded with 0), for the Triton kernels
+    context_lens: torch.Tensor  # [B] int32
+    is_decode: bool  # every sequence brings exactly one new token
 
     @classmethod
     def build(cls, block_tables: list[list[int]], context_lens: list[int], query_lens: list[int],
@@ -51,7 +54,8 @@ class PagedAttentionMetadata:
         # padded query rows attend to key 0 so their (discarded) output stays finite
         mask = mask | (~q_valid[:, :, None] & (s[None, None, :] == 0))
         slot_mapping = key_slots.gather(1, q_pos.clamp(max=s_max - 1))[q_valid]
-        return cls(slot_mapping, query_index, q_valid, key_slots, key_valid, mask[:, None], int(qlen.sum()))
+        return cls(slot_mapping, query_index, q_valid, key_slots, key_valid, mask[:, None], int(qlen.sum()),
+                   tables.to(torch.int32), ctx.to(torch.int32), t_max == 1)
 
 
 def paged_attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -87,6 +91,11 @@ class PagedKVCache:
         self.v = torch.empty(shape, dtype=dtype, device=device)
         self.block_size = block_size
         self.meta: PagedAttentionMetadata | None = None
+        # On a GPU, decode steps use the Triton kernels (minifer/kernels/paged_attention.py); the
+        # reference above is the CPU path and the oracle the kernels are tested against.
+        from minifer.kernels import HAS_TRITON
+
+        self.use_triton = HAS_TRITON and torch.device(device).type == "cuda"
 
     @staticmethod
     def bytes_per_block(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
@@ -95,6 +104,11 @@ class PagedKVCache:
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         meta = self.meta
         hkv, d = k.shape[1], k.shape[2]
+        if self.use_triton and meta.is_decode:
+            from minifer.kernels.paged_attention import paged_decode_attention, store_kv
+
+            store_kv(k, v, self.k[layer], self.v[layer], meta.slot_mapping)
+            return paged_decode_attention(q, self.k[layer], self.v[layer], meta.block_tables, meta.context_lens)
         self.k[layer].view(-1, hkv, d)[meta.slot_mapping] = k
         self.v[layer].view(-1, hkv, d)[meta.slot_mapping] = v
         return paged_attention_reference(q, self.k[layer], self.v[layer], meta)
