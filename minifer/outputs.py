@@ -16,6 +16,8 @@ class CompletionOutput:
     logprobs: list[dict[int, Logprob]] | None
     finish_reason: str | None = None  # "stop" (EOS, stop string or stop token) or "length"
     stop_reason: int | str | None = None  # the stop string or stop token id that ended it; None for EOS
+    new_token_ids: list[int] = field(default_factory=list)  # tokens added since the previous report (streaming)
+    delta_text: str = ""  # text added since the previous report (streaming)
 
     def finished(self) -> bool:
         return self.finish_reason is not None

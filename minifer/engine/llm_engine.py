@@ -14,6 +14,7 @@ error; the others are unaffected. Nothing admitted is lost: every request finish
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
@@ -88,6 +89,18 @@ class LLMEngine:
         self.scheduler.abort(seq)
         seq.abort()
         del self.requests[request_id]
+
+    def stream(self, request_id: str, prompt, params) -> Iterator[str]:
+        """Add a request and yield its text as it grows (deltas), stepping the engine — and with it every
+        other queued request — until this one finishes."""
+        self.add_request(request_id, prompt, params)
+        while True:
+            for out in self.step():
+                if out.request_id == request_id:
+                    if out.outputs[0].delta_text:
+                        yield out.outputs[0].delta_text
+                    if out.finished:
+                        return
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()

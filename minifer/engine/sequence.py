@@ -42,6 +42,8 @@ class Sequence:
     stop_reason: int | str | None = None
     text: str | None = None  # set when finished (truncated before a stop string if one matched)
     metrics: RequestMetrics = field(default_factory=lambda: RequestMetrics(time.perf_counter()))
+    _reported_tokens: int = 0  # how many output tokens earlier streaming reports covered
+    _reported_text: str = ""
 
     def __post_init__(self) -> None:
         if self.params.logprobs is not None:
@@ -101,15 +103,22 @@ class Sequence:
         self._finish("abort", None)
 
     def to_output(self, tokenizer) -> RequestOutput:
+        """The request so far; ``new_token_ids`` / ``delta_text`` hold what changed since the last call."""
         text = self.text
         if text is None:
             text = "" if tokenizer is None else tokenizer.decode(
                 self.output_token_ids, skip_special_tokens=self.params.skip_special_tokens)
             if self.is_finished:
                 self.text = text
+        # A token can end inside a multi-byte character (decoded as U+FFFD): hold it back until complete.
+        stable = text if self.is_finished else text.rstrip("\ufffd")
+        delta = stable[len(self._reported_text):] if stable.startswith(self._reported_text) else stable
+        new_ids = self.output_token_ids[self._reported_tokens:]
+        self._reported_tokens, self._reported_text = len(self.output_token_ids), stable
         completion = CompletionOutput(
             index=0, text=text, token_ids=list(self.output_token_ids),
             cumulative_logprob=self.cumulative_logprob if self.params.logprobs is not None else None,
-            logprobs=self.logprobs, finish_reason=self.finish_reason, stop_reason=self.stop_reason)
+            logprobs=self.logprobs, finish_reason=self.finish_reason, stop_reason=self.stop_reason,
+            new_token_ids=new_ids, delta_text=delta)
         return RequestOutput(self.request_id, self.prompt, list(self.prompt_token_ids), [completion],
                              self.is_finished, self.metrics)
