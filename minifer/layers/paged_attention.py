@@ -18,6 +18,12 @@ import torch
 import torch.nn.functional as F
 
 
+def slot_mapping(block_table: list[int], positions: list[int], block_size: int) -> list[int]:
+    """Cache slot of each token position of one sequence: its block's id times ``block_size`` plus the
+    offset inside the block. (``PagedAttentionMetadata.build`` does the same for a batch, in tensors.)"""
+    return [block_table[p // block_size] * block_size + p % block_size for p in positions]
+
+
 @dataclass
 class PagedAttentionMetadata:
     slot_mapping: torch.Tensor  # [N] cache slot of each new token
