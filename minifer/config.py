@@ -70,10 +70,11 @@ class ModelConfig:
         h, i, v = self.hidden_size, self.intermediate_size, self.vocab_size
         attn = h * (self.q_size + 2 * self.kv_size) + self.q_size * h
         if self.attention_bias:
-            attn += self.q_size + 2 * self.kv_size
+            attn += self.q_size + 2 * self.kv_size + (h if self.family != "qwen2" else 0)  # Qwen2's o_proj has none
         if self.qk_norm:
             attn += 2 * self.head_dim
-        layer = attn + 3 * h * i + 2 * h
+        mlp = 3 * h * i + (2 * i + h if self.mlp_bias else 0)
+        layer = attn + mlp + 2 * h
         return self.num_hidden_layers * layer + v * h * (1 if self.tie_word_embeddings else 2) + h
 
     @classmethod

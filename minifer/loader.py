@@ -147,7 +147,7 @@ def build_model(path: Path, *, load_format: str, dtype: torch.dtype, device: tor
                                 cfg.rope_scaling)
     model.model.rotary.to(device)
     if load_format == "dummy":
-        gen = torch.Generator(device="cpu").manual_seed(seed)
+        gen = torch.Generator(device=device).manual_seed(seed)
         with torch.no_grad():
             for name, p in model.named_parameters():
                 if name.endswith("norm.weight"):
@@ -155,7 +155,7 @@ def build_model(path: Path, *, load_format: str, dtype: torch.dtype, device: tor
                 elif name.endswith(".bias"):
                     p.zero_()
                 else:
-                    p.copy_(torch.randn(p.shape, generator=gen) * 0.02)
+                    p.normal_(0.0, 0.02, generator=gen)  # in place, on the target device
     elif load_format in ("auto", "safetensors"):
         if path.suffix == ".json":
             raise ModelLoadError(f"{path} is a config only: use load_format='dummy' for random weights")

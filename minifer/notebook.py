@@ -1,0 +1,505 @@
+"""Helpers for the course notebooks: which models to run, comparisons, plots and widgets.
+
+The notebooks teach with prose, a few calls and their results; the code that loads, compares, measures
+and draws lives here (and in ``minifer.bench``) so that it is typed, tested and shared between chapters,
+and a notebook cell stays short enough to read.
+
+One switch chooses the hardware story: ``choose_models()`` returns the bundled TinyStories pair on a CPU
+(or when the Hugging Face Hub cannot be reached) and a real Qwen3 pair on a CUDA GPU; the environment
+variables ``MINIFER_TARGET`` / ``MINIFER_DRAFT`` override either. Every notebook cell works with both.
+"""
+
+from __future__ import annotations
+
+import inspect
+import math
+import os
+import socket
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from minifer.sampling import SamplingParams, process_logits
+
+if TYPE_CHECKING:  # imported lazily at run time: matplotlib and ipywidgets are course extras
+    from matplotlib.figure import Figure
+
+    from minifer.bench.roofline import Ceilings, Hardware, StepTiming
+    from minifer.engine.llm import LLM
+    from minifer.outputs import CompletionOutput
+
+BUNDLED_PAIR = ("tinystories-target", "tinystories-draft")
+GPU_PAIR = ("Qwen/Qwen3-1.7B", "Qwen/Qwen3-0.6B")
+
+# --- which models ------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ModelPair:
+    """The target model a chapter studies and the draft model speculative decoding pairs with it."""
+
+    target: str
+    draft: str
+    device: str
+    reason: str
+
+    @property
+    def on_gpu(self) -> bool:
+        return self.device == "cuda"
+
+    def load(self, which: str = "target", **kwargs: Any) -> "LLM":
+        """``LLM`` for the target (or ``which="draft"``) on this pair's device; ``kwargs`` go to ``LLM``."""
+        from minifer import LLM
+
+        name = {"target": self.target, "draft": self.draft}[which]
+        kwargs.setdefault("device", self.device)
+        return LLM(name, **kwargs)
+
+    def __str__(self) -> str:
+        return f"target={self.target}  draft={self.draft}  device={self.device}  ({self.reason})"
+
+
+def hub_reachable(timeout: float = 2.0) -> bool:
+    """Whether huggingface.co answers a TCP connection within ``timeout`` seconds (False when
+    ``HF_HUB_OFFLINE`` is set). A short socket probe, so an offline machine is not held up by retries."""
+    if os.environ.get("HF_HUB_OFFLINE", "0") not in ("0", "", "false", "False"):
+        return False
+    try:
+        with socket.create_connection(("huggingface.co", 443), timeout=timeout):
+            return True
+    except OSError:
+        return False
+
+
+def _in_hf_cache(repo_id: str) -> bool:
+    """Whether a hub checkpoint's config is already in the local Hugging Face cache (usable offline)."""
+    try:
+        from huggingface_hub import try_to_load_from_cache
+
+        return isinstance(try_to_load_from_cache(repo_id, "config.json"), str)
+    except Exception:  # noqa: BLE001 - any failure just means "not cached"
+        return False
+
+
+def choose_models(env: Mapping[str, str] | None = None) -> ModelPair:
+    """The one setting that switches a notebook between the CPU and the GPU story.
+
+    - ``MINIFER_TARGET`` / ``MINIFER_DRAFT`` (bundled names, local folders or hub ids) win when set.
+    - On a CUDA machine whose Hub is reachable (or which has them cached): Qwen3-1.7B with Qwen3-0.6B as
+      draft, the sizes where memory bandwidth, batching and speculation behave as in production.
+    - Otherwise the bundled TinyStories pair (9.5M and 0.66M parameters), which runs in seconds on a
+      laptop CPU and needs no download.
+    """
+    env = os.environ if env is None else env
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    target, draft = env.get("MINIFER_TARGET"), env.get("MINIFER_DRAFT")
+    if target or draft:
+        default = BUNDLED_PAIR
+        if device == "cuda" and all(_in_hf_cache(r) for r in GPU_PAIR):
+            default = GPU_PAIR
+        return ModelPair(target or default[0], draft or default[1], device, "set by MINIFER_TARGET/MINIFER_DRAFT")
+    if device == "cpu":
+        return ModelPair(*BUNDLED_PAIR, device, "no CUDA GPU: the bundled TinyStories pair")
+    if all(_in_hf_cache(r) for r in GPU_PAIR) or hub_reachable():
+        return ModelPair(*GPU_PAIR, device, "CUDA GPU and Hugging Face Hub available")
+    return ModelPair(*BUNDLED_PAIR, device, "CUDA GPU but no Hub access: the bundled TinyStories pair")
+
+
+def setup_notebook(threads: int | None = None) -> dict[str, Any]:
+    """Quiet, reproducible defaults for a notebook: CPU threads (see
+    ``minifer.bench.roofline.default_threads``), no download/loading progress bars in stored outputs,
+    readable figure sizes. Returns what it set, for the record."""
+    from minifer.bench.roofline import default_threads
+
+    n = threads or default_threads()
+    torch.set_num_threads(n)
+    try:
+        import transformers
+
+        transformers.utils.logging.disable_progress_bar()
+        transformers.utils.logging.set_verbosity_error()
+    except ImportError:  # pragma: no cover
+        pass
+    try:
+        import matplotlib as mpl
+
+        mpl.rcParams.update({"figure.dpi": 90, "figure.figsize": (9, 3.6), "axes.grid": True, "grid.alpha": 0.3,
+                             "axes.spines.top": False, "axes.spines.right": False})
+    except ImportError:  # pragma: no cover
+        pass
+    return {"torch_threads": n, "torch": torch.__version__, "cuda": torch.cuda.is_available()}
+
+
+# --- the model ---------------------------------------------------------------------------------------
+
+
+def model_summary(llm: "LLM") -> dict[str, Any]:
+    """The numbers of a model that decide its inference cost: shapes, parameters, and bytes.
+
+    ``params_counted`` sums the tensors of the module that was built; ``params_from_config`` is the
+    closed-form count from the config (what the roofline chapter uses for models it never loads). They
+    must agree, or the cost model of chapter 01 would be counting a different model."""
+    from minifer.bench.roofline import kv_bytes_per_token
+
+    cfg = llm.model_config
+    counted = sum(p.numel() for p in llm.model.parameters())  # tied weights are one Parameter, counted once
+    dtype_bytes = llm.dtype.itemsize
+    return {
+        "architecture": cfg.architecture,
+        "layers": cfg.num_hidden_layers,
+        "hidden_size": cfg.hidden_size,
+        "intermediate_size": cfg.intermediate_size,
+        "attention_heads": cfg.num_attention_heads,
+        "kv_heads": cfg.num_key_value_heads,
+        "head_dim": cfg.head_dim,
+        "vocab_size": cfg.vocab_size,
+        "tied_embeddings": cfg.tie_word_embeddings,
+        "max_positions": cfg.max_position_embeddings,
+        "params_counted": counted,
+        "params_from_config": cfg.num_parameters(),
+        "dtype": str(llm.dtype).replace("torch.", ""),
+        "weight_mb": counted * dtype_bytes / 1e6,
+        "kv_bytes_per_token": kv_bytes_per_token(cfg, dtype_bytes),
+    }
+
+
+def show_source(obj: Any) -> Any:
+    """The source of a minifer class or function, highlighted in Jupyter (plain text elsewhere).
+    Showing the real file keeps the notebook and the engine from drifting apart."""
+    from IPython.display import Code
+
+    return Code(inspect.getsource(obj), language="python")
+
+
+# --- minifer against transformers --------------------------------------------------------------------
+
+
+@dataclass
+class ParityReport:
+    """How closely minifer reproduces Hugging Face transformers on the same checkpoint."""
+
+    prompts: list[str]
+    max_rel_logit_error: float  # max |minifer - hf| / max |hf| over every position of every prompt
+    minifer_tokens: list[list[int]]
+    hf_tokens: list[list[int]]
+    dtype: str
+
+    @property
+    def greedy_identical(self) -> bool:
+        return self.minifer_tokens == self.hf_tokens
+
+
+def prompt_logits(model: torch.nn.Module, token_ids: Sequence[int]) -> torch.Tensor:
+    """Logits ``[len(token_ids), vocab]`` at every position of one prompt, in one prefill.
+
+    The engine itself only projects the last position (``compute_logits`` on one row); here every row is
+    projected so that each position can be compared with transformers."""
+    from minifer.layers.attention import ContiguousKVCache
+
+    cfg = model.config
+    w = model.lm_head.weight
+    n = len(token_ids)
+    cache = ContiguousKVCache(cfg.num_hidden_layers, 1, cfg.num_key_value_heads, n, cfg.head_dim, w.dtype, w.device)
+    cache.begin_step(0, n, torch.ones(1, n, dtype=torch.bool, device=w.device))
+    with torch.inference_mode():
+        hidden = model(torch.tensor(token_ids, device=w.device), torch.arange(n, device=w.device), cache)
+        return model.compute_logits(hidden).float()
+
+
+def compare_with_transformers(llm: "LLM", prompts: Sequence[str], max_tokens: int = 24) -> ParityReport:
+    """Load the same checkpoint with ``transformers.AutoModelForCausalLM`` and compare logits at every
+    prompt position, then greedy completions token by token.
+
+    Both run in float32: in bfloat16 two correct implementations differ by ~1e-2 in the logits (the order
+    of additions changes the rounding), which would hide a real bug of that size. When ``llm`` runs in
+    another dtype, a float32 copy of minifer's model is loaded for the comparison."""
+    from transformers import AutoModelForCausalLM
+
+    from minifer import LLM
+
+    ref_llm = llm if llm.dtype == torch.float32 else LLM(llm.model_path, dtype="float32", device=llm.device)
+    hf = AutoModelForCausalLM.from_pretrained(str(llm.model_path), dtype=torch.float32).to(llm.device).eval()
+    tok = llm.get_tokenizer()
+    err = 0.0
+    hf_tokens: list[list[int]] = []
+    for prompt in prompts:
+        ids = list(tok(prompt)["input_ids"])
+        ours = prompt_logits(ref_llm.model, ids)
+        with torch.inference_mode():
+            x = torch.tensor([ids], device=llm.device)
+            theirs = hf(x).logits[0].float()
+            err = max(err, float((ours - theirs).abs().max() / theirs.abs().max()))
+            gen = hf.generate(x, attention_mask=torch.ones_like(x), do_sample=False, max_new_tokens=max_tokens,
+                              pad_token_id=tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id)
+        hf_tokens.append(gen[0, len(ids):].tolist())
+    outs = ref_llm.generate(list(prompts), SamplingParams(temperature=0, max_tokens=max_tokens), use_tqdm=False)
+    del hf
+    return ParityReport(list(prompts), err, [o.outputs[0].token_ids for o in outs], hf_tokens, "float32")
+
+
+# --- sampling ----------------------------------------------------------------------------------------
+
+
+def next_token_logits(llm: "LLM", prompt: str) -> torch.Tensor:
+    """The model's raw next-token logits ``[vocab]`` after ``prompt`` (float32)."""
+    ids = list(llm.get_tokenizer()(prompt)["input_ids"])
+    return prompt_logits(llm.model, ids)[-1]
+
+
+def filtered_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """The distribution ``params`` actually draws from: minifer's own ``process_logits`` (temperature,
+    top-k, top-p, min-p, in that order), then softmax. Greedy params give the untempered distribution."""
+    return process_logits(logits[None], [params], None).softmax(-1)[0]
+
+
+def plot_sampling_filters(llm: "LLM", logits: torch.Tensor, variants: Mapping[str, SamplingParams],
+                          top: int = 20) -> "Figure":
+    """One panel per sampling setting: the ``top`` most likely next tokens under the model (grey
+    outline) and the probability each keeps after the setting's filters (filled; missing = dropped).
+    The title says how many tokens of the whole vocabulary can still be drawn."""
+    import matplotlib.pyplot as plt
+
+    tok = llm.get_tokenizer()
+    raw = logits.float().softmax(-1)
+    order = raw.argsort(descending=True)[:top]
+    labels = [repr(tok.decode([int(t)])) for t in order]
+    n = len(variants)
+    ncols = min(n, 3)
+    nrows = -(-n // ncols)
+    fig, axes_grid = plt.subplots(nrows, ncols, figsize=(3.6 * ncols, 3.2 * nrows), sharey=True, squeeze=False)
+    axes = list(axes_grid.flat)
+    x = range(top)
+    for ax, (name, params) in zip(axes, variants.items()):
+        p = filtered_probs(logits, params)
+        kept = int((p > 0).sum())
+        ax.bar(x, raw[order].tolist(), color="none", edgecolor="0.5", linewidth=0.8, label="model")
+        ax.bar(x, p[order].tolist(), color="tab:blue", alpha=0.75, label="sampled from")
+        ax.set_title(f"{name}: {kept:,} token{'s' if kept != 1 else ''} left", fontsize=9)
+        ax.set_xticks(list(x), labels, rotation=90, fontsize=7)
+    for ax in axes[n:]:
+        ax.set_visible(False)
+    axes[0].set_ylabel("probability")
+    axes[0].legend(fontsize=7, loc="upper right")
+    fig.tight_layout()
+    return fig
+
+
+def logprob_table(completion: "CompletionOutput", steps: int = 6) -> str:
+    """The first ``steps`` generated tokens with the model's top alternatives at each step, as text.
+    Probabilities are the *model's* (before temperature and truncation), as vLLM reports them."""
+    lines = []
+    for i, (tid, entry) in enumerate(zip(completion.token_ids[:steps], completion.logprobs or [])):
+        chosen = entry[tid]
+        alts = sorted(entry.values(), key=lambda lp: lp.rank)
+        alt_txt = "  ".join(f"{lp.decoded_token!r} {math.exp(lp.logprob):.2g}" for lp in alts)
+        lines.append(f"step {i}: chose {chosen.decoded_token!r:12} p={math.exp(chosen.logprob):<7.2g} "
+                     f"rank {chosen.rank} | top: {alt_txt}")
+    return "\n".join(lines)
+
+
+def repeated_ngram_fraction(token_ids: Sequence[int], n: int = 4) -> float:
+    """Fraction of the ``n``-grams of a completion that already appeared earlier in it: 0 for text that
+    never repeats itself, near 1 for a loop. A cheap number for what repetition_penalty changes."""
+    grams = [tuple(token_ids[i:i + n]) for i in range(len(token_ids) - n + 1)]
+    if not grams:
+        return 0.0
+    seen: set[tuple[int, ...]] = set()
+    repeats = 0
+    for g in grams:
+        repeats += g in seen
+        seen.add(g)
+    return repeats / len(grams)
+
+
+def sampling_playground(llm: "LLM", prompt: str = "Once upon a time", max_tokens: int = 48) -> Any:
+    """Sliders for every sampling knob and a Generate button (ipywidgets).
+
+    It builds the controls and fills the output once with the default settings, so it also works when the
+    notebook runs headless (CI, nbconvert): nothing waits for a click. Without ipywidgets it returns a
+    short message instead of failing."""
+    try:
+        import ipywidgets as w
+    except ImportError:
+        return "ipywidgets is not installed: pip install ipywidgets (or the course extra: pip install -e '.[course]')"
+
+    style = {"description_width": "120px"}
+    layout = w.Layout(width="420px")
+    controls = {
+        "temperature": w.FloatSlider(value=0.8, min=0.0, max=2.0, step=0.05, description="temperature"),
+        "top_k": w.IntSlider(value=0, min=0, max=100, description="top_k (0 = off)"),
+        "top_p": w.FloatSlider(value=1.0, min=0.05, max=1.0, step=0.05, description="top_p"),
+        "min_p": w.FloatSlider(value=0.0, min=0.0, max=0.5, step=0.01, description="min_p"),
+        "repetition_penalty": w.FloatSlider(value=1.0, min=1.0, max=2.0, step=0.05, description="repetition_penalty"),
+        "seed": w.IntText(value=0, description="seed"),
+        "max_tokens": w.IntSlider(value=max_tokens, min=1, max=200, description="max_tokens"),
+    }
+    for c in controls.values():
+        c.style, c.layout = style, layout
+    text = w.Text(value=prompt, description="prompt", style=style, layout=w.Layout(width="640px"))
+    button = w.Button(description="Generate", button_style="primary")
+    out = w.Output(layout=w.Layout(border="1px solid #ddd", padding="4px", width="640px"))
+
+    def run(_: Any = None) -> None:
+        v = {k: c.value for k, c in controls.items()}
+        params = SamplingParams(temperature=v["temperature"], top_k=v["top_k"] or -1, top_p=v["top_p"],
+                                min_p=v["min_p"], repetition_penalty=v["repetition_penalty"], seed=v["seed"],
+                                max_tokens=v["max_tokens"])
+        out.clear_output()
+        with out:
+            if not text.value:
+                print("type a prompt")
+                return
+            o = llm.generate([text.value], params, use_tqdm=False)[0].outputs[0]
+            print(text.value + o.text)
+            print(f"\n[{len(o.token_ids)} tokens, finish_reason={o.finish_reason}, "
+                  f"repeated 4-grams {repeated_ngram_fraction(o.token_ids):.0%}]")
+
+    button.on_click(run)
+    run()
+    return w.VBox([text, *controls.values(), button, out])
+
+
+# --- roofline plots (chapter 01) ---------------------------------------------------------------------
+
+
+def _fmt_si(x: float, unit: str) -> str:
+    for scale, prefix in ((1e12, "T"), (1e9, "G"), (1e6, "M"), (1e3, "k")):
+        if abs(x) >= scale:
+            return f"{x / scale:.3g} {prefix}{unit}"
+    return f"{x:.3g} {unit}"
+
+
+def plot_time_per_token(prefill: Sequence["StepTiming"], decode_by_batch: Mapping[int, Sequence["StepTiming"]],
+                        decode_by_context: Sequence["StepTiming"] = ()) -> "Figure":
+    """Left: time per token against the number of tokens that share one step: prompt length for prefill
+    (batch 1), batch size for decode. Both phases get cheaper per token when more tokens share one read of
+    the weights; decode starts far higher. Right: a batch-1 decode step against the context it attends to."""
+    import matplotlib.pyplot as plt
+
+    ncols = 2 if decode_by_context else 1
+    fig, axes = plt.subplots(1, ncols, figsize=(5.2 * ncols, 3.8))
+    axes = list(axes) if ncols > 1 else [axes]
+    ax = axes[0]
+    ax.plot([t.tokens for t in prefill], [t.seconds_per_token * 1e6 for t in prefill], "o-", label="prefill (batch 1)")
+    for ctx, ts in decode_by_batch.items():
+        ax.plot([t.batch for t in ts], [t.seconds_per_token * 1e6 for t in ts], "s--",
+                label=f"decode (context {ctx})")
+    ax.set(xscale="log", yscale="log", xlabel="tokens per step (prompt length, or decode batch)",
+           ylabel="µs per token", title="time per token")
+    ax.legend(fontsize=8)
+    if decode_by_context:
+        ax = axes[1]
+        ctxs = [t.cost.context for t in decode_by_context]
+        ax.plot(ctxs, [t.seconds * 1e3 for t in decode_by_context], "s-", color="tab:red")
+        ax.set(xlabel="context (tokens in the KV cache)", ylabel="ms per decode step",
+               title="batch-1 decode step vs context")
+        ax.set_ylim(bottom=0)
+    fig.tight_layout()
+    return fig
+
+
+def plot_roofline(ceilings: "Ceilings", series: Mapping[str, Sequence["StepTiming"]],
+                  annotate: bool = True) -> "Figure":
+    """The roofline of this machine (log-log): attainable FLOP/s = min(matmul rate, intensity x bandwidth),
+    drawn with the measured ceilings, and each measured step placed at its counted intensity and its
+    achieved FLOP/s. Points far below the roof are limited by something the roofline does not model
+    (per-op overhead, a kernel that cannot use all the bandwidth)."""
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    fig, ax = plt.subplots(figsize=(7.5, 4.6))
+    all_i = [t.cost.intensity for ts in series.values() for t in ts]
+    lo, hi = min(all_i + [ceilings.ridge]) / 3, max(all_i + [ceilings.ridge]) * 3
+    xs = np.logspace(np.log10(lo), np.log10(hi), 200)
+    ax.plot(xs, np.minimum(ceilings.matmul_flops, xs * ceilings.copy_bandwidth), "k-", lw=2,
+            label=f"roof: {_fmt_si(ceilings.copy_bandwidth, 'B/s')} copy, "
+                  f"{_fmt_si(ceilings.matmul_flops, 'FLOP/s')} matmul")
+    ax.plot(xs, np.minimum(ceilings.matmul_flops, xs * ceilings.gemv_bandwidth), "k:", lw=1,
+            label=f"matrix-vector bandwidth {_fmt_si(ceilings.gemv_bandwidth, 'B/s')}")
+    ax.axvline(ceilings.ridge, color="0.5", lw=0.8, ls="--")
+    ax.text(ceilings.ridge * 1.08, ceilings.matmul_flops * 0.02, f"ridge\n{ceilings.ridge:.1f} FLOP/B", fontsize=8,
+            color="0.35")
+    markers = "os^vD"
+    for k, (name, ts) in enumerate(series.items()):
+        xs_p = [t.cost.intensity for t in ts]
+        ys_p = [t.achieved_flops for t in ts]
+        ax.plot(xs_p, ys_p, markers[k % len(markers)] + "-", ms=5, lw=0.8, label=name)
+        if annotate:
+            for t, x_, y_ in zip(ts, xs_p, ys_p):
+                lab = f"{t.cost.new_tokens}" if t.phase == "prefill" else f"b{t.batch}"
+                ax.annotate(lab, (x_, y_), textcoords="offset points", xytext=(3, -9), fontsize=6.5)
+    ax.set(xscale="log", yscale="log", xlabel="arithmetic intensity (FLOP / byte)", ylabel="FLOP/s",
+           title=f"roofline: {ceilings.device}, {ceilings.dtype}")
+    ax.legend(fontsize=7.5, loc="lower right")
+    fig.tight_layout()
+    return fig
+
+
+def plot_matvec(size_sweep: Sequence[Mapping[str, float]], batch_sweep: Sequence[Mapping[str, float]],
+                bandwidth: float, mark_bytes: Iterable[float] = ()) -> "Figure":
+    """Left: time of one matrix-vector product against the matrix's size: flat while a fixed per-call cost
+    dominates, then rising with slope 1 at the memory bandwidth. ``mark_bytes`` marks the sizes of the
+    model's own weight matrices. Right: one large matrix times a batch of vectors: the time barely moves
+    while the weights dominate, so tokens per second rise with the batch."""
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    fig, (a, b) = plt.subplots(1, 2, figsize=(10, 3.8))
+    sizes = np.array([r["bytes"] for r in size_sweep])
+    a.plot(sizes, [r["seconds"] * 1e6 for r in size_sweep], "o-", label="measured")
+    a.plot(sizes, sizes / bandwidth * 1e6, "k--", lw=1, label=f"bytes / {_fmt_si(bandwidth, 'B/s')}")
+    for m in mark_bytes:
+        a.axvline(m, color="tab:orange", lw=0.8, alpha=0.7)
+    a.set(xscale="log", yscale="log", xlabel="weight matrix size (bytes)", ylabel="µs per product",
+          title="matrix x vector: overhead, cache, then bandwidth")
+    a.legend(fontsize=8)
+    bs = [r["batch"] for r in batch_sweep]
+    b.plot(bs, [r["seconds"] * 1e6 for r in batch_sweep], "o-", label="µs per product")
+    b.set(xscale="log", xlabel="vectors per product (batch)", ylabel="µs per product",
+          title=f"one {_fmt_si(batch_sweep[0]['bytes'], 'B')} matrix x a batch")
+    b.set_ylim(bottom=0)
+    b2 = b.twinx()
+    b2.plot(bs, [r["batch"] / r["seconds"] for r in batch_sweep], "s--", color="tab:green", label="vectors / s")
+    b2.set_ylabel("vectors per second", color="tab:green")
+    b2.set_ylim(bottom=0)
+    b2.grid(False)
+    fig.tight_layout()
+    return fig
+
+
+def plot_decode_intensity(name: str, cfg: Any, hw: "Hardware", contexts: Sequence[int] = (0, 1024, 8192, 32768),
+                          batches: Sequence[int] = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)) -> "Figure":
+    """Decode intensity (weights + KV cache, bf16) against batch size for one published model, one line per
+    context length, with the hardware's ridge. Batching raises intensity only while the weights dominate
+    the bytes; each sequence's KV cache is read for that sequence alone, so long contexts cap it."""
+    import matplotlib.pyplot as plt
+
+    from minifer.bench.roofline import decode_cost
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for c in contexts:
+        ax.plot(batches, [decode_cost(cfg, b, c, 2).intensity_weights_kv for b in batches], "o-", ms=3,
+                label=f"context {c:,}")
+    ax.axhline(hw.ridge, color="k", ls="--", lw=1)
+    ax.text(batches[0], hw.ridge * 1.1, f"{hw.name} ridge ≈ {hw.ridge:.0f} FLOP/byte", fontsize=8)
+    ax.set(xscale="log", yscale="log", xlabel="decode batch (sequences per step)", ylabel="FLOP / byte",
+           title=f"{name}, bf16: decode intensity vs batch")
+    ax.legend(fontsize=8, loc="lower right")
+    fig.tight_layout()
+    return fig
+
+
+def format_table(rows: Sequence[Mapping[str, Any]], columns: Mapping[str, str] | None = None) -> str:
+    """A fixed-width text table (no pandas needed): ``columns`` maps keys to ``"header:format"``."""
+    columns = columns or {k: k for k in rows[0]}
+    heads, fmts = [], []
+    for key, spec in columns.items():
+        head, _, fmt = spec.partition(":")
+        heads.append(head)
+        fmts.append((key, fmt))
+    cells = [[("—" if r[k] is None else format(r[k], f)) if f else str(r[k]) for k, f in fmts] for r in rows]
+    widths = [max(len(h), *(len(c[i]) for c in cells)) for i, h in enumerate(heads)]
+    line = lambda vals: "  ".join(v.rjust(wd) for v, wd in zip(vals, widths))  # noqa: E731
+    return "\n".join([line(heads), line(["-" * wd for wd in widths])] + [line(c) for c in cells])
