@@ -73,6 +73,19 @@ def test_truncate_frees_emptied_blocks():
     m.check_invariants()
 
 
+def test_truncate_into_a_cached_block_uncaches_it_and_refuses_shared_ones():
+    m = BlockManager(num_blocks=8, block_size=4)
+    m.allocate("a", list(range(9)))
+    m.register_computed("a", list(range(9)))
+    m.allocate("b", list(range(9)))  # shares blocks 0 and 1 with "a"
+    with pytest.raises(ValueError, match="share"):
+        m.truncate("a", 6)
+    m.free("b")
+    m.truncate("a", 6)  # block 1 is a's alone now: it leaves the prefix cache
+    assert m.allocate("c", list(range(9))) == 4
+    m.check_invariants()
+
+
 def test_out_of_blocks_is_reported_not_corrupting():
     m = BlockManager(num_blocks=2, block_size=4)
     assert not m.can_allocate(list(range(9)))
@@ -111,7 +124,10 @@ def test_random_workloads_leak_nothing(ops, block_size, num_blocks, caching):
                 m.register_computed(sid, tokens[sid])
             elif op == "truncate":
                 keep = min(n, len(tokens[sid]))
-                m.truncate(sid, keep)
+                try:
+                    m.truncate(sid, keep)
+                except ValueError:  # refused: it would cut into a block other sequences share
+                    continue
                 tokens[sid] = tokens[sid][:keep]
             elif op == "free":
                 m.free(sid)

@@ -373,3 +373,275 @@ def test_a_crash_in_the_learners_code_names_the_check_and_keeps_the_cause():
     with pytest.raises(AssertionError, match=r"check 1/6 .*RuntimeError") as info:
         grading.check_apply_rotary(crashes)
     assert isinstance(info.value.__cause__, RuntimeError)
+
+
+# --- chapter 02/03: paging and continuous batching ---------------------------------------------------------
+
+from collections import OrderedDict, deque  # noqa: E402
+
+import minifer.engine.block_manager as _bm  # noqa: E402
+from minifer.engine.block_manager import BlockManager  # noqa: E402
+from minifer.layers.paged_attention import PagedAttentionMetadata, paged_attention_reference  # noqa: E402
+from minifer.layers.paged_attention import slot_mapping as ref_slot_mapping  # noqa: E402
+
+
+def _ref_paged_attention(q, k_cache, v_cache, block_table, context_len):
+    """minifer's batched reference, for one sequence (the exercise's signature)."""
+    meta = PagedAttentionMetadata.build([block_table], [context_len], [q.shape[0]], k_cache.shape[1], q.device)
+    return paged_attention_reference(q, k_cache, v_cache, meta)
+
+
+class _BlockManagerAdapter(BlockManager):
+    """minifer's BlockManager under the exercise's attribute names (the grader patches its chain_hash)."""
+
+    def __init__(self, num_blocks, block_size, hash_fn=None):
+        super().__init__(num_blocks, block_size)
+
+    cache = property(lambda self: self._cache)
+    tables = property(lambda self: {s: q.table for s, q in self._seqs.items()})
+    ref_count = property(lambda self: [b.ref_count for b in self.blocks])
+
+
+REFERENCES_02_03 = [
+    (grading.check_slot_mapping, ref_slot_mapping, "slot_mapping: 6/6 checks passed"),
+    (grading.check_paged_attention, _ref_paged_attention, "paged_attention: 8/8 checks passed"),
+    (grading.check_prefix_allocator, _BlockManagerAdapter, "prefix_allocator: 10/10 checks passed"),
+    (grading.check_schedule_step, grading._schedule_with_minifer, "schedule_step: 11/11 checks passed"),
+]
+
+
+@pytest.mark.parametrize("grader, reference, summary", REFERENCES_02_03,
+                         ids=lambda v: getattr(v, "__name__", None))
+def test_02_03_graders_pass_minifers_own_implementation(grader, reference, summary, capsys):
+    test_graders_pass_minifers_own_implementation(grader, reference, summary, capsys)
+
+
+def test_scheduler_scenarios_match_minifers_scheduler():
+    """Every hand-written expected answer is what minifer's Scheduler does on the same state."""
+    for label, kwargs, want, _ in grading.SCHEDULER_SCENARIOS:
+        assert grading._schedule_with_minifer(**kwargs) == want, label
+
+
+def test_the_paged_reference_is_dense_causal_attention():
+    """The grader's answer key agrees with plain causal attention on the unpaged keys and values."""
+    gen = torch.Generator().manual_seed(0)
+    ctx, t, hq, hkv, d, bs = 13, 5, 6, 2, 8, 4
+    table = [5, 0, 7, 2]
+    k, v, q = (torch.randn(ctx, hkv, d, generator=gen), torch.randn(ctx, hkv, d, generator=gen),
+               torch.randn(t, hq, d, generator=gen))
+    k_cache, v_cache = torch.full((8, bs, hkv, d), float("nan")), torch.full((8, bs, hkv, d), float("nan"))
+    slots = ref_slot_mapping(table, list(range(ctx)), bs)
+    k_cache.view(-1, hkv, d)[slots], v_cache.view(-1, hkv, d)[slots] = k, v
+    kk, vv = k.repeat_interleave(hq // hkv, 1), v.repeat_interleave(hq // hkv, 1)
+    scores = torch.einsum("thd,shd->hts", q, kk) / d ** 0.5
+    allowed = torch.arange(ctx)[None, :] <= (ctx - t + torch.arange(t))[:, None]
+    dense = torch.einsum("hts,shd->thd", scores.masked_fill(~allowed, float("-inf")).softmax(-1), vv)
+    torch.testing.assert_close(_ref_paged_attention(q, k_cache, v_cache, table, ctx), dense)
+
+
+def test_the_allocator_grader_restores_chain_hash():
+    original = _bm.chain_hash
+    grading.check_prefix_allocator(_BlockManagerAdapter)
+    assert _bm.chain_hash is original
+
+
+# Classic mistakes.
+
+def _slots_swapped(table, positions, bs):
+    return [table[p % bs] * bs + p // bs for p in positions]
+
+
+def _slots_block_not_scaled(table, positions, bs):
+    return [table[p // bs] + p % bs for p in positions]
+
+
+def _slots_no_table(table, positions, bs):
+    return list(positions)
+
+
+def _paged(q, k_cache, v_cache, table, ctx, *, offset=True, interleave=True, whole_blocks=False, scale=True):
+    """A correct single-sequence paged attention with switches for the classic mistakes."""
+    t, hq, d = q.shape
+    bs, hkv = k_cache.shape[1], k_cache.shape[2]
+    s = len(table) * bs if whole_blocks else ctx  # whole_blocks: read the last block's garbage tail too
+    pos = torch.arange(s)
+    slots = torch.tensor(table)[pos // bs] * bs + pos % bs
+    k, v = k_cache.reshape(-1, hkv, d)[slots], v_cache.reshape(-1, hkv, d)[slots]
+    rep = (lambda x: x.repeat_interleave(hq // hkv, 1)) if interleave else (lambda x: x.repeat(1, hq // hkv, 1))
+    k, v = rep(k), rep(v)
+    scores = torch.einsum("thd,shd->hts", q, k) / (d ** 0.5 if scale else 1.0)
+    q_pos = (ctx - t if offset else 0) + torch.arange(t)
+    allowed = (pos[None, :] <= q_pos[:, None]) & (pos[None, :] < ctx)
+    return torch.einsum("hts,shd->thd", scores.masked_fill(~allowed, float("-inf")).softmax(-1), v)
+
+
+class _Allocator:
+    """A correct prefix-caching allocator (the notebook's) with switches for the classic mistakes."""
+
+    def __init__(self, num_blocks, block_size, hash_fn=_bm.chain_hash, *, verify=True, keep_last=True, evict=True,
+                 lru=True, tail_first=True, unpark=True, uncache_evicted=True):
+        self.block_size, self.hash_fn = block_size, hash_fn
+        self.verify, self.keep_last, self.evict, self.lru = verify, keep_last, evict, lru
+        self.tail_first, self.unpark, self.uncache_evicted = tail_first, unpark, uncache_evicted
+        self.ref_count, self.block_hash = [0] * num_blocks, [None] * num_blocks
+        self.block_tokens = [()] * num_blocks
+        self.free_list, self.evictable = deque(range(num_blocks)), OrderedDict()
+        self.cache, self.tables, self.seq_hashes = {}, {}, {}
+
+    num_free_blocks = property(lambda self: len(self.free_list) + len(self.evictable))
+
+    def blocks_needed(self, n):
+        return -(-n // self.block_size)
+
+    def full_block_hashes(self, tokens, start=0, parent=None):
+        bs, out = self.block_size, []
+        for i in range(start, len(tokens) // bs):
+            parent = self.hash_fn(parent, tuple(tokens[i * bs:(i + 1) * bs]))
+            out.append(parent)
+        return out
+
+    def can_allocate(self, tokens):
+        hits = self.lookup_prefix(tokens)
+        parked = sum(1 for b in hits if self.ref_count[b] == 0)
+        return self.blocks_needed(len(tokens)) - len(hits) <= self.num_free_blocks - parked
+
+    def register_computed(self, seq_id, tokens):
+        table, hashes, bs = self.tables[seq_id], self.seq_hashes[seq_id], self.block_size
+        for i, h in enumerate(self.full_block_hashes(tokens, len(hashes), hashes[-1] if hashes else None),
+                              start=len(hashes)):
+            hashes.append(h)
+            b = table[i]
+            if self.block_hash[b] is None and h not in self.cache:
+                self.block_hash[b], self.block_tokens[b] = h, tuple(tokens[i * bs:(i + 1) * bs])
+                self.cache[h] = b
+
+    def lookup_prefix(self, tokens):
+        bs, hits = self.block_size, []
+        for i, h in enumerate(self.full_block_hashes(tokens)):
+            b = self.cache.get(h)
+            if b is None or (self.verify and self.block_tokens[b] != tuple(tokens[i * bs:(i + 1) * bs])):
+                break
+            hits.append(b)
+        if self.keep_last and hits and len(hits) * bs >= len(tokens):
+            hits.pop()
+        return hits
+
+    def take_free_block(self):
+        if self.free_list:
+            b = self.free_list.popleft()
+        elif not self.evict:
+            raise MemoryError("no free block")
+        else:
+            b, _ = self.evictable.popitem(last=not self.lru)
+            if self.uncache_evicted:
+                del self.cache[self.block_hash[b]]
+                self.block_hash[b], self.block_tokens[b] = None, ()
+        self.ref_count[b] = 1
+        return b
+
+    def allocate(self, seq_id, tokens):
+        hits = self.lookup_prefix(tokens)
+        table = []
+        for b in hits:
+            if self.ref_count[b] == 0 and self.unpark:
+                del self.evictable[b]
+            self.ref_count[b] += 1
+            table.append(b)
+        while len(table) < self.blocks_needed(len(tokens)):
+            table.append(self.take_free_block())
+        self.tables[seq_id] = table
+        self.seq_hashes[seq_id] = [self.block_hash[b] for b in hits]
+        return len(hits) * self.block_size
+
+    def free(self, seq_id):
+        table = self.tables.pop(seq_id)
+        del self.seq_hashes[seq_id]
+        for b in reversed(table) if self.tail_first else table:
+            self.ref_count[b] -= 1
+            if self.ref_count[b] == 0:
+                if self.block_hash[b] is not None:
+                    self.evictable[b] = None
+                else:
+                    self.free_list.append(b)
+
+
+def _allocator_with(**mistake):
+    return lambda num_blocks, block_size, hash_fn=_bm.chain_hash: _Allocator(num_blocks, block_size, hash_fn,
+                                                                             **mistake)
+
+
+def _schedule(running, waiting, free_blocks, block_size, max_num_seqs, token_budget, *, oldest_victim=False,
+              admit_after_preemption=False, skip_ahead=False, chunk_blocks_only=False, no_chunking=False,
+              keep_victim_blocks=False, in_place=False):
+    """The notebook's schedule_step with switches for the classic mistakes."""
+    running = running if in_place else list(running)
+    scheduled, preempted = [], []
+    budget, free = token_budget, free_blocks
+    i = 0
+    while i < len(running) and budget > 0:
+        req = running[i]
+        n = min(req.num_tokens - req.num_computed, budget)
+        need = -(-(req.num_computed + n) // block_size) - req.num_blocks
+        while need > free:
+            victim = running.pop(0 if oldest_victim else -1)
+            free += 0 if keep_victim_blocks else victim.num_blocks
+            preempted.append(victim.name)
+            if victim is req:
+                break
+        if preempted and preempted[-1] == req.name:
+            break
+        free -= max(need, 0)
+        scheduled.append((req.name, n))
+        budget -= n
+        i += 1
+    for req in waiting:
+        if budget <= 0 or len(running) >= max_num_seqs or (preempted and not admit_after_preemption):
+            break
+        n = req.num_tokens if no_chunking else min(req.num_tokens, budget)
+        need = -(-(n if chunk_blocks_only else req.num_tokens) // block_size)
+        if need > free:
+            if skip_ahead:
+                continue
+            break
+        free -= need
+        running.append(req)
+        scheduled.append((req.name, n))
+        budget -= n
+    return scheduled, preempted
+
+
+WRONG_02_03 = [
+    (grading.check_slot_mapping, _slots_swapped, "`//` and `%` are swapped"),
+    (grading.check_slot_mapping, _slots_block_not_scaled, "multiply it by block_size"),
+    (grading.check_slot_mapping, _slots_no_table, "look its block up in the block table"),
+    (grading.check_paged_attention, lambda *a: _paged(*a, offset=False), "check 2/8"),
+    (grading.check_paged_attention, lambda *a: _paged(*a, interleave=False), "repeat_interleave"),
+    (grading.check_paged_attention, lambda *a: _paged(*a, whole_blocks=True), r"0 \* NaN is NaN"),
+    (grading.check_paged_attention, lambda *a: _paged(*a, scale=False), "check 1/8"),
+    (grading.check_prefix_allocator, _allocator_with(verify=False), "compare the cached block's tokens"),
+    (grading.check_prefix_allocator, _allocator_with(keep_last=False), "drop the last hit"),
+    (grading.check_prefix_allocator, _allocator_with(evict=False), "check 6/10 .*MemoryError"),
+    (grading.check_prefix_allocator, _allocator_with(lru=False), "check 6/10"),
+    (grading.check_prefix_allocator, _allocator_with(tail_first=False), "check 6/10"),
+    (grading.check_prefix_allocator, _allocator_with(unpark=False), "num_free_blocks is"),
+    (grading.check_prefix_allocator, _allocator_with(uncache_evicted=False), "blocks in the prefix cache"),
+    (grading.check_schedule_step, lambda *a: _schedule(*a, oldest_victim=True), "preempt running\\[-1\\]"),
+    (grading.check_schedule_step, lambda *a: _schedule(*a, admit_after_preemption=True), "admit nobody"),
+    (grading.check_schedule_step, lambda *a: _schedule(*a, skip_ahead=True), "no skipping ahead"),
+    (grading.check_schedule_step, lambda *a: _schedule(*a, chunk_blocks_only=True), "whole prompt"),
+    (grading.check_schedule_step, lambda *a: _schedule(*a, no_chunking=True), "chunked prefill"),
+    (grading.check_schedule_step, lambda *a: _schedule(*a, keep_victim_blocks=True), "add its blocks"),
+    (grading.check_schedule_step, lambda *a: _schedule(*a, in_place=True), "modified the `running`"),
+]
+
+
+@pytest.mark.parametrize("grader, wrong, match", WRONG_02_03, ids=[m for _, _, m in WRONG_02_03])
+def test_02_03_graders_reject_classic_mistakes(grader, wrong, match, capsys):
+    test_graders_reject_classic_mistakes(grader, wrong, match, capsys)
+
+
+def test_02_03_graders_accept_the_correct_variants():
+    grading.check_slot_mapping(lambda t, ps, bs: torch.tensor([t[p // bs] * bs + p % bs for p in ps]))  # a tensor
+    grading.check_paged_attention(_paged)
+    grading.check_prefix_allocator(_Allocator)
+    grading.check_schedule_step(_schedule)

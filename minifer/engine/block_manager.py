@@ -146,6 +146,16 @@ class BlockManager:
         """Shrink a sequence to ``num_tokens`` tokens (speculative rollback), freeing emptied blocks."""
         seq = self._seqs[seq_id]
         keep = self.blocks_needed(num_tokens)
+        if num_tokens % self.block_size and keep <= len(seq.table):
+            # The new last block is cut in the middle and will be written again: it must be this
+            # sequence's alone, and it no longer holds the tokens its cache entry promises.
+            block = self.blocks[seq.table[keep - 1]]
+            if block.ref_count > 1:
+                raise ValueError(f"cannot truncate {seq_id!r} inside block {block.block_id}, which other sequences "
+                                 f"share (a rollback may not reach into a shared prefix)")
+            if block.block_hash is not None:
+                del self._cache[block.block_hash]
+                block.block_hash, block.token_ids = None, ()
         while len(seq.table) > keep:
             self._unref(seq.table.pop())
         del seq.hashes[num_tokens // self.block_size :]
