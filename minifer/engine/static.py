@@ -42,7 +42,8 @@ def run_static_batch(model: LlamaForCausalLM, batch: list[Sequence], tokenizer, 
     seen = None
     if any(s.params.repetition_penalty != 1 for s in batch):
         seen = torch.zeros(b, cfg.vocab_size, dtype=torch.bool, device=device)
-        seen.scatter_(1, ids, valid)
+        rows = torch.arange(b, device=device)[:, None].expand(b, p)
+        seen[rows[valid], ids[valid]] = True  # padding slots hold id 0 too: only real tokens count
 
     cache.begin_step(0, p, valid)
     hidden = model(ids.reshape(-1), positions.reshape(-1), cache)
@@ -60,7 +61,10 @@ def run_static_batch(model: LlamaForCausalLM, batch: list[Sequence], tokenizer, 
         if seen is not None:
             seen[torch.arange(b, device=device), nxt] = True
         cache.begin_step(p + step, 1, ones)
-        hidden = model(nxt, lens + step, cache)
+        # Rows that already finished keep stepping (the static-batching waste); their positions may run
+        # past the model's limit, so clamp them — their outputs are ignored.
+        positions = (lens + step).clamp(max=model.model.rotary.cos.shape[0] - 1)
+        hidden = model(nxt, positions, cache)
         logits = model.compute_logits(hidden)
         step += 1
 
