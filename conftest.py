@@ -8,6 +8,5 @@ import os
 
 import torch
 
-os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")  # Triton 3.9 warns until the default is chosen
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
