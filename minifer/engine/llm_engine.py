@@ -135,13 +135,20 @@ class LLMEngine:
 
     def stats(self) -> dict[str, float | int]:
         bm = self.block_manager
-        in_use = bm.num_blocks - bm.num_free_blocks
-        stored = sum(s.num_computed_tokens for s in self.scheduler.running)
+        # Tokens held per physical block: a prefix block shared by several sequences counts once.
+        held: dict[int, int] = {}
+        for s in self.scheduler.running:
+            for i, bid in enumerate(bm.block_table(s.request_id)):
+                n = min(bm.block_size, s.num_computed_tokens - i * bm.block_size)
+                if n > 0:
+                    held[bid] = max(held.get(bid, 0), n)
+        in_use = len({bid for s in self.scheduler.running for bid in bm.block_table(s.request_id)})
+        stored = sum(held.values())
         return {
             "kv_blocks_total": bm.num_blocks,
             "kv_blocks_free": bm.num_free_blocks,
             "kv_blocks_cached": bm.num_cached_blocks,
-            "kv_utilization": stored / (in_use * bm.block_size) if in_use else 0.0,
+            "kv_utilization": stored / (in_use * bm.block_size) if in_use else 0.0,  # of the running requests' blocks
             "num_preemptions": self.scheduler.num_preemptions,
             "prefix_cache_hit_rate": bm.cache_hits / bm.cache_queries if bm.cache_queries else 0.0,
             "num_running": len(self.scheduler.running),

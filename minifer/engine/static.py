@@ -3,8 +3,8 @@
 Requests are cut into batches of ``batch_size`` in arrival order. Each batch is left-padded to its longest
 prompt, prefilled in one forward, then decoded one token per step *until its longest request finishes*:
 rows that finished early keep occupying their slot (computing padding), and no new request may join.
-Each row also reserves KV memory for prompt + max_tokens up front. Those two wastes are what the paged,
-continuous engine removes.
+Every row also reserves KV memory up front for the batch's longest prompt plus its largest max_tokens.
+Those two wastes are what the paged, continuous engine removes.
 """
 
 from __future__ import annotations
