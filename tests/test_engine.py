@@ -32,8 +32,9 @@ def tokens(outs) -> list[list[int]]:
     return [o.outputs[0].token_ids for o in outs]
 
 
+@pytest.mark.parametrize("use_null_block", [False, True])
 @pytest.mark.parametrize("shape", [(1, 1, 1), (3, 5, 4), (2, 17, 16), (4, 33, 8)])
-def test_paged_reference_equals_dense_attention(shape):
+def test_paged_reference_equals_dense_attention(shape, use_null_block):
     batch, max_ctx, block_size = shape
     hq, hkv, d = 6, 2, 8
     gen = torch.Generator().manual_seed(sum(shape))
@@ -47,8 +48,11 @@ def test_paged_reference_equals_dense_attention(shape):
         tables.append(perm[used : used + n])
         used += n
     cache = PagedKVCache(1, nblocks, block_size, hkv, d, torch.float32, "cpu")
-    cache.k.fill_(float("nan"))  # poisoned: unwritten slots must never be read
-    cache.v.fill_(float("nan"))
+    cache.k[:, :-1].fill_(float("nan"))  # poisoned: unwritten slots must never be read
+    cache.v[:, :-1].fill_(float("nan"))
+    if not use_null_block:  # then even the null block is poisoned, and masked keys must be zeroed
+        cache.k[:, -1].fill_(float("nan"))
+        cache.v[:, -1].fill_(float("nan"))
     q = [torch.randn(c, hq, d, generator=gen) for c in ctx]
     k = [torch.randn(c, hkv, d, generator=gen) for c in ctx]
     v = [torch.randn(c, hkv, d, generator=gen) for c in ctx]
@@ -56,7 +60,8 @@ def test_paged_reference_equals_dense_attention(shape):
         for p in range(c - qlen[b]):
             slot = tables[b][p // block_size] * block_size + p % block_size
             cache.k[0].view(-1, hkv, d)[slot], cache.v[0].view(-1, hkv, d)[slot] = k[b][p], v[b][p]
-    cache.meta = PagedAttentionMetadata.build(tables, ctx, qlen, block_size, torch.device("cpu"))
+    cache.meta = PagedAttentionMetadata.build(tables, ctx, qlen, block_size, torch.device("cpu"),
+                                              null_slot=cache.null_slot if use_null_block else None)
     new = lambda xs: torch.cat([x[c - ql :] for x, c, ql in zip(xs, ctx, qlen)])  # noqa: E731
     out = cache.attend(0, new(q), new(k), new(v))
     ref = []

@@ -42,7 +42,7 @@ class ModelRunner:
                 last_token_index.append(len(ids) - 1)
         dev = self.device
         self.cache.meta = PagedAttentionMetadata.build(tables, ctx_lens, batch.num_new_tokens,
-                                                       self.cache.block_size, dev)
+                                                       self.cache.block_size, dev, null_slot=self.cache.null_slot)
         hidden = self.model(torch.tensor(ids, device=dev), torch.tensor(positions, device=dev), self.cache)
         self.cache.meta = None
         if not sampling_rows:
