@@ -42,7 +42,8 @@ def _add_engine_args(p: argparse.ArgumentParser, modes: list[str]) -> None:
     g.add_argument("--no-chunked-prefill", action="store_true")
     g.add_argument("--no-prefix-caching", action="store_true")
     g.add_argument("--repeats", type=int, default=3, help="rounds; engines alternate within each round")
-    g.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: see roofline.default_threads)")
+    g.add_argument("--threads", type=int, default=None,
+                   help="torch CPU threads (default: see roofline.default_threads)")
     g.add_argument("--no-warmup", action="store_true")
     g.add_argument("--no-progress", action="store_true", help="no tqdm bars")
     g.add_argument("--out", default=None, help="JSON path (default runs/<command>.json)")
@@ -94,12 +95,13 @@ def _finish(args, result: dict, name: str) -> Path:
 def cmd_throughput(args) -> int:
     from minifer.bench.serving import metadata, throughput_benchmark
 
+    meta = metadata(args.argv)  # the commit and time at the start of the run
     llm = _setup(args)
     w = _workload(args, llm)
     res = throughput_benchmark(llm, w, modes=args.modes, repeats=args.repeats, max_num_seqs=args.max_num_seqs,
                                hf_batch_size=args.hf_batch_size, warmup=not args.no_warmup,
                                progress=not args.no_progress, engine_kw=_engine_kw(args))
-    result = {"kind": "throughput", "metadata": metadata(args.argv), "config": _config(args, llm), **res}
+    result = {"kind": "throughput", "metadata": meta, "config": _config(args, llm), **res}
     b = res["step_bound"]
     print(f"step bound ({b['slots']} slots): static {b['static_steps']} / continuous {b['continuous_steps']} "
           f"= {b['ratio']:.3f}x")
@@ -110,8 +112,8 @@ def cmd_throughput(args) -> int:
     for k, r in res["summary"]["ratios"].items():
         extra = ""
         if "bound" in r:
-            extra = (f" = {r['fraction_of_bound']:.0%} of the bound {r['bound']:.2f}x (steps {r['measured_step_ratio']:.2f}x,"
-                     f" time/step {r['step_time_ratio']:.2f}x)")
+            extra = (f" = {r['fraction_of_bound']:.0%} of the bound {r['bound']:.2f}x "
+                     f"(steps {r['measured_step_ratio']:.2f}x, time/step {r['step_time_ratio']:.2f}x)")
         print(f"{k}: {r['median_of_round_ratios']:.2f}x (median of rounds; ratio of medians "
               f"{r['ratio_of_medians']:.2f}x){extra}")
     _finish(args, result, "throughput.json")
@@ -121,11 +123,12 @@ def cmd_throughput(args) -> int:
 def cmd_serve(args) -> int:
     from minifer.bench.serving import metadata, serve_benchmark
 
+    meta = metadata(args.argv)
     llm = _setup(args)
     res = serve_benchmark(llm, lambda rate: _workload(args, llm, rate), args.rate, modes=args.modes,
                           repeats=args.repeats, max_num_seqs=args.max_num_seqs, hf_batch_size=args.hf_batch_size,
                           warmup=not args.no_warmup, progress=not args.no_progress, engine_kw=_engine_kw(args))
-    result = {"kind": "serve", "metadata": metadata(args.argv), "config": _config(args, llm), **res}
+    result = {"kind": "serve", "metadata": meta, "config": _config(args, llm), **res}
     _finish(args, result, "serve.json")
     return 0
 
@@ -136,7 +139,8 @@ def cmd_bound(args) -> int:
     curves = {spec: bound_curve(args.num_requests, spec, args.slots, seeds=range(args.seeds)) for spec in args.output}
     for spec, rows in curves.items():
         print(spec + ": " + ", ".join(f"n={r['num_requests']} {r['ratio_mean']:.2f}x" for r in rows))
-    result = {"kind": "bound", "metadata": metadata(args.argv), "slots": args.slots, "seeds": args.seeds, "curves": curves}
+    result = {"kind": "bound", "metadata": metadata(args.argv), "slots": args.slots, "seeds": args.seeds,
+              "curves": curves}
     _finish(args, result, "bound.json")
     return 0
 
@@ -144,11 +148,12 @@ def cmd_bound(args) -> int:
 def cmd_profile(args) -> int:
     from minifer.bench.serving import metadata, profile_modes
 
+    meta = metadata(args.argv)
     llm = _setup(args)
     w = _workload(args, llm)
     res = profile_modes(llm, w, modes=args.modes, max_num_seqs=args.max_num_seqs, engine_kw=_engine_kw(args),
                         top=args.top)
-    result = {**res, "metadata": metadata(args.argv), "config": _config(args, llm), "workload": w.summary()}
+    result = {**res, "metadata": meta, "config": _config(args, llm), "workload": w.summary()}
     _finish(args, result, "profile.json")
     return 0
 
@@ -180,7 +185,8 @@ def main(argv: list[str] | None = None) -> int:
     p = sub.add_parser("bound", help="the scheduler-step bound against the number of requests")
     p.add_argument("--slots", type=int, default=16)
     p.add_argument("--num-requests", "-n", type=int, nargs="+", default=[16, 32, 64, 128, 256, 512, 1024, 2048])
-    p.add_argument("--output", nargs="+", default=["fixed:64", "uniform:4:124", "exp:64:4:256", "lognormal:64:1.5:4:1000"])
+    p.add_argument("--output", nargs="+",
+                   default=["fixed:64", "uniform:4:124", "exp:64:4:256", "lognormal:64:1.5:4:1000"])
     p.add_argument("--seeds", type=int, default=5)
     p.add_argument("--out", default=None)
     p.add_argument("--plot", action="store_true")

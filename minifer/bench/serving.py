@@ -268,7 +268,8 @@ def run_continuous(llm, workload: Workload, *, max_num_seqs: int = 16, max_num_b
         now = time.perf_counter() - t0
         while i < len(reqs) and reqs[i].arrival <= now:
             r = reqs[i]
-            seq = engine.add_request(r.request_id, {"prompt_token_ids": r.prompt_token_ids}, greedy_params(r.max_tokens))
+            seq = engine.add_request(r.request_id, {"prompt_token_ids": r.prompt_token_ids},
+                                     greedy_params(r.max_tokens))
             seq.metrics.arrival_time = t0 + r.arrival
             seqs.append((seq, r))
             i += 1
@@ -615,7 +616,8 @@ def profile_modes(llm, workload: Workload, *, modes: Sequence[str] = ("static", 
     import io
     import pstats
 
-    runners = {m: _runner(m, llm, None, max_num_seqs, max_num_seqs, False, engine_kw or {}) for m in modes}
+    hf_model = load_hf_model(llm) if "hf" in modes else None
+    runners = {m: _runner(m, llm, hf_model, max_num_seqs, max_num_seqs, False, engine_kw or {}) for m in modes}
     _warmup(runners, workload, min(len(workload.requests), 2 * max_num_seqs))
     result: dict[str, Any] = {"kind": "profile", "modes": {}}
     for m in modes:
@@ -656,7 +658,7 @@ def plot_throughput(result: dict[str, Any], ax=None):
     ax.bar([MODE_LABELS.get(m, m) for m in modes], med, yerr=[lo, hi], capsize=4,
            color=[colors.get(m, "tab:green") for m in modes])
     for i, v in enumerate(med):
-        ax.text(i, v, f"{v:.0f}", ha="center", va="bottom")
+        ax.text(i, v + hi[i], f"{v:.0f}", ha="center", va="bottom")
     ax.set_ylabel("output tokens / s (median over rounds)")
     w = result["workload"]
     title = f"{w['realised']['num_requests']} requests, in {w.get('input')}, out {w.get('output')}"
@@ -738,7 +740,11 @@ def plot_profile(result: dict[str, Any], ax=None):
     if ax is None:
         _, ax = plt.subplots(figsize=(9, 5))
     modes = list(result["modes"])
-    names = sorted({n for m in modes for n in result["modes"][m]["breakdown"]})
+    size = {}
+    for m in modes:
+        for n, b in result["modes"][m]["breakdown"].items():
+            size[n] = max(size.get(n, 0.0), b["ms_per_step"])
+    names = sorted(size, key=size.get)  # largest at the top
     height = 0.8 / max(len(modes), 1)
     for j, m in enumerate(modes):
         b = result["modes"][m]["breakdown"]
@@ -786,5 +792,6 @@ def plot_file(path: str | Path, out: str | Path | None = None) -> Path:
 
 __all__ = ["static_steps", "continuous_steps", "step_bound", "bound_curve", "percentile", "describe",
            "RequestTiming", "serving_metrics", "RunResult", "run_continuous", "run_static", "run_hf",
-           "load_hf_model", "throughput_benchmark", "serve_benchmark", "metadata", "save_result", "MODES", "plot_file", "profile_modes",
+           "load_hf_model", "throughput_benchmark", "serve_benchmark", "metadata", "save_result", "MODES",
+           "plot_file", "profile_modes",
            "plot_throughput", "plot_serve", "plot_bound", "plot_profile"]
