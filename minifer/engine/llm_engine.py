@@ -14,6 +14,7 @@ error; the others are unaffected. Nothing admitted is lost: every request finish
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -114,8 +115,6 @@ class LLMEngine:
             if self.scheduler.has_unfinished():
                 raise RuntimeError("scheduler made no progress: no request fits in the free KV blocks")
             return []
-        import time
-
         now = time.perf_counter()
         for seq in batch.seqs:
             seq.metrics.first_scheduled_time = seq.metrics.first_scheduled_time or now

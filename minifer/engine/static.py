@@ -9,6 +9,7 @@ Those two wastes are what the paged, continuous engine removes.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 
 import torch
@@ -34,7 +35,7 @@ def run_static_batch(model: LlamaForCausalLM, batch: list[Sequence], tokenizer, 
     for i, s in enumerate(batch):
         ids[i, p - len(s.prompt_token_ids):] = torch.tensor(s.prompt_token_ids, device=device)
         s.status = SequenceStatus.RUNNING
-        s.metrics.first_scheduled_time = s.metrics.first_scheduled_time or __import__("time").perf_counter()
+        s.metrics.first_scheduled_time = s.metrics.first_scheduled_time or time.perf_counter()
     pad = (p - lens)[:, None]
     slots = torch.arange(p, device=device)[None, :]
     valid = slots >= pad
