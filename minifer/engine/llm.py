@@ -200,8 +200,7 @@ class LLM:
         for s in seqs:
             engine.scheduler.check_fits(s)  # reject before anything runs, as for bad prompts
         for s in seqs:
-            engine.scheduler.add(s)
-            engine.requests[s.request_id] = s
+            engine.add_sequence(s)
         while engine.has_unfinished_requests():
             for out in engine.step():
                 if out.finished and bar is not None:

@@ -79,9 +79,15 @@ class LLMEngine:
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         seq = self._make_sequence(0, prompt, params, request_id=request_id)
-        self.scheduler.add(seq)
-        self.requests[request_id] = seq
+        self.add_sequence(seq)
         return seq
+
+    def add_sequence(self, seq: Sequence) -> None:
+        """Queue an already validated request (``LLM.generate`` validates a whole batch first)."""
+        if seq.request_id in self.requests:
+            raise ValueError(f"request id {seq.request_id!r} is already in use")
+        self.scheduler.add(seq)
+        self.requests[seq.request_id] = seq
 
     def abort_request(self, request_id: str) -> None:
         seq = self.requests.get(request_id)
