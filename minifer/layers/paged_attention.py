@@ -25,21 +25,33 @@ def slot_mapping(block_table: list[int], positions: list[int], block_size: int) 
 
 
 @dataclass
+class AttentionGroup:
+    """Sequences attended in one dense SDPA call, with every index it needs precomputed (once per step,
+    not once per layer). Decodes form one group and prompt chunks another, so a mixed step does not pad
+    every decode row to the longest chunk."""
+
+    key_slots: torch.Tensor  # [b * S] cache slot of each key of each sequence (the null slot where masked)
+    key_valid: torch.Tensor  # [b, S, 1, 1] False past each sequence's context
+    mask: torch.Tensor  # [b, 1, T, S] True where query t may attend to key s
+    query_index: torch.Tensor  # [b, T] index into the packed tokens (0 for padding)
+    out_index: torch.Tensor  # [n] packed index of each real (non-padding) query, in [b, T] order
+    query_valid: torch.Tensor  # [b, T]
+    num_seqs: int
+    num_queries: int  # T
+    num_keys: int  # S
+    is_decode: bool  # one new token per sequence: no padding, and GQA folds into the query axis
+
+
+@dataclass
 class PagedAttentionMetadata:
     slot_mapping: torch.Tensor  # [N] cache slot of each new token
-    query_index: torch.Tensor  # [B, T] index into the packed tokens of each (sequence, new-token) pair
-    query_valid: torch.Tensor  # [B, T] False for the padding of sequences with fewer new tokens
-    key_slots: torch.Tensor  # [B, S] cache slot of each key of each sequence (0 where masked)
-    key_valid: torch.Tensor  # [B, S] False past each sequence's context
-    mask: torch.Tensor  # [B, 1, T, S] True where query t of sequence b may attend to key s
+    groups: list[AttentionGroup]
     num_tokens: int
     block_tables: torch.Tensor  # [B, max_blocks] int32 (padded with 0), for the Triton kernels
     context_lens: torch.Tensor  # [B] int32
     is_decode: bool  # every sequence brings exactly one new token
-    # Sequences attended together: decodes in one group, prompt chunks in another, so a mixed step does
-    # not pad every decode row to the longest chunk. Each: (batch rows, new tokens T, context S).
-    groups: list[tuple[torch.Tensor, int, int]]
     null_slot: int | None  # masked keys read this all-zero slot (no zeroing needed after the gather)
+    covers_all_in_order: bool  # a single group whose outputs are the packed tokens in order
 
     @classmethod
     def build(cls, block_tables: list[list[int]], context_lens: list[int], query_lens: list[int],
@@ -47,58 +59,76 @@ class PagedAttentionMetadata:
         """``context_lens[i]``: tokens of sequence i once this step's are added; ``query_lens[i]``: new ones.
         ``null_slot``: a cache slot that always holds zeros (``PagedKVCache`` keeps one); without it the
         reference zeroes masked keys after gathering them."""
-        b = len(context_lens)
-        t_max, s_max = max(query_lens), max(context_lens)
         width = max(len(t) for t in block_tables)
         tables = torch.tensor([t + [0] * (width - len(t)) for t in block_tables], dtype=torch.long, device=device)
         ctx = torch.tensor(context_lens, device=device)
         qlen = torch.tensor(query_lens, device=device)
+        starts = torch.cumsum(qlen, 0) - qlen
+        # slot of each new token: position p of sequence i lives at table[i][p // bs] * bs + p % bs
+        seq_of_token = torch.repeat_interleave(torch.arange(len(query_lens), device=device), qlen)
+        pos = (ctx - qlen)[seq_of_token] + torch.arange(int(qlen.sum()), device=device) - starts[seq_of_token]
+        slots = tables[seq_of_token, pos // block_size] * block_size + pos % block_size
+        groups = []
+        decode_rows = [i for i, n in enumerate(query_lens) if n == 1]
+        chunk_rows = [i for i, n in enumerate(query_lens) if n > 1]
+        for rows in (decode_rows, chunk_rows):
+            if rows:
+                groups.append(cls._group(tables[rows], ctx[rows], qlen[rows], starts[rows], block_size, null_slot))
+        in_order = len(groups) == 1 and (not chunk_rows or len(chunk_rows) == len(query_lens))
+        return cls(slots, groups, int(qlen.sum()), tables.to(torch.int32), ctx.to(torch.int32),
+                   not chunk_rows, null_slot, in_order)
+
+    @staticmethod
+    def _group(tables: torch.Tensor, ctx: torch.Tensor, qlen: torch.Tensor, starts: torch.Tensor,
+               block_size: int, null_slot: int | None) -> AttentionGroup:
+        b, width = tables.shape
+        t_max, s_max = int(qlen.max()), int(ctx.max())
+        device = tables.device
         s = torch.arange(s_max, device=device)
         key_slots = tables.gather(1, (s // block_size).expand(b, -1).clamp(max=width - 1)) * block_size + s % block_size
-        key_valid = s[None, :] < ctx[:, None]  # [B, S]
+        key_valid = s[None, :] < ctx[:, None]  # [b, S]
         key_slots = torch.where(key_valid, key_slots, torch.full_like(key_slots, null_slot or 0))
         t = torch.arange(t_max, device=device)
-        q_pos = (ctx - qlen)[:, None] + t[None, :]  # [B, T] position of each new token
+        q_pos = (ctx - qlen)[:, None] + t[None, :]  # [b, T] position of each new token
         q_valid = t[None, :] < qlen[:, None]
-        starts = torch.cumsum(qlen, 0) - qlen
         query_index = torch.where(q_valid, starts[:, None] + t[None, :], torch.zeros_like(q_pos))
-        mask = key_valid[:, None, :] & (s[None, None, :] <= q_pos[:, :, None])  # [B, T, S]
+        mask = key_valid[:, None, :] & (s[None, None, :] <= q_pos[:, :, None])  # [b, T, S]
         # padded query rows attend to key 0 so their (discarded) output stays finite
         mask = mask | (~q_valid[:, :, None] & (s[None, None, :] == 0))
-        slot_mapping = key_slots.gather(1, q_pos.clamp(max=s_max - 1))[q_valid]
-        groups = []
-        for rows in ([i for i, n in enumerate(query_lens) if n == 1], [i for i, n in enumerate(query_lens) if n > 1]):
-            if rows:
-                groups.append((torch.tensor(rows, device=device), max(query_lens[i] for i in rows),
-                               max(context_lens[i] for i in rows)))
-        return cls(slot_mapping, query_index, q_valid, key_slots, key_valid, mask[:, None], int(qlen.sum()),
-                   tables.to(torch.int32), ctx.to(torch.int32), t_max == 1, groups, null_slot)
+        return AttentionGroup(key_slots.reshape(-1), key_valid[:, :, None, None], mask[:, None].contiguous(),
+                              query_index, query_index[q_valid], q_valid, b, t_max, s_max, t_max == 1)
 
 
 def paged_attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                               meta: PagedAttentionMetadata) -> torch.Tensor:
     """Attention of the packed new queries ``q`` ``[N, Hq, D]`` over the paged cache (already holding
     this step's keys/values). Gathers each sequence's keys through its block table into a padded
-    ``[B, Hkv, S, D]`` tensor and runs dense masked attention; returns ``[N, Hq, D]``."""
+    ``[B, S, Hkv, D]`` tensor and runs dense masked attention; returns ``[N, Hq, D]``."""
     n, hq, d = q.shape
     hkv = k_cache.shape[-2]
     k_flat, v_flat = k_cache.reshape(-1, hkv, d), v_cache.reshape(-1, hkv, d)
-    packed = torch.empty_like(q)
-    for rows, t, s in meta.groups:
-        b = rows.numel()
-        slots = meta.key_slots[rows, :s].reshape(-1)
-        keys = k_flat.index_select(0, slots).view(b, s, hkv, d)
-        values = v_flat.index_select(0, slots).view(b, s, hkv, d)
+    packed = None if meta.covers_all_in_order else torch.empty_like(q)
+    for g in meta.groups:
+        b, t, s = g.num_seqs, g.num_queries, g.num_keys
+        keys = k_flat.index_select(0, g.key_slots).view(b, s, hkv, d)
+        values = v_flat.index_select(0, g.key_slots).view(b, s, hkv, d)
         if meta.null_slot is None:
             # Slots past a sequence's end hold whatever an earlier owner left (even NaN): zero them, since
             # a masked score still multiplies its value (0 * NaN = NaN).
-            valid = meta.key_valid[rows, :s, None, None]
-            keys, values = torch.where(valid, keys, 0), torch.where(valid, values, 0)
-        q_index, q_valid = meta.query_index[rows, :t], meta.query_valid[rows, :t]
-        qb = q[q_index].transpose(1, 2)  # [b, Hq, T, D]
-        out = F.scaled_dot_product_attention(qb, keys.transpose(1, 2), values.transpose(1, 2),
-                                             attn_mask=meta.mask[rows, :, :t, :s], enable_gqa=True)
-        packed[q_index[q_valid]] = out.transpose(1, 2)[q_valid]
+            keys, values = torch.where(g.key_valid, keys, 0), torch.where(g.key_valid, values, 0)
+        keys, values = keys.transpose(1, 2), values.transpose(1, 2)  # [b, Hkv, S, D]
+        if g.is_decode:
+            # One query per sequence: the Hq/Hkv query heads that share a KV head become that head's
+            # "query positions" (same mask row), so SDPA needs no GQA expansion of the keys.
+            qb = q.index_select(0, g.out_index).view(b, hkv, hq // hkv, d)
+            out = F.scaled_dot_product_attention(qb, keys, values, attn_mask=g.mask).reshape(b, hq, d)
+        else:
+            qb = q[g.query_index].transpose(1, 2)  # [b, Hq, T, D]
+            out = F.scaled_dot_product_attention(qb, keys, values, attn_mask=g.mask, enable_gqa=True)
+            out = out.transpose(1, 2)[g.query_valid]
+        if packed is None:
+            return out
+        packed[g.out_index] = out
     return packed
 
 
