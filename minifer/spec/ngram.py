@@ -1,0 +1,61 @@
+"""Prompt-lookup decoding: n-gram proposals, a draft that needs no model (vLLM's ``"ngram"`` method).
+
+Much generated text repeats its context: code edits, summaries and retrieval answers copy spans of the
+prompt, and a story repeats its characters' names. If the last few tokens occurred earlier, the tokens
+that followed them then are a good guess for what follows now. The guess costs a search over the
+sequence, not a forward pass, so even a modest acceptance rate pays off; when nothing matches, the step
+simply decodes one token as usual.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+
+__all__ = ["ngram_propose"]
+
+
+def ngram_propose(token_ids: Sequence[int], k: int, prompt_lookup_max: int, prompt_lookup_min: int) -> list[int]:
+    """Up to ``k`` draft tokens for a sequence whose tokens so far (prompt and output) are ``token_ids``.
+
+    For ``n`` from ``prompt_lookup_max`` down to ``prompt_lookup_min``, the last ``n`` tokens are the
+    pattern; the first ``n`` with an earlier occurrence wins (a longer match is a more specific context),
+    and among its occurrences the most recent one (the nearest context). The proposal is what followed that
+    occurrence, at most ``k`` tokens and fewer where the sequence ends first; ``[]`` when no ``n`` matches.
+    (The occurrence may overlap the pattern itself: in ``a b a b a b`` the pattern ``a b`` last occurred
+    two tokens earlier and is followed by ``a b``.)
+
+    Cost: candidates are narrowed one token at a time, from the positions that hold the last token (one
+    vectorised pass over the sequence) to those that also hold the one before it, and so on, so a call is
+    O(len(token_ids)) for a bounded ``prompt_lookup_max``. vLLM's proposer finds the longest match with KMP
+    and, among equally long matches, takes the earliest; this one takes the most recent.
+    """
+    for name, value in (("k", k), ("prompt_lookup_max", prompt_lookup_max), ("prompt_lookup_min", prompt_lookup_min)):
+        if not isinstance(value, (int, np.integer)) or isinstance(value, bool):
+            raise ValueError(f"{name} must be an integer, got {value!r}")
+    if k < 1:
+        raise ValueError(f"k (the number of tokens to propose) must be >= 1, got {k}")
+    if not 1 <= prompt_lookup_min <= prompt_lookup_max:
+        raise ValueError(f"need 1 <= prompt_lookup_min <= prompt_lookup_max, got prompt_lookup_min="
+                         f"{prompt_lookup_min}, prompt_lookup_max={prompt_lookup_max}")
+    tokens = np.asarray(token_ids, dtype=np.int64)
+    if tokens.ndim != 1:
+        raise ValueError(f"token_ids must be a flat sequence of token ids, got shape {tokens.shape}")
+    total = len(tokens)
+    if total < 2:
+        return []
+    # `ends`: the last index of every earlier occurrence of the last n tokens (never the suffix itself,
+    # which ends at total - 1); n = 1 first, then each step keeps those whose token n back matches too.
+    ends = np.flatnonzero(tokens[:-1] == tokens[-1])
+    best_end = int(ends[-1]) if ends.size and prompt_lookup_min == 1 else -1
+    n = 1
+    while ends.size and n < prompt_lookup_max:
+        n += 1
+        ends = ends[ends >= n - 1]
+        ends = ends[tokens[ends - (n - 1)] == tokens[total - n]]
+        if ends.size and n >= prompt_lookup_min:
+            best_end = int(ends[-1])
+    if best_end < 0:
+        return []
+    return tokens[best_end + 1 : best_end + 1 + k].tolist()
