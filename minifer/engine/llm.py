@@ -67,6 +67,9 @@ class LLM:
         block_size, num_kv_blocks, kv_cache_memory, gpu_memory_utilization, enable_prefix_caching:
             the paged KV cache (continuous batching only); see ``CacheConfig``.
         max_num_batched_tokens, enable_chunked_prefill: the scheduler's per-step token budget.
+        quantization: None, ``"int8"``, ``"int4"`` (g128, symmetric) or ``"fp8"``: weight-only, round-to-nearest
+            on load (chapter 05; ``minifer.quant``). A folder written by ``save_quantized`` loads quantized
+            without it.
     """
 
     def __init__(self, model: str | Path, *, tokenizer: str | Path | None = None, dtype: str | torch.dtype = "auto",
@@ -74,7 +77,8 @@ class LLM:
                  load_format: str = "auto", max_num_seqs: int = 16, batching: str = "continuous",
                  block_size: int = 16, num_kv_blocks: int | None = None, kv_cache_memory: int = 256 * 2**20,
                  gpu_memory_utilization: float = 0.9, enable_prefix_caching: bool = True,
-                 max_num_batched_tokens: int = 2048, enable_chunked_prefill: bool = True) -> None:
+                 max_num_batched_tokens: int = 2048, enable_chunked_prefill: bool = True,
+                 quantization: str | None = None) -> None:
         if batching not in ("static", "continuous"):
             raise ValueError(f"batching must be 'static' or 'continuous', got {batching!r}")
         if not isinstance(max_num_seqs, int) or max_num_seqs < 1:
@@ -89,8 +93,11 @@ class LLM:
                              f"got {max_model_len}")
         self.max_model_len = max_model_len or limit
         self.max_num_seqs, self.batching, self.seed = max_num_seqs, batching, seed
-        self.model = build_model(self.model_path, load_format=load_format, dtype=self.dtype, device=self.device,
-                                 max_positions=limit, seed=seed)
+        from minifer.quant.checkpoint import load_model
+
+        self.model = load_model(self.model_path, quantization, load_format=load_format, dtype=self.dtype,
+                                device=self.device, max_positions=limit, seed=seed)
+        self.quantization_config = getattr(self.model, "quantization_config", None)
         tok_path = resolve_model(tokenizer) if tokenizer is not None else self.model_path
         self.tokenizer = load_tokenizer(tok_path)
         self.eos_token_ids = frozenset(self._eos_ids())
