@@ -150,16 +150,22 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[
     """Draw one token per row. ``logprobs`` are those of the *model's* distribution (before penalty,
     temperature and truncation), as vLLM reports them by default."""
     processed = process_logits(logits, params, seen)
-    probs = processed.softmax(dim=-1)
-    tokens: list[int] = []
-    for i, p in enumerate(params):
-        if p.greedy:
-            tokens.append(int(processed[i].argmax()))
-        else:
-            tokens.append(int(torch.multinomial(probs[i], 1, generator=generators[i])))
+    tokens = processed.argmax(dim=-1).tolist()  # greedy rows keep these; one device sync for the batch
+    if not all(p.greedy for p in params):
+        probs = processed.softmax(dim=-1)
+        for i, p in enumerate(params):
+            if not p.greedy:
+                tokens[i] = int(torch.multinomial(probs[i], 1, generator=generators[i]))
+    return token_logprobs(logits, tokens, params)
+
+
+def token_logprobs(logits: torch.Tensor, tokens: list[int], params: list[SamplingParams]) -> SampleResult:
+    """The result for ``tokens[i]`` drawn from row ``i`` of ``logits``: its log-probability under the raw
+    model distribution and, when ``params[i].logprobs`` asks for it, the top candidates with ranks.
+    (Speculative decoding reuses it: each emitted token's row is the target's logits at its position.)"""
     raw_logp = logits.float().log_softmax(dim=-1)
-    result = SampleResult(tokens)
-    result.sampled_logprob = [float(raw_logp[i, t]) for i, t in enumerate(tokens)]
+    result = SampleResult(list(tokens))
+    result.sampled_logprob = raw_logp.gather(-1, torch.tensor(tokens, device=logits.device)[:, None])[:, 0].tolist()
     for i, p in enumerate(params):
         if p.logprobs is None:
             result.logprobs.append(None)

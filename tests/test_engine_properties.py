@@ -1,5 +1,5 @@
 """Property test of the whole engine: random arrivals, lengths, aborts and forced preemptions over many
-steps. Invariants: block reference counts always match the block tables, nothing leaks, every request
+steps, with and without speculative decoding (whose rollbacks free blocks too). Invariants: block reference counts always match the block tables, nothing leaks, every request
 that was not aborted finishes with exactly the tokens it produces alone, and streaming deltas add up."""
 
 from __future__ import annotations
@@ -27,9 +27,18 @@ def reference():
     return solo
 
 
-@pytest.fixture(scope="module")
-def engine_llm():
-    return LLM("tinystories-target", block_size=4, num_kv_blocks=24, max_num_seqs=6, max_num_batched_tokens=24)
+SPECULATION = {
+    "plain": None,
+    # fixed k, so every step speculates and rolls back; a tiny cache, so preemption meets speculation
+    "draft": {"method": "draft_model", "model": "tinystories-draft", "num_speculative_tokens": 3, "adaptive": False},
+    "ngram": {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3, "adaptive": False},
+}
+
+
+@pytest.fixture(scope="module", params=list(SPECULATION))
+def engine_llm(request):
+    return LLM("tinystories-target", block_size=4, num_kv_blocks=24, max_num_seqs=6, max_num_batched_tokens=24,
+               speculative_config=SPECULATION[request.param])
 
 
 request = st.tuples(
@@ -70,6 +79,8 @@ def test_random_workload(engine_llm, reference, requests, shared_prefix):
                 live.discard(out.request_id)
                 assert out.outputs[0].text == streamed[out.request_id]
         engine.block_manager.check_invariants()
+        if engine.speculator is not None and hasattr(engine.speculator.proposer, "blocks"):
+            engine.speculator.proposer.blocks.check_invariants()
         step += 1
         assert step < 2000, "engine made no progress"
     assert set(finished) | aborted == {f"q{i}" for i in range(len(requests))}
@@ -79,3 +90,7 @@ def test_random_workload(engine_llm, reference, requests, shared_prefix):
     stats = engine_llm.stats()
     assert stats["kv_blocks_free"] == stats["kv_blocks_total"]
     assert all(b.ref_count == 0 for b in engine.block_manager.blocks)
+    proposer = getattr(engine.speculator, "proposer", None)
+    if hasattr(proposer, "blocks"):  # the draft's cache: every block back, no state left for any request
+        assert proposer.blocks.num_free_blocks == proposer.blocks.num_blocks
+        assert not proposer.computed

@@ -19,6 +19,7 @@ from minifer.config import ModelConfig
 from minifer.engine.llm_engine import CacheConfig, LLMEngine
 from minifer.engine.scheduler import SchedulerConfig
 from minifer.engine.sequence import Sequence
+from minifer.engine.speculative import SpeculativeConfig
 from minifer.engine.static import generate_static
 from minifer.loader import build_model, load_config, load_tokenizer, resolve_model
 from minifer.outputs import RequestOutput
@@ -67,6 +68,9 @@ class LLM:
         block_size, num_kv_blocks, kv_cache_memory, gpu_memory_utilization, enable_prefix_caching:
             the paged KV cache (continuous batching only); see ``CacheConfig``.
         max_num_batched_tokens, enable_chunked_prefill: the scheduler's per-step token budget.
+        speculative_config: vLLM's dict, e.g. ``{"method": "draft_model", "model": "tinystories-draft",
+            "num_speculative_tokens": 4}`` or ``{"method": "ngram", "num_speculative_tokens": 4,
+            "prompt_lookup_max": 4, "prompt_lookup_min": 1}``; ``"adaptive": False`` fixes k (chapter 04).
         quantization: None, ``"int8"``, ``"int4"`` (g128, symmetric) or ``"fp8"``: weight-only, round-to-nearest
             on load (chapter 05; ``minifer.quant``). A folder written by ``save_quantized`` loads quantized
             without it.
@@ -78,7 +82,7 @@ class LLM:
                  block_size: int = 16, num_kv_blocks: int | None = None, kv_cache_memory: int = 256 * 2**20,
                  gpu_memory_utilization: float = 0.9, enable_prefix_caching: bool = True,
                  max_num_batched_tokens: int = 2048, enable_chunked_prefill: bool = True,
-                 quantization: str | None = None) -> None:
+                 speculative_config: dict[str, Any] | None = None, quantization: str | None = None) -> None:
         if batching not in ("static", "continuous"):
             raise ValueError(f"batching must be 'static' or 'continuous', got {batching!r}")
         if not isinstance(max_num_seqs, int) or max_num_seqs < 1:
@@ -104,11 +108,34 @@ class LLM:
         self._generator = torch.Generator(device=self.device).manual_seed(seed)
         self._counter = itertools.count()
         self.engine: LLMEngine | None = None
+        spec = SpeculativeConfig.from_dict(speculative_config) if speculative_config is not None else None
+        if spec is not None and batching != "continuous":
+            raise ValueError("speculative decoding runs inside the continuous engine: use batching='continuous'")
+        self.draft_model = self._load_draft(spec) if spec is not None and spec.method == "draft_model" else None
         if batching == "continuous":
             self.engine = LLMEngine(
                 self.model, self.tokenizer, self.make_sequence,
                 CacheConfig(block_size, num_kv_blocks, kv_cache_memory, gpu_memory_utilization, enable_prefix_caching),
-                SchedulerConfig(max_num_seqs, max_num_batched_tokens, enable_chunked_prefill))
+                SchedulerConfig(max_num_seqs, max_num_batched_tokens, enable_chunked_prefill), spec, self.draft_model)
+
+    def _load_draft(self, spec: SpeculativeConfig) -> torch.nn.Module:
+        """Load the draft (same device and dtype) and check it speaks the target's vocabulary: drafts are
+        compared with the target token by token, so both must number tokens identically."""
+        if isinstance(spec.model, torch.nn.Module):
+            draft, draft_cfg, draft_tok = spec.model, spec.model.config, None
+        else:
+            path = resolve_model(spec.model)
+            draft_cfg = load_config(path)
+            draft = build_model(path, load_format="auto", dtype=self.dtype, device=self.device,
+                                max_positions=max(self.max_model_len, draft_cfg.max_position_embeddings), seed=self.seed)
+            draft_tok = load_tokenizer(path)
+        if draft_cfg.vocab_size != self.model_config.vocab_size:
+            raise ValueError(f"the draft model's vocabulary has {draft_cfg.vocab_size} tokens but the target's has "
+                             f"{self.model_config.vocab_size}: a draft must use the target's tokenizer")
+        if draft_tok is not None and self.tokenizer is not None and draft_tok.get_vocab() != self.tokenizer.get_vocab():
+            raise ValueError("the draft model's tokenizer differs from the target's (same size, different tokens): "
+                             "a draft must use the target's tokenizer")
+        return draft
 
     def stats(self) -> dict[str, float | int]:
         """KV-cache and scheduler statistics of the continuous engine."""

@@ -24,9 +24,11 @@ from minifer.engine.block_manager import BlockManager
 from minifer.engine.runner import ModelRunner
 from minifer.engine.scheduler import Scheduler, SchedulerConfig
 from minifer.engine.sequence import Sequence, SequenceStatus
+from minifer.engine.speculative import SpeculativeConfig, Speculator, build_speculator
 from minifer.layers.paged_attention import PagedKVCache
 from minifer.models.llama import LlamaForCausalLM
 from minifer.outputs import RequestOutput
+from minifer.sampling import token_logprobs
 
 
 @dataclass
@@ -57,11 +59,17 @@ class CacheConfig:
 
 class LLMEngine:
     def __init__(self, model: LlamaForCausalLM, tokenizer, make_sequence, cache_config: CacheConfig,
-                 scheduler_config: SchedulerConfig) -> None:
+                 scheduler_config: SchedulerConfig, speculative_config: SpeculativeConfig | None = None,
+                 draft_model: LlamaForCausalLM | None = None) -> None:
         cfg, device = model.config, model.lm_head.weight.device
         dtype = model.lm_head.weight.dtype
         per_block = PagedKVCache.bytes_per_block(cfg.num_hidden_layers, cache_config.block_size,
                                                  cfg.num_key_value_heads, cfg.head_dim, dtype)
+        if draft_model is not None:  # the draft's cache gets as many blocks, from the same budget
+            dcfg = draft_model.config
+            per_block += PagedKVCache.bytes_per_block(dcfg.num_hidden_layers, cache_config.block_size,
+                                                      dcfg.num_key_value_heads, dcfg.head_dim,
+                                                      draft_model.lm_head.weight.dtype)
         num_blocks = cache_config.num_blocks(per_block, device)
         self.tokenizer = tokenizer
         self._make_sequence = make_sequence
@@ -71,6 +79,10 @@ class LLMEngine:
         self.scheduler = Scheduler(scheduler_config, self.block_manager)
         self.runner = ModelRunner(model, self.kv_cache, self.block_manager)
         self.requests: dict[str, Sequence] = {}
+        self.speculator: Speculator | None = None
+        if speculative_config is not None:
+            self.speculator = build_speculator(speculative_config, draft_model, self.runner, self.block_manager,
+                                               cfg.vocab_size, num_blocks, cache_config.block_size)
 
     # --- requests ---------------------------------------------------------------------------------------
 
@@ -94,6 +106,8 @@ class LLMEngine:
         if seq is None:
             raise KeyError(f"no unfinished request with id {request_id!r}")
         self.scheduler.abort(seq)
+        if self.speculator is not None:
+            self.speculator.release(request_id)
         seq.abort()
         del self.requests[request_id]
 
@@ -117,6 +131,10 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """One forward pass over the scheduled batch. Returns outputs of the requests that got a token."""
         batch = self.scheduler.schedule()
+        spec = self.speculator
+        if spec is not None:
+            for seq in batch.preempted:
+                spec.release(seq.request_id)
         if not batch.seqs:
             if self.scheduler.has_unfinished():
                 raise RuntimeError("scheduler made no progress: no request fits in the free KV blocks")
@@ -124,18 +142,43 @@ class LLMEngine:
         now = time.perf_counter()
         for seq in batch.seqs:
             seq.metrics.first_scheduled_time = seq.metrics.first_scheduled_time or now
-        rows, result = self.runner.execute(batch)
+        drafts = None
+        if spec is not None:
+            budget = self.scheduler.config.max_num_batched_tokens - sum(batch.num_new_tokens)
+            drafts = spec.propose(batch.seqs, batch.num_new_tokens, budget)
+        rows, logits = self.runner.execute(batch, drafts)
         for seq, n in zip(batch.seqs, batch.num_new_tokens):
             seq.num_computed_tokens += n
-            self.block_manager.register_computed(seq.request_id, seq.all_token_ids[: seq.num_computed_tokens])
+        sampled = [batch.seqs[i] for i in rows]
+        if drafts is None:
+            result = self.runner.sample(sampled, logits)
+            emitted = [[(t, lp, e)] for t, lp, e in zip(result.token_ids, result.sampled_logprob, result.logprobs)]
+        else:
+            emitted = []
+            for seq, (tokens, rows_logits) in zip(sampled, spec.verify(sampled, logits)):
+                r = token_logprobs(rows_logits, tokens, [seq.params] * len(tokens))
+                emitted.append(list(zip(r.token_ids, r.sampled_logprob, r.logprobs)))
+        if spec is not None:
+            spec.observe_step(sum(len(c) for c in drafts or []) + sum(batch.num_new_tokens),
+                              pure_decode=all(n == 1 for n in batch.num_new_tokens))
         outputs = []
-        for r, i in enumerate(rows):
-            seq = batch.seqs[i]
-            seq.append_token(result.token_ids[r], result.sampled_logprob[r], result.logprobs[r], self.tokenizer)
+        for seq, tokens in zip(sampled, emitted):
+            for j, (token, logprob, entry) in enumerate(tokens):
+                if j:  # an accepted draft token: its KV is already in the cache
+                    seq.num_computed_tokens += 1
+                seq.append_token(token, logprob, entry, self.tokenizer)
+                if seq.is_finished:
+                    break
+            if spec is not None and not seq.is_finished:
+                spec.rollback(seq)  # free the blocks that held rejected drafts
+            outputs.append(seq.to_output(self.tokenizer))
+        for seq in batch.seqs:  # full blocks of computed tokens join the prefix cache (finished ones too)
+            self.block_manager.register_computed(seq.request_id, seq.token_slice(0, seq.num_computed_tokens))
             if seq.is_finished:
                 self.scheduler.finish(seq)
+                if spec is not None:
+                    spec.release(seq.request_id)
                 del self.requests[seq.request_id]
-            outputs.append(seq.to_output(self.tokenizer))
         return outputs
 
     def stats(self) -> dict[str, float | int]:
@@ -158,6 +201,7 @@ class LLMEngine:
             "prefix_cache_hit_rate": bm.cache_hits / bm.cache_queries if bm.cache_queries else 0.0,
             "num_running": len(self.scheduler.running),
             "num_waiting": len(self.scheduler.waiting),
+            **(self.speculator.summary() if self.speculator is not None else {}),
         }
 
 

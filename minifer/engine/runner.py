@@ -2,11 +2,14 @@
 
 This is the only place that touches the KV tensors: the scheduler and block manager decide *which*
 tokens and *where* they go; the runner packs them (``input_ids``, ``positions``), builds the step's
-``PagedAttentionMetadata`` once for all layers, and asks the model for logits only at the last token of
-each sequence that completes its prompt or decodes this step.
+``PagedAttentionMetadata`` once for all layers, and asks the model for logits only where a token is
+needed: at the last token of each sequence that completes its prompt or decodes this step, and — with
+speculative decoding — at every draft position too (chapter 04).
 """
 
 from __future__ import annotations
+
+import time
 
 import torch
 
@@ -21,37 +24,61 @@ class ModelRunner:
     def __init__(self, model: LlamaForCausalLM, cache: PagedKVCache, blocks: BlockManager) -> None:
         self.model, self.cache, self.blocks = model, cache, blocks
         self.device = model.lm_head.weight.device
+        self.last_forward_s = 0.0  # wall time of the latest forward (the adaptive speculation reads it)
 
     @torch.inference_mode()
-    def execute(self, batch: ScheduledBatch) -> tuple[list[int], SampleResult | None]:
-        """Run one step. Returns the indices (into ``batch.seqs``) of the sequences that sampled a token,
-        and the sampling result for them."""
+    def forward(self, request_ids: list[object], starts: list[int], tokens: list[list[int]],
+                num_logits: list[int]) -> torch.Tensor:
+        """One forward over ragged chunks: request ``i`` brings ``tokens[i]`` at positions ``starts[i]...``
+        (its KV before ``starts[i]`` is cached and its blocks already cover the new tokens). Returns the
+        logits of the last ``num_logits[i]`` tokens of each chunk, concatenated: ``[sum(num_logits), V]``."""
+        t0 = time.perf_counter()
         ids: list[int] = []
         positions: list[int] = []
-        tables, ctx_lens = [], []
-        sampling_rows: list[int] = []
-        last_token_index: list[int] = []
+        rows: list[int] = []
+        for start, chunk, n_logits in zip(starts, tokens, num_logits):
+            ids.extend(chunk)
+            positions.extend(range(start, start + len(chunk)))
+            rows.extend(range(len(ids) - n_logits, len(ids)))
+        dev = self.device
+        self.cache.meta = PagedAttentionMetadata.build(
+            [self.blocks.block_table(r) for r in request_ids], [s + len(c) for s, c in zip(starts, tokens)],
+            [len(c) for c in tokens], self.cache.block_size, dev, null_slot=self.cache.null_slot)
+        try:
+            hidden = self.model(torch.tensor(ids, device=dev), torch.tensor(positions, device=dev), self.cache)
+        finally:
+            self.cache.meta = None
+        logits = self.model.compute_logits(hidden[torch.tensor(rows, device=dev, dtype=torch.long)])
+        if dev.type == "cuda":
+            torch.cuda.synchronize(dev)
+        self.last_forward_s = time.perf_counter() - t0
+        return logits
+
+    def execute(self, batch: ScheduledBatch, drafts: list[list[int]] | None = None) -> tuple[list[int], torch.Tensor]:
+        """Run one step. Sequence ``i`` of the batch computes its next ``num_new_tokens[i]`` tokens plus, when
+        speculating, its ``drafts[i]``. Returns the indices (into ``batch.seqs``) of the sequences that get
+        logits — those whose prompt is complete — and the logits: one row per such sequence, or
+        ``1 + len(drafts[i])`` rows for a speculating one."""
+        starts, chunks, num_logits, sampling_rows = [], [], [], []
         for i, (seq, n) in enumerate(zip(batch.seqs, batch.num_new_tokens)):
             start = seq.num_computed_tokens
-            ids.extend(seq.all_token_ids[start : start + n])
-            positions.extend(range(start, start + n))
-            tables.append(self.blocks.block_table(seq.request_id))
-            ctx_lens.append(start + n)
-            if start + n == seq.num_tokens:  # prompt complete (or a decode token): sample the next one
+            draft = drafts[i] if drafts else []
+            starts.append(start)
+            chunks.append(seq.token_slice(start, start + n) + draft)
+            complete = start + n == seq.num_tokens  # prompt complete (or a decode token): sample the next one
+            num_logits.append(1 + len(draft) if complete else 0)
+            if complete:
                 sampling_rows.append(i)
-                last_token_index.append(len(ids) - 1)
-        dev = self.device
-        self.cache.meta = PagedAttentionMetadata.build(tables, ctx_lens, batch.num_new_tokens,
-                                                       self.cache.block_size, dev, null_slot=self.cache.null_slot)
-        hidden = self.model(torch.tensor(ids, device=dev), torch.tensor(positions, device=dev), self.cache)
-        self.cache.meta = None
-        if not sampling_rows:
-            return [], None
-        logits = self.model.compute_logits(hidden[torch.tensor(last_token_index, device=dev)])
-        seqs = [batch.seqs[i] for i in sampling_rows]
+        logits = self.forward([s.request_id for s in batch.seqs], starts, chunks, num_logits)
+        return sampling_rows, logits
+
+    @staticmethod
+    def sample(seqs: list, logits: torch.Tensor) -> SampleResult:
+        """Plain sampling, one token per sequence (repetition penalty over each one's tokens so far)."""
+        dev = logits.device
         seen = None
         if any(s.params.repetition_penalty != 1 for s in seqs):
             seen = torch.zeros(len(seqs), logits.shape[-1], dtype=torch.bool, device=dev)
             for r, s in enumerate(seqs):
                 seen[r, torch.tensor(s.all_token_ids, device=dev)] = True
-        return sampling_rows, sample(logits, [s.params for s in seqs], [s.generator for s in seqs], seen)
+        return sample(logits, [s.params for s in seqs], [s.generator for s in seqs], seen)
