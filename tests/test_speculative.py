@@ -237,3 +237,17 @@ def test_draft_with_another_vocabulary_is_refused(tiny_checkpoint):
 def test_speculation_needs_the_continuous_engine():
     with pytest.raises(ValueError, match="continuous"):
         LLM("tinystories-target", batching="static", speculative_config=NGRAM)
+
+
+def test_speculative_benchmark_smoke(tmp_path):
+    """The chapter's benchmark end to end at tiny sizes: JSON written, greedy tokens identical in every mode."""
+    from minifer.bench import speculative as bench
+
+    out = tmp_path / "spec.json"
+    bench.main(["--smoke", "--repeats", "1", "--out", str(out)])
+    result = __import__("json").loads(out.read_text())
+    assert {"tokens_per_forward", "speedup", "verify_cost", "metadata"} <= set(result)
+    for sp in result["speedup"].values():
+        assert all(r["identical_tokens"] for r in sp["rows"])
+    for rows in result["tokens_per_forward"].values():
+        assert all(1 <= r["tokens_per_forward"] <= r["k"] + 1 for r in rows)

@@ -71,6 +71,7 @@ class LLM:
         speculative_config: vLLM's dict, e.g. ``{"method": "draft_model", "model": "tinystories-draft",
             "num_speculative_tokens": 4}`` or ``{"method": "ngram", "num_speculative_tokens": 4,
             "prompt_lookup_max": 4, "prompt_lookup_min": 1}``; ``"adaptive": False`` fixes k (chapter 04).
+        enforce_eager: on CUDA, decode steps replay CUDA graphs unless this is True (vLLM's name).
         quantization: None, ``"int8"``, ``"int4"`` (g128, symmetric) or ``"fp8"``: weight-only, round-to-nearest
             on load (chapter 05; ``minifer.quant``). A folder written by ``save_quantized`` loads quantized
             without it.
@@ -82,7 +83,7 @@ class LLM:
                  block_size: int = 16, num_kv_blocks: int | None = None, kv_cache_memory: int = 256 * 2**20,
                  gpu_memory_utilization: float = 0.9, enable_prefix_caching: bool = True,
                  max_num_batched_tokens: int = 2048, enable_chunked_prefill: bool = True,
-                 speculative_config: dict[str, Any] | None = None, quantization: str | None = None) -> None:
+                 speculative_config: dict[str, Any] | None = None, enforce_eager: bool = False, quantization: str | None = None) -> None:
         if batching not in ("static", "continuous"):
             raise ValueError(f"batching must be 'static' or 'continuous', got {batching!r}")
         if not isinstance(max_num_seqs, int) or max_num_seqs < 1:
@@ -116,7 +117,8 @@ class LLM:
             self.engine = LLMEngine(
                 self.model, self.tokenizer, self.make_sequence,
                 CacheConfig(block_size, num_kv_blocks, kv_cache_memory, gpu_memory_utilization, enable_prefix_caching),
-                SchedulerConfig(max_num_seqs, max_num_batched_tokens, enable_chunked_prefill), spec, self.draft_model)
+                SchedulerConfig(max_num_seqs, max_num_batched_tokens, enable_chunked_prefill), spec, self.draft_model,
+                cuda_graphs=not enforce_eager, max_model_len=self.max_model_len)
 
     def _load_draft(self, spec: SpeculativeConfig) -> torch.nn.Module:
         """Load the draft (same device and dtype) and check it speaks the target's vocabulary: drafts are

@@ -60,7 +60,8 @@ class CacheConfig:
 class LLMEngine:
     def __init__(self, model: LlamaForCausalLM, tokenizer, make_sequence, cache_config: CacheConfig,
                  scheduler_config: SchedulerConfig, speculative_config: SpeculativeConfig | None = None,
-                 draft_model: LlamaForCausalLM | None = None) -> None:
+                 draft_model: LlamaForCausalLM | None = None, cuda_graphs: bool = False,
+                 max_model_len: int | None = None) -> None:
         cfg, device = model.config, model.lm_head.weight.device
         dtype = model.lm_head.weight.dtype
         per_block = PagedKVCache.bytes_per_block(cfg.num_hidden_layers, cache_config.block_size,
@@ -79,6 +80,8 @@ class LLMEngine:
         self.scheduler = Scheduler(scheduler_config, self.block_manager)
         self.runner = ModelRunner(model, self.kv_cache, self.block_manager)
         self.requests: dict[str, Sequence] = {}
+        if cuda_graphs and device.type == "cuda":
+            self.runner.enable_cuda_graphs(scheduler_config.max_num_seqs, max_model_len or cfg.max_position_embeddings)
         self.speculator: Speculator | None = None
         if speculative_config is not None:
             self.speculator = build_speculator(speculative_config, draft_model, self.runner, self.block_manager,

@@ -25,6 +25,14 @@ class ModelRunner:
         self.model, self.cache, self.blocks = model, cache, blocks
         self.device = model.lm_head.weight.device
         self.last_forward_s = 0.0  # wall time of the latest forward (the adaptive speculation reads it)
+        self.graphs = None  # DecodeGraphs on CUDA (see cuda_graph.py): pure decode steps replay them
+
+    def enable_cuda_graphs(self, max_batch: int, max_model_len: int) -> None:
+        from minifer.engine.cuda_graph import DecodeGraphs
+
+        graphs = DecodeGraphs(self.model, self.cache, max_batch, -(-max_model_len // self.cache.block_size))
+        graphs.capture()
+        self.graphs = graphs
 
     @torch.inference_mode()
     def forward(self, request_ids: list[object], starts: list[int], tokens: list[list[int]],
@@ -41,6 +49,12 @@ class ModelRunner:
             positions.extend(range(start, start + len(chunk)))
             rows.extend(range(len(ids) - n_logits, len(ids)))
         dev = self.device
+        if self.graphs is not None and len(ids) == len(tokens) and self.graphs.can_run(len(ids)):
+            bs = self.cache.block_size
+            tables = [self.blocks.block_table(r) for r in request_ids]
+            slots = torch.tensor([t[p // bs] * bs + p % bs for t, p in zip(tables, positions)])
+            hidden = self.graphs.run(ids, positions, slots, tables, [p + 1 for p in positions])
+            return self._logits(hidden, rows, t0)
         self.cache.meta = PagedAttentionMetadata.build(
             [self.blocks.block_table(r) for r in request_ids], [s + len(c) for s, c in zip(starts, tokens)],
             [len(c) for c in tokens], self.cache.block_size, dev, null_slot=self.cache.null_slot)
@@ -48,6 +62,10 @@ class ModelRunner:
             hidden = self.model(torch.tensor(ids, device=dev), torch.tensor(positions, device=dev), self.cache)
         finally:
             self.cache.meta = None
+        return self._logits(hidden, rows, t0)
+
+    def _logits(self, hidden: torch.Tensor, rows: list[int], t0: float) -> torch.Tensor:
+        dev = self.device
         logits = self.model.compute_logits(hidden[torch.tensor(rows, device=dev, dtype=torch.long)])
         if dev.type == "cuda":
             torch.cuda.synchronize(dev)

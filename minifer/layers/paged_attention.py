@@ -54,6 +54,12 @@ class PagedAttentionMetadata:
     covers_all_in_order: bool  # a single group whose outputs are the packed tokens in order
 
     @classmethod
+    def decode_only(cls, slot_mapping: torch.Tensor, block_tables: torch.Tensor, context_lens: torch.Tensor,
+                    null_slot: int | None) -> "PagedAttentionMetadata":
+        """What the Triton decode path reads, and nothing else (no host work: CUDA graphs replay it)."""
+        return cls(slot_mapping, [], slot_mapping.shape[0], block_tables, context_lens, True, null_slot, True)
+
+    @classmethod
     def build(cls, block_tables: list[list[int]], context_lens: list[int], query_lens: list[int],
               block_size: int, device: torch.device, null_slot: int | None = None) -> "PagedAttentionMetadata":
         """``context_lens[i]``: tokens of sequence i once this step's are added; ``query_lens[i]``: new ones.
@@ -137,15 +143,18 @@ class PagedKVCache:
 
     def __init__(self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
                  dtype: torch.dtype, device: torch.device | str) -> None:
-        # One extra block at the end is the *null block*: all zeros, never handed out. Masked key positions
-        # gather from it, so stale (even NaN) data in free blocks can never reach the output. The rest is
+        # Two extra blocks, never handed out. The last is the *null block*: all zeros; masked key positions
+        # gather from it, so stale (even NaN) data in free blocks can never reach the output. The one
+        # before is a *scratch block*: the padding rows of a CUDA-graph decode write there. The rest is
         # left uninitialised: the OS commits the pages only as blocks are first used.
-        shape = (num_layers, num_blocks + 1, block_size, num_kv_heads, head_dim)
+        shape = (num_layers, num_blocks + 2, block_size, num_kv_heads, head_dim)
         self.k = torch.empty(shape, dtype=dtype, device=device)
         self.v = torch.empty(shape, dtype=dtype, device=device)
-        self.k[:, num_blocks].zero_()
-        self.v[:, num_blocks].zero_()
-        self.null_slot = num_blocks * block_size
+        self.k[:, num_blocks:].zero_()
+        self.v[:, num_blocks:].zero_()
+        self.scratch_block = num_blocks
+        self.scratch_slot = num_blocks * block_size
+        self.null_slot = (num_blocks + 1) * block_size
         self.block_size = block_size
         self.meta: PagedAttentionMetadata | None = None
         # On a GPU, decode steps use the Triton kernels (minifer/kernels/paged_attention.py); the

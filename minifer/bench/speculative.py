@@ -1,0 +1,243 @@
+"""Speculative-decoding benchmarks (chapter 04): tokens per forward against Leviathan's formula, and the
+wall-clock speedup over plain decoding as concurrency grows, with fixed and adaptive k.
+
+    python -m minifer.bench.speculative --out benchmarks/results/speculative.json --plot
+    python -m minifer.bench.speculative --smoke          # seconds, for CI
+
+Three measurements, each writing into one JSON with the hardware and versions:
+
+1. ``tokens_per_forward``: for k = 1..8 (fixed), mean tokens emitted per target verification and the
+   measured per-token acceptance alpha, beside ``(1 - alpha^(k+1)) / (1 - alpha)`` at that alpha. For the
+   bundled draft on stories, and for n-gram lookup on an *input-grounded* workload (below).
+2. ``speedup``: batches of 1, 2, 4, ..., 64 greedy requests, each engine on the same requests, the engines
+   interleaved in every round: plain decoding, fixed k, adaptive k. Speedup = plain time / engine time (the
+   tokens are the same: greedy speculation is lossless, and the run checks it).
+3. ``verify_cost``: the target's forward time for ``k + 1`` tokens per sequence against one token, at
+   several batch sizes — the cost side of speculation, which is all that dummy weights can show on a GPU.
+
+Input-grounded workload: the model first writes a greedy continuation ``C`` of a story opening ``P``; the
+prompt is then ``P C`` followed by ``P`` again, so the answer largely repeats text already in the prompt, as
+in summarisation, retrieval-augmented answers or code edits. Prompt lookup thrives on exactly that.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from minifer.sampling import SamplingParams
+from minifer.spec.theory import expected_tokens_per_forward
+
+DRAFT = "tinystories-draft"
+HELDOUT = Path(__file__).resolve().parents[2] / "data" / "tinystories" / "heldout.txt"
+
+
+def story_openings(n: int, words: int = 8, path: Path = HELDOUT) -> list[str]:
+    """The first ``words`` words of the first ``n`` held-out stories (never seen in training)."""
+    stories = [s.strip() for s in path.read_text(encoding="utf-8").split("<|endoftext|>") if s.strip()]
+    if len(stories) < n:
+        stories = stories * (n // len(stories) + 1)
+    return [" ".join(s.split()[:words]) for s in stories[:n]]
+
+
+def grounded_prompts(llm, n: int, continuation: int = 48) -> list[dict[str, list[int]]]:
+    """``P C P``: a story opening, the target's own greedy continuation of it, and the opening again."""
+    openings = story_openings(n)
+    outs = llm.generate(openings, SamplingParams(temperature=0, max_tokens=continuation, ignore_eos=True),
+                        use_tqdm=False)
+    prompts = []
+    for o in outs:
+        p = list(o.prompt_token_ids)
+        prompts.append({"prompt_token_ids": p + list(o.outputs[0].token_ids) + p[1:]})
+    return prompts
+
+
+def _engine(model: str, spec: dict | None, max_num_seqs: int, device: str | None):
+    from minifer import LLM
+
+    return LLM(model, device=device, max_num_seqs=max_num_seqs, enable_prefix_caching=False,
+               speculative_config=spec)
+
+
+def tokens_per_forward(model: str, spec_base: dict, prompts: list, ks: list[int], max_tokens: int,
+                       device: str | None = None) -> list[dict[str, float]]:
+    """Fixed k = each of ``ks``: measured alpha and tokens per verification vs Leviathan's formula."""
+    rows = []
+    for k in ks:
+        llm = _engine(model, {**spec_base, "num_speculative_tokens": k, "adaptive": False}, len(prompts), device)
+        llm.generate(prompts, SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True), use_tqdm=False)
+        s = llm.stats()
+        alpha = s["spec_alpha"]
+        rows.append({"k": k, "alpha": alpha, "acceptance_rate": s["spec_acceptance_rate"],
+                     "tokens_per_forward": s["spec_mean_tokens_per_forward"],
+                     "formula": expected_tokens_per_forward(min(alpha, 1.0), k),
+                     "proposed": s["spec_num_proposed"], "accepted": s["spec_num_accepted"]})
+    return rows
+
+
+def speedup_vs_batch(model: str, spec: dict, prompts: list, batch_sizes: list[int], max_tokens: int,
+                     repeats: int = 2, device: str | None = None, k_fixed: int = 4) -> dict[str, Any]:
+    """Wall time of plain, fixed-k and adaptive-k decoding on the same greedy requests, interleaved."""
+    max_b = max(batch_sizes)
+    engines = {"plain": _engine(model, None, max_b, device),
+               "fixed": _engine(model, {**spec, "num_speculative_tokens": k_fixed, "adaptive": False}, max_b, device),
+               "adaptive": _engine(model, {**spec, "num_speculative_tokens": k_fixed, "adaptive": True}, max_b, device)}
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    for llm in engines.values():  # warm-up
+        llm.generate(prompts[:2], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True), use_tqdm=False)
+    rows = []
+    for b in batch_sizes:
+        batch = [prompts[i % len(prompts)] for i in range(b)]
+        times: dict[str, list[float]] = {m: [] for m in engines}
+        outputs: dict[str, list] = {}
+        ks: list[int] = []
+        for r in range(repeats):
+            order = list(engines) if r % 2 == 0 else list(reversed(engines))
+            for mode in order:
+                llm = engines[mode]
+                before = len(llm.engine.speculator.stats.k_history) if llm.engine.speculator else 0
+                t = time.perf_counter()
+                out = llm.generate(batch, params, use_tqdm=False)
+                times[mode].append(time.perf_counter() - t)
+                outputs[mode] = [o.outputs[0].token_ids for o in out]
+                if mode == "adaptive":
+                    ks.extend(llm.engine.speculator.stats.k_history[before:])
+        plain = statistics.median(times["plain"])
+        rows.append({"batch": b, "seconds": {m: statistics.median(v) for m, v in times.items()},
+                     "speedup_fixed": plain / statistics.median(times["fixed"]),
+                     "speedup_adaptive": plain / statistics.median(times["adaptive"]),
+                     "round_speedups_fixed": [p / f for p, f in zip(times["plain"], times["fixed"])],
+                     "round_speedups_adaptive": [p / a for p, a in zip(times["plain"], times["adaptive"])],
+                     "adaptive_mean_k": sum(ks) / len(ks) if ks else 0.0,
+                     "adaptive_k_hist": {str(k): ks.count(k) for k in sorted(set(ks))},
+                     "identical_tokens": outputs["plain"] == outputs["fixed"] == outputs["adaptive"],
+                     "tokens": b * max_tokens})
+    return {"k_fixed": k_fixed, "max_tokens": max_tokens, "repeats": repeats, "rows": rows}
+
+
+def verify_cost(llm, batch_sizes: list[int], ks: list[int], context: int = 256, repeats: int = 5) -> list[dict]:
+    """Seconds of one target forward with ``k + 1`` new tokens per sequence over ``context`` cached tokens,
+    against ``k = 0``: the price of verifying ``k`` drafts at each batch size."""
+    runner, blocks = llm.engine.runner, llm.engine.block_manager
+    rows = []
+    for b in batch_sizes:
+        ids = [f"__verify{i}" for i in range(b)]
+        need = context + max(ks) + 1
+        if blocks.blocks_needed(need) * b > blocks.num_free_blocks:
+            break
+        for rid in ids:
+            blocks.allocate(rid, [1] * need)
+        try:
+            for rid in ids:  # fill the context once (its values do not matter, its size does)
+                runner.forward([rid], [0], [[1] * context], [1])
+            row = {"batch": b}
+            for k in [0, *ks]:
+                times = []
+                for _ in range(repeats + 1):
+                    runner.forward(ids, [context] * b, [[1] * (k + 1)] * b, [k + 1] * b)
+                    times.append(runner.last_forward_s)
+                row[f"k{k}"] = statistics.median(times[1:])
+            for k in ks:
+                row[f"ratio_k{k}"] = row[f"k{k}"] / row["k0"]
+            rows.append(row)
+        finally:
+            for rid in ids:
+                blocks.free(rid)
+    return rows
+
+
+def run(model: str = "tinystories-target", draft: str = DRAFT, device: str | None = None, smoke: bool = False,
+        repeats: int = 2) -> dict[str, Any]:
+    from minifer import LLM
+    from minifer.bench.serving import metadata
+
+    n_prompts = 4 if smoke else 16
+    ks = [1, 2] if smoke else list(range(1, 9))
+    max_tokens = 8 if smoke else 64
+    batch_sizes = [1, 2] if smoke else [1, 2, 4, 8, 16, 32, 64]
+    stories = story_openings(max(n_prompts, max(batch_sizes)))
+    draft_spec = {"method": "draft_model", "model": draft}
+    ngram_spec = {"method": "ngram", "prompt_lookup_max": 4, "prompt_lookup_min": 1}
+    base = LLM(model, device=device, max_num_seqs=max(batch_sizes), enable_prefix_caching=False)
+    grounded = grounded_prompts(base, n_prompts, continuation=16 if smoke else 48)
+    result: dict[str, Any] = {"kind": "speculative", "metadata": metadata(),
+                              "config": {"model": model, "draft": draft, "device": str(base.device),
+                                         "torch_threads": torch.get_num_threads(), "smoke": smoke}}
+    result["tokens_per_forward"] = {
+        "draft_model": tokens_per_forward(model, draft_spec, stories[:n_prompts], ks, max_tokens, device),
+        "ngram_grounded": tokens_per_forward(model, ngram_spec, grounded, ks, max_tokens, device),
+    }
+    result["speedup"] = {
+        "draft_model": speedup_vs_batch(model, draft_spec, stories, batch_sizes, max_tokens, repeats, device),
+        "ngram_grounded": speedup_vs_batch(model, ngram_spec, grounded, batch_sizes, max_tokens, repeats, device),
+    }
+    result["verify_cost"] = verify_cost(base, batch_sizes, [1, 2, 4, 8] if not smoke else [1, 2],
+                                        context=32 if smoke else 256)
+    return result
+
+
+def plot(result: dict[str, Any], fig=None):
+    """Left: tokens per forward vs k against the formula; right: speedup vs batch size, fixed and adaptive."""
+    import matplotlib.pyplot as plt
+
+    fig = fig or plt.figure(figsize=(11, 4))
+    ax1, ax2 = fig.subplots(1, 2)
+    for name, rows in result["tokens_per_forward"].items():
+        ks = [r["k"] for r in rows]
+        line, = ax1.plot(ks, [r["tokens_per_forward"] for r in rows], "o-", label=f"{name} (measured)")
+        ax1.plot(ks, [r["formula"] for r in rows], "--", color=line.get_color(), alpha=0.7,
+                 label=f"{name}: (1-a^(k+1))/(1-a)")
+    ax1.set(xlabel="k (draft tokens per step)", ylabel="tokens per target forward", title="Leviathan's formula")
+    ax1.legend(fontsize=7)
+    for name, sp in result["speedup"].items():
+        bs = [r["batch"] for r in sp["rows"]]
+        line, = ax2.plot(bs, [r["speedup_fixed"] for r in sp["rows"]], "o-", label=f"{name}, k={sp['k_fixed']}")
+        ax2.plot(bs, [r["speedup_adaptive"] for r in sp["rows"]], "s--", color=line.get_color(),
+                 label=f"{name}, adaptive")
+    ax2.axhline(1.0, color="grey", lw=0.8)
+    ax2.set_xscale("log", base=2)
+    ax2.set(xlabel="concurrent requests", ylabel="speedup over plain decoding", title="Speedup vs concurrency")
+    ax2.legend(fontsize=7)
+    fig.tight_layout()
+    return fig
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="tinystories-target")
+    ap.add_argument("--draft", default=DRAFT)
+    ap.add_argument("--device", default=None)
+    ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--smoke", action="store_true", help="tiny sizes: checks the pipeline in seconds")
+    ap.add_argument("--out", type=Path, default=Path("runs/speculative.json"))
+    ap.add_argument("--plot", action="store_true")
+    args = ap.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    result = run(args.model, args.draft, args.device, args.smoke, args.repeats)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(result, indent=1))
+    for name, rows in result["tokens_per_forward"].items():
+        for r in rows:
+            print(f"{name:15s} k={r['k']}  alpha {r['alpha']:.3f}  tokens/forward {r['tokens_per_forward']:.2f}  "
+                  f"formula {r['formula']:.2f}")
+    for name, sp in result["speedup"].items():
+        for r in sp["rows"]:
+            print(f"{name:15s} batch {r['batch']:>3}  fixed k={sp['k_fixed']} {r['speedup_fixed']:.2f}x  "
+                  f"adaptive {r['speedup_adaptive']:.2f}x (mean k {r['adaptive_mean_k']:.1f})  "
+                  f"identical {r['identical_tokens']}")
+    for r in result["verify_cost"]:
+        print("verify cost", {k: round(v, 3) if isinstance(v, float) else v for k, v in r.items()})
+    if args.plot:
+        plot(result).savefig(args.out.with_suffix(".png"), dpi=120)
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,101 @@
+"""CUDA graphs for decode steps: record the whole decoder forward once per batch size, replay it.
+
+A decode step of a small model on a fast GPU is *launch-bound*: dozens of kernels per layer, each a few
+microseconds of work, each costing the CPU several microseconds to launch from Python. A CUDA graph
+records the launches once; replaying it is one call. vLLM captures graphs for a list of batch sizes and
+pads a step up to the next captured size; so does this module.
+
+What makes a forward capturable: fixed tensor addresses and shapes (the inputs are copied into static
+buffers before each replay), no host synchronisation inside (the decode path is the Triton kernels of
+``minifer/kernels/paged_attention.py``, whose loops read context lengths on the GPU), and the
+attention metadata itself living in those static buffers. Padded rows write their keys and values to a
+scratch block of the cache and attend to one token of it; their outputs are discarded.
+
+Only pure decode steps replay graphs; steps with prompt chunks (or speculative verification, which
+brings several tokens per sequence) run eagerly. ``LLM(..., enforce_eager=True)`` (vLLM's name) turns
+graphs off.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from minifer.layers.paged_attention import PagedAttentionMetadata, PagedKVCache
+from minifer.models.llama import LlamaForCausalLM
+
+
+def capture_sizes(max_batch: int) -> list[int]:
+    """vLLM's ladder: 1, 2, 4, 8, then every multiple of 8 up to ``max_batch``."""
+    sizes = [b for b in (1, 2, 4) if b < max_batch] + list(range(8, max_batch + 1, 8))
+    if not sizes or sizes[-1] < max_batch:
+        sizes.append(max_batch)
+    return sizes
+
+
+class DecodeGraphs:
+    def __init__(self, model: LlamaForCausalLM, cache: PagedKVCache, max_batch: int, max_blocks_per_seq: int) -> None:
+        if cache.k.device.type != "cuda":
+            raise ValueError("CUDA graphs need the model and KV cache on a CUDA device")
+        dev = cache.k.device
+        self.model, self.cache = model, cache
+        self.sizes = capture_sizes(max_batch)
+        self.max_batch = self.sizes[-1]
+        self.width = max_blocks_per_seq
+        n = self.max_batch
+        self.ids = torch.zeros(n, dtype=torch.long, device=dev)
+        self.positions = torch.zeros(n, dtype=torch.long, device=dev)
+        self.slots = torch.full((n,), cache.scratch_slot, dtype=torch.long, device=dev)
+        self.tables = torch.full((n, self.width), cache.scratch_block, dtype=torch.int32, device=dev)
+        self.ctx = torch.ones(n, dtype=torch.int32, device=dev)
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.outputs: dict[int, torch.Tensor] = {}
+
+    def _meta(self, b: int) -> PagedAttentionMetadata:
+        return PagedAttentionMetadata.decode_only(self.slots[:b], self.tables[:b], self.ctx[:b],
+                                                  self.cache.null_slot)
+
+    @torch.inference_mode()
+    def capture(self) -> None:
+        """Warm up (Triton compiles, cuBLAS picks its kernels) then record one graph per size, largest first,
+        all in one memory pool."""
+        pool = torch.cuda.graph_pool_handle()
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            for b in reversed(self.sizes):
+                self.cache.meta = self._meta(b)
+                try:
+                    for _ in range(2):
+                        self.model(self.ids[:b], self.positions[:b], self.cache)
+                    torch.cuda.synchronize()
+                    graph = torch.cuda.CUDAGraph()
+                    with torch.cuda.graph(graph, pool=pool, stream=stream):
+                        self.outputs[b] = self.model(self.ids[:b], self.positions[:b], self.cache)
+                    self.graphs[b] = graph
+                finally:
+                    self.cache.meta = None
+        torch.cuda.current_stream().wait_stream(stream)
+        torch.cuda.synchronize()
+
+    def can_run(self, batch: int) -> bool:
+        return 0 < batch <= self.max_batch and bool(self.graphs)
+
+    def run(self, ids: list[int], positions: list[int], slots: torch.Tensor, tables: list[list[int]],
+            ctx: list[int]) -> torch.Tensor:
+        """Replay the smallest captured size >= len(ids); returns the hidden states ``[len(ids), hidden]``."""
+        b = len(ids)
+        size = next(s for s in self.sizes if s >= b)
+        dev = self.ids.device
+        self.ids[:b].copy_(torch.tensor(ids), non_blocking=True)
+        self.positions[:b].copy_(torch.tensor(positions), non_blocking=True)
+        self.slots[:b].copy_(slots, non_blocking=True)
+        self.slots[b:size].fill_(self.cache.scratch_slot)
+        table = torch.full((b, self.width), self.cache.scratch_block, dtype=torch.int32)
+        for i, t in enumerate(tables):
+            table[i, : len(t)] = torch.tensor(t, dtype=torch.int32)
+        self.tables[:b].copy_(table.to(dev, non_blocking=True))
+        self.tables[b:size].fill_(self.cache.scratch_block)
+        self.ctx[:b].copy_(torch.tensor(ctx, dtype=torch.int32), non_blocking=True)
+        self.ctx[b:size].fill_(1)
+        self.graphs[size].replay()
+        return self.outputs[size][:b]
