@@ -182,3 +182,9 @@ def test_validate_names_the_mismatch(qw, match):
         qw.validate()
     with pytest.raises(ValueError, match=match):
         dequantize(qw)
+
+
+def test_validate_can_skip_the_value_check():
+    """Kernels call ``validate(check_values=False)`` on every call: shapes only, no GPU-to-CPU sync."""
+    qw = _tampered(zeros=torch.full((8, 4), 16, dtype=torch.uint8))
+    assert qw.validate(check_values=False) is qw

@@ -12,10 +12,12 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import re
 import subprocess
+import sys
 import tempfile
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 
@@ -26,6 +28,11 @@ class KernelSpec:
     signature: dict[str, str]
     constexprs: dict[str, int | float]
     num_warps: int = 4
+    num_stages: int = 3
+    arch_constexprs: dict[int, dict[str, int | float]] = field(default_factory=dict)  # per-cc overrides
+    # Arguments to compile as multiples of 16 (pointers: 16-byte aligned), as Triton specializes them at
+    # run time for torch allocations and real shapes; without it the report shows unvectorized loads.
+    aligned: tuple[str, ...] = ()
 
 
 def kernel_specs() -> list[KernelSpec]:
@@ -44,6 +51,39 @@ def kernel_specs() -> list[KernelSpec]:
         specs.append(KernelSpec(f"paged_decode[Hkv={hkv},G={group},D={d},bs=16]", pa.paged_decode_kernel, decode_sig,
                                 {"HKV": hkv, "GROUP": group, "GROUP_P2": group, "D": d, "D_P2": d,
                                  "BLOCK_SIZE": 16, "BS_P2": 16}))
+    return specs + quant_matmul_specs()
+
+
+def quant_matmul_specs() -> list[KernelSpec]:
+    """The fused dequantize-matmul kernels for bf16 activations, at the tile sizes they get on a GPU for a
+    Llama-8B-sized layer (K = 4096, int4 groups of 128). fp8 converts natively on sm_90 and by bit
+    arithmetic on sm_80, which has no e4m3 conversion."""
+    from minifer.kernels import quant_matmul as qm
+
+    specs = []
+    for fmt, code in (("int8", qm.INT8), ("int4", qm.INT4), ("int4-asym", qm.INT4), ("fp8", qm.FP8)):
+        int4 = code == qm.INT4
+        sig = {"x_ptr": "*i32" if int4 else "*bf16", "q_ptr": "*u8" if int4 else "*i8", "s_ptr": "*fp32",
+               "z_ptr": "*u8" if fmt == "int4-asym" else "*fp32", "bias_ptr": "*bf16", "out_ptr": "*bf16",
+               "part_ptr": "*fp32", "lock_ptr": "*i32", "M": "i32", "N": "i32", "K": "i32", "ROW": "i32",
+               "M_KEY": "i32"}
+        aligned = tuple(a for a in sig if a.endswith("_ptr")) + ("N", "K", "ROW")
+        common = {"FMT": code, "GROUP": 128 if int4 else 0, "HAS_ZEROS": fmt == "int4-asym", "HAS_BIAS": True,
+                  "FP8_NATIVE": False, "XKIND": qm.X_BF16}
+        per_arch = {90: {"FP8_NATIVE": True}} if code == qm.FP8 else {}
+        gw = 128 // 8 if int4 else qm.CHUNK_BYTES  # int4 gemv reads W as int32 words, a group is 16 of them
+        specs.append(KernelSpec(f"quant_gemv[{fmt},BN=128,chunks=1]", qm.quant_gemv_kernel,
+                                {**sig, "q_ptr": "*i32" if int4 else "*i8", "magic": "i32",
+                                 **{k: "constexpr" for k in (*common, "GW", "GW_P2", "BLOCK_N", "CHUNKS")}},
+                                {**common, "GW": gw, "GW_P2": gw, "BLOCK_N": 128, "CHUNKS": 1}, 4, 2, per_arch,
+                                aligned))
+        gemm_sig = {**sig, **{k: "constexpr" for k in (*common, "DOT_F32", "BLOCK_M", "BLOCK_N", "BLOCK_K",
+                                                        "GROUP_M")}}
+        for path, bm, bn, bk, warps, stages, group_m in (("splitk", 16, 32, 128, 4, 3, 1),
+                                                         ("tiled", 64, 128, 64, 8, 3, 8)):
+            specs.append(KernelSpec(f"quant_gemm[{fmt},{path},{bm}x{bn}x{bk}]", qm.quant_gemm_kernel, gemm_sig,
+                                    {**common, "DOT_F32": False, "BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk,
+                                     "GROUP_M": group_m}, warps, stages, per_arch, aligned))
     return specs
 
 
@@ -71,33 +111,63 @@ def _ptxas_usage(ptx: str, cc: int) -> dict[str, int]:
             "spill_loads": grab(r"(\d+) bytes spill loads"), "stack_frame": grab(r"(\d+) bytes stack frame")}
 
 
-def compile_all(ccs: tuple[int, ...] = (80, 90)) -> list[dict]:
+def compile_all(ccs: tuple[int, ...] = (80, 90), specs: list[KernelSpec] | None = None) -> list[dict]:
+    """Compile ``specs`` (default: every kernel) for each compute capability; one report row per pair.
+
+    Under the interpreter (``TRITON_INTERPRET=1``, as in CPU-only tests) the compile runs in a fresh
+    process without it: once a kernel that calls a ``@triton.jit`` helper (``tl.sum``, ``tl.cdiv``, ...) has
+    been interpreted, Triton 3.9 leaves ``triton.language.core`` patched for the interpreter, and compiling
+    in that process fails."""
+    specs = kernel_specs() if specs is None else specs
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        return _compile_in_subprocess(ccs, [s.name for s in specs])
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
     rows = []
-    for spec in kernel_specs():
+    for spec in specs:
         for cc in ccs:
-            src = ASTSource(fn=_jit(spec.kernel), signature=spec.signature, constexprs=spec.constexprs)
-            compiled = triton.compile(src, target=GPUTarget("cuda", cc, 32), options={"num_warps": spec.num_warps})
+            constexprs = {**spec.constexprs, **spec.arch_constexprs.get(cc, {})}
+            names = list(spec.signature)
+            attrs = {(names.index(a),): [["tt.divisibility", 16]] for a in spec.aligned}
+            src = ASTSource(fn=_jit(spec.kernel), signature=spec.signature, constexprs=constexprs, attrs=attrs)
+            compiled = triton.compile(src, target=GPUTarget("cuda", cc, 32),
+                                      options={"num_warps": spec.num_warps, "num_stages": spec.num_stages})
             usage = _ptxas_usage(compiled.asm["ptx"], cc)
             rows.append({"kernel": spec.name, "arch": f"sm_{cc}", "num_warps": spec.num_warps,
+                         "num_stages": spec.num_stages,
                          "shared_bytes": int(compiled.metadata.shared), "cubin_bytes": len(compiled.asm["cubin"]),
                          **usage, "spills": bool(usage["spill_stores"] or usage["spill_loads"])})
     return rows
 
 
+def _compile_in_subprocess(ccs: tuple[int, ...], names: list[str]) -> list[dict]:
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    cmd = [sys.executable, "-m", "minifer.kernels.aot", "--json", "--ccs", *map(str, ccs), "--only", *names]
+    r = subprocess.run(cmd, env=env, capture_output=True, text=True, cwd=Path(__file__).resolve().parents[2])
+    if r.returncode:
+        raise RuntimeError(f"ahead-of-time compile failed:\n{r.stderr[-4000:]}")
+    return json.loads(r.stdout.strip().splitlines()[-1])
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", type=Path, help="write the report as JSON here")
+    ap.add_argument("--ccs", type=int, nargs="+", default=[80, 90], help="compute capabilities (default 80 90)")
+    ap.add_argument("--only", nargs="+", help="compile only the specs of these names")
+    ap.add_argument("--json", action="store_true", help="print the rows as one JSON line instead of a table")
     args = ap.parse_args()
     import triton
 
-    rows = compile_all()
-    for r in rows:
-        flag = "  SPILLS" if r["spills"] else ""
-        print(f"{r['kernel']:<44} {r['arch']}  regs {r['registers']:>3}  smem {r['shared_bytes']:>6} B{flag}")
+    specs = [s for s in kernel_specs() if args.only is None or s.name in args.only]
+    rows = compile_all(tuple(args.ccs), specs)
+    if args.json:
+        print(json.dumps(rows))
+    else:
+        for r in rows:
+            flag = "  SPILLS" if r["spills"] else ""
+            print(f"{r['kernel']:<44} {r['arch']}  regs {r['registers']:>3}  smem {r['shared_bytes']:>6} B{flag}")
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps({"triton": triton.__version__, "kernels": rows}, indent=2))

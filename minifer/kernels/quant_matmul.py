@@ -1,0 +1,479 @@
+"""Fused dequantize-matmul kernels in Triton: ``y = x @ dequant(W)^T`` for int8, int4 and fp8 weights.
+
+The weights never exist in full precision in memory: each program loads its tile of codes, turns them
+into numbers in registers and multiplies them at once. That is the whole point — decode is bound by the
+bytes of weights it reads (chapter 01), and a 4-bit weight is a quarter of the bytes of a bf16 one. The
+formats are ``minifer/quant/formats.py``; ``quant_linear_reference`` there is the oracle these kernels
+are tested against (``tests/test_quant_kernels.py``, under the interpreter on CPU).
+
+Two kernels, three paths (``quant_matmul(..., path=)``):
+
+- ``gemv`` (decode, M of 1 to a few): CUDA-core multiply-adds, no tensor cores. One program owns
+  ``BLOCK_N`` output channels of one row of ``x`` and a slice of K (*split-K*: with N = 4096 outputs a
+  GPU of 132 SMs would otherwise have too few programs to keep its memory system busy).
+- ``splitk`` (decode, M up to 16): ``tl.dot`` on a 16-row tile (tensor cores; the rows past M are
+  masked), split-K as above. Above a few rows, multiply-adds on CUDA cores cost more than the bytes.
+- ``tiled`` (prefill): the classic tiled GEMM of the Triton matmul tutorial, with the W tile dequantized
+  just before each ``tl.dot``.
+
+Split-K partial sums go to a float32 workspace; the last program to finish an output tile (counted with
+an atomic per tile, which it resets to 0 for the next launch) adds them up in a fixed order, adds the
+bias and writes the output — one launch, no zero-filled buffer, and the same bits on every run.
+
+Making the dequantization cheap matters as much as the loads: at batch 1 an H200 must turn ~10^13 codes
+per second into floats to keep up with its memory, and integer-to-float conversion runs at 1/8 of the
+rate of a multiply-add. So codes become floats by *bit tricks*: ``0x4B000000 | q`` read as a float32 is
+exactly ``2^23 + q`` (the low mantissa bits of 2^23 count in units of 1), and one subtraction of
+``2^23 + zero_point`` leaves ``q - z`` exactly. fp8 e4m3 shifted into a float16's bits is its value times
+2^-8 (exponent biases 7 and 15), subnormals included — the only fp8 decoding sm_80 can do; sm_89+ convert
+natively. int4's two codes per byte pair up with two neighbouring activations, so ``x`` is read as 32-bit
+*pairs* (a bf16 pair is one word: a shift and a mask split it) instead of with stride-2 loads.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from minifer.kernels import INTERPRETING
+from minifer.quant.formats import QuantizedWeight
+
+INT8, INT4, FP8 = 0, 1, 2
+_FMT = {"int8": INT8, "int4": INT4, "fp8": FP8}
+X_BF16, X_FP16, X_FP32 = 0, 1, 2
+_XKIND = {torch.bfloat16: X_BF16, torch.float16: X_FP16, torch.float32: X_FP32}
+_PAIR_DTYPE = {torch.bfloat16: torch.int32, torch.float16: torch.int32, torch.float32: torch.int64}
+PATHS = ("auto", "gemv", "splitk", "tiled")
+GEMV_MAX_M = 4  # auto: gemv up to this many rows, splitk up to 16, tiled above
+SPLITK_MAX_M = 16
+MAX_SPLIT = 16
+CHUNK_BYTES = 64
+MAGIC = 0x4B000000  # float32 bits of 2^23  # int8/fp8 gemv: bytes of a row per chunk (int4 chunks are one quantization group)
+
+
+# --- bits to numbers (run in registers, shared by both kernels) ----------------------------------------
+
+
+@triton.jit
+def _int8_to_f32(b):
+    """int8 code (sign-extended to int32) -> float32: 2^23 + 128 + q as bits, minus 2^23 + 128."""
+    return (b + 0x4B000080).to(tl.float32, bitcast=True) - 8388736.0
+
+
+@triton.jit
+def _int4_to_f32(b, z):
+    """A byte of two codes -> ``(q_lo - z, 16 * (q_hi - z))`` in float32, exactly. The high code is left in
+    place (times 16) to save a shift; callers scale its products by 1/16."""
+    lo = ((b & 0xF) | 0x4B000000).to(tl.float32, bitcast=True) - (8388608.0 + z)
+    hi = ((b & 0xF0) | 0x4B000000).to(tl.float32, bitcast=True) - (8388608.0 + 16.0 * z)
+    return lo, hi
+
+
+@triton.jit
+def _code_to_f32(word, z, magic, POS: tl.constexpr):
+    """The 4-bit code at bit ``POS`` (at most 16) of a 32-bit word, decoded in place: ``2^POS (q - z)`` in
+    float32, exactly — one logic op (``magic`` is 2^23's bits, passed at run time so that it stays in a
+    register rather than being rebuilt before every op)."""
+    return ((word & (0xF << POS)) | magic).to(tl.float32, bitcast=True) - (8388608.0 + z * (1 << POS))
+
+
+@triton.jit
+def _fp8_to_f32(b, NATIVE: tl.constexpr):
+    """fp8 e4m3fn bits (as int8) -> float32. NATIVE (sm_89+): the hardware conversion, exact. Otherwise the
+    value times 2^-8: sign to bit 15, exponent and mantissa to bits 13..7 of a float16 (callers fold the
+    256 into the scale)."""
+    if NATIVE:
+        f = b.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+    else:
+        f = ((b.to(tl.int32) << 7) & 0xBF80).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+    return f
+
+
+@triton.jit
+def _split_pairs(w, XKIND: tl.constexpr):
+    """A word holding activations ``(x[2j], x[2j+1])`` (int32 for 16-bit x, int64 for float32) -> both as float32."""
+    if XKIND == 0:  # bf16: the top 16 bits of a float32
+        xe = (w << 16).to(tl.float32, bitcast=True)
+        xo = (w & -65536).to(tl.float32, bitcast=True)
+    elif XKIND == 1:  # fp16
+        xe = w.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+        xo = (w >> 16).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+    else:  # float32 pair in an int64
+        xe = w.to(tl.int32).to(tl.float32, bitcast=True)
+        xo = (w >> 32).to(tl.int32).to(tl.float32, bitcast=True)
+    return xe, xo
+
+
+@triton.jit
+def _epilogue(acc, rm, rn, M, N, out_ptr, bias_ptr, part_ptr, lock_ptr, tile, HAS_BIAS: tl.constexpr):
+    """Write ``acc`` ([len(rm), len(rn)], float32) as output rows ``rm``, columns ``rn``. With split-K
+    (``num_programs(axis 1) > 1``) it is a partial sum: the last of the tile's programs reduces them."""
+    mask = (rm < M)[:, None] & (rn < N)[None, :]
+    offs = rm[:, None] * N + rn[None, :]
+    splits = tl.num_programs(1)
+    last = splits == 1
+    if splits > 1:
+        tl.store(part_ptr + tl.program_id(1) * M * N + offs, acc, mask=mask)
+        # acq_rel: our partials are visible before the count, and the last program sees everyone's.
+        last = tl.atomic_add(lock_ptr + tile, 1) == splits - 1
+        if last:
+            acc = tl.load(part_ptr + offs, mask=mask, other=0.0, cache_modifier=".cg")
+            for s in range(1, splits):
+                acc += tl.load(part_ptr + s * M * N + offs, mask=mask, other=0.0, cache_modifier=".cg")
+            tl.atomic_xchg(lock_ptr + tile, 0)  # ready for the next launch
+    if last:
+        if HAS_BIAS:
+            acc += tl.load(bias_ptr + rn, mask=rn < N, other=0.0).to(tl.float32)[None, :]
+        tl.store(out_ptr + offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+# --- decode on CUDA cores ------------------------------------------------------------------------------
+
+
+@triton.jit
+def quant_gemv_kernel(x_ptr, q_ptr, s_ptr, z_ptr, bias_ptr, out_ptr, part_ptr, lock_ptr, M, N, K, ROW, M_KEY, magic,
+                      FMT: tl.constexpr, GROUP: tl.constexpr, HAS_ZEROS: tl.constexpr, HAS_BIAS: tl.constexpr,
+                      FP8_NATIVE: tl.constexpr, XKIND: tl.constexpr, GW: tl.constexpr, GW_P2: tl.constexpr,
+                      BLOCK_N: tl.constexpr, CHUNKS: tl.constexpr):
+    """Grid ``(M * cdiv(N, BLOCK_N), splits)``; row ``m`` varies fastest so programs reading the same
+    weights run together (the second reader hits L2).
+
+    A row of W is ``ROW`` units — int4: 32-bit words of 8 codes, else bytes — cut into chunks of ``GW``
+    units that divide it (int4: one quantization group, so a chunk has one scale and zero point); a tile
+    is ``[BLOCK_N, CHUNKS, GW]`` units. No mask runs along a chunk, so its loads are 16-byte vectors; the
+    products accumulate element-wise and are summed once after the loop (a sum across threads inside it
+    would cost more shuffles than multiply-adds).
+
+    int4 decodes a whole word at a time: nibble ``i`` of a 16-bit half masked in place, ``h & (0xF << 4i)``,
+    or-ed into 2^23 is ``2^23 + 16^i q`` exactly, so one logic op per code and one shift per half word;
+    the 16^i goes into the activation it multiplies.
+    """
+    pid = tl.program_id(0)
+    m = pid % M
+    pid_n = pid // M
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = rn < N
+    c = tl.arange(0, CHUNKS)
+    j = tl.arange(0, GW_P2)
+    n_chunks = ROW // GW
+    per_split = tl.cdiv(tl.cdiv(n_chunks, tl.num_programs(1)), CHUNKS) * CHUNKS
+    c_start = tl.program_id(1) * per_split
+    c_end = tl.minimum(c_start + per_split, n_chunks)
+    w_rows = q_ptr + rn.to(tl.int64)[:, None, None] * ROW
+    if FMT == 1:
+        x_row = x_ptr + m * ROW * 4  # int4: x as pairs (one 32-bit word of bf16/fp16), 4 per word of W
+    else:
+        x_row = x_ptr + m * ROW
+    acc = tl.zeros((BLOCK_N, CHUNKS, GW_P2), tl.float32)
+    for c0 in range(c_start, c_end, CHUNKS):
+        chunk = c0 + c
+        col = chunk[:, None] * GW + j[None, :]  # [CHUNKS, GW_P2] unit column in the row
+        ok = (chunk < c_end)[:, None]
+        if GW_P2 != GW:  # an int4 group of an odd number of words
+            ok = ok & (j < GW)[None, :]
+        b = tl.load(w_rows + col[None, :, :], mask=n_mask[:, None, None] & ok[None, :, :], other=0)
+        if FMT == 1:
+            gs = rn[:, None] * n_chunks + chunk[None, :]  # [BLOCK_N, CHUNKS] scale / zero-point index
+            gs_mask = n_mask[:, None] & (chunk < c_end)[None, :]
+            if HAS_ZEROS:
+                z = tl.load(z_ptr + gs, mask=gs_mask, other=0).to(tl.float32)[:, :, None]
+            else:
+                z = 8.0
+            part = tl.zeros((BLOCK_N, CHUNKS, GW_P2), tl.float32)
+            b12 = (b.to(tl.uint32, bitcast=True) >> 12).to(tl.int32, bitcast=True)  # codes 5..7 at bits 8..19
+            for byte in tl.static_range(4):  # activations 2 * byte and 2 * byte + 1 of the word's 8
+                xe, xo = _split_pairs(tl.load(x_row + 4 * col + byte, mask=ok, other=0), XKIND)
+                for odd in tl.static_range(2):
+                    code = 2 * byte + odd
+                    pos = 4 * code if code <= 4 else 4 * code - 12  # where the code sits in b or b12
+                    f = _code_to_f32(b if code <= 4 else b12, z, magic, pos)
+                    part += f * ((xo if odd else xe) * (1.0 / (1 << pos)))[None, :, :]
+            acc += part * tl.load(s_ptr + gs, mask=gs_mask, other=0.0)[:, :, None]
+        else:
+            xk = tl.load(x_row + col, mask=ok, other=0.0).to(tl.float32)
+            if FMT == 0:
+                w = _int8_to_f32(b.to(tl.int32))
+            else:
+                w = _fp8_to_f32(b, FP8_NATIVE)
+            acc += w * xk[None, :, :]
+    y = tl.sum(tl.sum(acc, axis=2), axis=1)
+    if FMT != 1:
+        s = tl.load(s_ptr + rn, mask=n_mask, other=0.0)
+        if FMT == 2 and not FP8_NATIVE:
+            s = s * 256.0
+        y = y * s
+    _epilogue(y[None, :], m + tl.arange(0, 1), rn, M, N, out_ptr, bias_ptr, part_ptr, lock_ptr, pid, HAS_BIAS)
+
+
+# --- tensor-core tiles ---------------------------------------------------------------------------------
+
+
+@triton.jit
+def quant_gemm_kernel(x_ptr, q_ptr, s_ptr, z_ptr, bias_ptr, out_ptr, part_ptr, lock_ptr, M, N, K, ROW, M_KEY,
+                      FMT: tl.constexpr, GROUP: tl.constexpr, HAS_ZEROS: tl.constexpr, HAS_BIAS: tl.constexpr,
+                      FP8_NATIVE: tl.constexpr, XKIND: tl.constexpr, DOT_F32: tl.constexpr, BLOCK_M: tl.constexpr,
+                      BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
+    """Grid ``(cdiv(M, BLOCK_M) * cdiv(N, BLOCK_N), splits)``. ``acc[BLOCK_M, BLOCK_N] += x_tile @ W_tile^T``
+    with the W tile (``[BLOCK_K, BLOCK_N]``, read transposed from W's rows) dequantized in registers.
+
+    int4: ``BLOCK_K`` divides the group size, so a K-step has one scale per column, applied to the step's
+    product (``(x @ (q - z)) * s``: integers times activations are exact in bf16, so the only rounding is
+    the float32 accumulation); the even and odd columns of the tile are two dots of ``BLOCK_K / 2``.
+    int8/fp8: one scale per column for all of K, applied once after the loop.
+    """
+    # Grouped ordering (the Triton matmul tutorial): GROUP_M row tiles share each column tile while it is in L2.
+    pid = tl.program_id(0)
+    num_m = tl.cdiv(M, BLOCK_M)
+    num_n = tl.cdiv(N, BLOCK_N)
+    first_m = (pid // (GROUP_M * num_n)) * GROUP_M
+    rows = tl.minimum(num_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % (GROUP_M * num_n)) % rows
+    pid_n = (pid % (GROUP_M * num_n)) // rows
+    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    m_mask = rm < M
+    n_mask = rn < N
+    xdt = out_ptr.dtype.element_ty  # x's dtype (int4 reads x as int pairs)
+    if DOT_F32:  # the interpreter's tl.dot multiplies bf16 bit patterns (triton-lang/triton#11584)
+        xdt = tl.float32
+    n_steps = tl.cdiv(K, BLOCK_K)
+    per_split = tl.cdiv(n_steps, tl.num_programs(1))
+    t_start = tl.program_id(1) * per_split
+    t_end = tl.minimum(t_start + per_split, n_steps)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+    if FMT == 1:
+        tl.static_assert(GROUP % BLOCK_K == 0, "an int4 K-step must lie inside one quantization group")
+        KB: tl.constexpr = BLOCK_K // 2
+        n_groups = K // GROUP
+        kb = tl.arange(0, KB)
+        for t in range(t_start, t_end):
+            col = t * KB + kb  # K % BLOCK_K == 0 for int4: no K mask
+            b = tl.load(q_ptr + rn.to(tl.int64)[None, :] * ROW + col[:, None], mask=n_mask[None, :], other=0)
+            g = (t * BLOCK_K) // GROUP
+            if HAS_ZEROS:
+                z = tl.load(z_ptr + rn * n_groups + g, mask=n_mask, other=0).to(tl.float32)
+            else:
+                z = tl.full((BLOCK_N,), 8.0, tl.float32)
+            lo, hi = _int4_to_f32(b.to(tl.int32), z[None, :])
+            xe, xo = _split_pairs(tl.load(x_ptr + rm[:, None] * ROW + col[None, :], mask=m_mask[:, None], other=0),
+                                  XKIND)
+            part = tl.dot(xe.to(xdt), lo.to(xdt), input_precision="ieee")
+            part += tl.dot(xo.to(xdt), hi.to(xdt), input_precision="ieee") * 0.0625
+            acc += part * tl.load(s_ptr + rn * n_groups + g, mask=n_mask, other=0.0)[None, :]
+    else:
+        kk = tl.arange(0, BLOCK_K)
+        for t in range(t_start, t_end):
+            k = t * BLOCK_K + kk
+            k_mask = k < K
+            b = tl.load(q_ptr + rn.to(tl.int64)[None, :] * ROW + k[:, None], mask=n_mask[None, :] & k_mask[:, None],
+                        other=0)
+            if FMT == 0:
+                w = _int8_to_f32(b.to(tl.int32))
+            else:
+                w = _fp8_to_f32(b, FP8_NATIVE)
+            xt = tl.load(x_ptr + rm[:, None] * ROW + k[None, :], mask=m_mask[:, None] & k_mask[None, :], other=0.0)
+            acc = tl.dot(xt.to(xdt), w.to(xdt), acc, input_precision="ieee")
+        s = tl.load(s_ptr + rn, mask=n_mask, other=0.0)
+        if FMT == 2 and not FP8_NATIVE:
+            s = s * 256.0
+        acc = acc * s[None, :]
+    _epilogue(acc, rm, rn, M, N, out_ptr, bias_ptr, part_ptr, lock_ptr, pid, HAS_BIAS)
+
+
+# --- launch --------------------------------------------------------------------------------------------
+
+
+def _bench(fn, quantiles):
+    """Autotuning: a short timing per config keeps the first call of each shape to a few seconds."""
+    return triton.testing.do_bench(fn, warmup=5, rep=20, quantiles=quantiles)
+
+
+def _cfg(num_warps: int = 4, num_stages: int = 2, **kw) -> triton.Config:
+    return triton.Config(kw, num_warps=num_warps, num_stages=num_stages)
+
+
+# One config each under the interpreter (it runs every program in numpy: tuning would only cost time) or
+# with MINIFER_QUANT_AUTOTUNE=0 on a GPU (the first config of each list: quick start-up, fixed kernels).
+AUTOTUNE = not INTERPRETING and os.environ.get("MINIFER_QUANT_AUTOTUNE", "1") != "0"
+if INTERPRETING:
+    GEMV_CONFIGS = [_cfg(BLOCK_N=16, CHUNKS=2)]
+    SPLITK_CONFIGS = [_cfg(BLOCK_M=16, BLOCK_N=32, BLOCK_K=64, GROUP_M=1)]
+    TILED_CONFIGS = [_cfg(BLOCK_M=32, BLOCK_N=32, BLOCK_K=64, GROUP_M=4)]
+else:  # the first of each list is the one aot.py compiles (no spills on sm_80 or sm_90)
+    GEMV_CONFIGS = [_cfg(w, 2, BLOCK_N=n, CHUNKS=c) for n, c, w in
+                    ((128, 1, 4), (64, 1, 4), (64, 2, 4), (256, 1, 8), (128, 2, 8), (32, 4, 4), (32, 2, 2))]
+    SPLITK_CONFIGS = [_cfg(w, s, BLOCK_M=16, BLOCK_N=n, BLOCK_K=k, GROUP_M=1) for n, k, w, s in
+                      ((32, 128, 4, 3), (64, 128, 4, 3), (64, 64, 4, 4), (32, 256, 4, 3), (128, 128, 8, 3),
+                       (128, 64, 4, 4))]
+    TILED_CONFIGS = [_cfg(w, s, BLOCK_M=m, BLOCK_N=n, BLOCK_K=k, GROUP_M=8) for m, n, k, w, s in
+                     ((64, 128, 64, 8, 3), (128, 128, 64, 8, 3), (128, 64, 64, 4, 4), (64, 64, 128, 4, 3),
+                      (128, 256, 64, 8, 3), (64, 256, 64, 8, 3))]
+    if not AUTOTUNE:
+        GEMV_CONFIGS, SPLITK_CONFIGS, TILED_CONFIGS = GEMV_CONFIGS[:1], SPLITK_CONFIGS[:1], TILED_CONFIGS[:1]
+
+
+def _cap_block_k(configs: list[triton.Config], cap: int) -> list[triton.Config]:
+    """int4 on tensor cores: a K-step must stay inside one quantization group, so BLOCK_K is cut to at most
+    ``cap``, the largest power of two dividing the group size (configs that become equal are dropped)."""
+    out, seen = [], set()
+    for cfg in configs:
+        kw = {**cfg.kwargs, "BLOCK_K": min(cfg.kwargs["BLOCK_K"], cap)}
+        key = (tuple(sorted(kw.items())), cfg.num_warps, cfg.num_stages)
+        if key not in seen:
+            seen.add(key)
+            out.append(triton.Config(kw, num_warps=cfg.num_warps, num_stages=cfg.num_stages))
+    return out
+
+
+_KEY = ["M_KEY", "N", "K", "FMT", "GROUP", "XKIND"]
+_tuners: dict[tuple[str, int], tuple[object, list[triton.Config]]] = {}
+
+
+def _tuner(path: str, block_k_cap: int = 0):
+    """The autotuned kernel of a path, and its configs (one tuner per BLOCK_K cap, built on first use)."""
+    if (path, block_k_cap) not in _tuners:
+        if path == "gemv":
+            kernel, configs = quant_gemv_kernel, GEMV_CONFIGS
+        else:
+            kernel, configs = quant_gemm_kernel, SPLITK_CONFIGS if path == "splitk" else TILED_CONFIGS
+            if block_k_cap:
+                configs = _cap_block_k(configs, block_k_cap)
+        _tuners[path, block_k_cap] = triton.autotune(configs, key=_KEY, do_bench=_bench)(kernel), configs
+    return _tuners[path, block_k_cap]
+
+
+_locks: dict[torch.device, torch.Tensor] = {}
+
+
+def _lock_buffer(device: torch.device, n: int) -> torch.Tensor:
+    """Per-tile arrival counters for split-K, zero between launches (the last program of a tile resets its
+    own). Cached per device and only ever grown. Two launches on different CUDA streams at once would
+    share them: minifer runs its model on one stream."""
+    buf = _locks.get(device)
+    if buf is None or buf.numel() < n:
+        buf = torch.zeros(max(n, 1024), dtype=torch.int32, device=device)
+        _locks[device] = buf
+    return buf
+
+
+def _workspace(numel: int, device: torch.device) -> torch.Tensor:
+    """float32 scratch for split-K partial sums; every element the kernel reads it wrote first."""
+    return torch.empty(numel, dtype=torch.float32, device=device)
+
+
+@functools.lru_cache(maxsize=None)
+def _num_sms(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return 4  # the interpreter: a few splits, so the CPU tests exercise the split-K reduction
+
+
+@functools.lru_cache(maxsize=None)
+def _fp8_native(device: torch.device) -> bool:
+    """sm_89+ converts e4m3 in hardware; sm_80 (and the interpreter, by default) decode the bits."""
+    return device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 9)
+
+
+def choose_split(tiles: int, k_steps: int, sms: int, waves: int) -> int:
+    """Split K until ``tiles * split`` programs fill ``waves`` programs per SM, keeping at least two
+    K-steps per split (a split of one step is mostly overhead) and at most ``MAX_SPLIT``."""
+    want = -(-waves * sms // tiles)
+    return max(1, min(want, k_steps // 2, MAX_SPLIT))
+
+
+def _check(x: torch.Tensor, qw: QuantizedWeight, bias: torch.Tensor | None) -> None:
+    qw.validate(check_values=False)
+    n, k = qw.shape
+    if x.dtype not in _XKIND:
+        raise ValueError(f"quant_matmul: x must be float32, bfloat16 or float16, got {x.dtype}")
+    if x.shape[-1] != k:
+        raise ValueError(f"quant_matmul: x has {x.shape[-1]} features but the weight expects K={k}")
+    if x.device != qw.qweight.device:
+        raise ValueError(f"quant_matmul: x is on {x.device} but the weight is on {qw.qweight.device}")
+    if x.device.type != "cuda" and not INTERPRETING:
+        raise ValueError("quant_matmul: Triton kernels need CUDA tensors (or TRITON_INTERPRET=1 set before "
+                         "triton is imported, to run them on the CPU); use quant_linear_reference on the CPU")
+    if bias is not None and (tuple(bias.shape) != (n,) or bias.device != x.device):
+        raise ValueError(f"quant_matmul: bias must have shape ({n},) on {x.device}, got {tuple(bias.shape)} "
+                         f"on {bias.device}")
+
+
+def _plan(path: str, m: int, n: int, k: int, fmt: int, group: int):
+    """The autotuned kernel, its extra constexprs, its configs, split-K waves, the row length of W in the
+    units the kernel reads (int4 gemv: int32 words; otherwise bytes), and per config: output tiles and
+    K-steps."""
+    if path == "gemv":
+        row = k // 8 if fmt == INT4 else k
+        gw = group // 8 if fmt == INT4 else CHUNK_BYTES
+        while row % gw:  # int8/fp8: chunks must tile the row exactly (no mask along a chunk)
+            gw //= 2
+        kernel, configs = _tuner("gemv")
+        return (kernel, dict(GW=gw, GW_P2=triton.next_power_of_2(gw)), configs, 4, row,
+                lambda meta: m * triton.cdiv(n, meta["BLOCK_N"]),
+                lambda meta: triton.cdiv(row, gw * meta["CHUNKS"]))
+    kernel, configs = _tuner(path, group & -group if fmt == INT4 else 0)
+    return (kernel, dict(DOT_F32=INTERPRETING), configs, 2 if path == "splitk" else 1, k // 2 if fmt == INT4 else k,
+            lambda meta: triton.cdiv(m, meta["BLOCK_M"]) * triton.cdiv(n, meta["BLOCK_N"]),
+            lambda meta: triton.cdiv(k, meta["BLOCK_K"]))
+
+
+def quant_matmul(x: torch.Tensor, qw: QuantizedWeight, bias: torch.Tensor | None = None, path: str = "auto",
+                 split_k: int | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+    """``x @ dequantize(qw)^T (+ bias)`` for ``x: [..., K]`` (float32 / bf16 / fp16), fused; returns ``[..., N]``
+    in ``x.dtype`` (written into ``out`` if given: contiguous, that shape and dtype). ``path``: ``"gemv"`` /
+    ``"splitk"`` (decode), ``"tiled"`` (prefill) or ``"auto"`` (by the number of rows M: gemv up to
+    ``GEMV_MAX_M``, splitk up to 16). ``split_k`` overrides the split of K that is otherwise chosen from the
+    GPU's SM count (it is capped at the number of K-steps)."""
+    if path not in PATHS:
+        raise ValueError(f"quant_matmul: path must be one of {PATHS}, got {path!r}")
+    if split_k is not None and not 1 <= split_k <= MAX_SPLIT:
+        raise ValueError(f"quant_matmul: split_k must be in 1..{MAX_SPLIT}, got {split_k}")
+    _check(x, qw, bias)
+    n, k = qw.shape
+    lead = x.shape[:-1]
+    x2 = x.reshape(-1, k).contiguous()
+    m = x2.shape[0]
+    if out is None:
+        out = torch.empty(*lead, n, dtype=x.dtype, device=x.device)
+    elif out.shape != (*lead, n) or out.dtype != x.dtype or out.device != x.device or not out.is_contiguous():
+        raise ValueError(f"quant_matmul: out must be a contiguous {x.dtype} tensor of shape {(*lead, n)} on "
+                         f"{x.device}, got {out.dtype} {tuple(out.shape)} on {out.device}")
+    if m == 0:
+        return out
+    fmt, group = _FMT[qw.fmt], qw.group_size or 0
+    chosen = path if path != "auto" else "gemv" if m <= GEMV_MAX_M else "splitk" if m <= SPLITK_MAX_M else "tiled"
+    if fmt == INT4 and group % 8:
+        raise ValueError(f"quant_matmul: the int4 kernels need a group size that is a multiple of 8 (a group is "
+                         f"whole 32-bit words of codes), got {group}; use quant_linear_reference")
+    if fmt == INT4 and chosen != "gemv" and group % 32:
+        if path != "auto":
+            raise ValueError(f"quant_matmul: path {path!r} needs an int4 group size that is a multiple of 32 "
+                             f"(a K-step of tl.dot stays inside one group), got {group}; use path='gemv'")
+        chosen = "gemv"
+    kernel, extra, configs, waves, row, tiles, k_steps = _plan(chosen, m, n, k, fmt, group)
+    sms = _num_sms(x.device)
+
+    def splits(meta) -> int:
+        s = split_k if split_k is not None else choose_split(tiles(meta), k_steps(meta), sms, waves)
+        return max(1, min(s, k_steps(meta)))
+
+    most = max(splits(c.kwargs) for c in configs)
+    part = _workspace(most * m * n if most > 1 else 1, x.device)
+    locks = _lock_buffer(x.device, max(tiles(c.kwargs) for c in configs))
+    # int4 reads activations as pairs (see the module docstring); fp8 codes travel as their int8 bits.
+    xk = x2.view(_PAIR_DTYPE[x.dtype]) if fmt == INT4 else x2
+    q = qw.qweight
+    if fmt == FP8:
+        q = q.view(torch.int8)
+    elif fmt == INT4 and chosen == "gemv":
+        q = q.view(torch.int32)  # [N, K / 8]: 8 codes a word, code 0 in the lowest nibble
+    z = qw.zeros if qw.zeros is not None else qw.scales  # a placeholder pointer, never read without HAS_ZEROS
+    kernel[lambda meta: (tiles(meta), splits(meta))](
+        xk, q, qw.scales, z, bias if bias is not None else qw.scales, out, part, locks, m, n, k,
+        row, min(triton.next_power_of_2(m), 256), *((MAGIC,) if chosen == "gemv" else ()), FMT=fmt, GROUP=group, HAS_ZEROS=qw.zeros is not None,
+        HAS_BIAS=bias is not None, FP8_NATIVE=_fp8_native(x.device), XKIND=_XKIND[x.dtype], **extra)
+    return out

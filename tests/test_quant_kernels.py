@@ -1,0 +1,217 @@
+"""Fused dequantize-matmul Triton kernels vs ``quant_linear_reference`` (the interpreter on CPU, native on a
+GPU): every format, path and split, odd shapes, poisoned outputs and split-K workspace; bad inputs; the
+ahead-of-time compile for sm_80 / sm_90; the GPU benchmark's pipeline on tiny shapes."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from minifer.kernels import HAS_TRITON, TRITON_ERROR
+from minifer.quant import quant_linear_reference, quantize
+
+pytestmark = pytest.mark.skipif(not HAS_TRITON, reason=TRITON_ERROR)
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+TOL = {torch.float32: 1e-5, torch.bfloat16: 1e-2, torch.float16: 2e-3}
+
+# (format, symmetric, group size, K, N): K and N off the block sizes; int4 needs K % group == 0.
+CASES = [("int8", True, None, 100, 37), ("fp8", True, None, 100, 37), ("int4", True, 32, 160, 37),
+         ("int4", False, 64, 192, 45), ("int4", True, 128, 256, 24), ("int4", False, 32, 96, 33)]
+RUNS = [("gemv", 1), ("gemv", 3), ("splitk", 1), ("splitk", 3), ("splitk", 16), ("tiled", 1), ("tiled", 17),
+        ("tiled", 40)]
+
+
+def _case(fmt, symmetric, group, k, n, m, dtype, seed=0, bias=True):
+    gen = torch.Generator().manual_seed(seed)
+    w = torch.randn(n, k, generator=gen) / k ** 0.5
+    w[1] = 0.0  # an all-zero output channel
+    qw = quantize(w, fmt, group_size=group or 128, symmetric=symmetric).to(DEVICE)
+    x = torch.randn(m, k, generator=gen).to(DEVICE, dtype)
+    b = torch.randn(n, generator=gen).to(DEVICE, dtype) if bias else None
+    return x, qw, b
+
+
+def _rel(out, ref):
+    return ((out.double() - ref.double()).norm() / ref.double().norm()).item()
+
+
+@pytest.fixture
+def poisoned_workspace(monkeypatch):
+    """Split-K scratch filled with NaN: a partial sum read before it is written poisons the output."""
+    from minifer.kernels import quant_matmul as qm
+
+    monkeypatch.setattr(qm, "_workspace", lambda numel, device: torch.full((numel,), float("nan"), device=device))
+
+
+def _run(x, qw, b, path, split_k=None):
+    from minifer.kernels.quant_matmul import quant_matmul
+
+    out = torch.full((x.shape[0], qw.shape[0]), float("nan"), dtype=x.dtype, device=x.device)  # poisoned
+    res = quant_matmul(x, qw, b, path=path, split_k=split_k, out=out)
+    assert res.data_ptr() == out.data_ptr()
+    assert torch.isfinite(out).all(), "an output element was not written"
+    return out
+
+
+@pytest.mark.parametrize("fmt,symmetric,group,k,n", CASES)
+@pytest.mark.parametrize("path,m", RUNS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_kernel_matches_reference(fmt, symmetric, group, k, n, path, m, dtype, poisoned_workspace):
+    x, qw, b = _case(fmt, symmetric, group, k, n, m, dtype, seed=k + m)
+    out = _run(x, qw, b, path)
+    ref = quant_linear_reference(x.float(), qw, b.float())  # float32 reference, float32 inputs
+    assert _rel(out, ref) < TOL[dtype]
+
+
+@pytest.mark.parametrize("fmt,symmetric,group,k,n", CASES[:3])
+@pytest.mark.parametrize("path", ["gemv", "splitk", "tiled"])
+def test_float16_activations(fmt, symmetric, group, k, n, path):
+    x, qw, b = _case(fmt, symmetric, group, k, n, 2, torch.float16, seed=7)
+    assert _rel(_run(x, qw, b, path), quant_linear_reference(x.float(), qw, b.float())) < TOL[torch.float16]
+
+
+@pytest.mark.parametrize("path", ["gemv", "splitk", "tiled"])
+@pytest.mark.parametrize("split_k", [1, 2, 3, 16])
+@pytest.mark.parametrize("fmt,symmetric,group", [("int4", False, 32), ("int8", True, None)])
+def test_every_split_of_k_gives_the_same_answer(path, split_k, fmt, symmetric, group, poisoned_workspace):
+    """1 (no workspace), uneven splits, and more splits than K-steps (capped, some programs get none)."""
+    from minifer.kernels import quant_matmul as qm
+
+    x, qw, b = _case(fmt, symmetric, group, 256, 40, 2, torch.float32, seed=split_k)
+    out = _run(x, qw, b, path, split_k=split_k)
+    assert _rel(out, quant_linear_reference(x, qw, b)) < 1e-5
+    # The arrival counters were reset by the last program of each tile: the next launch starts clean.
+    assert not qm._locks[x.device].any()
+    torch.testing.assert_close(_run(x, qw, b, path, split_k=split_k), out, rtol=0, atol=0)  # deterministic
+
+
+@pytest.mark.skipif(DEVICE == "cuda", reason="the GPU picks the fp8 decoding its architecture has")
+@pytest.mark.parametrize("path", ["gemv", "tiled"])
+def test_fp8_native_conversion_path(monkeypatch, path):
+    """The hardware e4m3 conversion (sm_89+) and the bit-arithmetic one (sm_80) give the same numbers."""
+    from minifer.kernels import quant_matmul as qm
+
+    x, qw, b = _case("fp8", True, None, 96, 20, 3, torch.float32, seed=3)
+    soft = _run(x, qw, b, path)
+    monkeypatch.setattr(qm, "_fp8_native", lambda device: True)
+    native = _run(x, qw, b, path)
+    torch.testing.assert_close(native, soft, rtol=1e-6, atol=1e-6)
+    assert _rel(native, quant_linear_reference(x, qw, b)) < 1e-5
+
+
+@pytest.mark.parametrize("path", ["gemv", "tiled"])
+def test_every_fp8_bit_pattern_decodes_exactly(path):
+    """All 254 non-NaN codes (subnormals, both zeros, +-448): row n of W holds code n in column 0, and
+    x = e_0 reads that column out exactly."""
+    from minifer.quant import QuantizedWeight
+
+    bits = torch.arange(256, dtype=torch.uint8)
+    bits = bits[(bits & 0x7F) != 0x7F]  # the two NaN codes never occur in quantized weights
+    codes = torch.zeros(bits.numel(), 64, dtype=torch.uint8)
+    codes[:, 0] = bits
+    n = bits.numel()
+    qw = QuantizedWeight("fp8", codes.view(torch.float8_e4m3fn), torch.ones(n), None, None, (n, 64)).to(DEVICE)
+    x = torch.zeros(1, 64, device=DEVICE)
+    x[0, 0] = 1.0
+    out = _run(x, qw, None, path)
+    torch.testing.assert_close(out[0].cpu(), bits.view(torch.float8_e4m3fn).float(), rtol=0, atol=0)
+
+
+def test_auto_path_batched_leading_dims_and_empty():
+    from minifer.kernels.quant_matmul import quant_matmul
+
+    x, qw, b = _case("int4", True, 32, 128, 24, 6, torch.float32, seed=1)
+    y = quant_matmul(x.view(2, 3, 128), qw, b)
+    assert y.shape == (2, 3, 24)
+    assert _rel(y.view(6, 24), quant_linear_reference(x, qw, b)) < 1e-5
+    assert quant_matmul(x[:0], qw).shape == (0, 24)
+    # a group size the tensor-core paths cannot take: auto falls back to gemv
+    x, qw, b = _case("int4", False, 16, 64, 24, 20, torch.float32, seed=2)
+    assert _rel(quant_matmul(x, qw, b), quant_linear_reference(x, qw, b)) < 1e-5
+
+
+def test_choose_split():
+    from minifer.kernels.quant_matmul import MAX_SPLIT, choose_split
+
+    assert choose_split(tiles=1000, k_steps=64, sms=132, waves=1) == 1  # enough programs already
+    assert choose_split(tiles=32, k_steps=64, sms=132, waves=4) == MAX_SPLIT
+    assert choose_split(tiles=112, k_steps=32, sms=132, waves=4) == 5
+    assert choose_split(tiles=8, k_steps=3, sms=132, waves=4) == 1  # K too short to split
+
+
+def test_bad_inputs_raise_clear_errors():
+    from minifer.kernels.quant_matmul import quant_matmul
+
+    x, qw, b = _case("int4", True, 32, 64, 8, 2, torch.float32)
+    with pytest.raises(ValueError, match="x must be float32, bfloat16 or float16"):
+        quant_matmul(x.to(torch.int32), qw)
+    with pytest.raises(ValueError, match="x must be float32, bfloat16 or float16"):
+        quant_matmul(x.double(), qw)
+    with pytest.raises(ValueError, match="expects K=64"):
+        quant_matmul(x[:, :32], qw)
+    with pytest.raises(ValueError, match="bias must have shape"):
+        quant_matmul(x, qw, b[:5])
+    with pytest.raises(ValueError, match="path must be one of"):
+        quant_matmul(x, qw, path="fast")
+    with pytest.raises(ValueError, match="split_k must be in"):
+        quant_matmul(x, qw, split_k=0)
+    with pytest.raises(ValueError, match="out must be a contiguous"):
+        quant_matmul(x, qw, out=torch.empty(2, 9, device=DEVICE))
+    with pytest.raises(ValueError, match="scales has shape"):
+        qw.scales = qw.scales[:, :1]
+        quant_matmul(x, qw)
+    x, qw, _ = _case("int4", True, 16, 64, 8, 2, torch.float32)
+    with pytest.raises(ValueError, match="path 'tiled' needs an int4 group size that is a multiple of 32"):
+        quant_matmul(x, qw, path="tiled")
+    x, qw, _ = _case("int4", True, 6, 48, 8, 2, torch.float32)
+    with pytest.raises(ValueError, match="multiple of 8"):
+        quant_matmul(x, qw)
+
+
+@pytest.mark.skipif(DEVICE == "cuda", reason="checks the CPU-without-interpreter message")
+def test_cpu_tensors_need_the_interpreter(monkeypatch):
+    from minifer.kernels import quant_matmul as qm
+
+    monkeypatch.setattr(qm, "INTERPRETING", False)
+    x, qw, _ = _case("int8", True, None, 64, 8, 2, torch.float32)
+    with pytest.raises(ValueError, match="need CUDA tensors"):
+        qm.quant_matmul(x, qw)
+
+
+def test_quant_kernels_compile_ahead_of_time_for_sm80_and_sm90():
+    from minifer.kernels.aot import compile_all, quant_matmul_specs
+
+    specs = quant_matmul_specs()
+    assert {s.kernel.__name__ if hasattr(s.kernel, "__name__") else s.kernel.fn.__name__ for s in specs} >= {
+        "quant_gemv_kernel", "quant_gemm_kernel"}
+    rows = compile_all(specs=specs)
+    assert len(rows) == 2 * len(specs) == 2 * 4 * 3  # {int8, int4, int4-asym, fp8} x {gemv, splitk, tiled}
+    for r in rows:
+        assert r["cubin_bytes"] > 0 and r["registers"] > 0, r
+        assert not r["spills"], f"{r['kernel']} spills registers on {r['arch']}: {r}"
+        assert r["shared_bytes"] <= 100 * 1024, r
+
+
+def test_benchmark_smoke(tmp_path):
+    """The GPU benchmark's whole pipeline (correctness check, timers, report, CLI) on tiny shapes."""
+    from minifer.bench import quant_kernels as bench
+
+    device = DEVICE
+    res = bench.run(device, shapes=((128, 40),), ms=(1, 17), formats=("int4", "fp8"), group_size=64, rounds=2,
+                    calls=1, extra_paths=False)
+    json.dumps(res)
+    assert [(r["format"], r["M"], r["path"]) for r in res["rows"]] == [
+        ("int4", 1, "gemv"), ("int4", 17, "tiled"), ("fp8", 1, "gemv"), ("fp8", 17, "tiled")]
+    for r in res["rows"]:
+        assert r["rel_err"] < 1e-2 and r["us_quant"] > 0 and r["us_bf16"] > 0 and r["speedup"] > 0
+        assert 1 < r["bytes_bound"] < 4
+    assert res["copy_bandwidth_Bps"] > 0 and res["environment"]["triton"]
+    assert res["targets"][0]["measured_speedup"] is None  # the target shape was not run
+    if device == "cpu":
+        out = tmp_path / "q.json"
+        assert bench.main(["--device", "cpu", "--smoke", "--formats", "int8", "--no-extra-paths", "--out",
+                           str(out)]) == 0
+        assert {r["M"] for r in json.loads(out.read_text())["rows"]} == {1, 3, 17}
