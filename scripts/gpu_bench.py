@@ -1,16 +1,22 @@
-"""The GPU check: a few minutes on one GPU, dummy weights of a real model shape, JSON out.
+"""The GPU check: one prepared run of a few minutes on one GPU, each part a section writing its own JSON.
 
-Measures, for ``--model`` (default Qwen/Qwen3-0.6B from its shipped config, random bf16 weights):
+    bash scripts/gpu_check.sh OUT_DIR            # every section, each in its own process with a time limit
+    python scripts/gpu_bench.py engine --out runs/engine.json
+    python scripts/gpu_bench.py engine --model tinystories-target --device cpu --num-requests 4 --max-len 64  # smoke
 
-1. batch-1 decode: tokens/s and the memory bandwidth it implies (weight + KV bytes read per token / time),
-   against a measured device-to-device copy bandwidth;
-2. offline throughput of ``--num-requests`` requests (default 256) with input and output lengths uniform
-   in [100, 1024] (nano-vllm's benchmark), output tokens/s.
+Sections (dummy weights of a real shape say nothing about quality; they fix the *cost* of each step, which
+is what is measured):
 
-    python scripts/gpu_bench.py --out runs/gpu_bench.json
-    python scripts/gpu_bench.py --model tinystories-target --device cpu --num-requests 4 --max-len 64   # smoke
-
-Dummy weights say nothing about quality; they fix the *cost* of each step, which is what is measured.
+- ``engine`` (issue 3): Qwen3-0.6B, bf16. Batch-1 decode tokens/s eager and with CUDA graphs (same tokens),
+  the memory bandwidth that implies (weights + KV bytes per token / time) against a measured copy; then the
+  offline throughput of ``--num-requests`` requests (default 256) with input and output lengths uniform in
+  [100, 1024] (nano-vllm's benchmark).
+- ``parity``: the bundled target on the GPU (Triton decode kernels, CUDA graphs) gives the CPU's greedy
+  tokens in float32, and how often bf16 agrees.
+- ``spec`` (issue 4): the target's verify-forward time for k+1 tokens per sequence vs one, at several batch
+  sizes (Qwen3-0.6B); and the bundled pair's speculative speedup vs batch size, fixed and adaptive k.
+- ``quant_e2e`` (issue 5): Llama-3.1-8B batch-1 decode tokens/s in bf16 and with int8 / int4 / fp8 weights.
+  (The per-kernel benchmark is ``python -m minifer.bench.quant_kernels``, which gpu_check.sh also runs.)
 """
 
 from __future__ import annotations
@@ -60,9 +66,11 @@ def decode_batch1(llm: LLM, prompt_len: int, new_tokens: int) -> dict:
     m = out.metrics
     decode_s = (m.token_times[-1] - m.token_times[0]) / max(1, len(m.token_times) - 1)
     elem = torch.empty((), dtype=llm.dtype).element_size()
-    weight_bytes = sum(p.numel() for p in llm.model.parameters()) * elem
+    # every weight is read once per token (quantized codes and scales are buffers; the RoPE tables are not weights)
+    weight_bytes = sum(t.numel() * t.element_size() for t in llm.model.parameters())
+    weight_bytes += sum(t.numel() * t.element_size() for n, t in llm.model.named_buffers() if "rotary" not in n)
     kv_bytes = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * elem * (prompt_len + new_tokens / 2)
-    return {"prompt_len": prompt_len, "new_tokens": new_tokens, "seconds": elapsed,
+    return {"prompt_len": prompt_len, "new_tokens": new_tokens, "seconds": elapsed, "token_ids": out.outputs[0].token_ids,
             "decode_tokens_per_s": 1 / decode_s, "ttft_s": m.first_token_time - m.arrival_time,
             "bytes_per_token": weight_bytes + kv_bytes, "achieved_bandwidth": (weight_bytes + kv_bytes) / decode_s}
 
@@ -98,31 +106,126 @@ def metadata(device: torch.device) -> dict:
     return meta
 
 
+def _free(llm) -> None:
+    del llm
+    import gc
+
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def section_engine(args) -> dict:
+    load = "auto" if args.model.startswith("tinystories") else "dummy"
+    kw = dict(load_format=load, device=args.device, max_model_len=4096 if load == "dummy" else None)
+    report: dict = {"model": args.model, "load_format": load}
+    eager = LLM(args.model, enforce_eager=True, max_num_seqs=1, num_kv_blocks=256, **kw)
+    report["meta"], report["dtype"] = metadata(eager.device), str(eager.dtype)
+    report["copy_bandwidth"] = copy_bandwidth(eager.device, 2**30 if eager.device.type == "cuda" else 2**26)
+    new = min(256, args.max_len)
+    report["decode_batch1_eager"] = decode_batch1(eager, prompt_len=min(128, args.max_len), new_tokens=new)
+    eager_tokens = report["decode_batch1_eager"].pop("token_ids")
+    _free(eager)
+    llm = LLM(args.model, max_num_seqs=args.num_requests, gpu_memory_utilization=0.6,
+              max_num_batched_tokens=8192, **kw)
+    report["kv_blocks"] = llm.stats()["kv_blocks_total"]
+    report["cuda_graphs"] = llm.engine.runner.graphs is not None
+    report["decode_batch1"] = decode_batch1(llm, prompt_len=min(128, args.max_len), new_tokens=new)
+    report["decode_batch1"]["same_tokens_as_eager"] = report["decode_batch1"].pop("token_ids") == eager_tokens
+    for key in ("decode_batch1_eager", "decode_batch1"):
+        report[key]["fraction_of_copy_bandwidth"] = report[key]["achieved_bandwidth"] / report["copy_bandwidth"]
+    report["offline"] = offline_throughput(llm, args.num_requests, args.min_len, args.max_len, seed=0)
+    d, o = report["decode_batch1"], report["offline"]
+    print(f"{args.model}: batch-1 decode {report['decode_batch1_eager']['decode_tokens_per_s']:.0f} tok/s eager, "
+          f"{d['decode_tokens_per_s']:.0f} with CUDA graphs ({d['fraction_of_copy_bandwidth']:.0%} of copy bandwidth); "
+          f"offline {o['output_tokens_per_s']:.0f} output tok/s over {o['num_requests']} requests")
+    return report
+
+
+def section_parity(args) -> dict:
+    from minifer.bench.speculative import story_openings
+
+    prompts = story_openings(16)
+    params = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)
+    cpu = [o.outputs[0].token_ids for o in LLM("tinystories-target", device="cpu").generate(prompts, params,
+                                                                                            use_tqdm=False)]
+    report = {"meta": metadata(torch.device(args.device or "cuda"))}
+    for dtype in ("float32", "bfloat16"):
+        llm = LLM("tinystories-target", device=args.device, dtype=dtype)
+        got = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+        same = sum(a == b for x, y in zip(got, cpu) for a, b in zip(x, y))
+        first_diff = [next((i for i, (a, b) in enumerate(zip(x, y)) if a != b), len(x)) for x, y in zip(got, cpu)]
+        report[dtype] = {"identical_sequences": sum(x == y for x, y in zip(got, cpu)), "sequences": len(cpu),
+                         "token_agreement": same / sum(len(x) for x in cpu), "mean_first_divergence": sum(first_diff) / len(first_diff),
+                         "cuda_graphs": llm.engine.runner.graphs is not None}
+        _free(llm)
+        print(f"parity {dtype}: {report[dtype]}")
+    return report
+
+
+def section_spec(args) -> dict:
+    from minifer.bench.speculative import DRAFT, speedup_vs_batch, story_openings, verify_cost
+
+    load = "auto" if args.model.startswith("tinystories") else "dummy"
+    llm = LLM(args.model, load_format=load, device=args.device, max_num_seqs=256, gpu_memory_utilization=0.3,
+              max_model_len=4096 if load == "dummy" else None, max_num_batched_tokens=8192)
+    sizes, context = ([1, 4], 32) if args.smoke else ([1, 4, 16, 64, 256], 512)
+    report = {"meta": metadata(llm.device), "model": args.model,
+              "verify_cost": verify_cost(llm, sizes, [1, 2, 4, 8], context=context)}
+    for r in report["verify_cost"]:
+        print("verify cost", {k: round(v, 5) if isinstance(v, float) else v for k, v in r.items()})
+    _free(llm)
+    report["pair_speedup"] = speedup_vs_batch("tinystories-target", {"method": "draft_model", "model": DRAFT},
+                                              story_openings(64), [1, 2] if args.smoke else [1, 2, 4, 8, 16, 32, 64],
+                                              8 if args.smoke else 64, repeats=1 if args.smoke else 2,
+                                              device=args.device)
+    for r in report["pair_speedup"]["rows"]:
+        print(f"pair batch {r['batch']}: fixed {r['speedup_fixed']:.2f}x adaptive {r['speedup_adaptive']:.2f}x "
+              f"identical {r['identical_tokens']}")
+    return report
+
+
+def section_quant_e2e(args) -> dict:
+    model = "tinystories-target" if args.smoke else "meta-llama/Llama-3.1-8B"
+    report: dict = {"model": model, "rows": []}
+    for quant in (None, "int8", "int4", "fp8"):
+        llm = LLM(model, load_format="auto" if args.smoke else "dummy", device=args.device, quantization=quant,
+                  max_num_seqs=1, num_kv_blocks=256, max_model_len=2048 if not args.smoke else None)
+        report.setdefault("meta", metadata(llm.device))
+        row = decode_batch1(llm, prompt_len=16 if args.smoke else 128, new_tokens=16 if args.smoke else 128)
+        row.pop("token_ids")
+        row["quantization"] = quant or "bf16"
+        report["rows"].append(row)
+        print(f"{row['quantization']}: {row['decode_tokens_per_s']:.0f} tok/s")
+        _free(llm)
+    base = report["rows"][0]["decode_tokens_per_s"]
+    for row in report["rows"]:
+        row["speedup_vs_bf16"] = row["decode_tokens_per_s"] / base
+    report["target"] = {"int4_min_speedup": 1.8, "measured": report["rows"][2]["speedup_vs_bf16"]}
+    return report
+
+
+SECTIONS = {"engine": section_engine, "parity": section_parity, "spec": section_spec, "quant_e2e": section_quant_e2e}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("section", choices=list(SECTIONS))
     ap.add_argument("--model", default="Qwen/Qwen3-0.6B")
     ap.add_argument("--device", default=None)
     ap.add_argument("--num-requests", type=int, default=256)
     ap.add_argument("--min-len", type=int, default=100)
     ap.add_argument("--max-len", type=int, default=1024)
-    ap.add_argument("--out", type=Path, default=Path("runs/gpu_bench.json"))
+    ap.add_argument("--out", type=Path, default=None)
+    ap.add_argument("--smoke", action="store_true", help="tiny sizes (spec, quant_e2e): checks a section on a CPU")
     args = ap.parse_args()
-    load = "auto" if args.model.startswith("tinystories") else "dummy"
-    llm = LLM(args.model, load_format=load, device=args.device, max_num_seqs=256, max_model_len=4096
-              if load == "dummy" else None, max_num_batched_tokens=8192)
-    report = {"model": args.model, "load_format": load, "dtype": str(llm.dtype), "meta": metadata(llm.device),
-              "kv_blocks": llm.stats()["kv_blocks_total"]}
-    report["copy_bandwidth"] = copy_bandwidth(llm.device, 2**30 if llm.device.type == "cuda" else 2**26)
-    report["decode_batch1"] = decode_batch1(llm, prompt_len=min(128, args.max_len), new_tokens=min(256, args.max_len))
-    report["decode_batch1"]["fraction_of_copy_bandwidth"] = (
-        report["decode_batch1"]["achieved_bandwidth"] / report["copy_bandwidth"])
-    report["offline"] = offline_throughput(llm, args.num_requests, args.min_len, args.max_len, seed=0)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(report, indent=2))
-    d, o = report["decode_batch1"], report["offline"]
-    print(f"{args.model} on {report['meta'].get('gpu', 'cpu')}: batch-1 decode {d['decode_tokens_per_s']:.0f} tok/s, "
-          f"{d['achieved_bandwidth'] / 1e9:.0f} GB/s ({d['fraction_of_copy_bandwidth']:.0%} of copy); "
-          f"offline {o['output_tokens_per_s']:.0f} output tok/s over {o['num_requests']} requests")
+    t = time.perf_counter()
+    report = SECTIONS[args.section](args)
+    report["section_seconds"] = time.perf_counter() - t
+    out = args.out or Path(f"runs/gpu_{args.section}.json")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(report, indent=2, default=str))
+    print(f"wrote {out}")
 
 
 if __name__ == "__main__":

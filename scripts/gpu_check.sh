@@ -1,0 +1,26 @@
+#!/usr/bin/env bash
+# The whole GPU check in one command (a few minutes on one H200): the native kernel tests, then every
+# section of gpu_bench.py and the quantized-kernel benchmark, each in its own process with a time limit,
+# so one failure costs only its own section. Results: OUT_DIR/*.json and OUT_DIR/gpu_check.log.
+# Usage (from the repository root): bash scripts/gpu_check.sh OUT_DIR
+set -uo pipefail
+out=${1:?usage: gpu_check.sh OUT_DIR}
+mkdir -p "$out"
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+log="$out/gpu_check.log"
+run() {  # run SECONDS NAME COMMAND...
+  local limit=$1 name=$2; shift 2
+  local t0=$SECONDS
+  echo "=== $name (limit ${limit}s)" | tee -a "$log"
+  timeout "$limit" "$@" >>"$log" 2>&1
+  echo "=== $name: exit $? after $((SECONDS - t0))s" | tee -a "$log"
+}
+nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm --format=csv >>"$log" 2>&1
+python3 -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__)" >>"$log" 2>&1
+run 150 kernel-tests python3 -m pytest -q -x -p no:cacheprovider tests/test_kernels.py tests/test_quant_kernels.py
+run 100 engine python3 scripts/gpu_bench.py engine --out "$out/engine.json"
+run 40 parity python3 scripts/gpu_bench.py parity --out "$out/parity.json"
+run 90 spec python3 scripts/gpu_bench.py spec --out "$out/spec.json"
+run 120 quant-kernels python3 -m minifer.bench.quant_kernels --out "$out/quant_kernels.json"
+run 100 quant-e2e python3 scripts/gpu_bench.py quant_e2e --out "$out/quant_e2e.json"
+grep -E "^=== |tok/s|speedup|target|parity|passed|failed|Error" "$log" | tail -60
