@@ -15,8 +15,10 @@ moves the columns not yet quantized to absorb its error, as far as their correla
 
 The updates inside a block of 128 columns are applied at once; the rest of the matrix gets the whole
 block's errors in one matrix product when the block is done ("lazy batch" updates, same result, fast).
-``H`` is damped by 1% of its mean diagonal (the paper's default) so its Cholesky factor is stable; an input
-that is zero on every calibration token gets ``H[j, j] = 1`` and a zero weight.
+``H`` is damped by ``DAMP`` times its mean diagonal so its Cholesky factor is stable and the compensation
+does not overfit the calibration set; an input that is zero on every calibration token gets ``H[j, j] = 1``
+and a zero weight. The paper uses 1%; on windows of the *training* split (not the held-out text) 10% gave a
+slightly lower perplexity for the bundled target at every calibration size we tried (8 x 256 to 64 x 512).
 
 Formats and groups. The grid a column is rounded to comes from ``formats.py``'s rules, computed on the
 weights as updated so far: for int4, when the loop reaches the first column of a group, from that group's
@@ -47,6 +49,9 @@ from torch import nn
 from minifer.eval import TRAIN, causal_backend, read_stories, token_stream
 from minifer.quant.formats import FP8_MAX, QuantizedWeight, dequantize, pack_int4, quantize
 from minifer.quant.linear import LINEAR_NAMES, QuantLinear, set_module
+
+
+DAMP = 0.1  # times the mean of diag(H), added to its diagonal
 
 
 def calibration_data(tokenizer, num_sequences: int = 32, seq_len: int = 512, seed: int = 0,
@@ -87,7 +92,7 @@ class _Grid:
 
 
 def gptq_quantize_weight(w: torch.Tensor, h: torch.Tensor, fmt: str, group_size: int | None = None,
-                         symmetric: bool = True, damp: float = 0.01, block_size: int = 128,
+                         symmetric: bool = True, damp: float = DAMP, block_size: int = 128,
                          act_order: bool = False) -> QuantizedWeight:
     """GPTQ of one weight ``[N, K]`` with the Hessian ``H = 2 X^T X / n`` ``[K, K]`` of its inputs."""
     w = w.detach().float().clone()
@@ -136,8 +141,9 @@ def output_error(w: torch.Tensor, qw: QuantizedWeight, h: torch.Tensor) -> float
 
 @torch.no_grad()
 def gptq_quantize_model(model: nn.Module, fmt: str, groups: dict[str, int | None], symmetric: bool,
-                        calib_data: torch.Tensor, damp: float = 0.01, block_size: int = 128,
-                        act_order: bool = True, batch_size: int = 8) -> dict[str, Any]:
+                        calib_data: torch.Tensor, damp: float = DAMP, block_size: int = 128,
+                        act_order: bool = True, true_sequential: bool = False,
+                        batch_size: int = 8) -> dict[str, Any]:
     """Quantize the decoder linears named in ``groups`` (name -> int4 group size) with GPTQ, layer by layer,
     in place (``quantize_model(..., calibration="gptq")`` calls this). Returns what the calibration saw
     and, per linear, its output error relative to round-to-nearest's on the same inputs."""
@@ -153,33 +159,38 @@ def gptq_quantize_model(model: nn.Module, fmt: str, groups: dict[str, int | None
     def run(layer: nn.Module) -> list[torch.Tensor]:
         return [layer(x, cos, sin, causal_backend(model, *c.shape)[0]) for x, (cos, sin), c in zip(xs, rope, chunks)]
 
+    # true_sequential: quantize q/k/v first, then o_proj on inputs computed with the quantized q/k/v, and
+    # so on, so that each linear also compensates for the linears before it in the same layer.
+    steps = tuple((n,) for n in LINEAR_NAMES) if true_sequential else (LINEAR_NAMES,)
     for i, layer in enumerate(model.model.layers):
-        mods = {n: layer.get_submodule(n) for n in LINEAR_NAMES}
-        hess = {n: torch.zeros(m.in_features, m.in_features, device=device) for n, m in mods.items()}
-        rows = dict.fromkeys(mods, 0)
+        for names in steps:
+            mods = {n: layer.get_submodule(n) for n in names}
+            hess = {n: torch.zeros(m.in_features, m.in_features, device=device) for n, m in mods.items()}
+            rows = dict.fromkeys(mods, 0)
 
-        def record(name):
-            def hook(module, inputs, output):
-                x = inputs[0].reshape(-1, module.in_features).float()
-                hess[name].addmm_(x.T, x)
-                rows[name] += x.shape[0]
-            return hook
+            def record(name):
+                def hook(module, inputs, output):
+                    x = inputs[0].reshape(-1, module.in_features).float()
+                    hess[name].addmm_(x.T, x)
+                    rows[name] += x.shape[0]
+                return hook
 
-        hooks = [m.register_forward_hook(record(n)) for n, m in mods.items()]
-        try:
-            run(layer)
-        finally:
-            for hk in hooks:
-                hk.remove()
-        for n, m in mods.items():
-            full = f"model.layers.{i}.{n}"
-            h = 2 * hess[n] / rows[n]
-            qw = gptq_quantize_weight(m.weight, h, fmt, groups[full], symmetric, damp, block_size, act_order)
-            rtn = quantize(m.weight.detach(), fmt, groups[full] or 128, symmetric)
-            ratios[full] = output_error(m.weight, qw, h) / max(output_error(m.weight, rtn, h), 1e-30)
-            set_module(model, full, QuantLinear(qw, None if m.bias is None else m.bias.detach().clone()))
+            hooks = [m.register_forward_hook(record(n)) for n, m in mods.items()]
+            try:
+                run(layer)
+            finally:
+                for hk in hooks:
+                    hk.remove()
+            for n, m in mods.items():
+                full = f"model.layers.{i}.{n}"
+                h = 2 * hess[n] / rows[n]
+                qw = gptq_quantize_weight(m.weight, h, fmt, groups[full], symmetric, damp, block_size, act_order)
+                rtn = quantize(m.weight.detach(), fmt, groups[full] or 128, symmetric)
+                ratios[full] = output_error(m.weight, qw, h) / max(output_error(m.weight, rtn, h), 1e-30)
+                set_module(model, full, QuantLinear(qw, None if m.bias is None else m.bias.detach().clone()))
         xs = run(layer)
     values = sorted(ratios.values())
     return {"method": "gptq", "sequences": calib_data.shape[0], "seq_len": calib_data.shape[1],
             "tokens": calib_data.numel(), "damp": damp, "block_size": block_size, "act_order": act_order,
+            "true_sequential": true_sequential,
             "output_error_vs_rtn": {"median": values[len(values) // 2], "max": values[-1], "per_layer": ratios}}
