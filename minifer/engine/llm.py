@@ -20,6 +20,7 @@ from minifer.engine.llm_engine import CacheConfig, LLMEngine
 from minifer.engine.scheduler import SchedulerConfig
 from minifer.engine.sequence import Sequence
 from minifer.engine.speculative import SpeculativeConfig
+from minifer.layers.kv_quant import check_kv_cache_dtype
 from minifer.engine.static import generate_static
 from minifer.loader import build_model, load_config, load_tokenizer, resolve_model
 from minifer.outputs import RequestOutput
@@ -71,6 +72,8 @@ class LLM:
         speculative_config: vLLM's dict, e.g. ``{"method": "draft_model", "model": "tinystories-draft",
             "num_speculative_tokens": 4}`` or ``{"method": "ngram", "num_speculative_tokens": 4,
             "prompt_lookup_max": 4, "prompt_lookup_min": 1}``; ``"adaptive": False`` fixes k (chapter 04).
+        kv_cache_dtype: ``"auto"`` (the model's dtype) or ``"int8"`` / ``"fp8"``: 8-bit keys and values with a
+            float16 scale per (token, head), about twice the sequences in the same memory (chapter 05).
         enforce_eager: on CUDA, decode steps replay CUDA graphs unless this is True (vLLM's name).
         quantization: None, ``"int8"``, ``"int4"`` (g128, symmetric) or ``"fp8"``: weight-only, round-to-nearest
             on load (chapter 05; ``minifer.quant``). A folder written by ``save_quantized`` loads quantized
@@ -83,7 +86,10 @@ class LLM:
                  block_size: int = 16, num_kv_blocks: int | None = None, kv_cache_memory: int = 256 * 2**20,
                  gpu_memory_utilization: float = 0.9, enable_prefix_caching: bool = True,
                  max_num_batched_tokens: int = 2048, enable_chunked_prefill: bool = True,
-                 speculative_config: dict[str, Any] | None = None, enforce_eager: bool = False, quantization: str | None = None) -> None:
+                 speculative_config: dict[str, Any] | None = None, enforce_eager: bool = False, kv_cache_dtype: str = "auto", quantization: str | None = None) -> None:
+        check_kv_cache_dtype(kv_cache_dtype)
+        if kv_cache_dtype != "auto" and batching != "continuous":
+            raise ValueError("kv_cache_dtype applies to the paged cache of batching='continuous'")
         if batching not in ("static", "continuous"):
             raise ValueError(f"batching must be 'static' or 'continuous', got {batching!r}")
         if not isinstance(max_num_seqs, int) or max_num_seqs < 1:
@@ -116,7 +122,8 @@ class LLM:
         if batching == "continuous":
             self.engine = LLMEngine(
                 self.model, self.tokenizer, self.make_sequence,
-                CacheConfig(block_size, num_kv_blocks, kv_cache_memory, gpu_memory_utilization, enable_prefix_caching),
+                CacheConfig(block_size, num_kv_blocks, kv_cache_memory, gpu_memory_utilization, enable_prefix_caching,
+                            kv_cache_dtype),
                 SchedulerConfig(max_num_seqs, max_num_batched_tokens, enable_chunked_prefill), spec, self.draft_model,
                 cuda_graphs=not enforce_eager, max_model_len=self.max_model_len)
 

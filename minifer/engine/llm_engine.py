@@ -38,6 +38,7 @@ class CacheConfig:
     kv_cache_memory: int = 256 * 2**20  # bytes, on CPU
     gpu_memory_utilization: float = 0.9  # fraction of the GPU's free memory, on CUDA
     enable_prefix_caching: bool = True
+    kv_cache_dtype: str = "auto"  # or "int8" / "fp8": 8-bit codes + a scale per (token, head), chapter 05
 
     def num_blocks(self, bytes_per_block: int, device: torch.device) -> int:
         if self.num_kv_blocks is not None:
@@ -65,7 +66,8 @@ class LLMEngine:
         cfg, device = model.config, model.lm_head.weight.device
         dtype = model.lm_head.weight.dtype
         per_block = PagedKVCache.bytes_per_block(cfg.num_hidden_layers, cache_config.block_size,
-                                                 cfg.num_key_value_heads, cfg.head_dim, dtype)
+                                                 cfg.num_key_value_heads, cfg.head_dim, dtype,
+                                                 cache_config.kv_cache_dtype)
         if draft_model is not None:  # the draft's cache gets as many blocks, from the same budget
             dcfg = draft_model.config
             per_block += PagedKVCache.bytes_per_block(dcfg.num_hidden_layers, cache_config.block_size,
@@ -76,11 +78,12 @@ class LLMEngine:
         self._make_sequence = make_sequence
         self.block_manager = BlockManager(num_blocks, cache_config.block_size, cache_config.enable_prefix_caching)
         self.kv_cache = PagedKVCache(cfg.num_hidden_layers, num_blocks, cache_config.block_size,
-                                     cfg.num_key_value_heads, cfg.head_dim, dtype, device)
+                                     cfg.num_key_value_heads, cfg.head_dim, dtype, device,
+                                     cache_config.kv_cache_dtype)
         self.scheduler = Scheduler(scheduler_config, self.block_manager)
         self.runner = ModelRunner(model, self.kv_cache, self.block_manager)
         self.requests: dict[str, Sequence] = {}
-        if cuda_graphs and device.type == "cuda":
+        if cuda_graphs and device.type == "cuda" and self.kv_cache.use_triton:
             self.runner.enable_cuda_graphs(scheduler_config.max_num_seqs, max_model_len or cfg.max_position_embeddings)
         self.speculator: Speculator | None = None
         if speculative_config is not None:
@@ -204,6 +207,7 @@ class LLMEngine:
             "prefix_cache_hit_rate": bm.cache_hits / bm.cache_queries if bm.cache_queries else 0.0,
             "num_running": len(self.scheduler.running),
             "num_waiting": len(self.scheduler.waiting),
+            "kv_cache_dtype": self.kv_cache.kv_cache_dtype,
             **(self.speculator.summary() if self.speculator is not None else {}),
         }
 

@@ -17,6 +17,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from minifer.layers.kv_quant import bytes_per_value, check_kv_cache_dtype, code_dtype, dequantize_kv, quantize_kv
+
 
 def slot_mapping(block_table: list[int], positions: list[int], block_size: int) -> list[int]:
     """Cache slot of each token position of one sequence: its block's id times ``block_size`` plus the
@@ -106,10 +108,13 @@ class PagedAttentionMetadata:
 
 
 def paged_attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                              meta: PagedAttentionMetadata) -> torch.Tensor:
+                              meta: PagedAttentionMetadata, k_scale: torch.Tensor | None = None,
+                              v_scale: torch.Tensor | None = None, kv_cache_dtype: str = "auto") -> torch.Tensor:
     """Attention of the packed new queries ``q`` ``[N, Hq, D]`` over the paged cache (already holding
     this step's keys/values). Gathers each sequence's keys through its block table into a padded
-    ``[B, S, Hkv, D]`` tensor and runs dense masked attention; returns ``[N, Hq, D]``."""
+    ``[B, S, Hkv, D]`` tensor and runs dense masked attention; returns ``[N, Hq, D]``. A quantized cache
+    (``kv_cache_dtype`` int8/fp8, chapter 05) passes its per-(token, head) scales and is dequantized as it is
+    gathered."""
     n, hq, d = q.shape
     hkv = k_cache.shape[-2]
     k_flat, v_flat = k_cache.reshape(-1, hkv, d), v_cache.reshape(-1, hkv, d)
@@ -118,6 +123,11 @@ def paged_attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: t
         b, t, s = g.num_seqs, g.num_queries, g.num_keys
         keys = k_flat.index_select(0, g.key_slots).view(b, s, hkv, d)
         values = v_flat.index_select(0, g.key_slots).view(b, s, hkv, d)
+        if k_scale is not None:
+            keys = dequantize_kv(keys, k_scale.reshape(-1, hkv).index_select(0, g.key_slots).view(b, s, hkv),
+                                 kv_cache_dtype, q.dtype)
+            values = dequantize_kv(values, v_scale.reshape(-1, hkv).index_select(0, g.key_slots).view(b, s, hkv),
+                                   kv_cache_dtype, q.dtype)
         if meta.null_slot is None:
             # Slots past a sequence's end hold whatever an earlier owner left (even NaN): zero them, since
             # a masked score still multiplies its value (0 * NaN = NaN).
@@ -142,16 +152,23 @@ class PagedKVCache:
     """The preallocated block pool and an ``AttentionBackend`` over it for one step at a time."""
 
     def __init__(self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
-                 dtype: torch.dtype, device: torch.device | str) -> None:
+                 dtype: torch.dtype, device: torch.device | str, kv_cache_dtype: str = "auto") -> None:
         # Two extra blocks, never handed out. The last is the *null block*: all zeros; masked key positions
         # gather from it, so stale (even NaN) data in free blocks can never reach the output. The one
         # before is a *scratch block*: the padding rows of a CUDA-graph decode write there. The rest is
         # left uninitialised: the OS commits the pages only as blocks are first used.
+        check_kv_cache_dtype(kv_cache_dtype)
+        self.kv_cache_dtype = kv_cache_dtype
         shape = (num_layers, num_blocks + 2, block_size, num_kv_heads, head_dim)
-        self.k = torch.empty(shape, dtype=dtype, device=device)
-        self.v = torch.empty(shape, dtype=dtype, device=device)
+        store = dtype if kv_cache_dtype == "auto" else code_dtype(kv_cache_dtype)
+        self.k = torch.empty(shape, dtype=store, device=device)
+        self.v = torch.empty(shape, dtype=store, device=device)
         self.k[:, num_blocks:].zero_()
         self.v[:, num_blocks:].zero_()
+        self.k_scale = self.v_scale = None
+        if kv_cache_dtype != "auto":  # one float16 scale per (token, head); zero in the null block
+            self.k_scale = torch.zeros(shape[:-1], dtype=torch.float16, device=device)
+            self.v_scale = torch.zeros(shape[:-1], dtype=torch.float16, device=device)
         self.scratch_block = num_blocks
         self.scratch_slot = num_blocks * block_size
         self.null_slot = (num_blocks + 1) * block_size
@@ -161,11 +178,15 @@ class PagedKVCache:
         # reference above is the CPU path and the oracle the kernels are tested against.
         from minifer.kernels import HAS_TRITON
 
-        self.use_triton = HAS_TRITON and torch.device(device).type == "cuda"
+        # (The kernels read a 16/32-bit cache; a quantized one takes the reference path, dequantizing as it
+        # gathers.)
+        self.use_triton = HAS_TRITON and torch.device(device).type == "cuda" and kv_cache_dtype == "auto"
 
     @staticmethod
-    def bytes_per_block(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
-        return 2 * num_layers * block_size * num_kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
+    def bytes_per_block(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
+                        kv_cache_dtype: str = "auto") -> int:
+        per_value = bytes_per_value(kv_cache_dtype, dtype, head_dim)
+        return round(2 * num_layers * block_size * num_kv_heads * head_dim * per_value)
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         meta = self.meta
@@ -175,6 +196,13 @@ class PagedKVCache:
 
             store_kv(k, v, self.k[layer], self.v[layer], meta.slot_mapping)
             return paged_decode_attention(q, self.k[layer], self.v[layer], meta.block_tables, meta.context_lens)
+        if self.kv_cache_dtype != "auto":
+            for cache, scales, x in ((self.k, self.k_scale, k), (self.v, self.v_scale, v)):
+                codes, scale = quantize_kv(x, self.kv_cache_dtype)
+                cache[layer].view(-1, hkv, d).index_copy_(0, meta.slot_mapping, codes)
+                scales[layer].view(-1, hkv).index_copy_(0, meta.slot_mapping, scale)
+            return paged_attention_reference(q, self.k[layer], self.v[layer], meta, self.k_scale[layer],
+                                             self.v_scale[layer], self.kv_cache_dtype)
         self.k[layer].view(-1, hkv, d).index_copy_(0, meta.slot_mapping, k)
         self.v[layer].view(-1, hkv, d).index_copy_(0, meta.slot_mapping, v)
         return paged_attention_reference(q, self.k[layer], self.v[layer], meta)
