@@ -175,6 +175,8 @@ def section_spec(args) -> dict:
     for r in report["verify_cost"]:
         print("verify cost", {k: round(v, 5) if isinstance(v, float) else v for k, v in r.items()})
     _free(llm)
+    if args.verify_only:
+        return report
     report["pair_speedup"] = speedup_vs_batch("tinystories-target", {"method": "draft_model", "model": DRAFT},
                                               story_openings(64), [1, 2] if args.smoke else [1, 2, 4, 8, 16, 32, 64],
                                               8 if args.smoke else 64, repeats=1 if args.smoke else 2,
@@ -218,6 +220,7 @@ def main() -> None:
     ap.add_argument("--max-len", type=int, default=1024)
     ap.add_argument("--out", type=Path, default=None)
     ap.add_argument("--smoke", action="store_true", help="tiny sizes (spec, quant_e2e): checks a section on a CPU")
+    ap.add_argument("--verify-only", action="store_true", help="spec: the verify-cost table only")
     args = ap.parse_args()
     t = time.perf_counter()
     report = SECTIONS[args.section](args)
