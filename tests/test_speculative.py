@@ -205,10 +205,10 @@ def test_adaptive_turns_speculation_off_when_verification_is_not_cheap():
     for n in (1, 2, 4, 8, 16, 32, 64, 128, 256, 512):
         spec.target_cost.observe(n, 0.010 if n <= 8 else 0.010 * n / 8)  # flat up to 8 tokens, then linear
         spec.draft_cost.observe(n, 0.001 if n <= 8 else 0.001 * n / 8)
-    assert spec.choose_k(1) >= 3  # batch 1: 5 tokens cost one; speculate deeply
-    assert spec.choose_k(64) == 0 or spec.choose_k(64) == 1  # loaded: plain decoding (or a rare probe)
+    assert spec.choose_k(1) == (spec.choose_k(1)[0], False) and spec.choose_k(1)[0] >= 3  # batch 1: speculate deeply
     spec._plain_choices = 0
-    assert [spec.choose_k(64) for _ in range(31)].count(0) == 31
+    choices = [spec.choose_k(64) for _ in range(64)]  # loaded: plain decoding, with a rare one-sequence probe
+    assert choices.count((0, False)) >= 62 and all(probe for k, probe in choices if k)
 
 
 # --- errors ---------------------------------------------------------------------------------------------

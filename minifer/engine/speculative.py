@@ -221,16 +221,20 @@ class CostTable:
     def __init__(self, window: int = 9) -> None:
         self.samples: dict[int, deque[float]] = {}
         self.window = window
+        self._curve: tuple[list[int], list[float]] | None = None
 
     def observe(self, n: int, seconds: float) -> None:
         self.samples.setdefault(n, deque(maxlen=self.window)).append(seconds)
+        self._curve = None
 
     def curve(self) -> tuple[list[int], list[float]]:
-        xs = sorted(self.samples)
-        ys = [statistics.median(self.samples[x]) for x in xs]
-        for i in range(len(ys) - 2, -1, -1):  # non-decreasing from below: interference only ever adds time
-            ys[i] = min(ys[i], ys[i + 1])
-        return xs, ys
+        if self._curve is None:  # recomputed only after a new measurement (choose_k reads it many times)
+            xs = sorted(self.samples)
+            ys = [statistics.median(self.samples[x]) for x in xs]
+            for i in range(len(ys) - 2, -1, -1):  # non-decreasing from below: interference only ever adds time
+                ys[i] = min(ys[i], ys[i + 1])
+            self._curve = xs, ys
+        return self._curve
 
     def __call__(self, n: int) -> float:
         xs, ys = self.curve()
@@ -316,13 +320,14 @@ class Speculator:
             t += self.draft_cost(2 * b) + (k - 1) * self.draft_cost(b) if self.draft_runner else self.last_draft_s
         return b * expected_tokens_per_forward(min(alpha, 0.999), k) / t
 
-    def choose_k(self, num_decodes: int) -> int:
-        """The k for this step (see the module docstring). When plain decoding wins but not by much, every
-        ``probe_every``-th such step speculates with k = 1 anyway, so that the draft's cost and the
-        acceptance rate keep being measured and a stale estimate cannot switch speculation off for good."""
+    def choose_k(self, num_decodes: int) -> tuple[int, bool]:
+        """The k for this step (see the module docstring), and whether it is a *probe*: when plain decoding
+        wins but not by much, every ``probe_every``-th such step lets one sequence speculate anyway, so the
+        draft's cost and the acceptance rate keep being measured (a stale estimate must not switch
+        speculation off for good), at the price of a few extra tokens in one step."""
         k_max = self.cfg.num_speculative_tokens
         if not self.cfg.adaptive or num_decodes == 0:
-            return k_max
+            return k_max, False
         if not self.calibrated:
             self.calibrate()
         alpha = self.alpha_estimate()
@@ -330,11 +335,11 @@ class Speculator:
         rates = {k: self.predicted_rate(num_decodes, k, alpha) for k in range(1, k_max + 1)}
         best = max(rates, key=rates.get)
         if rates[best] > base * self.cfg.margin:
-            return best
+            return best, False
         self._plain_choices += 1
         if rates[best] > 0.75 * base and self._plain_choices % self.probe_every == 0:
-            return 1
-        return 0
+            return best, True
+        return 0, False
 
     # --- proposing and verifying ----------------------------------------------------------------------
 
@@ -343,13 +348,13 @@ class Speculator:
         target KV slots reserved for them; ``[]`` for other rows. None when nothing speculates."""
         decoding = [i for i, (s, n) in enumerate(zip(seqs, num_new))
                     if n == 1 and s.num_computed_tokens + 1 == s.num_tokens and s.params.repetition_penalty == 1]
-        k = self.choose_k(len(decoding))
-        self.k_in_use = k
-        self.stats.k_history.append(k)
+        k, probe = self.choose_k(len(decoding))
+        self.k_in_use = 0 if probe else k
+        self.stats.k_history.append(self.k_in_use)
         if k == 0 or not decoding:
             return None
         ks = [0] * len(seqs)
-        for i in decoding:
+        for i in decoding[:1] if probe else decoding:
             seq = seqs[i]
             # never more than the request may still emit, the step's token budget, or the free blocks
             want = min(k, seq.max_tokens - len(seq.output_token_ids) - 1, token_budget)
