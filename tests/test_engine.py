@@ -153,3 +153,26 @@ def test_request_larger_than_cache_is_rejected_clearly():
     llm = continuous(num_kv_blocks=2, block_size=16)
     with pytest.raises(ValueError, match="KV blocks"):
         llm.generate([{"prompt_token_ids": [0] * 20}], SamplingParams(max_tokens=20), use_tqdm=False)
+
+
+def test_per_request_timestamps_are_ordered_and_complete():
+    import time
+
+    llm = continuous()
+    engine = llm.engine
+    arrived = time.perf_counter() - 0.5  # queued half a second in front of the engine
+    engine.add_request("early", "Once upon a time", SamplingParams(temperature=0, max_tokens=5, ignore_eos=True),
+                       arrival_time=arrived)
+    engine.add_request("now", "Tom had a ball", SamplingParams(temperature=0, max_tokens=3, ignore_eos=True))
+    finished = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                finished[out.request_id] = out
+    for rid, n in (("early", 5), ("now", 3)):
+        m = finished[rid].metrics
+        assert m.arrival_time <= m.first_scheduled_time <= m.first_token_time <= m.finished_time
+        assert len(m.token_times) == n and m.token_times == sorted(m.token_times)
+        assert m.token_times[0] == m.first_token_time and m.token_times[-1] <= m.finished_time
+    assert finished["early"].metrics.arrival_time == arrived
+    assert finished["early"].metrics.first_token_time - arrived >= 0.5  # TTFT counts the wait before the engine

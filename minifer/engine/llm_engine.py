@@ -92,11 +92,15 @@ class LLMEngine:
 
     # --- requests ---------------------------------------------------------------------------------------
 
-    def add_request(self, request_id: str, prompt, params) -> Sequence:
-        """Validate and queue a request. Raises ``ValueError`` (naming the problem) without touching others."""
+    def add_request(self, request_id: str, prompt, params, arrival_time: float | None = None) -> Sequence:
+        """Validate and queue a request. Raises ``ValueError`` (naming the problem) without touching others.
+        ``arrival_time`` (``time.perf_counter()`` seconds; default now) is when the request reached the
+        server: a front end that queued it first passes it, so that TTFT counts that wait too."""
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         seq = self._make_sequence(0, prompt, params, request_id=request_id)
+        if arrival_time is not None:
+            seq.metrics.arrival_time = arrival_time
         self.add_sequence(seq)
         return seq
 
