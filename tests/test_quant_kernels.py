@@ -133,6 +133,15 @@ def test_auto_path_batched_leading_dims_and_empty():
     assert _rel(quant_matmul(x, qw, b), quant_linear_reference(x, qw, b)) < 1e-5
 
 
+def test_auto_path_by_format_and_rows():
+    from minifer.kernels.quant_matmul import auto_path
+
+    int4, int8 = quantize(torch.randn(8, 256), "int4", 128), quantize(torch.randn(8, 256), "int8")
+    assert [auto_path(m, int4) for m in (1, 2, 16, 17)] == ["gemv", "splitk", "splitk", "tiled"]
+    assert [auto_path(m, int8) for m in (1, 16, 17)] == ["splitk", "splitk", "tiled"]
+    assert auto_path(64, quantize(torch.randn(8, 256), "int4", 16)) == "gemv"  # no tl.dot path for g=16
+
+
 def test_choose_split():
     from minifer.kernels.quant_matmul import MAX_SPLIT, choose_split
 
@@ -204,7 +213,7 @@ def test_benchmark_smoke(tmp_path):
                     calls=1, extra_paths=False)
     json.dumps(res)
     assert [(r["format"], r["M"], r["path"]) for r in res["rows"]] == [
-        ("int4", 1, "gemv"), ("int4", 17, "tiled"), ("fp8", 1, "gemv"), ("fp8", 17, "tiled")]
+        ("int4", 1, "gemv"), ("int4", 17, "tiled"), ("fp8", 1, "splitk"), ("fp8", 17, "tiled")]
     for r in res["rows"]:
         assert r["rel_err"] < 1e-2 and r["us_quant"] > 0 and r["us_bf16"] > 0 and r["speedup"] > 0
         assert 1 < r["bytes_bound"] < 4

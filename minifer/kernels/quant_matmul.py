@@ -28,6 +28,10 @@ exactly ``2^23 + q`` (the low mantissa bits of 2^23 count in units of 1), and on
 2^-8 (exponent biases 7 and 15), subnormals included — the only fp8 decoding sm_80 can do; sm_89+ convert
 natively. int4's two codes per byte pair up with two neighbouring activations, so ``x`` is read as 32-bit
 *pairs* (a bf16 pair is one word: a shift and a mask split it) instead of with stride-2 loads.
+
+Where they stand on an H200 (``minifer/bench/quant_kernels.py`` has the table): decode is faster than
+bf16 (int4 M=1: 1.8x, int8 / fp8: 1.3-1.5x up to M=16) but int4 reaches only ~1.7 TB/s of 4.2, far from
+its 3.76x bytes bound; prefill (``tiled``) is 0.3-0.95x of cuBLAS bf16.
 """
 
 from __future__ import annotations
@@ -48,7 +52,10 @@ X_BF16, X_FP16, X_FP32 = 0, 1, 2
 _XKIND = {torch.bfloat16: X_BF16, torch.float16: X_FP16, torch.float32: X_FP32}
 _PAIR_DTYPE = {torch.bfloat16: torch.int32, torch.float16: torch.int32, torch.float32: torch.int64}
 PATHS = ("auto", "gemv", "splitk", "tiled")
-GEMV_MAX_M = 4  # auto: gemv up to this many rows, splitk up to 16, tiled above
+# path="auto", from H200 measurements (benchmarks/results/quant_kernels_h200*.json): int4 decodes one row
+# faster on CUDA cores (gemv: 18 us vs 31 us for splitk at 4096x14336) but its cost grows with every row
+# (M=16: 170 us); int8/fp8 are as fast or faster on tensor cores (splitk) from M=1.
+GEMV_MAX_M = {"int4": 1, "int8": 0, "fp8": 0}
 SPLITK_MAX_M = 16
 MAX_SPLIT = 16
 CHUNK_BYTES = 64
@@ -135,6 +142,32 @@ def _epilogue(acc, rm, rn, M, N, out_ptr, bias_ptr, part_ptr, lock_ptr, tile, HA
 
 
 @triton.jit
+def _gemv_loads(w_rows, x_row, s_ptr, z_ptr, rn, n_mask, chunk, j, n_chunks, c_end, FMT: tl.constexpr,
+                HAS_ZEROS: tl.constexpr, GW: tl.constexpr, GW_P2: tl.constexpr):
+    """Everything one gemv step reads for ``chunk`` (chunks at or past ``c_end`` are masked off): the
+    codes ``[BLOCK_N, CHUNKS, GW]``; int4: the four activation pairs of each word, and the group scales and
+    zero points; int8/fp8: the activations (returned four times, to keep one signature)."""
+    col = chunk[:, None] * GW + j[None, :]  # [CHUNKS, GW_P2] unit column in the row
+    ok = (chunk < c_end)[:, None]
+    if GW_P2 != GW:  # an int4 group of an odd number of words
+        ok = ok & (j < GW)[None, :]
+    b = tl.load(w_rows + col[None, :, :], mask=n_mask[:, None, None] & ok[None, :, :], other=0)
+    if FMT == 1:
+        x0 = tl.load(x_row + 4 * col, mask=ok, other=0)
+        x1 = tl.load(x_row + 4 * col + 1, mask=ok, other=0)
+        x2 = tl.load(x_row + 4 * col + 2, mask=ok, other=0)
+        x3 = tl.load(x_row + 4 * col + 3, mask=ok, other=0)
+        gs = rn[:, None] * n_chunks + chunk[None, :]  # [BLOCK_N, CHUNKS] scale / zero-point index
+        gs_mask = n_mask[:, None] & (chunk < c_end)[None, :]
+        sc = tl.load(s_ptr + gs, mask=gs_mask, other=0.0)
+        zp = tl.load(z_ptr + gs, mask=gs_mask, other=0) if HAS_ZEROS else sc
+    else:
+        x0 = tl.load(x_row + col, mask=ok, other=0.0)
+        x1, x2, x3, sc, zp = x0, x0, x0, x0, x0
+    return b, x0, x1, x2, x3, sc, zp
+
+
+@triton.jit
 def quant_gemv_kernel(x_ptr, q_ptr, s_ptr, z_ptr, bias_ptr, out_ptr, part_ptr, lock_ptr, M, N, K, ROW, M_KEY, magic,
                       FMT: tl.constexpr, GROUP: tl.constexpr, HAS_ZEROS: tl.constexpr, HAS_BIAS: tl.constexpr,
                       FP8_NATIVE: tl.constexpr, XKIND: tl.constexpr, GW: tl.constexpr, GW_P2: tl.constexpr,
@@ -169,37 +202,32 @@ def quant_gemv_kernel(x_ptr, q_ptr, s_ptr, z_ptr, bias_ptr, out_ptr, part_ptr, l
     else:
         x_row = x_ptr + m * ROW
     acc = tl.zeros((BLOCK_N, CHUNKS, GW_P2), tl.float32)
+    # Software pipelining by hand: the loads of step i + 1 are issued before step i's arithmetic, so the
+    # memory latency hides behind it (the loop carries the loaded tiles).
+    b, x0, x1, x2, x3, sc, zp = _gemv_loads(w_rows, x_row, s_ptr, z_ptr, rn, n_mask, c_start + c, j, n_chunks,
+                                            c_end, FMT, HAS_ZEROS, GW, GW_P2)
     for c0 in range(c_start, c_end, CHUNKS):
-        chunk = c0 + c
-        col = chunk[:, None] * GW + j[None, :]  # [CHUNKS, GW_P2] unit column in the row
-        ok = (chunk < c_end)[:, None]
-        if GW_P2 != GW:  # an int4 group of an odd number of words
-            ok = ok & (j < GW)[None, :]
-        b = tl.load(w_rows + col[None, :, :], mask=n_mask[:, None, None] & ok[None, :, :], other=0)
+        nb, nx0, nx1, nx2, nx3, nsc, nzp = _gemv_loads(w_rows, x_row, s_ptr, z_ptr, rn, n_mask, c0 + CHUNKS + c, j,
+                                                       n_chunks, c_end, FMT, HAS_ZEROS, GW, GW_P2)
         if FMT == 1:
-            gs = rn[:, None] * n_chunks + chunk[None, :]  # [BLOCK_N, CHUNKS] scale / zero-point index
-            gs_mask = n_mask[:, None] & (chunk < c_end)[None, :]
-            if HAS_ZEROS:
-                z = tl.load(z_ptr + gs, mask=gs_mask, other=0).to(tl.float32)[:, :, None]
-            else:
-                z = 8.0
+            z = zp.to(tl.float32)[:, :, None] if HAS_ZEROS else 8.0
             part = tl.zeros((BLOCK_N, CHUNKS, GW_P2), tl.float32)
             b12 = (b.to(tl.uint32, bitcast=True) >> 12).to(tl.int32, bitcast=True)  # codes 5..7 at bits 8..19
             for byte in tl.static_range(4):  # activations 2 * byte and 2 * byte + 1 of the word's 8
-                xe, xo = _split_pairs(tl.load(x_row + 4 * col + byte, mask=ok, other=0), XKIND)
+                xe, xo = _split_pairs(x0 if byte == 0 else x1 if byte == 1 else x2 if byte == 2 else x3, XKIND)
                 for odd in tl.static_range(2):
                     code = 2 * byte + odd
                     pos = 4 * code if code <= 4 else 4 * code - 12  # where the code sits in b or b12
                     f = _code_to_f32(b if code <= 4 else b12, z, magic, pos)
                     part += f * ((xo if odd else xe) * (1.0 / (1 << pos)))[None, :, :]
-            acc += part * tl.load(s_ptr + gs, mask=gs_mask, other=0.0)[:, :, None]
+            acc += part * sc[:, :, None]
         else:
-            xk = tl.load(x_row + col, mask=ok, other=0.0).to(tl.float32)
             if FMT == 0:
                 w = _int8_to_f32(b.to(tl.int32))
             else:
                 w = _fp8_to_f32(b, FP8_NATIVE)
-            acc += w * xk[None, :, :]
+            acc += w * x0.to(tl.float32)[None, :, :]
+        b, x0, x1, x2, x3, sc, zp = nb, nx0, nx1, nx2, nx3, nsc, nzp
     y = tl.sum(tl.sum(acc, axis=2), axis=1)
     if FMT != 1:
         s = tl.load(s_ptr + rn, mask=n_mask, other=0.0)
@@ -304,8 +332,11 @@ if INTERPRETING:
     SPLITK_CONFIGS = [_cfg(BLOCK_M=16, BLOCK_N=32, BLOCK_K=64, GROUP_M=1)]
     TILED_CONFIGS = [_cfg(BLOCK_M=32, BLOCK_N=32, BLOCK_K=64, GROUP_M=4)]
 else:  # the first of each list is the one aot.py compiles (no spills on sm_80 or sm_90)
+    # A chunk is 64 bytes of a row (an int4 group of 128, or 64 int8/fp8 codes): CHUNKS sets how long a
+    # contiguous run of each row one step reads, BLOCK_N how many rows.
     GEMV_CONFIGS = [_cfg(w, 2, BLOCK_N=n, CHUNKS=c) for n, c, w in
-                    ((128, 1, 4), (64, 1, 4), (64, 2, 4), (256, 1, 8), (128, 2, 8), (32, 4, 4), (32, 2, 2))]
+                    ((128, 1, 4), (64, 1, 4), (64, 2, 4), (128, 2, 8), (32, 4, 4), (32, 2, 2), (256, 1, 8),
+                     (16, 8, 4), (32, 8, 8), (8, 16, 4))]
     SPLITK_CONFIGS = [_cfg(w, s, BLOCK_M=16, BLOCK_N=n, BLOCK_K=k, GROUP_M=1) for n, k, w, s in
                       ((32, 128, 4, 3), (64, 128, 4, 3), (64, 64, 4, 4), (32, 256, 4, 3), (128, 128, 8, 3),
                        (128, 64, 4, 4))]
@@ -421,12 +452,20 @@ def _plan(path: str, m: int, n: int, k: int, fmt: int, group: int):
             lambda meta: triton.cdiv(k, meta["BLOCK_K"]))
 
 
+def auto_path(m: int, qw: QuantizedWeight) -> str:
+    """The path ``quant_matmul(path="auto")`` takes for ``m`` rows (see ``GEMV_MAX_M``). int4 groups that
+    are not a multiple of 32 always take gemv: a K-step of ``tl.dot`` must stay inside one group."""
+    if qw.fmt == "int4" and qw.group_size % 32:
+        return "gemv"
+    return "gemv" if m <= GEMV_MAX_M[qw.fmt] else "splitk" if m <= SPLITK_MAX_M else "tiled"
+
+
 def quant_matmul(x: torch.Tensor, qw: QuantizedWeight, bias: torch.Tensor | None = None, path: str = "auto",
                  split_k: int | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
     """``x @ dequantize(qw)^T (+ bias)`` for ``x: [..., K]`` (float32 / bf16 / fp16), fused; returns ``[..., N]``
     in ``x.dtype`` (written into ``out`` if given: contiguous, that shape and dtype). ``path``: ``"gemv"`` /
-    ``"splitk"`` (decode), ``"tiled"`` (prefill) or ``"auto"`` (by the number of rows M: gemv up to
-    ``GEMV_MAX_M``, splitk up to 16). ``split_k`` overrides the split of K that is otherwise chosen from the
+    ``"splitk"`` (decode), ``"tiled"`` (prefill) or ``"auto"`` (``auto_path``: by format and number of rows
+    M). ``split_k`` overrides the split of K that is otherwise chosen from the
     GPU's SM count (it is capped at the number of K-steps)."""
     if path not in PATHS:
         raise ValueError(f"quant_matmul: path must be one of {PATHS}, got {path!r}")
@@ -445,15 +484,13 @@ def quant_matmul(x: torch.Tensor, qw: QuantizedWeight, bias: torch.Tensor | None
     if m == 0:
         return out
     fmt, group = _FMT[qw.fmt], qw.group_size or 0
-    chosen = path if path != "auto" else "gemv" if m <= GEMV_MAX_M else "splitk" if m <= SPLITK_MAX_M else "tiled"
+    chosen = auto_path(m, qw) if path == "auto" else path
     if fmt == INT4 and group % 8:
         raise ValueError(f"quant_matmul: the int4 kernels need a group size that is a multiple of 8 (a group is "
                          f"whole 32-bit words of codes), got {group}; use quant_linear_reference")
     if fmt == INT4 and chosen != "gemv" and group % 32:
-        if path != "auto":
-            raise ValueError(f"quant_matmul: path {path!r} needs an int4 group size that is a multiple of 32 "
-                             f"(a K-step of tl.dot stays inside one group), got {group}; use path='gemv'")
-        chosen = "gemv"
+        raise ValueError(f"quant_matmul: path {path!r} needs an int4 group size that is a multiple of 32 "
+                         f"(a K-step of tl.dot stays inside one group), got {group}; use path='gemv'")
     kernel, extra, configs, waves, row, tiles, k_steps = _plan(chosen, m, n, k, fmt, group)
     sms = _num_sms(x.device)
 
