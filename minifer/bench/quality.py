@@ -17,6 +17,11 @@ saw. Variants:
 - ``int4 g128 ... gptq``: GPTQ with act order on ``--calib-sequences`` x ``--calib-len`` tokens of the
   *training* split (``minifer.quant.gptq``).
 
+On the code the fp32 model is worse than a uniform guess (perplexity above the 2048-token vocabulary: it is
+confidently wrong), so small changes to its logits move that perplexity by several percent either way;
+the teacher-forced top-1 agreement shows the workload effect more plainly: quantization flips the model's
+next-token choice several times more often on code than on stories.
+
 Every variant is scored on the same token windows as the reference, so a change is a paired difference:
 ``*_nll_change_se`` is the standard error of the mean per-window NLL change, and GPTQ rows carry the same
 comparison against their RTN twin. The held-out text is subsampled to ``--heldout-tokens`` by windows
@@ -89,7 +94,7 @@ def _bytes(model: torch.nn.Module, v: Variant) -> dict[str, Any]:
 
 
 def run_quality(llm, variants=VARIANTS, *, heldout_tokens: int = 50_000, code_tokens: int = 12_000,
-                max_len: int = 512, calib_sequences: int = 32, calib_len: int = 512, prompts: int = 8,
+                max_len: int = 512, calib_sequences: int = 32, calib_len: int = 512, prompts: int = 32,
                 prompt_len: int = 12, gen_tokens: int = 32, batch_size: int = 8, log=print) -> dict[str, Any]:
     from minifer.quant.gptq import calibration_data
 
@@ -143,7 +148,8 @@ def run_quality(llm, variants=VARIANTS, *, heldout_tokens: int = 50_000, code_to
               "prompts": prompts, "prompt_len": prompt_len, "gen_tokens": gen_tokens,
               "calibration": None if calib is None else {"source": "data/tinystories/train.txt",
                                                          "sequences": calib_sequences, "seq_len": calib_len}}
-    baseline = {"heldout_ppl": ref_held.perplexity, "code_ppl": ref_code.perplexity}
+    baseline = {"heldout_ppl": ref_held.perplexity, "code_ppl": ref_code.perplexity,
+                "vocab_size": llm.model_config.vocab_size}
     return {"kind": "quant_quality", "config": config, "baseline": baseline, "rows": rows, "targets": targets(rows)}
 
 
@@ -168,25 +174,35 @@ def targets(rows: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def plot(result: dict[str, Any], out: str | Path) -> Path:
-    """Perplexity change against compression, stories and code side by side."""
+    """Perplexity change against compression on stories and on code (error bars: one paired standard error),
+    and how often each variant's top-1 token differs from fp32's on the two workloads."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     rows = [r for r in result["rows"] if r["format"] != "fp32"]
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4.5), sharex=True)
-    for ax, key, title in ((axes[0], "heldout_ppl_change_pct", "held-out stories"),
-                           (axes[1], "code_ppl_change_pct", "Python stdlib source")):
+    fig, axes = plt.subplots(1, 3, figsize=(17, 4.8))
+    for ax, dom, title in ((axes[0], "heldout", "held-out stories"), (axes[1], "code", "Python stdlib source")):
         for r in rows:
             marker = "*" if r["method"] == "gptq" else "o" if r["symmetric"] else "s"
-            ax.scatter(r["ratio_vs_bf16"], r[key], marker=marker, s=70 if marker == "*" else 35)
-            ax.annotate(r["name"], (r["ratio_vs_bf16"], r[key]), fontsize=7, xytext=(4, 3), textcoords="offset points")
+            ax.errorbar(r["ratio_vs_bf16"], r[f"{dom}_ppl_change_pct"], yerr=100 * r[f"{dom}_nll_change_se"],
+                        fmt=marker, ms=9 if marker == "*" else 5, capsize=2)
+            ax.annotate(r["name"], (r["ratio_vs_bf16"], r[f"{dom}_ppl_change_pct"]), fontsize=7, xytext=(4, 3),
+                        textcoords="offset points")
         ax.axhline(0, color="grey", lw=0.8)
-        ax.set_title(f"{title} (fp32 ppl {result['baseline']['heldout_ppl' if 'heldout' in key else 'code_ppl']:.4g})")
+        ax.set_title(f"{title} (fp32 perplexity {result['baseline'][f'{dom}_ppl']:.4g})")
         ax.set_xlabel("decoder-linear weights: x smaller than bf16")
         ax.set_ylabel("perplexity change vs fp32 (%)")
         ax.grid(alpha=0.3)
+    ax, x = axes[2], range(len(rows))
+    ax.bar([i - 0.2 for i in x], [100 * (1 - r["agreement_teacher_forced"]) for r in rows], 0.4, label="stories")
+    ax.bar([i + 0.2 for i in x], [100 * (1 - r["code_agreement_teacher_forced"]) for r in rows], 0.4, label="code")
+    ax.set_xticks(list(x), [r["name"] for r in rows], rotation=60, ha="right", fontsize=7)
+    ax.set_ylabel("top-1 next token differs from fp32 (%)")
+    ax.set_title("greedy disagreement (teacher-forced)")
+    ax.legend()
+    ax.grid(alpha=0.3, axis="y")
     fig.suptitle("Weight-only quantization of tinystories-target: bytes vs quality (o sym, s asym, * GPTQ)")
     fig.tight_layout()
     out = Path(out)
@@ -209,6 +225,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-len", type=int, default=512, help="tokens predicted per window")
     parser.add_argument("--calib-sequences", type=int, default=32)
     parser.add_argument("--calib-len", type=int, default=512)
+    parser.add_argument("--prompts", type=int, default=32, help="held-out prompts for generation agreement")
     parser.add_argument("--gen-tokens", type=int, default=32)
     parser.add_argument("--only", nargs="+", default=None, help="variant names to run (default: all)")
     parser.add_argument("--threads", type=int, default=None)
@@ -226,7 +243,7 @@ def main(argv: list[str] | None = None) -> int:
     llm = LLM(args.model, device=args.device, dtype=args.dtype, batching="static")
     res = run_quality(llm, variants, heldout_tokens=args.heldout_tokens, code_tokens=args.code_tokens,
                       max_len=args.max_len, calib_sequences=args.calib_sequences, calib_len=args.calib_len,
-                      gen_tokens=args.gen_tokens)
+                      prompts=args.prompts, gen_tokens=args.gen_tokens)
     res = {"kind": res.pop("kind"), "metadata": {**meta, "seconds": time.perf_counter() - t0}, **res}
     path = save_result(res, args.out)
     print(f"wrote {path}")
