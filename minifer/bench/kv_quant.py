@@ -77,7 +77,7 @@ def run(model: str = "tinystories-target", num_prompts: int = 32, config_of: str
     prompt_spec, output_spec = sharegpt_specs(4096)
     rng = random.Random(0)
     lengths = [prompt_spec.sample(rng) + output_spec.sample(rng) for _ in range(4096)]
-    return {"kind": "kv_quant", "metadata": metadata(), "budget_bytes": {model: BUDGET, config_of: 16 * BUDGET},
+    return {"kind": "kv_quant", "metadata": metadata(module="minifer.bench.kv_quant"), "budget_bytes": {model: BUDGET, config_of: 16 * BUDGET},
             "memory": {name: memory_table(load_config(resolve_model(name, need_weights=False)), lengths,
                                           budget=budget)
                        for name, budget in ((model, BUDGET), (config_of, 16 * BUDGET))},

@@ -404,11 +404,12 @@ def git_commit() -> dict[str, Any]:
     return {"commit": None, "dirty": None}
 
 
-def metadata(argv: Sequence[str] | None = None) -> dict[str, Any]:
-    """Hardware, versions, git commit, command line and time of a run (stored in every result)."""
+def metadata(argv: Sequence[str] | None = None, module: str = "minifer.bench") -> dict[str, Any]:
+    """Hardware, versions, git commit, command line (``python -m MODULE ARGS``) and time of a run (stored in
+    every result)."""
     from minifer.bench.roofline import environment
 
-    cmd = ["python", "-m", "minifer.bench", *(sys.argv[1:] if argv is None else argv)]
+    cmd = ["python", "-m", module, *(sys.argv[1:] if argv is None else argv)]
     return {**environment(), "git": git_commit(), "command": shlex.join(cmd),
             "timestamp": datetime.now(timezone.utc).isoformat(timespec="seconds")}
 

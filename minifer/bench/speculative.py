@@ -61,8 +61,9 @@ def grounded_prompts(llm, n: int, continuation: int = 48) -> list[dict[str, list
 def _engine(model: str, spec: dict | None, max_num_seqs: int, device: str | None):
     from minifer import LLM
 
+    # a modest cache each (several engines are alive at once; on a GPU the default would take 90% of it)
     return LLM(model, device=device, max_num_seqs=max_num_seqs, enable_prefix_caching=False,
-               speculative_config=spec)
+               speculative_config=spec, gpu_memory_utilization=0.15)
 
 
 def tokens_per_forward(model: str, spec_base: dict, prompts: list, ks: list[int], max_tokens: int,
@@ -166,7 +167,7 @@ def run(model: str = "tinystories-target", draft: str = DRAFT, device: str | Non
     ngram_spec = {"method": "ngram", "prompt_lookup_max": 4, "prompt_lookup_min": 1}
     base = LLM(model, device=device, max_num_seqs=max(batch_sizes), enable_prefix_caching=False)
     grounded = grounded_prompts(base, n_prompts, continuation=16 if smoke else 48)
-    result: dict[str, Any] = {"kind": "speculative", "metadata": metadata(),
+    result: dict[str, Any] = {"kind": "speculative", "metadata": metadata(module="minifer.bench.speculative"),
                               "config": {"model": model, "draft": draft, "device": str(base.device),
                                          "torch_threads": torch.get_num_threads(), "smoke": smoke}}
     result["tokens_per_forward"] = {
