@@ -190,6 +190,8 @@ def test_bad_quantization_arguments(target_llm, draft_llm, tmp_path):
         quantize_model(model, "int4", calibration="awq")
     with pytest.raises(ValueError, match="needs calib_data"):
         quantize_model(model, "int4", calibration="gptq")
+    with pytest.raises(ValueError, match=r"\['damp'\] apply to calibration='gptq' only"):
+        quantize_model(model, "int4", damp=0.1)
     assert all(type(m) is nn.Linear for m in decoder_linears(model).values())  # nothing was half-done
     with pytest.raises(ValueError, match="group_size 32 must be even and divide K=100"):
         QuantLinear.from_linear(nn.Linear(100, 8), "int4", group_size=32)

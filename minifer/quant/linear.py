@@ -176,6 +176,8 @@ def quantize_model(model: nn.Module, method: str = "int8", group_size: int = 128
     is also stored as ``model.quantization_config``).
     """
     check_quantization(method, group_size, calibration)
+    if gptq_kw and calibration != "gptq":
+        raise ValueError(f"{sorted(gptq_kw)} apply to calibration='gptq' only")
     if hasattr(model, "quantization_config"):
         raise ValueError(f"model is already quantized ({model.quantization_config.summary()})")
     targets = decoder_linears(model)
