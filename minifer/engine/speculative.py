@@ -313,14 +313,19 @@ class Speculator:
         tried = s.num_accepted + s.num_rejections
         return (s.num_accepted + self.alpha_prior * self.alpha_weight) / (tried + self.alpha_weight)
 
-    def predicted_rate(self, b: int, k: int, alpha: float) -> float:
-        """Predicted tokens per second of a step of ``b`` decodes with ``k`` drafts each."""
+    def predicted_rate(self, b: int, k: int, alpha: float, lag: float = 1.0) -> float:
+        """Predicted tokens per second of a step of ``b`` decodes with ``k`` drafts each. ``lag``: tokens per
+        sequence the draft has not seen yet (its first forward catches up on them: 1-2 after a speculative
+        step, more after plain steps, which makes switching back on cost what it really costs)."""
         t = self.target_cost(b * (k + 1))
         if k:
-            t += self.draft_cost(2 * b) + (k - 1) * self.draft_cost(b) if self.draft_runner else self.last_draft_s
+            if self.draft_runner is not None:
+                t += self.draft_cost(max(1, round(b * lag))) + (k - 1) * self.draft_cost(b)
+            else:
+                t += self.last_draft_s
         return b * expected_tokens_per_forward(min(alpha, 0.999), k) / t
 
-    def choose_k(self, num_decodes: int) -> tuple[int, bool]:
+    def choose_k(self, num_decodes: int, lag: float = 1.0) -> tuple[int, bool]:
         """The k for this step (see the module docstring), and whether it is a *probe*: when plain decoding
         wins but not by much, every ``probe_every``-th such step lets one sequence speculate anyway, so the
         draft's cost and the acceptance rate keep being measured (a stale estimate must not switch
@@ -332,7 +337,7 @@ class Speculator:
             self.calibrate()
         alpha = self.alpha_estimate()
         base = self.predicted_rate(num_decodes, 0, alpha)
-        rates = {k: self.predicted_rate(num_decodes, k, alpha) for k in range(1, k_max + 1)}
+        rates = {k: self.predicted_rate(num_decodes, k, alpha, lag) for k in range(1, k_max + 1)}
         best = max(rates, key=rates.get)
         if rates[best] > base * self.cfg.margin:
             return best, False
@@ -348,7 +353,11 @@ class Speculator:
         target KV slots reserved for them; ``[]`` for other rows. None when nothing speculates."""
         decoding = [i for i, (s, n) in enumerate(zip(seqs, num_new))
                     if n == 1 and s.num_computed_tokens + 1 == s.num_tokens and s.params.repetition_penalty == 1]
-        k, probe = self.choose_k(len(decoding))
+        lag = 1.0
+        computed = getattr(self.proposer, "computed", None)
+        if computed is not None and decoding:  # tokens the draft still has to read, per sequence
+            lag = sum(seqs[i].num_tokens - computed.get(seqs[i].request_id, 0) for i in decoding) / len(decoding)
+        k, probe = self.choose_k(len(decoding), lag)
         self.k_in_use = 0 if probe else k
         self.stats.k_history.append(self.k_in_use)
         if k == 0 or not decoding:
