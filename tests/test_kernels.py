@@ -85,3 +85,26 @@ def test_every_kernel_compiles_ahead_of_time_for_sm80_and_sm90():
         assert r["cubin_bytes"] > 0 and r["registers"] > 0, r
         assert not r["spills"], f"{r['kernel']} spills registers on {r['arch']}: {r}"
         assert r["shared_bytes"] <= 100 * 1024, r
+
+
+def test_cuda_graph_decode_path_gives_the_same_tokens():
+    """The CUDA-graph decode path without a GPU: the static buffers, padding to a captured size (rows
+    writing the scratch block), the decode-only metadata and the Triton kernels, replayed eagerly under the
+    interpreter; greedy tokens must equal the reference path's. (Capture itself needs a GPU: gpu_check.sh.)"""
+    from minifer import LLM, SamplingParams
+    from minifer.engine.cuda_graph import DecodeGraphs, EagerReplay
+
+    prompts = ["Once upon a time", "Tom had a big red", "The cat"]
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    want = [o.outputs[0].token_ids for o in LLM("tinystories-target").generate(prompts, params, use_tqdm=False)]
+    llm = LLM("tinystories-target", max_num_seqs=4, block_size=8)
+    runner = llm.engine.runner
+    runner.cache.use_triton = True  # the kernels, as on a GPU (here: interpreted on CPU tensors)
+    graphs = DecodeGraphs(runner.model, runner.cache, 4, -(-llm.max_model_len // 8))
+    assert graphs.sizes == [1, 2, 4]
+    graphs.graphs = {b: EagerReplay(graphs, b) for b in graphs.sizes}
+    runner.graphs = graphs
+    got = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    assert got == want
+    null = runner.cache.null_slot // 8
+    assert torch.all(runner.cache.k[:, null] == 0)  # the padded rows never touched the null block

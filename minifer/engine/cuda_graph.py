@@ -34,8 +34,6 @@ def capture_sizes(max_batch: int) -> list[int]:
 
 class DecodeGraphs:
     def __init__(self, model: LlamaForCausalLM, cache: PagedKVCache, max_batch: int, max_blocks_per_seq: int) -> None:
-        if cache.k.device.type != "cuda":
-            raise ValueError("CUDA graphs need the model and KV cache on a CUDA device")
         dev = cache.k.device
         self.model, self.cache = model, cache
         self.sizes = capture_sizes(max_batch)
@@ -56,6 +54,11 @@ class DecodeGraphs:
 
     @torch.inference_mode()
     def capture(self) -> None:
+        if self.ids.device.type != "cuda":
+            raise ValueError("CUDA graphs need the model and KV cache on a CUDA device")
+        self._capture_cuda()
+
+    def _capture_cuda(self) -> None:
         """Warm up (Triton compiles, cuBLAS picks its kernels) then record one graph per size, largest first,
         all in one memory pool."""
         pool = torch.cuda.graph_pool_handle()
@@ -99,3 +102,23 @@ class DecodeGraphs:
         self.ctx[b:size].fill_(1)
         self.graphs[size].replay()
         return self.outputs[size][:b]
+
+
+class EagerReplay:
+    """Stands in for a captured graph where there is no GPU (the tests): ``replay`` runs the same forward
+    on the same static buffers, so everything around the graph — padding, the scratch block, the
+    buffers' contents — is checked on a CPU with the Triton kernels under the interpreter."""
+
+    def __init__(self, graphs: DecodeGraphs, b: int) -> None:
+        self.graphs, self.b = graphs, b
+        graphs.outputs[b] = torch.empty(b, graphs.model.config.hidden_size, dtype=graphs.cache.k.dtype
+                                        if graphs.cache.kv_cache_dtype == "auto" else torch.float32)
+
+    @torch.inference_mode()
+    def replay(self) -> None:
+        g, b = self.graphs, self.b
+        g.cache.meta = g._meta(b)
+        try:
+            g.outputs[b].copy_(g.model(g.ids[:b], g.positions[:b], g.cache))
+        finally:
+            g.cache.meta = None

@@ -15,6 +15,7 @@ error; the others are unaffected. Nothing admitted is lost: every request finish
 from __future__ import annotations
 
 import time
+import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -84,7 +85,12 @@ class LLMEngine:
         self.runner = ModelRunner(model, self.kv_cache, self.block_manager)
         self.requests: dict[str, Sequence] = {}
         if cuda_graphs and device.type == "cuda" and self.kv_cache.use_triton:
-            self.runner.enable_cuda_graphs(scheduler_config.max_num_seqs, max_model_len or cfg.max_position_embeddings)
+            try:
+                self.runner.enable_cuda_graphs(scheduler_config.max_num_seqs,
+                                               max_model_len or cfg.max_position_embeddings)
+            except Exception as e:  # a capture failure costs speed, never the engine
+                warnings.warn(f"CUDA graph capture failed ({type(e).__name__}: {e}); decode steps run eagerly")
+                self.runner.graphs = None
         self.speculator: Speculator | None = None
         if speculative_config is not None:
             self.speculator = build_speculator(speculative_config, draft_model, self.runner, self.block_manager,
