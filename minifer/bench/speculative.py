@@ -9,9 +9,12 @@ Three measurements, each writing into one JSON with the hardware and versions:
 1. ``tokens_per_forward``: for k = 1..8 (fixed), mean tokens emitted per target verification and the
    measured per-token acceptance alpha, beside ``(1 - alpha^(k+1)) / (1 - alpha)`` at that alpha. For the
    bundled draft on stories, and for n-gram lookup on an *input-grounded* workload (below).
-2. ``speedup``: batches of 1, 2, 4, ..., 64 greedy requests, each engine on the same requests, the engines
-   interleaved in every round: plain decoding, fixed k, adaptive k. Speedup = plain time / engine time (the
-   tokens are the same: greedy speculation is lossless, and the run checks it).
+2. ``speedup_vs_k``: at batch 1 (8 prompts, one at a time), each fixed k = 2..6 against plain decoding;
+   the best of them is the fixed k of the next measurement.
+   ``speedup``: batches of 1, 2, 4, ..., 64 greedy requests (at least 8 requests per measurement: several
+   batches at small sizes), each engine on the same requests, the engines interleaved in every round:
+   plain decoding, that fixed k, adaptive k. Speedup = plain time / engine time (the tokens are the same:
+   greedy speculation is lossless, and the run checks it).
 3. ``verify_cost``: the target's forward time for ``k + 1`` tokens per sequence against one token, at
    several batch sizes — the cost side of speculation, which is all that dummy weights can show on a GPU.
 
@@ -83,7 +86,8 @@ def tokens_per_forward(model: str, spec_base: dict, prompts: list, ks: list[int]
 
 
 def speedup_vs_batch(model: str, spec: dict, prompts: list, batch_sizes: list[int], max_tokens: int,
-                     repeats: int = 2, device: str | None = None, k_fixed: int = 4) -> dict[str, Any]:
+                     repeats: int = 2, device: str | None = None, k_fixed: int = 4,
+                     min_requests: int = 8) -> dict[str, Any]:
     """Wall time of plain, fixed-k and adaptive-k decoding on the same greedy requests, interleaved."""
     max_b = max(batch_sizes)
     engines = {"plain": _engine(model, None, max_b, device),
@@ -94,7 +98,10 @@ def speedup_vs_batch(model: str, spec: dict, prompts: list, batch_sizes: list[in
         llm.generate(prompts[:2], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True), use_tqdm=False)
     rows = []
     for b in batch_sizes:
-        batch = [prompts[i % len(prompts)] for i in range(b)]
+        # at small batch sizes several batches of different prompts, so that one prompt's acceptance rate
+        # does not decide the number: at least `min_requests` requests per measurement
+        n_batches = max(1, -(-min_requests // b))
+        batches = [[prompts[(j * b + i) % len(prompts)] for i in range(b)] for j in range(n_batches)]
         times: dict[str, list[float]] = {m: [] for m in engines}
         outputs: dict[str, list] = {}
         ks: list[int] = []
@@ -104,9 +111,9 @@ def speedup_vs_batch(model: str, spec: dict, prompts: list, batch_sizes: list[in
                 llm = engines[mode]
                 before = len(llm.engine.speculator.stats.k_history) if llm.engine.speculator else 0
                 t = time.perf_counter()
-                out = llm.generate(batch, params, use_tqdm=False)
+                outs = [o for batch in batches for o in llm.generate(batch, params, use_tqdm=False)]
                 times[mode].append(time.perf_counter() - t)
-                outputs[mode] = [o.outputs[0].token_ids for o in out]
+                outputs[mode] = [o.outputs[0].token_ids for o in outs]
                 if mode == "adaptive":
                     ks.extend(llm.engine.speculator.stats.k_history[before:])
         plain = statistics.median(times["plain"])
@@ -118,8 +125,29 @@ def speedup_vs_batch(model: str, spec: dict, prompts: list, batch_sizes: list[in
                      "adaptive_mean_k": sum(ks) / len(ks) if ks else 0.0,
                      "adaptive_k_hist": {str(k): ks.count(k) for k in sorted(set(ks))},
                      "identical_tokens": outputs["plain"] == outputs["fixed"] == outputs["adaptive"],
-                     "tokens": b * max_tokens})
-    return {"k_fixed": k_fixed, "max_tokens": max_tokens, "repeats": repeats, "rows": rows}
+                     "tokens": n_batches * b * max_tokens, "batches": n_batches})
+    return {"k_fixed": k_fixed, "min_requests": min_requests, "max_tokens": max_tokens, "repeats": repeats, "rows": rows}
+
+
+def speedup_vs_k(model: str, spec: dict, prompts: list, ks: list[int], max_tokens: int, repeats: int = 2,
+                 device: str | None = None) -> list[dict[str, float]]:
+    """Batch 1 (one request at a time, every prompt in turn): speedup of each fixed k over plain decoding,
+    interleaved. The best k here is the fixed k whose fate under load the concurrency curve follows."""
+    engines = {0: _engine(model, None, 1, device)}
+    engines.update({k: _engine(model, {**spec, "num_speculative_tokens": k, "adaptive": False}, 1, device) for k in ks})
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    for llm in engines.values():
+        llm.generate(prompts[:1], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True), use_tqdm=False)
+    times: dict[int, list[float]] = {k: [] for k in engines}
+    for r in range(repeats):
+        for k in (list(engines) if r % 2 == 0 else list(reversed(engines))):
+            t = time.perf_counter()
+            for p in prompts:
+                engines[k].generate([p], params, use_tqdm=False)
+            times[k].append(time.perf_counter() - t)
+    plain = statistics.median(times[0])
+    return [{"k": k, "seconds": statistics.median(times[k]), "speedup": plain / statistics.median(times[k]),
+             "round_speedups": [p / t for p, t in zip(times[0], times[k])]} for k in ks]
 
 
 def verify_cost(llm, batch_sizes: list[int], ks: list[int], context: int = 256, repeats: int = 5) -> list[dict]:
@@ -174,9 +202,18 @@ def run(model: str = "tinystories-target", draft: str = DRAFT, device: str | Non
         "draft_model": tokens_per_forward(model, draft_spec, stories[:n_prompts], ks, max_tokens, device),
         "ngram_grounded": tokens_per_forward(model, ngram_spec, grounded, ks, max_tokens, device),
     }
+    k_choices = [2] if smoke else [2, 3, 4, 5, 6]
+    result["speedup_vs_k"] = {
+        "draft_model": speedup_vs_k(model, draft_spec, stories[:n_prompts // 2], k_choices, max_tokens, repeats, device),
+        "ngram_grounded": speedup_vs_k(model, ngram_spec, grounded[:n_prompts // 2], k_choices, max_tokens, repeats,
+                                       device),
+    }
+    best = {name: max(rows, key=lambda r: r["speedup"])["k"] for name, rows in result["speedup_vs_k"].items()}
     result["speedup"] = {
-        "draft_model": speedup_vs_batch(model, draft_spec, stories, batch_sizes, max_tokens, repeats, device),
-        "ngram_grounded": speedup_vs_batch(model, ngram_spec, grounded, batch_sizes, max_tokens, repeats, device),
+        "draft_model": speedup_vs_batch(model, draft_spec, stories, batch_sizes, max_tokens, repeats, device,
+                                        k_fixed=best["draft_model"]),
+        "ngram_grounded": speedup_vs_batch(model, ngram_spec, grounded, batch_sizes, max_tokens, repeats, device,
+                                           k_fixed=best["ngram_grounded"]),
     }
     result["verify_cost"] = verify_cost(base, batch_sizes, [1, 2, 4, 8] if not smoke else [1, 2],
                                         context=32 if smoke else 256)
@@ -228,6 +265,8 @@ def main(argv: list[str] | None = None) -> None:
         for r in rows:
             print(f"{name:15s} k={r['k']}  alpha {r['alpha']:.3f}  tokens/forward {r['tokens_per_forward']:.2f}  "
                   f"formula {r['formula']:.2f}")
+    for name, rows in result["speedup_vs_k"].items():
+        print(f"{name:15s} batch 1: " + "  ".join(f"k={r['k']} {r['speedup']:.2f}x" for r in rows))
     for name, sp in result["speedup"].items():
         for r in sp["rows"]:
             print(f"{name:15s} batch {r['batch']:>3}  fixed k={sp['k_fixed']} {r['speedup_fixed']:.2f}x  "

@@ -176,7 +176,8 @@ class LLMEngine:
                 emitted.append(list(zip(r.token_ids, r.sampled_logprob, r.logprobs)))
         if spec is not None:
             spec.observe_step(sum(len(c) for c in drafts or []) + sum(batch.num_new_tokens),
-                              pure_decode=all(n == 1 for n in batch.num_new_tokens))
+                              pure_decode=all(n == 1 for n in batch.num_new_tokens),
+                              emitted=sum(len(t) for t in emitted), seconds=time.perf_counter() - now)
         outputs = []
         for seq, tokens in zip(sampled, emitted):
             for j, (token, logprob, entry) in enumerate(tokens):

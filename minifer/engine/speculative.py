@@ -30,6 +30,11 @@ calibration at start-up and refreshed by every pure-decode step. ``k = 0`` (plai
 prediction beats it by a margin, so under load — when ``t_target`` grows with the tokens — speculation turns
 itself off instead of becoming the 1.4-1.8x slowdown that fixed-k speculation shows at high QPS.
 
+The model can be wrong (a cost table measured on prompt chunks, acceptance that differs between
+requests), so measurement has the last word: per batch-size bucket the engine keeps the tokens per second
+of its recent whole steps with and without speculation (it mixes in a few plain steps to know both), and
+stops speculating in a bucket where the measured speculative steps are not faster.
+
 Limits (documented, not hidden): requests with ``repetition_penalty != 1`` decode without speculation;
 with adaptive k, a seeded *sampled* request is distributed exactly as without speculation but its exact
 tokens depend on the k chosen each step (timing-based), so set ``"adaptive": False`` for bit-reproducible
@@ -280,6 +285,9 @@ class Speculator:
         self.draft_cost = proposer.cost if draft_runner is not None else CostTable()
         self.probe_every = 32  # see choose_k
         self._plain_choices = 0
+        # measured tokens/s of whole engine steps by (batch-size bucket, speculated?): the last word on k
+        self.realized: dict[tuple[int, bool], deque[float]] = {}
+        self._step_decodes, self._step_speculated, self._spec_choices = 0, False, 0
         self.alpha_prior, self.alpha_weight = 0.6, 8.0  # a prior worth 8 tested tokens until data arrives
         self.calibrated = False
         self.last_draft_s = 0.0
@@ -340,6 +348,16 @@ class Speculator:
         rates = {k: self.predicted_rate(num_decodes, k, alpha, lag) for k in range(1, k_max + 1)}
         best = max(rates, key=rates.get)
         if rates[best] > base * self.cfg.margin:
+            # The model says speculate. Measured steps of this batch size overrule it: keep a few plain
+            # steps in the mix (every 8th while fewer than 4 are measured, then every 32nd) and speculate
+            # only while the measured speculative steps beat them.
+            bucket = num_decodes.bit_length()
+            on, off = self.realized.get((bucket, True), ()), self.realized.get((bucket, False), ())
+            self._spec_choices += 1
+            if self._spec_choices % (8 if len(off) < 4 else 32) == 0:
+                return 0, False
+            if len(on) >= 4 and len(off) >= 4 and statistics.median(on) < statistics.median(off) * self.cfg.margin:
+                return 0, False
             return best, False
         self._plain_choices += 1
         if rates[best] > 0.75 * base and self._plain_choices % self.probe_every == 0:
@@ -360,6 +378,7 @@ class Speculator:
         k, probe = self.choose_k(len(decoding), lag)
         self.k_in_use = 0 if probe else k
         self.stats.k_history.append(self.k_in_use)
+        self._step_decodes, self._step_speculated = len(decoding), self.k_in_use > 0
         if k == 0 or not decoding:
             return None
         ks = [0] * len(seqs)
@@ -377,11 +396,16 @@ class Speculator:
         self._batch_seqs, self._drafts = list(seqs), drafts
         return [d.tokens for d in drafts]
 
-    def observe_step(self, num_tokens: int, pure_decode: bool) -> None:
-        """Refresh the cost tables with the step just run (pure decode/verify steps only: a prompt chunk
-        in the batch would make the step look slower than its token count says)."""
-        if pure_decode:
-            self.target_cost.observe(num_tokens, self.target_runner.last_forward_s)
+    def observe_step(self, num_tokens: int, pure_decode: bool, emitted: int = 0, seconds: float = 0.0) -> None:
+        """Refresh the cost tables with the step just run, and the measured tokens per second of this batch
+        size with and without speculation (pure decode/verify steps only: a prompt chunk in the batch would
+        make the step look slower than its token count says)."""
+        if not pure_decode:
+            return
+        self.target_cost.observe(num_tokens, self.target_runner.last_forward_s)
+        if seconds > 0 and self._step_decodes:
+            key = (self._step_decodes.bit_length(), self._step_speculated)
+            self.realized.setdefault(key, deque(maxlen=16)).append(emitted / seconds)
 
     def verify(self, seqs: list[Sequence], logits: torch.Tensor) -> list[tuple[list[int], torch.Tensor]]:
         """``seqs``: the rows that got logits, in order; ``logits``: ``1 + k_i`` rows each. Returns, per
