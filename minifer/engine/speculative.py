@@ -286,7 +286,7 @@ class Speculator:
         self.probe_every = 32  # see choose_k
         self._plain_choices = 0
         # measured tokens/s of whole engine steps by (batch-size bucket, speculated?): the last word on k
-        self.realized: dict[tuple[int, bool], deque[float]] = {}
+        self.realized: dict[tuple[int, bool], deque[tuple[int, float]]] = {}  # (tokens, seconds) per step
         self._step_decodes, self._step_speculated, self._spec_choices = 0, False, 0
         self.alpha_prior, self.alpha_weight = 0.6, 8.0  # a prior worth 8 tested tokens until data arrives
         self.calibrated = False
@@ -356,7 +356,7 @@ class Speculator:
             self._spec_choices += 1
             if self._spec_choices % (8 if len(off) < 4 else 32) == 0:
                 return 0, False
-            if len(on) >= 4 and len(off) >= 4 and statistics.median(on) < statistics.median(off) * self.cfg.margin:
+            if len(on) >= 8 and len(off) >= 4 and _rate(on) < _rate(off) * self.cfg.margin:
                 return 0, False
             return best, False
         self._plain_choices += 1
@@ -405,7 +405,7 @@ class Speculator:
         self.target_cost.observe(num_tokens, self.target_runner.last_forward_s)
         if seconds > 0 and self._step_decodes:
             key = (self._step_decodes.bit_length(), self._step_speculated)
-            self.realized.setdefault(key, deque(maxlen=16)).append(emitted / seconds)
+            self.realized.setdefault(key, deque(maxlen=32)).append((emitted, seconds))
 
     def verify(self, seqs: list[Sequence], logits: torch.Tensor) -> list[tuple[list[int], torch.Tensor]]:
         """``seqs``: the rows that got logits, in order; ``logits``: ``1 + k_i`` rows each. Returns, per
@@ -478,6 +478,12 @@ class Speculator:
             "spec_steps_speculating": sum(1 for k in s.k_history if k),
             "spec_steps": len(s.k_history),
         }
+
+
+def _rate(steps) -> float:
+    """Tokens per second over recent steps: total tokens / total time. (Not a median of per-step rates: a
+    speculative step emits 1 to k+1 tokens, so its per-step rate is spread wide and skewed.)"""
+    return sum(t for t, _ in steps) / sum(s for _, s in steps)
 
 
 def build_speculator(cfg: SpeculativeConfig, draft_model: LlamaForCausalLM | None, target_runner: ModelRunner,
