@@ -287,7 +287,7 @@ class Speculator:
         self._plain_choices = 0
         # measured tokens/s of whole engine steps by (batch-size bucket, speculated?): the last word on k
         self.realized: dict[tuple[int, bool], deque[tuple[int, float]]] = {}  # (tokens, seconds) per step
-        self._step_decodes, self._step_speculated, self._spec_choices = 0, False, 0
+        self._step_decodes, self._step_speculated, self._spec_choices, self._overruled = 0, False, 0, 0
         self.alpha_prior, self.alpha_weight = 0.6, 8.0  # a prior worth 8 tested tokens until data arrives
         self.calibrated = False
         self.last_draft_s = 0.0
@@ -357,7 +357,8 @@ class Speculator:
             if self._spec_choices % (8 if len(off) < 4 else 32) == 0:
                 return 0, False
             if len(on) >= 8 and len(off) >= 4 and _rate(on) < _rate(off) * self.cfg.margin:
-                return 0, False
+                self._overruled += 1  # every 16th overruled step speculates anyway, to keep `on` current
+                return (best, False) if self._overruled % 16 == 0 else (0, False)
             return best, False
         self._plain_choices += 1
         if rates[best] > 0.75 * base and self._plain_choices % self.probe_every == 0:
@@ -396,16 +397,18 @@ class Speculator:
         self._batch_seqs, self._drafts = list(seqs), drafts
         return [d.tokens for d in drafts]
 
-    def observe_step(self, num_tokens: int, pure_decode: bool, emitted: int = 0, seconds: float = 0.0) -> None:
-        """Refresh the cost tables with the step just run, and the measured tokens per second of this batch
-        size with and without speculation (pure decode/verify steps only: a prompt chunk in the batch would
-        make the step look slower than its token count says)."""
-        if not pure_decode:
-            return
-        self.target_cost.observe(num_tokens, self.target_runner.last_forward_s)
+    def observe_step(self, num_tokens: int, pure_decode: bool) -> None:
+        """Refresh the cost table with the forward just run (pure decode/verify steps only: a prompt chunk in
+        the batch would make the step look slower than its token count says)."""
+        if pure_decode:
+            self.target_cost.observe(num_tokens, self.target_runner.last_forward_s)
+
+    def observe_realized(self, emitted: int, seconds: float) -> None:
+        """The tokens a whole pure-decode step emitted and its wall time, by batch-size bucket and by whether
+        it speculated: the measurement that overrules the cost model (see ``choose_k``)."""
         if seconds > 0 and self._step_decodes:
             key = (self._step_decodes.bit_length(), self._step_speculated)
-            self.realized.setdefault(key, deque(maxlen=32)).append((emitted, seconds))
+            self.realized.setdefault(key, deque(maxlen=16)).append((emitted, seconds))
 
     def verify(self, seqs: list[Sequence], logits: torch.Tensor) -> list[tuple[list[int], torch.Tensor]]:
         """``seqs``: the rows that got logits, in order; ``logits``: ``1 + k_i`` rows each. Returns, per
