@@ -181,7 +181,7 @@ class LLMEngine:
         outputs = []
         for seq, tokens in zip(sampled, emitted):
             for j, (token, logprob, entry) in enumerate(tokens):
-                if j:  # an accepted draft token: its KV is already in the cache
+                if j:  # the token before this one was an accepted draft: its KV is already in the cache
                     seq.num_computed_tokens += 1
                 seq.append_token(token, logprob, entry, self.tokenizer)
                 if seq.is_finished:
