@@ -22,9 +22,11 @@ forward; it pays only while that wider forward is nearly free, i.e. at low concu
 ``B`` sequences decoding, the engine picks the ``k`` in ``0..num_speculative_tokens`` that maximises the
 predicted tokens per second
 
-    B * E(alpha, k) / (t_target(B * (k + 1)) + t_draft(B, k))        E = (1 - alpha^(k+1)) / (1 - alpha)
+    B * (1 + h * (E(alpha, k) - 1)) / (t_target(B * (1 + h * k)) + t_draft(B, k))
+    E = (1 - alpha^(k+1)) / (1 - alpha)
 
-where ``alpha`` is the measured per-token acceptance (a running estimate) and ``t_target(n)`` the measured
+where ``h`` is the measured fraction of sequences that get drafts at all (1 for a draft model; n-gram lookup often
+finds no match), ``alpha`` the measured per-token acceptance (a running estimate) and ``t_target(n)`` the measured
 time of a target forward over ``n`` tokens: a table (by powers of two, interpolated) filled by a short
 calibration at start-up and refreshed by every pure-decode step. ``k = 0`` (plain decoding) wins unless the
 prediction beats it by a margin, so under load — when ``t_target`` grows with the tokens — speculation turns
@@ -288,6 +290,7 @@ class Speculator:
         # measured tokens/s of whole engine steps by (batch-size bucket, speculated?): the last word on k
         self.realized: dict[tuple[int, bool], deque[tuple[int, float]]] = {}  # (tokens, seconds) per step
         self._step_decodes, self._step_speculated, self._spec_choices, self._overruled = 0, False, 0, 0
+        self._asked = self._got = 0  # sequences asked for drafts, and those that got at least one
         self.alpha_prior, self.alpha_weight = 0.6, 8.0  # a prior worth 8 tested tokens until data arrives
         self.calibrated = False
         self.last_draft_s = 0.0
@@ -325,13 +328,16 @@ class Speculator:
         """Predicted tokens per second of a step of ``b`` decodes with ``k`` drafts each. ``lag``: tokens per
         sequence the draft has not seen yet (its first forward catches up on them: 1-2 after a speculative
         step, more after plain steps, which makes switching back on cost what it really costs)."""
-        t = self.target_cost(b * (k + 1))
+        # Only a fraction `hit` of the sequences asked for drafts get any (n-gram lookup finds no match for
+        # the others; a draft model always proposes): they alone add verify tokens and gain tokens.
+        hit = (self._got + 4) / (self._asked + 4)  # a prior of 4 hits in 4 until measured
+        t = self.target_cost(max(b, round(b + hit * b * k)))
         if k:
             if self.draft_runner is not None:
                 t += self.draft_cost(max(1, round(b * lag))) + (k - 1) * self.draft_cost(b)
             else:
                 t += self.last_draft_s
-        return b * expected_tokens_per_forward(min(alpha, 0.999), k) / t
+        return b * (1 + hit * (expected_tokens_per_forward(min(alpha, 0.999), k) - 1)) / t
 
     def choose_k(self, num_decodes: int, lag: float = 1.0) -> tuple[int, bool]:
         """The k for this step (see the module docstring), and whether it is a *probe*: when plain decoding
@@ -394,6 +400,9 @@ class Speculator:
         t0 = time.perf_counter()
         drafts = self.proposer.propose(seqs, ks, self.vocab_size)
         self.last_draft_s = time.perf_counter() - t0
+        if not probe:
+            self._asked += sum(1 for k_i in ks if k_i)
+            self._got += sum(1 for k_i, d in zip(ks, drafts) if k_i and d.tokens)
         self._batch_seqs, self._drafts = list(seqs), drafts
         return [d.tokens for d in drafts]
 
