@@ -29,6 +29,7 @@ import argparse
 import json
 import statistics
 import time
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -104,26 +105,26 @@ def speedup_vs_batch(model: str, spec: dict, prompts: list, batch_sizes: list[in
         batches = [[prompts[(j * b + i) % len(prompts)] for i in range(b)] for j in range(n_batches)]
         times: dict[str, list[float]] = {m: [] for m in engines}
         outputs: dict[str, list] = {}
-        ks: list[int] = []
+        ks: Counter[int] = Counter()  # the adaptive engine's steps by k
         for r in range(repeats):
             order = list(engines) if r % 2 == 0 else list(reversed(engines))
             for mode in order:
                 llm = engines[mode]
-                before = len(llm.engine.speculator.stats.k_history) if llm.engine.speculator else 0
+                before = Counter(llm.engine.speculator.stats.k_counts) if llm.engine.speculator else Counter()
                 t = time.perf_counter()
                 outs = [o for batch in batches for o in llm.generate(batch, params, use_tqdm=False)]
                 times[mode].append(time.perf_counter() - t)
                 outputs[mode] = [o.outputs[0].token_ids for o in outs]
                 if mode == "adaptive":
-                    ks.extend(llm.engine.speculator.stats.k_history[before:])
+                    ks += llm.engine.speculator.stats.k_counts - before
         plain = statistics.median(times["plain"])
         rows.append({"batch": b, "seconds": {m: statistics.median(v) for m, v in times.items()},
                      "speedup_fixed": plain / statistics.median(times["fixed"]),
                      "speedup_adaptive": plain / statistics.median(times["adaptive"]),
                      "round_speedups_fixed": [p / f for p, f in zip(times["plain"], times["fixed"])],
                      "round_speedups_adaptive": [p / a for p, a in zip(times["plain"], times["adaptive"])],
-                     "adaptive_mean_k": sum(ks) / len(ks) if ks else 0.0,
-                     "adaptive_k_hist": {str(k): ks.count(k) for k in sorted(set(ks))},
+                     "adaptive_mean_k": sum(k * n for k, n in ks.items()) / ks.total() if ks else 0.0,
+                     "adaptive_k_hist": {str(k): ks[k] for k in sorted(ks)},
                      "identical_tokens": outputs["plain"] == outputs["fixed"] == outputs["adaptive"],
                      "tokens": n_batches * b * max_tokens, "batches": n_batches})
     return {"k_fixed": k_fixed, "min_requests": min_requests, "max_tokens": max_tokens, "repeats": repeats, "rows": rows}

@@ -48,7 +48,7 @@ from __future__ import annotations
 import bisect
 import statistics
 import time
-from collections import deque
+from collections import Counter, deque
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -262,7 +262,7 @@ class SpecStats:
     num_rejections: int = 0  # verifications that stopped at a rejected draft token
     num_verifies: int = 0  # (sequence, step) pairs that speculated
     num_emitted: int = 0  # tokens those verifications emitted
-    k_history: list[int] = field(default_factory=list)
+    k_counts: Counter[int] = field(default_factory=Counter)  # steps by the k they used (a server runs for days)
 
     @property
     def alpha(self) -> float:
@@ -384,7 +384,7 @@ class Speculator:
             lag = sum(seqs[i].num_tokens - computed.get(seqs[i].request_id, 0) for i in decoding) / len(decoding)
         k, probe = self.choose_k(len(decoding), lag)
         self.k_in_use = 0 if probe else k
-        self.stats.k_history.append(self.k_in_use)
+        self.stats.k_counts[self.k_in_use] += 1
         self._step_decodes, self._step_speculated = len(decoding), self.k_in_use > 0
         if k == 0 or not decoding:
             return None
@@ -487,8 +487,8 @@ class Speculator:
             "spec_mean_tokens_per_forward": s.num_emitted / s.num_verifies if s.num_verifies else 0.0,
             "spec_k": self.k_in_use,
             "spec_k_max": self.cfg.num_speculative_tokens,
-            "spec_steps_speculating": sum(1 for k in s.k_history if k),
-            "spec_steps": len(s.k_history),
+            "spec_steps_speculating": s.k_counts.total() - s.k_counts[0],
+            "spec_steps": s.k_counts.total(),
         }
 
 
