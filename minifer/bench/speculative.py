@@ -13,8 +13,10 @@ Three measurements, each writing into one JSON with the hardware and versions:
    the best of them is the fixed k of the next measurement.
    ``speedup``: batches of 1, 2, 4, ..., 64 greedy requests (at least 8 requests per measurement: several
    batches at small sizes), each engine on the same requests, the engines interleaved in every round:
-   plain decoding, that fixed k, adaptive k. Speedup = plain time / engine time (the tokens are the same:
-   greedy speculation is lossless, and the run checks it).
+   plain decoding, that fixed k, adaptive k, and a second plain engine: the A/A control, whose "speedup" over
+   the first shows how far two identical engines differ on this machine (the noise floor any ratio near 1
+   must be read against). Speedup = plain time / engine time in each round, the median over rounds (the
+   tokens are the same: greedy speculation is lossless, and the run checks it).
 3. ``verify_cost``: the target's forward time for ``k + 1`` tokens per sequence against one token, at
    several batch sizes — the cost side of speculation, which is all that dummy weights can show on a GPU.
 
@@ -92,6 +94,7 @@ def speedup_vs_batch(model: str, spec: dict, prompts: list, batch_sizes: list[in
     """Wall time of plain, fixed-k and adaptive-k decoding on the same greedy requests, interleaved."""
     max_b = max(batch_sizes)
     engines = {"plain": _engine(model, None, max_b, device),
+               "plain_again": _engine(model, None, max_b, device),  # the A/A control: the noise floor
                "fixed": _engine(model, {**spec, "num_speculative_tokens": k_fixed, "adaptive": False}, max_b, device),
                "adaptive": _engine(model, {**spec, "num_speculative_tokens": k_fixed, "adaptive": True}, max_b, device)}
     params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
@@ -117,15 +120,19 @@ def speedup_vs_batch(model: str, spec: dict, prompts: list, batch_sizes: list[in
                 outputs[mode] = [o.outputs[0].token_ids for o in outs]
                 if mode == "adaptive":
                     ks += llm.engine.speculator.stats.k_counts - before
-        plain = statistics.median(times["plain"])
+        # speedup: the median over rounds of plain time / engine time within the round (the engines of a round
+        # ran back to back, so a slow spell of the machine affects both sides of each ratio alike)
+        fixed = [p / f for p, f in zip(times["plain"], times["fixed"])]
+        adaptive = [p / a for p, a in zip(times["plain"], times["adaptive"])]
+        again = [p / a for p, a in zip(times["plain"], times["plain_again"])]
         rows.append({"batch": b, "seconds": {m: statistics.median(v) for m, v in times.items()},
-                     "speedup_fixed": plain / statistics.median(times["fixed"]),
-                     "speedup_adaptive": plain / statistics.median(times["adaptive"]),
-                     "round_speedups_fixed": [p / f for p, f in zip(times["plain"], times["fixed"])],
-                     "round_speedups_adaptive": [p / a for p, a in zip(times["plain"], times["adaptive"])],
+                     "speedup_fixed": statistics.median(fixed), "speedup_adaptive": statistics.median(adaptive),
+                     "round_speedups_fixed": fixed, "round_speedups_adaptive": adaptive,
+                     "speedup_plain_again": statistics.median(again), "round_speedups_plain_again": again,
                      "adaptive_mean_k": sum(k * n for k, n in ks.items()) / ks.total() if ks else 0.0,
                      "adaptive_k_hist": {str(k): ks[k] for k in sorted(ks)},
-                     "identical_tokens": outputs["plain"] == outputs["fixed"] == outputs["adaptive"],
+                     "identical_tokens": outputs["plain"] == outputs["fixed"] == outputs["adaptive"]
+                     == outputs["plain_again"],
                      "tokens": n_batches * b * max_tokens, "batches": n_batches})
     return {"k_fixed": k_fixed, "min_requests": min_requests, "max_tokens": max_tokens, "repeats": repeats, "rows": rows}
 
@@ -239,6 +246,11 @@ def plot(result: dict[str, Any], fig=None):
         line, = ax2.plot(bs, [r["speedup_fixed"] for r in sp["rows"]], "o-", label=f"{name}, k={sp['k_fixed']}")
         ax2.plot(bs, [r["speedup_adaptive"] for r in sp["rows"]], "s--", color=line.get_color(),
                  label=f"{name}, adaptive")
+    rows = next(iter(result["speedup"].values()))["rows"]
+    if "round_speedups_plain_again" in rows[0]:  # the A/A band: two identical plain engines
+        ax2.fill_between([r["batch"] for r in rows], [min(r["round_speedups_plain_again"]) for r in rows],
+                         [max(r["round_speedups_plain_again"]) for r in rows], color="grey", alpha=0.2,
+                         label="plain vs plain (A/A), range over rounds")
     ax2.axhline(1.0, color="grey", lw=0.8)
     ax2.set_xscale("log", base=2)
     ax2.set(xlabel="concurrent requests", ylabel="speedup over plain decoding", title="Speedup vs concurrency")
@@ -272,7 +284,7 @@ def main(argv: list[str] | None = None) -> None:
         for r in sp["rows"]:
             print(f"{name:15s} batch {r['batch']:>3}  fixed k={sp['k_fixed']} {r['speedup_fixed']:.2f}x  "
                   f"adaptive {r['speedup_adaptive']:.2f}x (mean k {r['adaptive_mean_k']:.1f})  "
-                  f"identical {r['identical_tokens']}")
+                  f"A/A {r['speedup_plain_again']:.2f}x  identical {r['identical_tokens']}")
     for r in result["verify_cost"]:
         print("verify cost", {k: round(v, 3) if isinstance(v, float) else v for k, v in r.items()})
     if args.plot:

@@ -13,7 +13,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-__all__ = ["ngram_propose"]
+__all__ = ["ngram_match", "ngram_propose"]
 
 
 def ngram_propose(token_ids: Sequence[int], k: int, prompt_lookup_max: int, prompt_lookup_min: int) -> list[int]:
@@ -31,6 +31,15 @@ def ngram_propose(token_ids: Sequence[int], k: int, prompt_lookup_max: int, prom
     O(len(token_ids)) for a bounded ``prompt_lookup_max``. vLLM's proposer finds the longest match with KMP
     and, among equally long matches, takes the earliest; this one takes the most recent.
     """
+    return ngram_match(token_ids, k, prompt_lookup_max, prompt_lookup_min)[0]
+
+
+def ngram_match(token_ids: Sequence[int], k: int, prompt_lookup_max: int,
+                prompt_lookup_min: int) -> tuple[list[int], int]:
+    """``ngram_propose``'s draft and the length ``n`` of the match that produced it (0: no match).
+
+    The engine's adaptive speculation uses ``n``: a draft found by a 4-token match is accepted far more
+    often than one found by a single repeated token, so it is worth verifying under more load."""
     for name, value in (("k", k), ("prompt_lookup_max", prompt_lookup_max), ("prompt_lookup_min", prompt_lookup_min)):
         if not isinstance(value, (int, np.integer)) or isinstance(value, bool):
             raise ValueError(f"{name} must be an integer, got {value!r}")
@@ -44,18 +53,18 @@ def ngram_propose(token_ids: Sequence[int], k: int, prompt_lookup_max: int, prom
         raise ValueError(f"token_ids must be a flat sequence of token ids, got shape {tokens.shape}")
     total = len(tokens)
     if total < 2:
-        return []
+        return [], 0
     # `ends`: the last index of every earlier occurrence of the last n tokens (never the suffix itself,
     # which ends at total - 1); n = 1 first, then each step keeps those whose token n back matches too.
     ends = np.flatnonzero(tokens[:-1] == tokens[-1])
-    best_end = int(ends[-1]) if ends.size and prompt_lookup_min == 1 else -1
+    best_end, best_n = (int(ends[-1]), 1) if ends.size and prompt_lookup_min == 1 else (-1, 0)
     n = 1
     while ends.size and n < prompt_lookup_max:
         n += 1
         ends = ends[ends >= n - 1]
         ends = ends[tokens[ends - (n - 1)] == tokens[total - n]]
         if ends.size and n >= prompt_lookup_min:
-            best_end = int(ends[-1])
+            best_end, best_n = int(ends[-1]), n
     if best_end < 0:
-        return []
-    return tokens[best_end + 1 : best_end + 1 + k].tolist()
+        return [], 0
+    return tokens[best_end + 1 : best_end + 1 + k].tolist(), best_n
