@@ -87,3 +87,78 @@ def test_bad_kv_cache_dtype():
         LLM("tinystories-target", kv_cache_dtype="int4")
     with pytest.raises(ValueError, match="continuous"):
         LLM("tinystories-target", batching="static", kv_cache_dtype="int8")
+
+
+@pytest.mark.parametrize("fmt", ["int8", "fp8"])
+def test_static_per_head_scales_saturate_and_attend_like_the_dequantized_values(fmt):
+    gen = torch.Generator().manual_seed(2)
+    block_size, hq, hkv, d = 4, 4, 2, 16
+    ctx, qlen = [7, 12], [2, 1]
+    tables = [[0, 1], [2, 3, 4]]
+    cache = PagedKVCache(1, 6, block_size, hkv, d, torch.float32, "cpu", kv_cache_dtype=fmt, kv_cache_scales="head")
+    assert cache.k_scale.shape == (1, hkv) and PagedKVCache.bytes_per_block(
+        1, block_size, hkv, d, torch.float32, fmt, "head") == 2 * block_size * hkv * d  # one byte per number
+    # calibration: a prefill of 5 tokens from position 0 records each head's largest magnitude
+    calib_k, calib_v = torch.randn(5, hkv, d, generator=gen), torch.randn(5, hkv, d, generator=gen)
+    cal_meta = PagedAttentionMetadata.build([[4, 5]], [5], [5], block_size, torch.device("cpu"), null_slot=cache.null_slot)
+
+    def prefill():
+        cache.meta = cal_meta
+        out = cache.attend(0, torch.randn(5, hq, d, generator=gen), calib_k, calib_v)
+        assert out.shape == (5, hq, d) and torch.isfinite(out).all()
+
+    cache.calibrate_scales(prefill)
+    qmax = 127.0 if fmt == "int8" else 448.0
+    assert torch.allclose(cache.k_scale[0], calib_k.abs().amax(dim=(0, 2)) * 2 / qmax)
+    # write a context with an outlier 10x beyond the calibrated range: it saturates at the range's edge
+    k = torch.randn(sum(ctx), hkv, d, generator=gen)
+    v = torch.randn(sum(ctx), hkv, d, generator=gen)
+    k[3, 1, 0] = 10 * float(calib_k[:, 1].abs().max())
+    all_meta = PagedAttentionMetadata.build(tables, ctx, ctx, block_size, torch.device("cpu"), null_slot=cache.null_slot)
+    cache.meta = all_meta
+    cache.attend(0, torch.randn(sum(ctx), hq, d), k, v)
+    stored = dequantize_kv(cache.k[0].view(-1, hkv, d)[all_meta.slot_mapping], cache.k_scale[0].view(1, hkv), fmt,
+                           torch.float32)
+    assert stored[3, 1, 0] == pytest.approx(float(cache.k_scale[0, 1]) * qmax, rel=1e-6)
+    # attention over the codes equals attention over a float cache holding their dequantized values
+    meta = PagedAttentionMetadata.build(tables, ctx, qlen, block_size, torch.device("cpu"), null_slot=cache.null_slot)
+    q = torch.randn(sum(qlen), hq, d, generator=gen)
+    got = paged_attention_reference(q, cache.k[0], cache.v[0], meta, cache.k_scale[0], cache.v_scale[0], fmt)
+    dense = PagedKVCache(1, 6, block_size, hkv, d, torch.float32, "cpu")
+    for mine, theirs, scale in ((dense.k, cache.k, cache.k_scale), (dense.v, cache.v, cache.v_scale)):
+        codes = theirs[0].view(-1, hkv, d)[all_meta.slot_mapping]
+        mine[0].view(-1, hkv, d).index_copy_(0, all_meta.slot_mapping,
+                                             dequantize_kv(codes, scale[0].view(1, hkv), fmt, torch.float32))
+    want = paged_attention_reference(q, dense.k[0], dense.v[0], meta)
+    assert torch.allclose(got, want, atol=1e-5, rtol=1e-5)
+
+
+def test_engine_with_static_fp8_kv_doubles_what_fits_and_keeps_the_tokens(heldout_stories):
+    prompts = [" ".join(s.split()[:8]) for s in heldout_stories[:12]]
+    params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
+    want = [o.outputs[0].token_ids for o in LLM("tinystories-target").generate(prompts, params, use_tqdm=False)]
+    llm = LLM("tinystories-target", kv_cache_dtype="fp8", kv_cache_scales="head", dtype=torch.bfloat16,
+              kv_cache_memory=2**24)
+    bf16 = LLM("tinystories-target", dtype=torch.bfloat16, kv_cache_memory=2**24)
+    assert llm.stats()["kv_blocks_total"] == 2 * bf16.stats()["kv_blocks_total"]
+    scales = llm.engine.kv_cache.k_scale
+    assert torch.isfinite(scales).all() and (scales > 0).all() and (scales != 1).all()  # calibrated, not defaults
+    got = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    agree = sum(a == b for x, y in zip(got, want) for a, b in zip(x, y)) / sum(map(len, want))
+    assert agree >= 0.8, agree
+    assert llm.stats()["kv_cache_scales"] == "head" and llm.stats()["kv_blocks_free"] == llm.stats()["kv_blocks_total"]
+    with pytest.raises(ValueError, match="kv_cache_scales"):
+        LLM("tinystories-target", kv_cache_dtype="int8", kv_cache_scales="block")
+
+
+def test_kv_quant_benchmark_table_has_both_scale_layouts():
+    from minifer.bench.kv_quant import memory_table
+    from minifer.loader import load_config, resolve_model
+
+    cfg = load_config(resolve_model("Qwen/Qwen3-0.6B", need_weights=False))
+    rows = {(r["model_dtype"], r["kv_cache_dtype"], r["kv_cache_scales"]): r
+            for r in memory_table(cfg, [300] * 4000, budget=2**32)}
+    auto = rows["bfloat16", "auto", None]
+    assert rows["bfloat16", "int8", "head"]["bytes_per_token"] * 2 == auto["bytes_per_token"]
+    assert rows["bfloat16", "fp8", "head"]["vs_model_dtype"] >= 1.99  # whole blocks: doubles within rounding
+    assert 1.9 < rows["bfloat16", "int8", "token"]["vs_model_dtype"] < 1.99

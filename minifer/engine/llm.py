@@ -74,6 +74,9 @@ class LLM:
             "prompt_lookup_max": 4, "prompt_lookup_min": 1}``; ``"adaptive": False`` fixes k (chapter 04).
         kv_cache_dtype: ``"auto"`` (the model's dtype) or ``"int8"`` / ``"fp8"``: 8-bit keys and values with a
             float16 scale per (token, head), about twice the sequences in the same memory (chapter 05).
+        kv_cache_scales: ``"token"`` (the default: a scale per token and head, chosen as it is written) or
+            ``"head"``: one static scale per layer and head, calibrated at start-up, exactly one byte per
+            number (vLLM's ``k_scale``/``v_scale`` are per layer).
         enforce_eager: on CUDA, decode steps replay CUDA graphs unless this is True (vLLM's name).
         quantization: None, ``"int8"``, ``"int4"`` (g128, symmetric) or ``"fp8"``: weight-only, round-to-nearest
             on load (chapter 05; ``minifer.quant``). A folder written by ``save_quantized`` loads quantized
@@ -86,8 +89,9 @@ class LLM:
                  block_size: int = 16, num_kv_blocks: int | None = None, kv_cache_memory: int = 256 * 2**20,
                  gpu_memory_utilization: float = 0.9, enable_prefix_caching: bool = True,
                  max_num_batched_tokens: int = 2048, enable_chunked_prefill: bool = True,
-                 speculative_config: dict[str, Any] | None = None, enforce_eager: bool = False, kv_cache_dtype: str = "auto", quantization: str | None = None) -> None:
-        check_kv_cache_dtype(kv_cache_dtype)
+                 speculative_config: dict[str, Any] | None = None, enforce_eager: bool = False, kv_cache_dtype: str = "auto", quantization: str | None = None,
+                 kv_cache_scales: str = "token") -> None:
+        check_kv_cache_dtype(kv_cache_dtype, kv_cache_scales)
         if kv_cache_dtype != "auto" and batching != "continuous":
             raise ValueError("kv_cache_dtype applies to the paged cache of batching='continuous'")
         if batching not in ("static", "continuous"):
@@ -123,7 +127,7 @@ class LLM:
             self.engine = LLMEngine(
                 self.model, self.tokenizer, self.make_sequence,
                 CacheConfig(block_size, num_kv_blocks, kv_cache_memory, gpu_memory_utilization, enable_prefix_caching,
-                            kv_cache_dtype),
+                            kv_cache_dtype, kv_cache_scales),
                 SchedulerConfig(max_num_seqs, max_num_batched_tokens, enable_chunked_prefill), spec, self.draft_model,
                 cuda_graphs=not enforce_eager, max_model_len=self.max_model_len)
 

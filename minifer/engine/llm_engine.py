@@ -26,6 +26,7 @@ from minifer.engine.runner import ModelRunner
 from minifer.engine.scheduler import Scheduler, SchedulerConfig
 from minifer.engine.sequence import Sequence, SequenceStatus
 from minifer.engine.speculative import SpeculativeConfig, Speculator, build_speculator
+from minifer.layers.kv_quant import CALIBRATION_TEXT
 from minifer.layers.paged_attention import PagedKVCache
 from minifer.models.llama import LlamaForCausalLM
 from minifer.outputs import RequestOutput
@@ -40,6 +41,7 @@ class CacheConfig:
     gpu_memory_utilization: float = 0.9  # fraction of the GPU's free memory, on CUDA
     enable_prefix_caching: bool = True
     kv_cache_dtype: str = "auto"  # or "int8" / "fp8": 8-bit codes + a scale per (token, head), chapter 05
+    kv_cache_scales: str = "token"  # or "head": static per-(layer, head) scales calibrated at start-up
 
     def num_blocks(self, bytes_per_block: int, device: torch.device) -> int:
         if self.num_kv_blocks is not None:
@@ -68,7 +70,7 @@ class LLMEngine:
         dtype = model.lm_head.weight.dtype
         per_block = PagedKVCache.bytes_per_block(cfg.num_hidden_layers, cache_config.block_size,
                                                  cfg.num_key_value_heads, cfg.head_dim, dtype,
-                                                 cache_config.kv_cache_dtype)
+                                                 cache_config.kv_cache_dtype, cache_config.kv_cache_scales)
         if draft_model is not None:  # the draft's cache gets as many blocks, from the same budget
             dcfg = draft_model.config
             per_block += PagedKVCache.bytes_per_block(dcfg.num_hidden_layers, cache_config.block_size,
@@ -80,9 +82,11 @@ class LLMEngine:
         self.block_manager = BlockManager(num_blocks, cache_config.block_size, cache_config.enable_prefix_caching)
         self.kv_cache = PagedKVCache(cfg.num_hidden_layers, num_blocks, cache_config.block_size,
                                      cfg.num_key_value_heads, cfg.head_dim, dtype, device,
-                                     cache_config.kv_cache_dtype)
+                                     cache_config.kv_cache_dtype, cache_config.kv_cache_scales)
         self.scheduler = Scheduler(scheduler_config, self.block_manager)
         self.runner = ModelRunner(model, self.kv_cache, self.block_manager)
+        if self.kv_cache.kv_cache_scales == "head":
+            self._calibrate_kv_scales()
         self.requests: dict[str, Sequence] = {}
         if cuda_graphs and device.type == "cuda" and self.kv_cache.use_triton:
             try:
@@ -95,6 +99,19 @@ class LLMEngine:
         if speculative_config is not None:
             self.speculator = build_speculator(speculative_config, draft_model, self.runner, self.block_manager,
                                                cfg.vocab_size, num_blocks, cache_config.block_size)
+
+    def _calibrate_kv_scales(self) -> None:
+        """Static KV scales: one prefill of ``CALIBRATION_TEXT`` on a scratch sequence, before any request."""
+        ids = list(self.tokenizer(CALIBRATION_TEXT)["input_ids"])[: self.block_manager.block_size
+                                                                   * self.block_manager.num_free_blocks]
+        blocks = self.block_manager
+        counters = blocks.cache_queries, blocks.cache_hits
+        blocks.allocate("__kv_calibrate__", ids)
+        try:
+            self.kv_cache.calibrate_scales(lambda: self.runner.forward(["__kv_calibrate__"], [0], [ids], [1]))
+        finally:
+            blocks.free("__kv_calibrate__")
+            blocks.cache_queries, blocks.cache_hits = counters
 
     # --- requests ---------------------------------------------------------------------------------------
 
@@ -162,7 +179,7 @@ class LLMEngine:
         drafts = None
         if spec is not None:
             budget = self.scheduler.config.max_num_batched_tokens - sum(batch.num_new_tokens)
-            drafts = spec.propose(batch.seqs, batch.num_new_tokens, budget)
+            drafts = spec.propose(batch.seqs, batch.num_new_tokens, budget, len(self.scheduler.waiting))
         rows, logits = self.runner.execute(batch, drafts)
         for seq, n in zip(batch.seqs, batch.num_new_tokens):
             seq.num_computed_tokens += n
@@ -171,10 +188,16 @@ class LLMEngine:
             result = self.runner.sample(sampled, logits)
             emitted = [[(t, lp, e)] for t, lp, e in zip(result.token_ids, result.sampled_logprob, result.logprobs)]
         else:
-            emitted = []
-            for seq, (tokens, rows_logits) in zip(sampled, spec.verify(sampled, logits)):
-                r = token_logprobs(rows_logits, tokens, [seq.params] * len(tokens))
-                emitted.append(list(zip(r.token_ids, r.sampled_logprob, r.logprobs)))
+            verified = spec.verify(sampled, logits)
+            # one call for every emitted token of the batch (a log-softmax per sequence would cost more than
+            # the verification itself at large batches)
+            r = token_logprobs(torch.cat([rows for _, rows in verified]), [t for toks, _ in verified for t in toks],
+                               [seq.params for seq, (toks, _) in zip(sampled, verified) for _ in toks])
+            entries = list(zip(r.token_ids, r.sampled_logprob, r.logprobs))
+            emitted, at = [], 0
+            for toks, _ in verified:
+                emitted.append(entries[at : at + len(toks)])
+                at += len(toks)
         if spec is not None:
             spec.observe_step(sum(len(c) for c in drafts or []) + sum(batch.num_new_tokens),
                               pure_decode=all(n == 1 for n in batch.num_new_tokens))
@@ -222,6 +245,7 @@ class LLMEngine:
             "num_running": len(self.scheduler.running),
             "num_waiting": len(self.scheduler.waiting),
             "kv_cache_dtype": self.kv_cache.kv_cache_dtype,
+            "kv_cache_scales": self.kv_cache.kv_cache_scales,
             **(self.speculator.summary() if self.speculator is not None else {}),
         }
 

@@ -17,6 +17,15 @@ its own values as it is written, with no re-quantization when a block fills up; 
 - ``int8``: symmetric, ``scale = absmax / 127``, codes in [-127, 127];
 - ``fp8`` (e4m3): ``scale = absmax / 448`` (e4m3's largest finite value), 3 mantissa bits: finer near zero,
   coarser at the top, the format vLLM's ``kv_cache_dtype="fp8"`` uses.
+
+``kv_cache_scales="head"`` instead keeps one *static* scale per (layer, head) for keys and one for values, as
+vLLM's per-tensor ``k_scale``/``v_scale`` do, so the cache holds exactly one byte per number: twice the sequences
+of a 16-bit cache, where per-token scales give 2 / (1 + 2 / head_dim) (1.94x at a head_dim of 64). The scales
+are calibrated once, at start-up, on a short text (:data:`CALIBRATION_TEXT`): the largest magnitude seen per
+head, times :data:`STATIC_HEADROOM`; a later value beyond that range saturates. The price is precision: one
+range must now serve every token. On the bundled model greedy decoding keeps 93.9% of its tokens with static
+int8 (99.2% with per-token scales) and 72.1% with static fp8 (86.8%): e4m3's 3 mantissa bits lose more than
+int8's headroom does (``python -m minifer.bench.kv_quant``).
 """
 
 from __future__ import annotations
@@ -24,13 +33,23 @@ from __future__ import annotations
 import torch
 
 KV_CACHE_DTYPES = ("auto", "int8", "fp8")
+KV_CACHE_SCALES = ("token", "head")
+STATIC_HEADROOM = 2.0  # static scales cover twice the largest magnitude seen in calibration
+CALIBRATION_TEXT = (
+    "Once upon a time, there was a little girl named Lily. She loved to play outside in the sun with her dog, "
+    "Max. One day, they found a big red ball in the park. \"Can we keep it?\" Lily asked her mom. Her mom smiled "
+    "and said, \"Yes, but we must share it with your friends.\" The quarterly report lists revenue of 4,213 "
+    "million dollars, up 12.5% from 2023; see Table 3. def mean(xs): return sum(xs) / len(xs)  # average "
+    "The committee will meet on Tuesday at 10:30 to discuss the budget, the schedule and the new rules.")
 _QMAX = {"int8": 127.0, "fp8": 448.0}
 _MIN_SCALE = 2.0**-14  # float16's smallest normal: a scale never underflows to zero
 
 
-def check_kv_cache_dtype(kv_cache_dtype: str) -> None:
+def check_kv_cache_dtype(kv_cache_dtype: str, kv_cache_scales: str = "token") -> None:
     if kv_cache_dtype not in KV_CACHE_DTYPES:
         raise ValueError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {kv_cache_dtype!r}")
+    if kv_cache_scales not in KV_CACHE_SCALES:
+        raise ValueError(f"kv_cache_scales must be one of {KV_CACHE_SCALES}, got {kv_cache_scales!r}")
 
 
 def code_dtype(kv_cache_dtype: str) -> torch.dtype:
@@ -38,17 +57,25 @@ def code_dtype(kv_cache_dtype: str) -> torch.dtype:
     return torch.int8 if kv_cache_dtype == "int8" else torch.uint8
 
 
-def bytes_per_value(kv_cache_dtype: str, model_dtype: torch.dtype, head_dim: int) -> float:
-    """Bytes per cached number, scales included."""
+def bytes_per_value(kv_cache_dtype: str, model_dtype: torch.dtype, head_dim: int, kv_cache_scales: str = "token") -> float:
+    """Bytes per cached number, scales included (static per-head scales are a few bytes per layer: none)."""
     if kv_cache_dtype == "auto":
         return torch.empty((), dtype=model_dtype).element_size()
-    return 1 + 2 / head_dim
+    return 1.0 if kv_cache_scales == "head" else 1 + 2 / head_dim
 
 
-def quantize_kv(x: torch.Tensor, kv_cache_dtype: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """``x`` ``[N, heads, head_dim]`` -> (codes of the same shape, float16 scales ``[N, heads]``)."""
+def static_scale(absmax: torch.Tensor, kv_cache_dtype: str, headroom: float = STATIC_HEADROOM) -> torch.Tensor:
+    """A static per-head scale (float32) from the largest magnitudes seen in calibration, with headroom."""
+    return (absmax.float() * headroom / _QMAX[kv_cache_dtype]).clamp(min=_MIN_SCALE)
+
+
+def quantize_kv(x: torch.Tensor, kv_cache_dtype: str,
+                scale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``x`` ``[N, heads, head_dim]`` -> (codes of the same shape, float16 scales ``[N, heads]``). With a given
+    static ``scale`` ``[heads]`` the codes use it (saturating beyond its range), and it is returned as is."""
     x32 = x.float()
-    scale = (x32.abs().amax(dim=-1) / _QMAX[kv_cache_dtype]).clamp(min=_MIN_SCALE).half()
+    if scale is None:
+        scale = (x32.abs().amax(dim=-1) / _QMAX[kv_cache_dtype]).clamp(min=_MIN_SCALE).half()
     y = x32 / scale.float()[..., None]
     if kv_cache_dtype == "int8":
         return y.round().clamp(-127, 127).to(torch.int8), scale

@@ -17,7 +17,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from minifer.layers.kv_quant import bytes_per_value, check_kv_cache_dtype, code_dtype, dequantize_kv, quantize_kv
+from minifer.layers.kv_quant import (bytes_per_value, check_kv_cache_dtype, code_dtype, dequantize_kv, quantize_kv,
+                                     static_scale)
 
 
 def slot_mapping(block_table: list[int], positions: list[int], block_size: int) -> list[int]:
@@ -113,8 +114,8 @@ def paged_attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: t
     """Attention of the packed new queries ``q`` ``[N, Hq, D]`` over the paged cache (already holding
     this step's keys/values). Gathers each sequence's keys through its block table into a padded
     ``[B, S, Hkv, D]`` tensor and runs dense masked attention; returns ``[N, Hq, D]``. A quantized cache
-    (``kv_cache_dtype`` int8/fp8, chapter 05) passes its per-(token, head) scales and is dequantized as it is
-    gathered."""
+    (``kv_cache_dtype`` int8/fp8, chapter 05) passes its per-(token, head) scales, or its static per-head scales
+    ``[Hkv]``, and is dequantized as it is gathered."""
     n, hq, d = q.shape
     hkv = k_cache.shape[-2]
     k_flat, v_flat = k_cache.reshape(-1, hkv, d), v_cache.reshape(-1, hkv, d)
@@ -123,7 +124,10 @@ def paged_attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: t
         b, t, s = g.num_seqs, g.num_queries, g.num_keys
         keys = k_flat.index_select(0, g.key_slots).view(b, s, hkv, d)
         values = v_flat.index_select(0, g.key_slots).view(b, s, hkv, d)
-        if k_scale is not None:
+        if k_scale is not None and k_scale.dim() == 1:  # static: one scale per head
+            keys = dequantize_kv(keys, k_scale.view(1, 1, hkv), kv_cache_dtype, q.dtype)
+            values = dequantize_kv(values, v_scale.view(1, 1, hkv), kv_cache_dtype, q.dtype)
+        elif k_scale is not None:
             keys = dequantize_kv(keys, k_scale.reshape(-1, hkv).index_select(0, g.key_slots).view(b, s, hkv),
                                  kv_cache_dtype, q.dtype)
             values = dequantize_kv(values, v_scale.reshape(-1, hkv).index_select(0, g.key_slots).view(b, s, hkv),
@@ -152,13 +156,16 @@ class PagedKVCache:
     """The preallocated block pool and an ``AttentionBackend`` over it for one step at a time."""
 
     def __init__(self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
-                 dtype: torch.dtype, device: torch.device | str, kv_cache_dtype: str = "auto") -> None:
+                 dtype: torch.dtype, device: torch.device | str, kv_cache_dtype: str = "auto",
+                 kv_cache_scales: str = "token") -> None:
         # Two extra blocks, never handed out. The last is the *null block*: all zeros; masked key positions
         # gather from it, so stale (even NaN) data in free blocks can never reach the output. The one
         # before is a *scratch block*: the padding rows of a CUDA-graph decode write there. The rest is
         # left uninitialised: the OS commits the pages only as blocks are first used.
-        check_kv_cache_dtype(kv_cache_dtype)
+        check_kv_cache_dtype(kv_cache_dtype, kv_cache_scales)
         self.kv_cache_dtype = kv_cache_dtype
+        self.kv_cache_scales = kv_cache_scales if kv_cache_dtype != "auto" else "token"
+        self.calibrating = False  # static scales: True during the start-up calibration pass
         shape = (num_layers, num_blocks + 2, block_size, num_kv_heads, head_dim)
         store = dtype if kv_cache_dtype == "auto" else code_dtype(kv_cache_dtype)
         self.k = torch.empty(shape, dtype=store, device=device)
@@ -166,7 +173,10 @@ class PagedKVCache:
         self.k[:, num_blocks:].zero_()
         self.v[:, num_blocks:].zero_()
         self.k_scale = self.v_scale = None
-        if kv_cache_dtype != "auto":  # one float16 scale per (token, head); zero in the null block
+        if kv_cache_dtype != "auto" and self.kv_cache_scales == "head":  # static: [layers, heads], set by calibration
+            self.k_scale = torch.ones(num_layers, num_kv_heads, dtype=torch.float32, device=device)
+            self.v_scale = torch.ones(num_layers, num_kv_heads, dtype=torch.float32, device=device)
+        elif kv_cache_dtype != "auto":  # one float16 scale per (token, head); zero in the null block
             self.k_scale = torch.zeros(shape[:-1], dtype=torch.float16, device=device)
             self.v_scale = torch.zeros(shape[:-1], dtype=torch.float16, device=device)
         self.scratch_block = num_blocks
@@ -184,9 +194,24 @@ class PagedKVCache:
 
     @staticmethod
     def bytes_per_block(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
-                        kv_cache_dtype: str = "auto") -> int:
-        per_value = bytes_per_value(kv_cache_dtype, dtype, head_dim)
+                        kv_cache_dtype: str = "auto", kv_cache_scales: str = "token") -> int:
+        per_value = bytes_per_value(kv_cache_dtype, dtype, head_dim, kv_cache_scales)
         return round(2 * num_layers * block_size * num_kv_heads * head_dim * per_value)
+
+    def calibrate_scales(self, run_prefill) -> None:
+        """Static per-head scales: ``run_prefill()`` runs one forward over a calibration prompt from position 0;
+        this records each layer's largest key and value magnitude per head, then fixes the scales from them."""
+        if self.kv_cache_scales != "head":
+            return
+        self.k_scale.zero_()
+        self.v_scale.zero_()
+        self.calibrating = True
+        try:
+            run_prefill()
+        finally:
+            self.calibrating = False
+        self.k_scale.copy_(static_scale(self.k_scale, self.kv_cache_dtype))
+        self.v_scale.copy_(static_scale(self.v_scale, self.kv_cache_dtype))
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         meta = self.meta
@@ -196,6 +221,18 @@ class PagedKVCache:
 
             store_kv(k, v, self.k[layer], self.v[layer], meta.slot_mapping)
             return paged_decode_attention(q, self.k[layer], self.v[layer], meta.block_tables, meta.context_lens)
+        if self.calibrating:  # one sequence from position 0: its own keys are all the keys there are
+            for scales, x in ((self.k_scale, k), (self.v_scale, v)):
+                scales[layer] = torch.maximum(scales[layer], x.float().abs().amax(dim=(0, 2)))
+            out = F.scaled_dot_product_attention(q.transpose(0, 1)[None], k.transpose(0, 1)[None],
+                                                 v.transpose(0, 1)[None], is_causal=True, enable_gqa=True)
+            return out[0].transpose(0, 1)
+        if self.kv_cache_scales == "head":
+            for cache, scales, x in ((self.k, self.k_scale, k), (self.v, self.v_scale, v)):
+                codes, _ = quantize_kv(x, self.kv_cache_dtype, scales[layer])
+                cache[layer].view(-1, hkv, d).index_copy_(0, meta.slot_mapping, codes)
+            return paged_attention_reference(q, self.k[layer], self.v[layer], meta, self.k_scale[layer],
+                                             self.v_scale[layer], self.kv_cache_dtype)
         if self.kv_cache_dtype != "auto":
             for cache, scales, x in ((self.k, self.k_scale, k), (self.v, self.v_scale, v)):
                 codes, scale = quantize_kv(x, self.kv_cache_dtype)
