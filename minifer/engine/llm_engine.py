@@ -209,7 +209,7 @@ class LLMEngine:
                 seq.append_token(token, logprob, entry, self.tokenizer)
                 if seq.is_finished:
                     break
-            if spec is not None and not seq.is_finished:
+            if drafts is not None and not seq.is_finished:  # a plain step left nothing to roll back
                 spec.rollback(seq)  # free the blocks that held rejected drafts
             outputs.append(seq.to_output(self.tokenizer))
         for seq in batch.seqs:  # full blocks of computed tokens join the prefix cache (finished ones too)
