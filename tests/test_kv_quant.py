@@ -47,13 +47,18 @@ def test_paged_attention_over_a_quantized_cache(fmt):
     q = torch.randn(sum(qlen), hq, d, generator=gen)
     got = paged_attention_reference(q, cache.k[0], cache.v[0], meta, cache.k_scale[0], cache.v_scale[0], fmt)
     # the oracle: a float cache holding the dequantized values
-    dense = PagedKVCache(1, 9, block_size, hkv, d, torch.float32, "cpu")
-    kq, ks = quantize_kv(k, fmt)
-    vq, vs = quantize_kv(v, fmt)
-    dense.k[0].view(-1, hkv, d).index_copy_(0, all_meta.slot_mapping, dequantize_kv(kq, ks, fmt, torch.float32))
-    dense.v[0].view(-1, hkv, d).index_copy_(0, all_meta.slot_mapping, dequantize_kv(vq, vs, fmt, torch.float32))
-    want = paged_attention_reference(q, dense.k[0], dense.v[0], meta)
+    want = _attention_over(q, meta, all_meta.slot_mapping, 9, block_size,
+                           *(dequantize_kv(*quantize_kv(x, fmt), fmt, torch.float32) for x in (k, v)))
     assert torch.allclose(got, want, atol=1e-5, rtol=1e-5)
+
+
+def _attention_over(q, meta, slots, num_blocks, block_size, keys, values):
+    """Attention over a float paged cache holding ``keys``/``values`` ``[N, Hkv, D]`` at ``slots``."""
+    hkv, d = keys.shape[1:]
+    dense = PagedKVCache(1, num_blocks, block_size, hkv, d, torch.float32, "cpu")
+    dense.k[0].view(-1, hkv, d).index_copy_(0, slots, keys)
+    dense.v[0].view(-1, hkv, d).index_copy_(0, slots, values)
+    return paged_attention_reference(q, dense.k[0], dense.v[0], meta)
 
 
 def test_engine_with_int8_kv_keeps_the_tokens_and_invariants(heldout_stories):
@@ -124,12 +129,10 @@ def test_static_per_head_scales_saturate_and_attend_like_the_dequantized_values(
     meta = PagedAttentionMetadata.build(tables, ctx, qlen, block_size, torch.device("cpu"), null_slot=cache.null_slot)
     q = torch.randn(sum(qlen), hq, d, generator=gen)
     got = paged_attention_reference(q, cache.k[0], cache.v[0], meta, cache.k_scale[0], cache.v_scale[0], fmt)
-    dense = PagedKVCache(1, 6, block_size, hkv, d, torch.float32, "cpu")
-    for mine, theirs, scale in ((dense.k, cache.k, cache.k_scale), (dense.v, cache.v, cache.v_scale)):
-        codes = theirs[0].view(-1, hkv, d)[all_meta.slot_mapping]
-        mine[0].view(-1, hkv, d).index_copy_(0, all_meta.slot_mapping,
-                                             dequantize_kv(codes, scale[0].view(1, hkv), fmt, torch.float32))
-    want = paged_attention_reference(q, dense.k[0], dense.v[0], meta)
+    slots = all_meta.slot_mapping
+    want = _attention_over(q, meta, slots, 6, block_size,
+                           *(dequantize_kv(codes[0].view(-1, hkv, d)[slots], scale[0].view(1, hkv), fmt, torch.float32)
+                             for codes, scale in ((cache.k, cache.k_scale), (cache.v, cache.v_scale))))
     assert torch.allclose(got, want, atol=1e-5, rtol=1e-5)
 
 

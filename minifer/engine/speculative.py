@@ -45,8 +45,9 @@ The model can be wrong (a cost table measured on prompt chunks, acceptance that 
 measurement has the last word: per batch-size bucket the engine keeps the measured speedup of each recent
 speculative step (its tokens per second over a plain step's at the same batch size; it mixes in a few plain
 steps to know those) and stops speculating in a bucket where, after a trial of 8 steps, the mean speedup does
-not clear the margin (or after 4 that lose outright). It tries again after 32, 64, ... 1024 plain steps. Why a margin rather than 1: speculation
-speeds sequences up unevenly, and a batch takes as long as its slowest sequence.
+not clear the margin (or after 4 that lose outright). It tries again after 32, 64, ... 1024 plain steps. Why a
+margin rather than 1: speculation speeds sequences up unevenly, and a batch takes as long as its slowest
+sequence.
 
 Limits (documented, not hidden): requests with ``repetition_penalty != 1`` decode without speculation;
 with adaptive k, a seeded *sampled* request is distributed exactly as without speculation but its exact
@@ -311,7 +312,6 @@ class Speculator:
         self.draft_cost = proposer.cost if draft_runner is not None else CostTable()
         self.probe_every = 32  # see choose_k
         self._plain_choices = 0
-        # measured tokens/s of whole engine steps by (batch-size bucket, speculated?): the last word on k
         # the measurement that has the last word on k: per batch-size bucket, each recent speculative step's
         # tokens per second over plain decoding's at its batch size (plain_step_s: whole plain steps by size)
         self.realized: dict[int, deque[float]] = {}
@@ -323,8 +323,10 @@ class Speculator:
         self.alpha_prior, self.alpha_weight = 0.6, 8.0  # a prior worth 8 tested tokens until data arrives
         self.calibrated = False
         self.last_draft_s = 0.0
-        # whole step / target forward, for plain and for speculative steps (see step_time)
+        # whole step / target forward, for plain and for speculative steps (see step_time): recent ratios, and
+        # their median, refreshed once per step (the predictions read it many times per step)
         self.step_factor: dict[bool, deque[float]] = {False: deque(maxlen=32), True: deque(maxlen=32)}
+        self._factor = {False: 1.0, True: 1.0}
         self._step_tokens, self._step_propose_s = 0, 0.0
         self.match_seen: Counter[int] = Counter()  # n-gram lookups by the match length they found (0: none)
 
@@ -357,9 +359,7 @@ class Speculator:
         excluded: the forward from the cost table times the measured ratio of whole steps to their forwards.
         The ratio is larger for speculative steps (verification, rollback, more tokens to append and
         detokenize); a model of forwards alone overrates speculation wherever its gain is small."""
-        seen = self.step_factor[speculative] or self.step_factor[False]
-        factor = statistics.median(seen) if len(seen) >= 4 else 1.0
-        return self.target_cost(num_tokens) * factor
+        return self.target_cost(num_tokens) * self._factor[speculative]
 
     def alpha_estimate(self) -> float:
         s = self.stats
@@ -407,9 +407,8 @@ class Speculator:
         steps in the mix (every 8th until the batch size has a plain time, then every 32nd) and speculate
         only while the measured speculative steps beat them by the margin (``_beats``; a trial stops after 4
         steps that lose outright). Once overruled, try again after 32, 64, ... (at most 1024) plain steps,
-        with a fresh trial of 8 speculative steps: a
-        batch size where speculation loses then costs little, and one where it starts to win (acceptance
-        rose, an unlucky first trial) is found again."""
+        with a fresh trial of 8 speculative steps: a batch size where speculation loses then costs little,
+        and one where it starts to win (acceptance rose, an unlucky first trial) is found again."""
         bucket = num_decodes.bit_length()
         on = self.realized.get(bucket, ())
         self._spec_choices += 1
@@ -442,7 +441,7 @@ class Speculator:
                     require_all: bool = False) -> tuple[int, int, float]:
         """Which drafts to verify this step. ``candidates``: (acceptance, draft length) of the sequences that
         have a draft, best acceptance first. Verifying the first ``m`` of them, each cut to ``k`` tokens, is
-        predicted to emit ``B + sum(E(alpha_i, k_i) - 1)`` tokens in ``t_target(B + sum(k_i))`` seconds.
+        predicted to emit ``B + sum(E(alpha_i, k_i) - 1)`` tokens in ``step_time(B + sum(k_i))`` seconds.
         Returns ``(m, k, predicted rate / plain rate)``; ``m = 0`` when nothing beats plain decoding.
         ``require_all``: only a plan that gives every decoding sequence a draft counts (see ``_choose_ngram``)."""
         b = num_decodes
@@ -451,6 +450,8 @@ class Speculator:
         sizes = sorted({min(2 ** j, len(candidates)) for j in range(len(candidates).bit_length() + 1)})
         if require_all:
             sizes = [b] if len(candidates) == b else []
+        if not sizes:
+            return best
         for k in range(1, self.cfg.num_speculative_tokens + 1):
             gain = tokens = 0.0
             prefix = []  # (gain, tokens) after each candidate
@@ -617,6 +618,9 @@ class Speculator:
             return
         forward = self.target_cost(self._step_tokens)
         self.step_factor[self._step_speculated].append(max(seconds - self._step_propose_s, forward) / forward)
+        for kind in (False, True):
+            seen = self.step_factor[kind] or self.step_factor[False]  # speculative unmeasured yet: as plain
+            self._factor[kind] = statistics.median(seen) if len(seen) >= 4 else 1.0
         if not self._step_speculated:  # plain decoding would not have looked for drafts: leave that time out
             plain = max(seconds - self._step_propose_s, 1e-9)
             old = self.plain_step_s.get(b)
