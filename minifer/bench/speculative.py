@@ -12,11 +12,13 @@ Three measurements, each writing into one JSON with the hardware and versions:
 2. ``speedup_vs_k``: at batch 1 (8 prompts, one at a time), each fixed k = 2..6 against plain decoding;
    the best of them is the fixed k of the next measurement.
    ``speedup``: batches of 1, 2, 4, ..., 64 greedy requests (at least 8 requests per measurement: several
-   batches at small sizes), each engine on the same requests, the engines interleaved in every round:
+   batches at small sizes), each engine on the same requests, the engines' steps interleaved in every round
+   (``run_interleaved``):
    plain decoding, that fixed k, adaptive k, and a second plain engine: the A/A control, whose "speedup" over
    the first shows how far two identical engines differ on this machine (the noise floor any ratio near 1
    must be read against). Speedup = plain time / engine time in each round, the median over rounds (the
-   tokens are the same: greedy speculation is lossless, and the run checks it).
+   tokens are the same: greedy speculation is lossless, and the run checks it). ``--repeats`` rounds per
+   batch size, twice as many from 16 sequences on (short rounds, ratios near 1).
 3. ``verify_cost``: the target's forward time for ``k + 1`` tokens per sequence against one token, at
    several batch sizes — the cost side of speculation, which is all that dummy weights can show on a GPU.
 
@@ -72,6 +74,31 @@ def _engine(model: str, spec: dict | None, max_num_seqs: int, device: str | None
                speculative_config=spec, gpu_memory_utilization=0.15)
 
 
+def run_interleaved(engines: dict[Any, Any], batch: list, params: SamplingParams) -> tuple[dict, dict]:
+    """The same ``batch`` of requests on every engine at once, one engine *step* at a time in turn (the engine that
+    goes first rotates every step). Returns each engine's seconds spent inside its steps and its outputs' tokens.
+
+    Why steps and not whole runs: on a shared machine, speed drifts by +-10% over seconds (neighbours, turbo
+    clocks). Whole runs of a few seconds each, back to back, see different drifts; steps tens of milliseconds
+    apart see the same one, so a ratio of the sums compares the engines, not the moments they ran in."""
+    seqs = {m: [llm.make_sequence(i, p, params) for i, p in enumerate(batch)] for m, llm in engines.items()}
+    for m, llm in engines.items():
+        for seq in seqs[m]:
+            llm.engine.scheduler.check_fits(seq)
+        for seq in seqs[m]:
+            llm.engine.add_sequence(seq)
+    spent = dict.fromkeys(engines, 0.0)
+    busy, turn = list(engines), 0
+    while busy:
+        for m in busy[turn % len(busy):] + busy[: turn % len(busy)]:
+            t = time.perf_counter()
+            engines[m].engine.step()
+            spent[m] += time.perf_counter() - t
+        busy = [m for m in busy if engines[m].engine.has_unfinished_requests()]
+        turn += 1
+    return spent, {m: [list(seq.output_token_ids) for seq in seqs[m]] for m in engines}
+
+
 def tokens_per_forward(model: str, spec_base: dict, prompts: list, ks: list[int], max_tokens: int,
                        device: str | None = None) -> list[dict[str, float]]:
     """Fixed k = each of ``ks``: measured alpha and tokens per verification vs Leviathan's formula."""
@@ -107,21 +134,25 @@ def speedup_vs_batch(model: str, spec: dict, prompts: list, batch_sizes: list[in
         n_batches = max(1, -(-min_requests // b))
         batches = [[prompts[(j * b + i) % len(prompts)] for i in range(b)] for j in range(n_batches)]
         times: dict[str, list[float]] = {m: [] for m in engines}
-        outputs: dict[str, list] = {}
         ks: Counter[int] = Counter()  # the adaptive engine's steps by k
-        for r in range(repeats):
-            order = list(engines) if r % 2 == 0 else list(reversed(engines))
-            for mode in order:
-                llm = engines[mode]
-                before = Counter(llm.engine.speculator.stats.k_counts) if llm.engine.speculator else Counter()
-                t = time.perf_counter()
-                outs = [o for batch in batches for o in llm.generate(batch, params, use_tqdm=False)]
-                times[mode].append(time.perf_counter() - t)
-                outputs[mode] = [o.outputs[0].token_ids for o in outs]
-                if mode == "adaptive":
-                    ks += llm.engine.speculator.stats.k_counts - before
-        # speedup: the median over rounds of plain time / engine time within the round (the engines of a round
-        # ran back to back, so a slow spell of the machine affects both sides of each ratio alike)
+        # From 16 sequences on, a round is one batch of 1-4 s on the CPU while the ratios sit near 1: twice the
+        # rounds there, where they are cheap.
+        rounds = repeats * (2 if b >= 16 else 1)
+        adaptive_stats = engines["adaptive"].engine.speculator.stats
+        for r in range(rounds):
+            before = Counter(adaptive_stats.k_counts)
+            spent = dict.fromkeys(engines, 0.0)
+            outputs = {m: [] for m in engines}
+            for batch in batches:
+                seconds, tokens = run_interleaved(engines, batch, params)
+                for m in engines:
+                    spent[m] += seconds[m]
+                    outputs[m] += tokens[m]
+            for m in engines:
+                times[m].append(spent[m])
+            ks += adaptive_stats.k_counts - before
+        # speedup: the median over rounds of plain time / engine time within the round (the engines' steps
+        # alternated, so a slow spell of the machine affects both sides of each ratio alike)
         fixed = [p / f for p, f in zip(times["plain"], times["fixed"])]
         adaptive = [p / a for p, a in zip(times["plain"], times["adaptive"])]
         again = [p / a for p, a in zip(times["plain"], times["plain_again"])]
@@ -133,7 +164,7 @@ def speedup_vs_batch(model: str, spec: dict, prompts: list, batch_sizes: list[in
                      "adaptive_k_hist": {str(k): ks[k] for k in sorted(ks)},
                      "identical_tokens": outputs["plain"] == outputs["fixed"] == outputs["adaptive"]
                      == outputs["plain_again"],
-                     "tokens": n_batches * b * max_tokens, "batches": n_batches})
+                     "tokens": n_batches * b * max_tokens, "batches": n_batches, "rounds": rounds})
     return {"k_fixed": k_fixed, "min_requests": min_requests, "max_tokens": max_tokens, "repeats": repeats, "rows": rows}
 
 

@@ -1,0 +1,137 @@
+"""The adaptive-k rule's bookkeeping, on a speculator whose cost tables the test fills in by hand: probes stay
+within their time budget, measured steps land where they belong, a losing trial switches speculation off
+and a retry switches it back on, and prompt lookups are skipped where they cannot pay."""
+
+from __future__ import annotations
+
+import random
+import statistics
+from collections import Counter
+
+import pytest
+
+from minifer import LLM
+from minifer.engine.speculative import PROBE_BUDGET, TRIAL_STEPS, CostTable
+
+NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
+
+
+@pytest.fixture()
+def spec():
+    s = LLM("tinystories-target", speculative_config=NGRAM).engine.speculator
+    s.target_cost = CostTable()
+    for n in (1, 2, 4, 8, 16, 32, 64, 128, 256):
+        s.target_cost.observe(n, 0.010 * max(1.0, n / 64))  # flat up to 64 tokens, then proportional
+    s.calibrated = True
+    return s
+
+
+def _step(s, b: int, seconds: float, emitted: int, speculated: bool = False, probe: bool = False) -> None:
+    """What the engine reports after a pure-decode step of ``b`` sequences."""
+    s._step_decodes, s._step_speculated, s._step_probe, s._step_propose_s = b, speculated, probe, 0.0
+    s.observe_step(emitted if not speculated else 2 * b, pure_decode=True)
+    s.observe_realized(emitted, seconds)
+
+
+def test_probes_stay_within_their_time_budget(spec):
+    spec._plain_choices = spec.probe_every  # a probe is due by the spacing rule
+    assert spec._probe_due()  # nothing spent yet
+    _step(spec, 8, 0.010, 8)  # a plain step: 10 ms of decoding, plain time at b = 8 known
+    _step(spec, 8, 0.030, 8, probe=True)  # a probe that took 20 ms more than a plain step
+    assert spec._probe_extra_s == pytest.approx(0.020)
+    assert spec.plain_step_s[8] == pytest.approx(0.010)  # the probe is not a plain step's time
+    assert not spec._probe_due()  # 20 ms of probing in 40 ms of decoding: far over budget
+    for _ in range(round(0.020 / PROBE_BUDGET / 0.010)):  # enough plain decoding to earn the probe back
+        _step(spec, 8, 0.010, 8)
+    assert spec._probe_due()
+    spec._plain_choices += 1
+    assert not spec._probe_due()  # and never more often than every probe_every-th plain choice
+
+
+def test_a_losing_trial_turns_speculation_off_and_a_retry_turns_it_back_on(spec):
+    b = 8
+    _step(spec, b, 0.010, b)  # plain reference: 10 ms per step of 8 tokens
+    trial = 0
+    while spec.measured_allows(b):  # speculative steps emitting 12 tokens in 20 ms: 0.75x of plain
+        spec._spec_choices = 1  # keep the periodic plain step out of the way
+        _step(spec, b, 0.020, 12, speculated=True)
+        trial += 1
+        assert trial <= TRIAL_STEPS
+    assert trial == 4  # losing outright: the trial stops early
+    assert statistics.fmean(spec.realized[b.bit_length()]) == pytest.approx(0.75)
+    refused = 1
+    while not spec.measured_allows(b):
+        spec._spec_choices = 1
+        refused += 1
+        assert refused < 1000
+    assert refused == 31  # the 32nd step after the failed trial speculates again, in a fresh trial
+    assert len(spec.realized[b.bit_length()]) == 0
+
+
+def test_winning_steps_keep_speculation_on(spec):
+    b = 4
+    _step(spec, b, 0.010, b)
+    for _ in range(3 * TRIAL_STEPS):
+        spec._spec_choices = 1
+        assert spec.measured_allows(b)
+        _step(spec, b, 0.012, 3 * b, speculated=True)  # 3 tokens per sequence for 1.2x the time: 2.5x
+
+
+def test_lookups_are_skipped_when_every_sequence_would_need_a_match(spec):
+    spec.match_seen = Counter({0: 300, 3: 700})  # 70% of recent lookups found a 3-token match
+    spec.stats.match_accepted[3], spec.stats.match_rejections[3] = 900, 100  # and those drafts were good
+    assert spec._ngram_may_pay(16)  # with requests waiting, verifying only the matched ones may pay
+    assert not spec._ngram_may_pay(16, require_all=True)  # all 16 matching at once: 0.7^16 = 0.3%
+    assert spec._ngram_may_pay(4, require_all=True)  # below 8 sequences lookups always run
+
+
+def test_cost_table_medians_follow_every_observation():
+    rng = random.Random(0)
+    table, seen = CostTable(window=5), {}
+    for _ in range(400):
+        n, t = rng.choice([1, 2, 4, 8, 16, 24, 32]), rng.uniform(0.5, 2.0)
+        table.observe(n, t)
+        seen.setdefault(n, []).append(t)
+        xs, ys = table.curve()
+        expect = [statistics.median(seen[x][-5:]) for x in xs]
+        for i in range(len(expect) - 2, -1, -1):
+            expect[i] = min(expect[i], expect[i + 1])
+        assert xs == sorted(seen) and ys == pytest.approx(expect)
+    table.samples.clear()  # emptied directly (as a test or notebook may), then measured again
+    table.observe(4, 3.0)
+    assert table.curve() == ([4], [3.0])
+
+
+def test_a_loss_at_a_smaller_batch_holds_off_larger_ones_until_their_retry(spec):
+    _step(spec, 4, 0.010, 4)
+    for _ in range(4):  # batch 4 (bucket 3) loses outright
+        spec._spec_choices = 1
+        spec.measured_allows(4)
+        _step(spec, 4, 0.020, 6, speculated=True)
+    spec._spec_choices = 1
+    assert not spec.measured_allows(4)
+    spec._spec_choices = 1
+    assert not spec.measured_allows(16)  # never tried at 16: the loss at 4 speaks for it
+    for _ in range(30):
+        spec._spec_choices = 1
+        spec.measured_allows(16)
+    spec._spec_choices = 1
+    assert spec.measured_allows(16)  # its own retry: a fresh trial of its own
+    spec._spec_choices = 1
+    assert spec.measured_allows(16)  # and from now on its own measurements decide
+    spec._spec_choices = 1
+    assert spec.measured_allows(2)  # smaller batch sizes are not affected
+
+
+def test_a_clear_plain_decision_is_reused_for_a_few_steps(spec, monkeypatch):
+    from minifer.engine.speculative import PLAIN_HOLD
+
+    calls = []
+    real = spec.predicted_rate
+    monkeypatch.setattr(spec, "predicted_rate", lambda b, k, *a: calls.append((b, k)) or (1.0 if k == 0 else 0.5))
+    spec._plain_choices = 1
+    assert [spec.choose_k(32) for _ in range(PLAIN_HOLD + 1)] == [(0, False)] * (PLAIN_HOLD + 1)
+    assert len(calls) == spec.cfg.num_speculative_tokens + 1  # predicted once (k = 0..k_max), then held
+    spec.choose_k(16)  # another batch size is predicted afresh
+    assert calls[-1][0] == 16
+    monkeypatch.setattr(spec, "predicted_rate", real)
