@@ -44,8 +44,11 @@ def test_probes_stay_within_their_time_budget(spec):
     for _ in range(round(0.020 / PROBE_BUDGET / 0.010)):  # enough plain decoding to earn the probe back
         _step(spec, 8, 0.010, 8)
     assert spec._probe_due()
+    spec._last_probe = spec._plain_choices  # a probe is taken
+    spec._plain_choices += spec.probe_every - 1
+    assert not spec._probe_due()  # and never more often than every probe_every plain choices
     spec._plain_choices += 1
-    assert not spec._probe_due()  # and never more often than every probe_every-th plain choice
+    assert spec._probe_due()
 
 
 def test_a_losing_trial_turns_speculation_off_and_a_retry_turns_it_back_on(spec):
@@ -135,3 +138,18 @@ def test_a_clear_plain_decision_is_reused_for_a_few_steps(spec, monkeypatch):
     spec.choose_k(16)  # another batch size is predicted afresh
     assert calls[-1][0] == 16
     monkeypatch.setattr(spec, "predicted_rate", real)
+
+
+def test_held_plain_steps_keep_a_light_bookkeeping(spec):
+    _step(spec, 8, 0.010, 8)
+    table_before = {n: list(w) for n, w in spec.target_cost.samples.items()}
+    heavy = 0
+    for _ in range(8):
+        spec._plain_step(8)
+        heavy += not spec._step_light
+        spec.observe_step(8, pure_decode=True)
+        spec.observe_realized(8, 0.020)
+    assert heavy == 2  # every 4th held step still refreshes the cost table and the plain step time
+    assert spec._decode_s == pytest.approx(0.010 + 8 * 0.020)  # every step counts toward the probe budget
+    assert len(spec.target_cost.samples[8]) == len(table_before[8]) + 2
+    assert spec.stats.k_counts[0] >= 8

@@ -33,7 +33,9 @@ their forwards (larger for speculative steps: verification, rollback and more to
 (plain decoding) wins unless the prediction beats it by a margin (30%, see below), so under load, when ``T``
 grows with the tokens, speculation turns itself off instead of becoming the 1.4-1.8x slowdown that fixed-k
 speculation shows at high QPS. A clear plain decision is reused for the next few steps at the same batch size
-(``PLAIN_HOLD``): the predictions themselves cost about half a percent of a step.
+(``PLAIN_HOLD``), and such steps keep only a light bookkeeping (``_plain_step``): the predictions and timings
+of every step would otherwise cost about 1% at 16-64 sequences, and plain decoding should cost the same in an
+adaptive engine as in a plain one.
 
 N-gram lookup costs almost nothing, so with ``"ngram"`` the engine looks first and decides after: it knows which
 sequences have a draft and how long a match found it (a 4-token match is accepted far more often than a 1-token
@@ -88,7 +90,7 @@ from minifer.spec.theory import expected_tokens_per_forward
 METHODS = ("draft_model", "ngram")
 TRIAL_STEPS = 8  # speculative steps measured at a batch size before measurement may overrule the model
 PROBE_BUDGET = 0.002  # probes may cost at most this fraction of the decode time (see Speculator._probe_due)
-PLAIN_HOLD = 7  # steps that reuse a clear "plain" decision at the same batch size (predictions cost ~0.5% a step)
+PLAIN_HOLD = 7  # steps that reuse a clear "plain" decision at the same batch size (see Speculator._plain_step)
 MAX_SPECULATIVE_TOKENS = 16
 
 
@@ -329,12 +331,14 @@ class Speculator:
         self.target_cost = CostTable()
         self.draft_cost = proposer.cost if draft_runner is not None else CostTable()
         self.probe_every = 32  # see choose_k
-        self._plain_choices = 0
+        self._plain_choices = self._last_probe = 0  # plain choices so far, and at the last probe
         # decode-step seconds so far, and what probes added to them (the budget of _probe_due)
         self._decode_s = self._probe_extra_s = 0.0
         self._step_probe = False
         self._observed = 0  # pure-decode steps observed (the step-factor medians refresh every 8th)
         self._plain_hold: dict[int, int] = {}  # per batch size: steps left that reuse a clear plain decision
+        self._light_steps, self._step_light = 0, False  # see _plain_step
+        self._lookups_skipped = False  # n-gram: this step's lookups were skipped (see _choose_ngram)
         # the measurement that has the last word on k: per batch-size bucket, each recent speculative step's
         # tokens per second over plain decoding's at its batch size (plain_step_s: whole plain steps by size)
         self.realized: dict[int, deque[float]] = {}
@@ -426,17 +430,19 @@ class Speculator:
             return (best if self.measured_allows(num_decodes) else 0), False
         self._plain_choices += 1
         if rates[best] > 0.75 * base and self._probe_due():
+            self._last_probe = self._plain_choices
             return best, True
         if rates[best] < base:  # not even close: the next few steps at this size need no new prediction
             self._plain_hold[num_decodes] = PLAIN_HOLD
         return 0, False
 
     def _probe_due(self) -> bool:
-        """A probe may run: it is the ``probe_every``-th plain choice, and probes have so far added at most
+        """A probe may run: ``probe_every`` plain choices since the last one, and probes have so far added at most
         ``PROBE_BUDGET`` (0.2%) to the decode time. A draft-model probe first catches the draft up on every
         token it skipped, so at a large batch one probe can cost a third of a step; the budget keeps the
         price of staying informed well below the noise of any measurement."""
-        return self._plain_choices % self.probe_every == 0 and self._probe_extra_s <= PROBE_BUDGET * self._decode_s
+        return (self._plain_choices - self._last_probe >= self.probe_every
+                and self._probe_extra_s <= PROBE_BUDGET * self._decode_s)
 
     def measured_allows(self, num_decodes: int) -> bool:
         """The cost model says speculate; do the measured steps of this batch size agree? Keep a few plain
@@ -555,7 +561,9 @@ class Speculator:
             # statistics stay current) and one draft verified (so does its acceptance)
             self._plain_choices += 1
             if not self._probe_due():
+                self._lookups_skipped = True
                 return {}, 0, False
+            self._last_probe = self._plain_choices
             found = self._lookup_all(seqs, decoding)
             return ({found[0][1]: (found[0][2], found[0][3])}, k_max, True) if found else ({}, 0, False)
         found = self._lookup_all(seqs, decoding)
@@ -565,6 +573,7 @@ class Speculator:
             m = 0
             self._plain_choices += 1
             if found and self._probe_due():
+                self._last_probe = self._plain_choices
                 m, k, probe = 1, k_max, True
         return {i: (tokens[:k], n) for _, i, tokens, n in found[:m]}, k if m else 0, probe
 
@@ -577,9 +586,16 @@ class Speculator:
         requests queued for a slot (see ``_choose_ngram``)."""
         decoding = [i for i, (s, n) in enumerate(zip(seqs, num_new))
                     if n == 1 and s.num_computed_tokens + 1 == s.num_tokens and s.params.repetition_penalty == 1]
+        self._step_light = False
         if not decoding:  # a step of prompt chunks only: nothing to speculate on, and not a step to count
             self._step_decodes, self._step_speculated, self._step_propose_s = 0, False, 0.0
             self._step_probe = False
+            return None
+        b = len(decoding)
+        if self.cfg.adaptive and self._plain_hold.get(b):  # a clear plain decision, held: the fast path
+            self._plain_hold[b] -= 1
+            self._plain_choices += 1
+            self._plain_step(b)
             return None
         lag = 1.0
         computed = getattr(self.proposer, "computed", None)
@@ -616,6 +632,17 @@ class Speculator:
         self._batch_seqs, self._drafts = list(seqs), drafts
         return [d.tokens for d in drafts]
 
+    def _plain_step(self, b: int) -> None:
+        """Bookkeeping of a step that does not speculate because a decision was held (or lookups could not pay):
+        counted, and only every 4th such step refreshes the cost table and the plain step time. A plain step of
+        an adaptive engine should cost what a plain engine's does, and the full bookkeeping of every step would
+        add about 1% at 16-64 sequences here."""
+        self.k_in_use = 0
+        self.stats.k_counts[0] += 1
+        self._step_decodes, self._step_speculated, self._step_probe, self._step_propose_s = b, False, False, 0.0
+        self._light_steps += 1
+        self._step_light = self._light_steps % 4 != 0
+
     def _lookup_all(self, seqs: list[Sequence], decoding: list[int]) -> list[tuple[float, int, list[int], int]]:
         """(acceptance, row, draft, match length) of every decoding sequence with a match, best first."""
         found = []
@@ -636,7 +663,11 @@ class Speculator:
                            waiting: int = 1) -> list[list[int]] | None:
         """``propose`` for adaptive n-gram speculation: the drafts are found before k is chosen."""
         t0 = time.perf_counter()
+        self._lookups_skipped = False
         chosen, k, probe = self._choose_ngram(seqs, decoding, waiting)
+        if self._lookups_skipped:  # a plain step without even the lookups: the fast path
+            self._plain_step(len(decoding))
+            return None
         self.k_in_use = 0 if probe else k
         self.stats.k_counts[self.k_in_use] += 1
         self._step_decodes, self._step_speculated = len(decoding), self.k_in_use > 0
@@ -659,7 +690,7 @@ class Speculator:
         """Refresh the cost table with the forward just run (pure decode/verify steps only: a prompt chunk in
         the batch would make the step look slower than its token count says)."""
         self._step_tokens = num_tokens
-        if pure_decode:
+        if pure_decode and not self._step_light:
             self.target_cost.observe(num_tokens, self.target_runner.last_forward_s)
 
     def observe_realized(self, emitted: int, seconds: float) -> None:
@@ -669,6 +700,8 @@ class Speculator:
         if seconds <= 0 or not b:
             return
         self._decode_s += seconds
+        if self._step_light:  # see _plain_step
+            return
         if self._step_probe:  # what the probe added to a plain step (all of it while plain is unmeasured)
             self._probe_extra_s += max(0.0, seconds - self._plain_estimate(b))
             return  # neither a plain step nor a speculative one: it measures nothing else
