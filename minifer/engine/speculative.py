@@ -59,7 +59,8 @@ small batches far above the margin.)
 Staying informed costs too: when plain decoding wins but not by much, now and then one sequence speculates
 anyway (a *probe*), so a stale acceptance or draft cost cannot switch speculation off for good. A draft-model
 probe first catches the draft up on every token it skipped, which at 32 sequences can cost a third of a step, so
-probes are rationed to 0.2% of the decode time (``PROBE_BUDGET``).
+probes are rationed to 0.2% of the decode time of roughly the last thousand steps (``PROBE_BUDGET``,
+``PROBE_DECAY``): time banked while speculating at small batches must not pay for a run of probes later.
 
 Limits (documented, not hidden): requests with ``repetition_penalty != 1`` decode without speculation;
 with adaptive k, a seeded *sampled* request is distributed exactly as without speculation but its exact
@@ -90,6 +91,7 @@ from minifer.spec.theory import expected_tokens_per_forward
 METHODS = ("draft_model", "ngram")
 TRIAL_STEPS = 8  # speculative steps measured at a batch size before measurement may overrule the model
 PROBE_BUDGET = 0.002  # probes may cost at most this fraction of the decode time (see Speculator._probe_due)
+PROBE_DECAY = 0.999  # per pure-decode step: the budget covers roughly the last thousand steps, not all history
 PLAIN_HOLD = 7  # steps that reuse a clear "plain" decision at the same batch size (see Speculator._plain_step)
 MAX_SPECULATIVE_TOKENS = 16
 
@@ -437,10 +439,11 @@ class Speculator:
         return 0, False
 
     def _probe_due(self) -> bool:
-        """A probe may run: ``probe_every`` plain choices since the last one, and probes have so far added at most
-        ``PROBE_BUDGET`` (0.2%) to the decode time. A draft-model probe first catches the draft up on every
-        token it skipped, so at a large batch one probe can cost a third of a step; the budget keeps the
-        price of staying informed well below the noise of any measurement."""
+        """A probe may run: ``probe_every`` plain choices since the last one, and probes have added at most
+        ``PROBE_BUDGET`` (0.2%) to the decode time of roughly the last thousand steps (``PROBE_DECAY``). A
+        draft-model probe first catches the draft up on every token it skipped, so at a large batch one probe
+        can cost a third of a step; the budget keeps the price of staying informed below what a measurement
+        can see."""
         return (self._plain_choices - self._last_probe >= self.probe_every
                 and self._probe_extra_s <= PROBE_BUDGET * self._decode_s)
 
@@ -699,7 +702,10 @@ class Speculator:
         b = self._step_decodes
         if seconds <= 0 or not b:
             return
-        self._decode_s += seconds
+        # a sliding window: decode time banked long ago (say, while speculating at small batches, when no probe
+        # was needed) must not pay for a run of probes later, at a rate far above the budget
+        self._decode_s = self._decode_s * PROBE_DECAY + seconds
+        self._probe_extra_s *= PROBE_DECAY
         if self._step_light:  # see _plain_step
             return
         if self._step_probe:  # what the probe added to a plain step (all of it while plain is unmeasured)
