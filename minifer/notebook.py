@@ -958,13 +958,15 @@ def plot_rejection_toy(toy: Mapping[str, Any]) -> "Figure":
 
 def time_engines(engines: Mapping[str, "LLM"], prompts: Sequence[Any], batch_sizes: Sequence[int],
                  max_tokens: int, repeats: int = 1, baseline: str = "plain") -> list[dict[str, Any]]:
-    """Wall time of already-built engines on the same greedy requests (``max_tokens`` each, EOS ignored),
-    interleaved (the order alternates every round), for each batch size; the speedup of every engine over
-    ``baseline`` (the median of the per-round ratios) and whether all engines produced the same tokens. A
-    small live version of ``bench.speculative.speedup_vs_batch`` that reuses the notebook's engines (on a
-    GPU, every extra engine would claim KV memory of its own)."""
+    """Time of already-built engines on the same greedy requests (``max_tokens`` each, EOS ignored), their
+    steps interleaved (``bench.speculative.run_interleaved``: a slow spell of a shared machine hits every engine
+    alike), for each batch size; the speedup of every engine over ``baseline`` (the median of the per-round
+    ratios) and whether all engines produced the same tokens. A small live version of
+    ``bench.speculative.speedup_vs_batch`` that reuses the notebook's engines (on a GPU, every extra engine
+    would claim KV memory of its own)."""
     import statistics
-    import time
+
+    from minifer.bench.speculative import run_interleaved
 
     params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
     for llm in engines.values():  # warm-up
@@ -973,13 +975,11 @@ def time_engines(engines: Mapping[str, "LLM"], prompts: Sequence[Any], batch_siz
     for b in batch_sizes:
         batch = [prompts[i % len(prompts)] for i in range(b)]
         times: dict[str, list[float]] = {m: [] for m in engines}
-        tokens: dict[str, list[list[int]]] = {}
-        for r in range(repeats):
-            for name in list(engines)[:: 1 if r % 2 == 0 else -1]:
-                t = time.perf_counter()
-                out = engines[name].generate(batch, params, use_tqdm=False)
-                times[name].append(time.perf_counter() - t)
-                tokens[name] = [o.outputs[0].token_ids for o in out]
+        tokens: dict[str, list[list[int]]] = {}  # each engine's output tokens, from the last round
+        for _ in range(repeats):
+            seconds, tokens = run_interleaved(engines, batch, params)
+            for name in engines:
+                times[name].append(seconds[name])
         row: dict[str, Any] = {"batch": b}
         for name in engines:
             row[f"s_{name}"] = statistics.median(times[name])
