@@ -140,3 +140,15 @@ def test_random_workloads_leak_nothing(ops, block_size, num_blocks, caching):
     m.check_invariants()
     assert m.num_free_blocks == num_blocks
     assert all(b.ref_count == 0 for b in m.blocks)
+
+
+def test_scratch_sequence_is_freed_and_not_counted_as_cache_traffic():
+    m = BlockManager(8, 4, enable_prefix_caching=True)
+    m.allocate("a", list(range(8)))
+    before = m.num_free_blocks, m.cache_queries, m.cache_hits
+    with pytest.raises(RuntimeError):
+        with m.scratch("__scratch__", list(range(8))):  # the same tokens: a prefix-cache hit
+            assert m.has_seq("__scratch__")
+            raise RuntimeError("a failed calibration pass")
+    assert not m.has_seq("__scratch__")
+    assert (m.num_free_blocks, m.cache_queries, m.cache_hits) == before

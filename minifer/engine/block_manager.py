@@ -19,6 +19,8 @@ from __future__ import annotations
 
 import math
 from collections import OrderedDict, deque
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 
@@ -182,6 +184,18 @@ class BlockManager:
         seq = self._seqs.pop(seq_id)
         for bid in reversed(seq.table):
             self._unref(bid)
+
+    @contextmanager
+    def scratch(self, seq_id: object, token_ids: list[int]) -> Iterator[None]:
+        """Blocks for a throw-away sequence (start-up calibration passes), freed on exit. Its prefix-cache
+        lookups are not counted: they are not traffic the hit rate should report."""
+        counters = self.cache_queries, self.cache_hits
+        self.allocate(seq_id, token_ids)
+        try:
+            yield
+        finally:
+            self.free(seq_id)
+            self.cache_queries, self.cache_hits = counters
 
     # --- internals --------------------------------------------------------------------------------------
 

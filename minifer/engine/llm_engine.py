@@ -102,16 +102,10 @@ class LLMEngine:
 
     def _calibrate_kv_scales(self) -> None:
         """Static KV scales: one prefill of ``CALIBRATION_TEXT`` on a scratch sequence, before any request."""
-        ids = list(self.tokenizer(CALIBRATION_TEXT)["input_ids"])[: self.block_manager.block_size
-                                                                   * self.block_manager.num_free_blocks]
         blocks = self.block_manager
-        counters = blocks.cache_queries, blocks.cache_hits
-        blocks.allocate("__kv_calibrate__", ids)
-        try:
+        ids = list(self.tokenizer(CALIBRATION_TEXT)["input_ids"])[: blocks.block_size * blocks.num_free_blocks]
+        with blocks.scratch("__kv_calibrate__", ids):
             self.kv_cache.calibrate_scales(lambda: self.runner.forward(["__kv_calibrate__"], [0], [ids], [1]))
-        finally:
-            blocks.free("__kv_calibrate__")
-            blocks.cache_queries, blocks.cache_hits = counters
 
     # --- requests ---------------------------------------------------------------------------------------
 
@@ -198,9 +192,9 @@ class LLMEngine:
             for toks, _ in verified:
                 emitted.append(entries[at : at + len(toks)])
                 at += len(toks)
+        pure_decode = all(n == 1 for n in batch.num_new_tokens)
         if spec is not None:
-            spec.observe_step(sum(len(c) for c in drafts or []) + sum(batch.num_new_tokens),
-                              pure_decode=all(n == 1 for n in batch.num_new_tokens))
+            spec.observe_step(sum(len(c) for c in drafts or []) + sum(batch.num_new_tokens), pure_decode)
         outputs = []
         for seq, tokens in zip(sampled, emitted):
             for j, (token, logprob, entry) in enumerate(tokens):
@@ -219,7 +213,7 @@ class LLMEngine:
                 if spec is not None:
                     spec.release(seq.request_id)
                 del self.requests[seq.request_id]
-        if spec is not None and all(n == 1 for n in batch.num_new_tokens):
+        if spec is not None and pure_decode:
             # the whole step, scheduling and bookkeeping included: fewer, longer steps save those too
             spec.observe_realized(sum(len(t) for t in emitted), time.perf_counter() - start)
         return outputs

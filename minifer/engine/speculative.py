@@ -340,7 +340,6 @@ class Speculator:
         self._observed = 0  # pure-decode steps observed (the step-factor medians refresh every 8th)
         self._plain_hold: dict[int, int] = {}  # per batch size: steps left that reuse a clear plain decision
         self._light_steps, self._step_light = 0, False  # see _plain_step
-        self._lookups_skipped = False  # n-gram: this step's lookups were skipped (see _choose_ngram)
         # the measurement that has the last word on k: per batch-size bucket, each recent speculative step's
         # tokens per second over plain decoding's at its batch size (plain_step_s: whole plain steps by size)
         self.realized: dict[int, deque[float]] = {}
@@ -366,18 +365,13 @@ class Speculator:
         start-up, while every block is free)."""
         def measure(runner: ModelRunner, table: CostTable) -> None:
             blocks, n = runner.blocks, 1
-            counters = blocks.cache_queries, blocks.cache_hits
             while n <= max_tokens and blocks.blocks_needed(n) <= blocks.num_free_blocks:
-                blocks.allocate("__calibrate__", [0] * n)
-                try:
+                with blocks.scratch("__calibrate__", [0] * n):
                     runner.forward(["__calibrate__"], [0], [[0] * n], [n])  # warm-up
                     for _ in range(3):
                         runner.forward(["__calibrate__"], [0], [[0] * n], [n])
                         table.observe(n, runner.last_forward_s)
-                finally:
-                    blocks.free("__calibrate__")
                 n *= 2
-            blocks.cache_queries, blocks.cache_hits = counters  # scratch lookups are not cache traffic
         measure(self.target_runner, self.target_cost)
         if self.draft_runner is not None:
             measure(self.draft_runner, self.draft_cost)
@@ -547,10 +541,11 @@ class Speculator:
         return False
 
     def _choose_ngram(self, seqs: list[Sequence], decoding: list[int],
-                      waiting: int = 1) -> tuple[dict[int, Draft], int, bool]:
+                      waiting: int = 1) -> tuple[dict[int, Draft], int, bool] | None:
         """Prompt lookup is nearly free, so look up every decoding sequence first and decide knowing which ones
         have a draft and how long a match found it (``alpha_for_match``). Returns the drafts to verify by row,
-        the k cap, and whether this is a probe (one draft verified to keep the estimates current).
+        the k cap, and whether this is a probe (one draft verified to keep the estimates current); None when
+        the lookups were not worth making at all (``_ngram_may_pay``).
 
         With no request ``waiting``, speculating for only some of the sequences does not pay: the ones that
         speed ahead finish early and free slots nobody takes, and the batch still ends with its slowest
@@ -564,8 +559,7 @@ class Speculator:
             # statistics stay current) and one draft verified (so does its acceptance)
             self._plain_choices += 1
             if not self._probe_due():
-                self._lookups_skipped = True
-                return {}, 0, False
+                return None  # not even looked up
             self._last_probe = self._plain_choices
             found = self._lookup_all(seqs, decoding)
             return ({found[0][1]: (found[0][2], found[0][3])}, k_max, True) if found else ({}, 0, False)
@@ -591,8 +585,7 @@ class Speculator:
                     if n == 1 and s.num_computed_tokens + 1 == s.num_tokens and s.params.repetition_penalty == 1]
         self._step_light = False
         if not decoding:  # a step of prompt chunks only: nothing to speculate on, and not a step to count
-            self._step_decodes, self._step_speculated, self._step_propose_s = 0, False, 0.0
-            self._step_probe = False
+            self._step_decodes, self._step_speculated, self._step_probe, self._step_propose_s = 0, False, False, 0.0
             return None
         b = len(decoding)
         if self.cfg.adaptive and self._plain_hold.get(b):  # a clear plain decision, held: the fast path
@@ -603,18 +596,15 @@ class Speculator:
         lag = 1.0
         computed = getattr(self.proposer, "computed", None)
         if computed is not None:  # tokens the draft still has to read, per sequence
-            lag = sum(seqs[i].num_tokens - computed.get(seqs[i].request_id, 0) for i in decoding) / len(decoding)
+            lag = sum(seqs[i].num_tokens - computed.get(seqs[i].request_id, 0) for i in decoding) / b
         t0 = time.perf_counter()
         if self.cfg.adaptive and isinstance(self.proposer, NgramProposer):
             out = self._propose_looked_up(seqs, decoding, token_budget, waiting)
             self._step_propose_s = time.perf_counter() - t0
             return out
         self._step_propose_s = 0.0
-        k, probe = self.choose_k(len(decoding), lag)
-        self.k_in_use = 0 if probe else k
-        self.stats.k_counts[self.k_in_use] += 1
-        self._step_decodes, self._step_speculated = len(decoding), self.k_in_use > 0
-        self._step_probe = probe
+        k, probe = self.choose_k(b, lag)
+        self._record_step(b, k, probe)
         if k == 0:
             return None
         ks = [0] * len(seqs)
@@ -640,11 +630,17 @@ class Speculator:
         counted, and only every 4th such step refreshes the cost table and the plain step time. A plain step of
         an adaptive engine should cost what a plain engine's does, and the full bookkeeping of every step would
         add about 1% at 16-64 sequences here."""
-        self.k_in_use = 0
-        self.stats.k_counts[0] += 1
-        self._step_decodes, self._step_speculated, self._step_probe, self._step_propose_s = b, False, False, 0.0
+        self._record_step(b, 0, False)
+        self._step_propose_s = 0.0
         self._light_steps += 1
         self._step_light = self._light_steps % 4 != 0
+
+    def _record_step(self, b: int, k: int, probe: bool) -> None:
+        """This step's choice, for ``stats`` and for ``observe_realized``: ``b`` decoding sequences, ``k`` drafts
+        each (a probe counts as k = 0: it is plain decoding plus one sequence's measurement)."""
+        self.k_in_use = 0 if probe else k
+        self.stats.k_counts[self.k_in_use] += 1
+        self._step_decodes, self._step_speculated, self._step_probe = b, self.k_in_use > 0, probe
 
     def _lookup_all(self, seqs: list[Sequence], decoding: list[int]) -> list[tuple[float, int, list[int], int]]:
         """(acceptance, row, draft, match length) of every decoding sequence with a match, best first."""
@@ -666,15 +662,12 @@ class Speculator:
                            waiting: int = 1) -> list[list[int]] | None:
         """``propose`` for adaptive n-gram speculation: the drafts are found before k is chosen."""
         t0 = time.perf_counter()
-        self._lookups_skipped = False
-        chosen, k, probe = self._choose_ngram(seqs, decoding, waiting)
-        if self._lookups_skipped:  # a plain step without even the lookups: the fast path
+        choice = self._choose_ngram(seqs, decoding, waiting)
+        if choice is None:  # a plain step without even the lookups: the fast path
             self._plain_step(len(decoding))
             return None
-        self.k_in_use = 0 if probe else k
-        self.stats.k_counts[self.k_in_use] += 1
-        self._step_decodes, self._step_speculated = len(decoding), self.k_in_use > 0
-        self._step_probe = probe
+        chosen, k, probe = choice
+        self._record_step(len(decoding), k, probe)
         if not chosen:
             return None
         drafts = [Draft([]) for _ in seqs]
