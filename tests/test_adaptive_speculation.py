@@ -29,6 +29,7 @@ def spec():
 def _step(s, b: int, seconds: float, emitted: int, speculated: bool = False, probe: bool = False) -> None:
     """What the engine reports after a pure-decode step of ``b`` sequences."""
     s._step_decodes, s._step_speculated, s._step_probe, s._step_propose_s = b, speculated, probe, 0.0
+    s._step_expected = None  # count the tokens given here, not the acceptance model's expectation
     s.observe_step(emitted if not speculated else 2 * b, pure_decode=True)
     s.observe_realized(emitted, seconds)
 
@@ -161,3 +162,68 @@ def test_the_probe_budget_is_a_sliding_window(spec):
     spec._plain_choices = spec.probe_every
     _step(spec, 8, 0.010 + 0.05, 8, probe=True)  # one expensive probe (50 ms extra)
     assert not spec._probe_due()  # old decode time is not a bank: 0.2% of ~10 s of recent steps is 20 ms
+
+
+def test_a_speculative_step_counts_its_expected_tokens(spec):
+    """A trial measures a step's cost; its luck with acceptance (1 to k + 1 tokens per sequence) is averaged over
+    every verification by the acceptance estimate instead of deciding an 8-step trial."""
+    from minifer.engine.speculative import Draft
+    from minifer.spec.theory import expected_tokens_per_forward
+
+    b = 4
+    _step(spec, b, 0.010, b)  # plain: 4 tokens in 10 ms
+    for _ in range(400):
+        spec._observe_acceptance(3, True)  # acceptance 3/4
+    alpha = spec.alpha_estimate()
+    drafts = [Draft([1, 2, 3, 4]), Draft([1, 2]), Draft([]), Draft([])]
+    expected = b + expected_tokens_per_forward(alpha, 4) - 1 + expected_tokens_per_forward(alpha, 2) - 1
+    assert spec._expected_emitted(b, drafts) == pytest.approx(expected)
+    spec._step_decodes, spec._step_speculated, spec._step_probe, spec._step_propose_s = b, True, False, 0.0
+    spec._step_expected = expected
+    spec.observe_step(b + 6, pure_decode=True)
+    spec.observe_realized(b, 0.020)  # an unlucky step: every draft rejected
+    assert spec.realized[b.bit_length()][-1] == pytest.approx(expected * 0.010 / (b * 0.020), rel=0.05)
+
+
+def test_the_acceptance_estimate_follows_the_recent_workload(spec):
+    for _ in range(2000):
+        spec._observe_acceptance(4, False)  # a long spell of drafts accepted in full
+    assert spec.alpha_estimate() > 0.95
+    for _ in range(1000):
+        spec._observe_acceptance(0, True)  # then a workload where the draft is always wrong
+    assert spec.alpha_estimate() < 0.1
+
+
+def test_calibration_times_decode_shaped_forwards_and_frees_its_blocks():
+    llm = LLM("tinystories-target", speculative_config=NGRAM)
+    spec, blocks = llm.engine.speculator, llm.engine.block_manager
+    assert sorted(spec.target_cost.samples) == [1, 2, 4, 8, 16, 32, 64, 128]
+    assert all(len(w) == 3 for w in spec.target_cost.samples.values())
+    assert blocks.num_free_blocks == blocks.num_blocks and blocks.cache_queries == 0
+    small = LLM("tinystories-target", speculative_config=NGRAM, num_kv_blocks=40)  # 5 blocks per scratch sequence
+    assert sorted(small.engine.speculator.target_cost.samples) == [1, 2, 4, 8]
+
+
+def test_closed_batches_need_a_larger_margin_as_they_grow(spec):
+    from minifer.engine.speculative import TAIL_GROWTH
+
+    m = spec.cfg.margin
+    assert spec.margin_for(8, waiting=0) == m  # up to 8 sequences the plain margin
+    assert spec.margin_for(16, waiting=0) == pytest.approx(m * (1 + TAIL_GROWTH))
+    assert spec.margin_for(64, waiting=0) == pytest.approx(m * (1 + 3 * TAIL_GROWTH))
+    assert spec.margin_for(64, waiting=3) == m  # requests waiting refill finished slots: no ragged tail
+
+
+def test_the_drafts_catch_up_is_spread_over_a_trial():
+    """After a spell of plain steps the draft must first read every token it skipped; that is paid once for the
+    steps that follow, so it must not grow into a reason never to switch speculation back on."""
+    s = LLM("tinystories-target", speculative_config={"method": "draft_model", "model": "tinystories-draft",
+                                                      "num_speculative_tokens": 4}).engine.speculator
+    s.target_cost, s.draft_cost = CostTable(), CostTable()
+    for n in (1, 2, 4, 8, 16, 32, 64, 128, 256):
+        s.target_cost.observe(n, 0.010 * max(1.0, n / 64))
+        s.draft_cost.observe(n, 0.001 * max(1.0, n / 16))
+    b, k, alpha = 8, 3, 0.8
+    time_at = {lag: b * (1 + 2.952 - 1) / s.predicted_rate(b, k, alpha, lag) for lag in (1.0, 100.0)}
+    catch_up = (s.draft_cost(b * 100) - s.draft_cost(b * 1)) / TRIAL_STEPS
+    assert time_at[100.0] - time_at[1.0] == pytest.approx(catch_up, rel=0.02)

@@ -239,6 +239,30 @@ def test_speculation_needs_the_continuous_engine():
         LLM("tinystories-target", batching="static", speculative_config=NGRAM)
 
 
+def test_engines_can_share_weights(plain, heldout_stories):
+    """Engines compared in one process run one copy of the weights (and of the draft) and give the same tokens."""
+    prompts = story_prompts(heldout_stories, 6)
+    fixed = LLM("tinystories-target", max_num_seqs=8, share_weights_with=plain,
+                speculative_config={**DRAFT, "adaptive": False})
+    adaptive = LLM("tinystories-target", max_num_seqs=8, share_weights_with=fixed, speculative_config=DRAFT)
+    assert fixed.model is plain.model and adaptive.model is plain.model
+    assert adaptive.draft_model is fixed.draft_model
+    want = tokens(plain.generate(prompts, GREEDY, use_tqdm=False))
+    assert tokens(fixed.generate(prompts, GREEDY, use_tqdm=False)) == want
+    assert tokens(adaptive.generate(prompts, GREEDY, use_tqdm=False)) == want
+
+
+def test_sharing_weights_loaded_differently_is_refused(plain):
+    with pytest.raises(ValueError, match="dtype"):
+        LLM("tinystories-target", dtype="bfloat16", share_weights_with=plain)
+    with pytest.raises(ValueError, match="quantization"):
+        LLM("tinystories-target", quantization="int8", share_weights_with=plain)
+    with pytest.raises(ValueError, match="model"):
+        LLM("tinystories-draft", share_weights_with=plain)
+    with pytest.raises(TypeError, match="share_weights_with must be an LLM"):
+        LLM("tinystories-target", share_weights_with=plain.model)
+
+
 def test_speculative_benchmark_smoke(tmp_path):
     """The chapter's benchmark end to end at tiny sizes: JSON written, greedy tokens identical in every mode."""
     from minifer.bench import speculative as bench

@@ -9,8 +9,8 @@ Three measurements, each writing into one JSON with the hardware and versions:
 1. ``tokens_per_forward``: for k = 1..8 (fixed), mean tokens emitted per target verification and the
    measured per-token acceptance alpha, beside ``(1 - alpha^(k+1)) / (1 - alpha)`` at that alpha. For the
    bundled draft on stories, and for n-gram lookup on an *input-grounded* workload (below).
-2. ``speedup_vs_k``: at batch 1 (8 prompts, one at a time), each fixed k = 2..6 against plain decoding;
-   the best of them is the fixed k of the next measurement.
+2. ``speedup_vs_k``: at batch 1 (8 prompts, one at a time), each fixed k = 2..6 against plain decoding, the
+   engines' steps interleaved; the best of them is the fixed k of the next measurement.
    ``speedup``: batches of 1, 2, 4, ..., 64 greedy requests (at least 8 requests per measurement: several
    batches at small sizes), each engine on the same requests, the engines' steps interleaved in every round
    (``run_interleaved``):
@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import random
 import statistics
 import time
 from collections import Counter
@@ -66,21 +67,29 @@ def grounded_prompts(llm, n: int, continuation: int = 48) -> list[dict[str, list
     return prompts
 
 
-def _engine(model: str, spec: dict | None, max_num_seqs: int, device: str | None):
+def _engine(model: str, spec: dict | None, max_num_seqs: int, device: str | None, share=None):
+    """An engine for the comparisons. ``share``: an engine whose loaded weights (and draft) this one uses: engines
+    compared with each other run the very same weights, because two copies of them can differ in speed by 1-2.5%
+    on the CPU (memory placement), which a ratio would otherwise report as a difference between the engines."""
     from minifer import LLM
 
     # a modest cache each (several engines are alive at once; on a GPU the default would take 90% of it)
     return LLM(model, device=device, max_num_seqs=max_num_seqs, enable_prefix_caching=False,
-               speculative_config=spec, gpu_memory_utilization=0.15)
+               speculative_config=spec, gpu_memory_utilization=0.15, share_weights_with=share)
 
 
-def run_interleaved(engines: dict[Any, Any], batch: list, params: SamplingParams) -> tuple[dict, dict]:
-    """The same ``batch`` of requests on every engine at once, one engine *step* at a time in turn (the engine that
-    goes first rotates every step). Returns each engine's seconds spent inside its steps and its outputs' tokens.
+def run_interleaved(engines: dict[Any, Any], batch: list, params: SamplingParams,
+                    seed: int = 0) -> tuple[dict, dict]:
+    """The same ``batch`` of requests on every engine at once, one engine *step* at a time in turn, in a fresh
+    random order every turn. Returns each engine's seconds spent inside its steps and its outputs' tokens.
 
     Why steps and not whole runs: on a shared machine, speed drifts by +-10% over seconds (neighbours, turbo
     clocks). Whole runs of a few seconds each, back to back, see different drifts; steps tens of milliseconds
-    apart see the same one, so a ratio of the sums compares the engines, not the moments they ran in."""
+    apart see the same one, so a ratio of the sums compares the engines, not the moments they ran in.
+
+    Why a random order: a step finds the CPU caches as the step before it left them. In a fixed cyclic order
+    (even one whose first engine rotates) each engine always follows the same other one, and the engine that
+    follows a speculating engine's large verify forwards measured 1-2% slower than the others on this CPU."""
     seqs = {m: [llm.make_sequence(i, p, params) for i, p in enumerate(batch)] for m, llm in engines.items()}
     for m, llm in engines.items():
         for seq in seqs[m]:
@@ -88,14 +97,13 @@ def run_interleaved(engines: dict[Any, Any], batch: list, params: SamplingParams
         for seq in seqs[m]:
             llm.engine.add_sequence(seq)
     spent = dict.fromkeys(engines, 0.0)
-    busy, turn = list(engines), 0
+    busy, rng = list(engines), random.Random(seed)
     while busy:
-        for m in busy[turn % len(busy):] + busy[: turn % len(busy)]:
+        for m in rng.sample(busy, len(busy)):
             t = time.perf_counter()
             engines[m].engine.step()
             spent[m] += time.perf_counter() - t
         busy = [m for m in busy if engines[m].engine.has_unfinished_requests()]
-        turn += 1
     return spent, {m: [list(seq.output_token_ids) for seq in seqs[m]] for m in engines}
 
 
@@ -120,10 +128,13 @@ def speedup_vs_batch(model: str, spec: dict, prompts: list, batch_sizes: list[in
                      min_requests: int = 8) -> dict[str, Any]:
     """Wall time of plain, fixed-k and adaptive-k decoding on the same greedy requests, interleaved."""
     max_b = max(batch_sizes)
-    engines = {"plain": _engine(model, None, max_b, device),
-               "plain_again": _engine(model, None, max_b, device),  # the A/A control: the noise floor
-               "fixed": _engine(model, {**spec, "num_speculative_tokens": k_fixed, "adaptive": False}, max_b, device),
-               "adaptive": _engine(model, {**spec, "num_speculative_tokens": k_fixed, "adaptive": True}, max_b, device)}
+    plain = _engine(model, None, max_b, device)
+    fixed = _engine(model, {**spec, "num_speculative_tokens": k_fixed, "adaptive": False}, max_b, device, plain)
+    engines = {"plain": plain,
+               "plain_again": _engine(model, None, max_b, device, plain),  # the A/A control: the noise floor
+               "fixed": fixed,
+               "adaptive": _engine(model, {**spec, "num_speculative_tokens": k_fixed, "adaptive": True}, max_b, device,
+                                   fixed)}
     params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
     for llm in engines.values():  # warm-up
         llm.generate(prompts[:2], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True), use_tqdm=False)
@@ -144,7 +155,7 @@ def speedup_vs_batch(model: str, spec: dict, prompts: list, batch_sizes: list[in
             spent = dict.fromkeys(engines, 0.0)
             outputs = {m: [] for m in engines}
             for batch in batches:
-                seconds, tokens = run_interleaved(engines, batch, params)
+                seconds, tokens = run_interleaved(engines, batch, params, seed=r)
                 for m in engines:
                     spent[m] += seconds[m]
                     outputs[m] += tokens[m]
@@ -170,23 +181,30 @@ def speedup_vs_batch(model: str, spec: dict, prompts: list, batch_sizes: list[in
 
 def speedup_vs_k(model: str, spec: dict, prompts: list, ks: list[int], max_tokens: int, repeats: int = 2,
                  device: str | None = None) -> list[dict[str, float]]:
-    """Batch 1 (one request at a time, every prompt in turn): speedup of each fixed k over plain decoding,
-    interleaved. The best k here is the fixed k whose fate under load the concurrency curve follows."""
-    engines = {0: _engine(model, None, 1, device)}
-    engines.update({k: _engine(model, {**spec, "num_speculative_tokens": k, "adaptive": False}, 1, device) for k in ks})
+    """Batch 1 (one request at a time, every prompt in turn): speedup of each fixed k over plain decoding, the
+    engines' steps interleaved. The best k here is the fixed k whose fate under load the concurrency curve follows."""
+    engines: dict[int, Any] = {0: _engine(model, None, 1, device)}
+    for k in ks:  # all on the plain engine's weights, and on one draft
+        engines[k] = _engine(model, {**spec, "num_speculative_tokens": k, "adaptive": False}, 1, device,
+                             engines[max(engines)])
     params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
     for llm in engines.values():
         llm.generate(prompts[:1], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True), use_tqdm=False)
     times: dict[int, list[float]] = {k: [] for k in engines}
     for r in range(repeats):
-        for k in (list(engines) if r % 2 == 0 else list(reversed(engines))):
-            t = time.perf_counter()
-            for p in prompts:
-                engines[k].generate([p], params, use_tqdm=False)
-            times[k].append(time.perf_counter() - t)
-    plain = statistics.median(times[0])
-    return [{"k": k, "seconds": statistics.median(times[k]), "speedup": plain / statistics.median(times[k]),
-             "round_speedups": [p / t for p, t in zip(times[0], times[k])]} for k in ks]
+        spent = dict.fromkeys(engines, 0.0)
+        for p in prompts:
+            seconds, _ = run_interleaved(engines, [p], params, seed=r)
+            for k in engines:
+                spent[k] += seconds[k]
+        for k in engines:
+            times[k].append(spent[k])
+    rows = []
+    for k in ks:
+        ratios = [p / t for p, t in zip(times[0], times[k])]
+        rows.append({"k": k, "seconds": statistics.median(times[k]), "speedup": statistics.median(ratios),
+                     "round_speedups": ratios})
+    return rows
 
 
 def verify_cost(llm, batch_sizes: list[int], ks: list[int], context: int = 256, repeats: int = 5) -> list[dict]:

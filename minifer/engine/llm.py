@@ -81,6 +81,11 @@ class LLM:
         quantization: None, ``"int8"``, ``"int4"`` (g128, symmetric) or ``"fp8"``: weight-only, round-to-nearest
             on load (chapter 05; ``minifer.quant``). A folder written by ``save_quantized`` loads quantized
             without it.
+        share_weights_with: another ``LLM`` of the same model, dtype, device and quantization whose loaded weights
+            (and draft model, when both use the same draft) this one uses instead of loading its own copy: two
+            engines to compare in one process (plain vs speculative, chapter 04). Separate copies of the same
+            weights can differ in speed by where they sit in memory (1-2.5% measured on the CPU), which would
+            otherwise be read as a difference between the engines.
     """
 
     def __init__(self, model: str | Path, *, tokenizer: str | Path | None = None, dtype: str | torch.dtype = "auto",
@@ -90,7 +95,7 @@ class LLM:
                  gpu_memory_utilization: float = 0.9, enable_prefix_caching: bool = True,
                  max_num_batched_tokens: int = 2048, enable_chunked_prefill: bool = True,
                  speculative_config: dict[str, Any] | None = None, enforce_eager: bool = False, kv_cache_dtype: str = "auto", quantization: str | None = None,
-                 kv_cache_scales: str = "token") -> None:
+                 kv_cache_scales: str = "token", share_weights_with: "LLM | None" = None) -> None:
         check_kv_cache_dtype(kv_cache_dtype, kv_cache_scales)
         if kv_cache_dtype != "auto" and batching != "continuous":
             raise ValueError("kv_cache_dtype applies to the paged cache of batching='continuous'")
@@ -108,10 +113,14 @@ class LLM:
                              f"got {max_model_len}")
         self.max_model_len = max_model_len or limit
         self.max_num_seqs, self.batching, self.seed = max_num_seqs, batching, seed
+        self._quantization, self._load_format = quantization, load_format  # what share_weights_with checks
         from minifer.quant.checkpoint import load_model
 
-        self.model = load_model(self.model_path, quantization, load_format=load_format, dtype=self.dtype,
-                                device=self.device, max_positions=limit, seed=seed)
+        if share_weights_with is not None:
+            self.model = self._shared_model(share_weights_with, quantization, load_format)
+        else:
+            self.model = load_model(self.model_path, quantization, load_format=load_format, dtype=self.dtype,
+                                    device=self.device, max_positions=limit, seed=seed)
         self.quantization_config = getattr(self.model, "quantization_config", None)
         tok_path = resolve_model(tokenizer) if tokenizer is not None else self.model_path
         self.tokenizer = load_tokenizer(tok_path)
@@ -122,6 +131,10 @@ class LLM:
         spec = SpeculativeConfig.from_dict(speculative_config) if speculative_config is not None else None
         if spec is not None and batching != "continuous":
             raise ValueError("speculative decoding runs inside the continuous engine: use batching='continuous'")
+        self._draft_source = spec.model if spec is not None and spec.method == "draft_model" else None
+        if (share_weights_with is not None and self._draft_source is not None
+                and share_weights_with._draft_source == self._draft_source):
+            spec.model = share_weights_with.draft_model  # the same draft, already loaded
         self.draft_model = self._load_draft(spec) if spec is not None and spec.method == "draft_model" else None
         if batching == "continuous":
             self.engine = LLMEngine(
@@ -130,6 +143,19 @@ class LLM:
                             kv_cache_dtype, kv_cache_scales),
                 SchedulerConfig(max_num_seqs, max_num_batched_tokens, enable_chunked_prefill), spec, self.draft_model,
                 cuda_graphs=not enforce_eager, max_model_len=self.max_model_len)
+
+    def _shared_model(self, other: "LLM", quantization: str | None, load_format: str) -> torch.nn.Module:
+        """``other``'s loaded model, after checking it is the model this engine was asked for."""
+        if not isinstance(other, LLM):
+            raise TypeError(f"share_weights_with must be an LLM, got {type(other).__name__}")
+        want = (self.model_path, self.dtype, self.device, quantization, load_format)
+        have = (other.model_path, other.dtype, other.device, other._quantization, other._load_format)
+        names = ("model", "dtype", "device", "quantization", "load_format")
+        diff = [f"{n} {w!r} vs {h!r}" for n, w, h in zip(names, want, have) if w != h]
+        if diff:
+            raise ValueError(f"share_weights_with: the other LLM was loaded differently ({'; '.join(diff)}); "
+                             "only identical weights can be shared")
+        return other.model
 
     def _load_draft(self, spec: SpeculativeConfig) -> torch.nn.Module:
         """Load the draft (same device and dtype) and check it speaks the target's vocabulary: drafts are

@@ -26,9 +26,10 @@ predicted tokens per second
     E = (1 - alpha^(k+1)) / (1 - alpha)
 
 where ``h`` is the measured fraction of sequences that get drafts at all (1 for a draft model), ``alpha`` the
-measured per-token acceptance (a running estimate) and ``T(n)`` the predicted time of a whole engine step whose
-target forward covers ``n`` tokens: the forward's time from a table (by powers of two, interpolated) filled by a
-short calibration at start-up and refreshed by every pure-decode step, times the measured ratio of whole steps to
+measured per-token acceptance (over roughly the last 200 verifications) and ``T(n)`` the predicted time of a
+whole engine step whose target forward covers ``n`` tokens: the forward's time from a table (by powers of two,
+interpolated) filled at start-up by a short calibration shaped like decode steps and refreshed by every
+pure-decode step, times the measured ratio of whole steps to
 their forwards (larger for speculative steps: verification, rollback and more tokens to append). ``k = 0``
 (plain decoding) wins unless the prediction beats it by a margin (30%, see below), so under load, when ``T``
 grows with the tokens, speculation turns itself off instead of becoming the 1.4-1.8x slowdown that fixed-k
@@ -46,8 +47,9 @@ sequence that speeds ahead alone frees a slot nobody takes, and the batch still 
 
 The model can be wrong (a cost table measured on prompt chunks, acceptance that differs between requests), so
 measurement has the last word: per batch-size bucket the engine keeps the measured speedup of each recent
-speculative step (its tokens per second over a plain step's at the same batch size; it mixes in a few plain
-steps to know those) and stops speculating in a bucket where, after a trial of 8 steps, the mean speedup does
+speculative step (its tokens per second over a plain step's at the same batch size, counting the tokens such a
+step emits on average at the measured acceptance, so that one step's luck does not decide a trial; it mixes in a
+few plain steps to know those) and stops speculating in a bucket where, after a trial of 8 steps, the mean speedup does
 not clear the margin (or after 4 that lose outright). It tries again after 32, 64, ... 1024 plain steps. Why a
 margin rather than 1, and why as much as 30%: speculation speeds sequences up unevenly, so the batch ends in a
 ragged tail of a few slow sequences stepping at a small, inefficient batch size, and a batch takes as long as its
@@ -71,9 +73,11 @@ seeded sampling.
 from __future__ import annotations
 
 import bisect
+import math
 import statistics
 import time
 from collections import Counter, deque
+from contextlib import ExitStack
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -92,6 +96,8 @@ METHODS = ("draft_model", "ngram")
 TRIAL_STEPS = 8  # speculative steps measured at a batch size before measurement may overrule the model
 PROBE_BUDGET = 0.002  # probes may cost at most this fraction of the decode time (see Speculator._probe_due)
 PROBE_DECAY = 0.999  # per pure-decode step: the budget covers roughly the last thousand steps, not all history
+ALPHA_DECAY = 0.995  # per verified sequence: the acceptance estimate follows roughly the last 200 verifications
+TAIL_GROWTH = 0.15  # closed batches: the margin grows by this much per doubling of the batch beyond 8 (margin_for)
 PLAIN_HOLD = 7  # steps that reuse a clear "plain" decision at the same batch size (see Speculator._plain_step)
 MAX_SPECULATIVE_TOKENS = 16
 
@@ -349,6 +355,8 @@ class Speculator:
         self._retry_after: dict[int, int] = {}  # per bucket: overruled steps before speculating anyway
         self._asked = self._got = 0  # sequences asked for drafts, and those that got at least one
         self.alpha_prior, self.alpha_weight = 0.6, 8.0  # a prior worth 8 tested tokens until data arrives
+        self._recent_alpha = (0.0, 0.0)  # accepted and tested draft tokens, decayed (see alpha_estimate)
+        self._step_expected: float | None = None  # a speculative step's expected tokens (see observe_realized)
         self.calibrated = False
         self.last_draft_s = 0.0
         # whole step / target forward, for plain and for speculative steps (see step_time): recent ratios, and
@@ -356,22 +364,35 @@ class Speculator:
         self.step_factor: dict[bool, deque[float]] = {False: deque(maxlen=32), True: deque(maxlen=32)}
         self._factor = {False: 1.0, True: 1.0}
         self._step_tokens, self._step_propose_s = 0, 0.0
+        self._margin = cfg.margin  # this step's (margin_for)
         self.match_seen: Counter[int] = Counter()  # n-gram lookups by the match length they found (0: none)
 
     # --- choosing k ----------------------------------------------------------------------------------
 
-    def calibrate(self, max_tokens: int = 256) -> None:
-        """Time target (and draft) forwards over 1, 2, 4, ... tokens once, on a scratch sequence (at
-        start-up, while every block is free)."""
+    def calibrate(self, max_tokens: int = 128, context: int = 64) -> None:
+        """Time target (and draft) forwards shaped like decode steps, once, at start-up while every block is free:
+        1, 2, 4, ... scratch sequences with ``context`` cached tokens bring one new token each. Why decode-shaped: a
+        forward's time depends on how many sequences' caches it reads, not only on its token count; a table timed
+        on one long prompt chunk ran 20-30% under real decode steps of 40-100 tokens here, and made speculation
+        at 32 sequences look like a gain. The table then serves verify steps (fewer sequences, more tokens each)
+        with a slight overestimate, the safe side, until real steps refresh it. Beyond ``max_tokens`` the table
+        extends linearly (``CostTable``). The cached values are left as the fresh cache has them (zeros): a
+        forward's time depends on the sizes it reads, not on the numbers."""
         def measure(runner: ModelRunner, table: CostTable) -> None:
             blocks, n = runner.blocks, 1
-            while n <= max_tokens and blocks.blocks_needed(n) <= blocks.num_free_blocks:
-                with blocks.scratch("__calibrate__", [0] * n):
-                    runner.forward(["__calibrate__"], [0], [[0] * n], [n])  # warm-up
-                    for _ in range(3):
-                        runner.forward(["__calibrate__"], [0], [[0] * n], [n])
-                        table.observe(n, runner.last_forward_s)
+            while 2 * n <= max_tokens and 2 * n * blocks.blocks_needed(context + 1) <= blocks.num_free_blocks:
                 n *= 2
+            ids = [f"__calibrate{i}__" for i in range(n)]
+            with ExitStack() as stack:
+                for i, rid in enumerate(ids):  # distinct tokens: no prefix-cache sharing between them
+                    stack.enter_context(blocks.scratch(rid, [i + 1] * (context + 1)))
+                m = 1
+                while m <= n:
+                    runner.forward(ids[:m], [context] * m, [[0]] * m, [1] * m)  # warm-up
+                    for _ in range(3):
+                        runner.forward(ids[:m], [context] * m, [[0]] * m, [1] * m)
+                        table.observe(m, runner.last_forward_s)
+                    m *= 2
         measure(self.target_runner, self.target_cost)
         if self.draft_runner is not None:
             measure(self.draft_runner, self.draft_cost)
@@ -385,26 +406,61 @@ class Speculator:
         return self.target_cost(num_tokens) * self._factor[speculative]
 
     def alpha_estimate(self) -> float:
-        s = self.stats
-        tried = s.num_accepted + s.num_rejections
-        return (s.num_accepted + self.alpha_prior * self.alpha_weight) / (tried + self.alpha_weight)
+        """The acceptance the predictions use: recent verifications (``ALPHA_DECAY``), not all history as in
+        ``stats``: a server's workload changes, and the rule must follow it. A prior worth 8 tested tokens."""
+        acc, tried = self._recent_alpha
+        return (acc + self.alpha_prior * self.alpha_weight) / (tried + self.alpha_weight)
+
+    def _observe_acceptance(self, accepted: int, rejected: bool) -> None:
+        """One verified sequence: ``accepted`` draft tokens, then a rejection or not (``alpha_estimate``)."""
+        acc, tried = self._recent_alpha
+        self._recent_alpha = (acc * ALPHA_DECAY + accepted, tried * ALPHA_DECAY + accepted + rejected)
+
+    def _expected_emitted(self, b: int, drafts: list[Draft]) -> float:
+        """Tokens a step of ``b`` decodes with these drafts emits on average at the estimated acceptance: what
+        the measured speedup of a speculative step counts (see ``observe_realized``)."""
+        gain = 0.0
+        for d in drafts:
+            if d.tokens:
+                alpha = self.alpha_for_match(d.match_len) if d.match_len else self.alpha_estimate()
+                gain += expected_tokens_per_forward(min(alpha, 0.999), len(d.tokens)) - 1
+        return b + gain
 
     def predicted_rate(self, b: int, k: int, alpha: float, lag: float = 1.0) -> float:
         """Predicted tokens per second of a step of ``b`` decodes with ``k`` drafts each. ``lag``: tokens per
-        sequence the draft has not seen yet (its first forward catches up on them: 1-2 after a speculative
-        step, more after plain steps, which makes switching back on cost what it really costs)."""
+        sequence the draft has not seen yet. Its first forward catches up on them: 1-2 after a speculative step,
+        more after plain steps. That catch-up is the price of switching speculation back on, paid once for the
+        steps that follow, so it is spread over a trial's worth of them (``TRIAL_STEPS``). Charged in full to one
+        step, it grew with every plain step and, at 8 sequences here, kept speculation off for good where it
+        was worth 1.25x."""
         # Only a fraction `hit` of the sequences asked for drafts get any (n-gram lookup finds no match for
         # the others; a draft model always proposes): they alone add verify tokens and gain tokens.
         hit = (self._got + 4) / (self._asked + 4)  # a prior of 4 hits in 4 until measured
         t = self.step_time(max(b, round(b + hit * b * k)), k > 0)
         if k:
             if self.draft_runner is not None:
-                t += self.draft_cost(max(1, round(b * lag))) + (k - 1) * self.draft_cost(b)
+                steady = self.draft_cost(max(1, round(b * min(lag, 2.0))))  # the first forward of a steady state
+                catch_up = max(0.0, self.draft_cost(max(1, round(b * lag))) - steady) / TRIAL_STEPS
+                t += steady + catch_up + (k - 1) * self.draft_cost(b)
             else:
                 t += self.last_draft_s
         return b * (1 + hit * (expected_tokens_per_forward(min(alpha, 0.999), k) - 1)) / t
 
-    def choose_k(self, num_decodes: int, lag: float = 1.0) -> tuple[int, bool]:
+    def margin_for(self, num_decodes: int, waiting: int) -> float:
+        """How much faster than plain decoding a step must be predicted (and measured) to be to speculate.
+
+        ``cfg.margin`` covers what one step's speedup does not see when nothing is waiting for a slot: the batch
+        ends with its slowest sequence, in a ragged tail of steps at small, inefficient batch sizes, and the more
+        sequences, the further the slowest lags the mean. Measured with the bundled pair on the CPU, the batch's
+        speedup was 0.95x the steps' at 4 sequences, 0.86x at 8 and 0.74x at 16, so beyond 8 sequences the margin
+        grows by ``TAIL_GROWTH`` per doubling. With requests waiting, a finished sequence's slot is refilled at
+        once: there is no tail, and the plain margin holds."""
+        m = self.cfg.margin
+        if not waiting and num_decodes > 8:
+            m *= 1 + TAIL_GROWTH * math.log2(num_decodes / 8)
+        return m
+
+    def choose_k(self, num_decodes: int, lag: float = 1.0, waiting: int = 1) -> tuple[int, bool]:
         """The k for this step (see the module docstring), and whether it is a *probe*: when plain decoding
         wins but not by much, every ``probe_every``-th such step lets one sequence speculate anyway, so the
         draft's cost and the acceptance rate keep being measured (a stale estimate must not switch
@@ -418,11 +474,12 @@ class Speculator:
             self._plain_hold[num_decodes] -= 1
             self._plain_choices += 1
             return 0, False
+        self._margin = self.margin_for(num_decodes, waiting)
         alpha = self.alpha_estimate()
         base = self.predicted_rate(num_decodes, 0, alpha)
         rates = {k: self.predicted_rate(num_decodes, k, alpha, lag) for k in range(1, k_max + 1)}
         best = max(rates, key=rates.get)
-        if rates[best] > base * self.cfg.margin:
+        if rates[best] > base * self._margin:
             return (best if self.measured_allows(num_decodes) else 0), False
         self._plain_choices += 1
         if rates[best] > 0.75 * base and self._probe_due():
@@ -454,7 +511,7 @@ class Speculator:
         if self._spec_choices % (8 if num_decodes not in self.plain_step_s else 32) == 0:
             return False  # a plain step now and then keeps the reference current
         # a trial ends early when its first steps already lose outright
-        lost = (len(on) >= TRIAL_STEPS and not _beats(on, self.cfg.margin)) or (len(on) >= 4 and not _beats(on, 1.0))
+        lost = (len(on) >= TRIAL_STEPS and not _beats(on, self._margin)) or (len(on) >= 4 and not _beats(on, 1.0))
         if bucket not in self.realized and any(self._overruled[smaller] for smaller in range(1, bucket)):
             # never tried here, and speculation is losing at a smaller batch size: that speaks for this one too
             # (more sequences only make the verify forward dearer), so it waits for a retry as if it had lost
@@ -536,7 +593,7 @@ class Speculator:
             for alpha, share in classes:
                 gain += b * share * (expected_tokens_per_forward(min(alpha, 0.999), k) - 1)
                 tokens += b * share * k
-                if (b + gain) / self.step_time(round(b + tokens), True) > base * self.cfg.margin:
+                if (b + gain) / self.step_time(round(b + tokens), True) > base * self._margin:
                     return True
         return False
 
@@ -554,6 +611,7 @@ class Speculator:
             self.calibrate()
         k_max = self.cfg.num_speculative_tokens
         b = len(decoding)
+        self._margin = self.margin_for(b, waiting)
         if not self._ngram_may_pay(b, require_all=not waiting) or not self.measured_allows(b):
             # not worth even the lookups; now and then a probe: every sequence looked up (the match
             # statistics stay current) and one draft verified (so does its acceptance)
@@ -566,7 +624,7 @@ class Speculator:
         found = self._lookup_all(seqs, decoding)
         m, k, ratio = self.plan_drafts(b, [(a, len(t)) for a, _, t, _ in found], require_all=not waiting)
         probe = False
-        if not (m and ratio > self.cfg.margin):
+        if not (m and ratio > self._margin):
             m = 0
             self._plain_choices += 1
             if found and self._probe_due():
@@ -603,7 +661,7 @@ class Speculator:
             self._step_propose_s = time.perf_counter() - t0
             return out
         self._step_propose_s = 0.0
-        k, probe = self.choose_k(b, lag)
+        k, probe = self.choose_k(b, lag, waiting)
         self._record_step(b, k, probe)
         if k == 0:
             return None
@@ -622,6 +680,7 @@ class Speculator:
         if not probe:
             self._asked += sum(1 for k_i in ks if k_i)
             self._got += sum(1 for k_i, d in zip(ks, drafts) if k_i and d.tokens)
+            self._step_expected = self._expected_emitted(b, drafts)
         self._batch_seqs, self._drafts = list(seqs), drafts
         return [d.tokens for d in drafts]
 
@@ -641,6 +700,7 @@ class Speculator:
         self.k_in_use = 0 if probe else k
         self.stats.k_counts[self.k_in_use] += 1
         self._step_decodes, self._step_speculated, self._step_probe = b, self.k_in_use > 0, probe
+        self._step_expected = None
 
     def _lookup_all(self, seqs: list[Sequence], decoding: list[int]) -> list[tuple[float, int, list[int], int]]:
         """(acceptance, row, draft, match length) of every decoding sequence with a match, best first."""
@@ -679,6 +739,8 @@ class Speculator:
                 drafts[i] = NgramProposer.draft(seq, tokens, n, self.vocab_size)
                 token_budget -= len(tokens)
         self.last_draft_s = time.perf_counter() - t0
+        if not probe:
+            self._step_expected = self._expected_emitted(len(decoding), drafts)
         self._batch_seqs, self._drafts = list(seqs), drafts
         return [d.tokens for d in drafts]
 
@@ -691,7 +753,8 @@ class Speculator:
 
     def observe_realized(self, emitted: int, seconds: float) -> None:
         """The tokens a whole pure-decode step emitted and its wall time, by batch-size bucket and by whether
-        it speculated: the measurement that overrules the cost model (see ``choose_k``)."""
+        it speculated: the measurement that overrules the cost model (see ``choose_k``). A speculative step counts
+        the tokens it emits on average at the measured acceptance (``_expected_emitted``) rather than its own."""
         b = self._step_decodes
         if seconds <= 0 or not b:
             return
@@ -717,8 +780,12 @@ class Speculator:
             self.plain_step_s[b] = plain if old is None else 0.8 * old + 0.2 * plain
             return
         if self.plain_step_s:
+            # counted at the expected tokens, not the emitted ones: acceptance is measured over every verified
+            # token (alpha_estimate), while one step's luck (1 to k + 1 tokens per sequence) would make an 8-step
+            # trial's verdict a coin toss at small batches; what the trial has to measure is the step's cost
+            tokens = emitted if self._step_expected is None else self._step_expected
             self.realized.setdefault(b.bit_length(), deque(maxlen=64)).append(
-                emitted * self._plain_estimate(b) / (b * seconds))
+                tokens * self._plain_estimate(b) / (b * seconds))
 
     def _plain_estimate(self, b: int) -> float:
         """Seconds of a whole plain step of ``b`` decodes: measured at ``b``, or scaled from the nearest batch
@@ -770,6 +837,7 @@ class Speculator:
                 s.num_rejections += accepted < k
                 s.num_verifies += 1
                 s.num_emitted += len(toks)
+                self._observe_acceptance(accepted, accepted < k)
                 if drafts[r].match_len:
                     s.match_accepted[drafts[r].match_len] += accepted
                     s.match_rejections[drafts[r].match_len] += accepted < k
