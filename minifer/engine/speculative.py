@@ -45,7 +45,7 @@ one; acceptance is measured per match length), and verifies only the drafts pred
 With no request waiting for a slot it speculates only in steps where every decoding sequence has a draft: a
 sequence that speeds ahead alone frees a slot nobody takes, and the batch still ends with its slowest sequence.
 
-The model can be wrong (a cost table measured on prompt chunks, acceptance that differs between requests), so
+The model can be wrong (a cost table from a calibration, acceptance that differs between requests), so
 measurement has the last word: per batch-size bucket the engine keeps the measured speedup of each recent
 speculative step (its tokens per second over a plain step's at the same batch size, counting the tokens such a
 step emits on average at the measured acceptance, so that one step's luck does not decide a trial; it mixes in a
@@ -54,15 +54,17 @@ not clear the margin (or after 4 that lose outright). It tries again after 32, 6
 margin rather than 1, and why as much as 30%: speculation speeds sequences up unevenly, so the batch ends in a
 ragged tail of a few slow sequences stepping at a small, inefficient batch size, and a batch takes as long as its
 slowest sequence; a step's own speedup does not see that. Measured with the bundled pair on the CPU, draft-model
-steps about 1.4x faster per step at 8 sequences finished batches about 1.2x sooner, while steps about 1.25x
-faster at 16-32 sequences finished them no sooner at all. (A GPU's flatter cost keeps the per-step gains of
-small batches far above the margin.)
+steps about 1.4x faster per step at 8 sequences finished batches about 1.2x sooner, while steps about 1.3x
+faster at 16 sequences finished them no sooner at all: the more sequences, the further the slowest lags the mean,
+so with nothing waiting the margin grows with the batch (``margin_for``). (A GPU's flatter cost keeps the per-step
+gains of small batches far above the margin.)
 
-Staying informed costs too: when plain decoding wins but not by much, now and then one sequence speculates
-anyway (a *probe*), so a stale acceptance or draft cost cannot switch speculation off for good. A draft-model
-probe first catches the draft up on every token it skipped, which at 32 sequences can cost a third of a step, so
+Staying informed costs too: when plain decoding wins but not by much (the best prediction within 10% of the
+margin), now and then one sequence speculates anyway (a *probe*), so a stale acceptance or draft cost cannot
+switch speculation off for good. A draft-model probe first catches the draft up on every token it skipped, which at 32 sequences can cost a third of a step, so
 probes are rationed to 0.2% of the decode time of roughly the last thousand steps (``PROBE_BUDGET``,
-``PROBE_DECAY``): time banked while speculating at small batches must not pay for a run of probes later.
+``PROBE_DECAY``): time banked while speculating at small batches must not pay for a run of probes later. A
+prediction clearly short of the margin gets no probes: its decision is held for a few steps instead.
 
 Limits (documented, not hidden): requests with ``repetition_penalty != 1`` decode without speculation;
 with adaptive k, a seeded *sampled* request is distributed exactly as without speculation but its exact
@@ -350,6 +352,7 @@ class Speculator:
         # tokens per second over plain decoding's at its batch size (plain_step_s: whole plain steps by size)
         self.realized: dict[int, deque[float]] = {}
         self.plain_step_s: dict[int, float] = {}
+        self._plain_window: dict[int, deque[float]] = {}  # the recent plain step times behind plain_step_s
         self._step_decodes, self._step_speculated, self._spec_choices = 0, False, 0
         self._overruled: Counter[int] = Counter()  # per bucket: steps the measurement overruled in a row
         self._retry_after: dict[int, int] = {}  # per bucket: overruled steps before speculating anyway
@@ -482,11 +485,11 @@ class Speculator:
         if rates[best] > base * self._margin:
             return (best if self.measured_allows(num_decodes) else 0), False
         self._plain_choices += 1
-        if rates[best] > 0.75 * base and self._probe_due():
+        if rates[best] < 0.9 * base * self._margin:  # clearly short: the next few steps need no new prediction
+            self._plain_hold[num_decodes] = PLAIN_HOLD
+        elif self._probe_due():  # short of the margin, but not by much: worth keeping the estimates current
             self._last_probe = self._plain_choices
             return best, True
-        if rates[best] < base:  # not even close: the next few steps at this size need no new prediction
-            self._plain_hold[num_decodes] = PLAIN_HOLD
         return 0, False
 
     def _probe_due(self) -> bool:
@@ -776,8 +779,11 @@ class Speculator:
                 self._factor[kind] = statistics.median(seen) if len(seen) >= 4 else 1.0
         if not self._step_speculated:  # plain decoding would not have looked for drafts: leave that time out
             plain = max(seconds - self._step_propose_s, 1e-9)
-            old = self.plain_step_s.get(b)
-            self.plain_step_s[b] = plain if old is None else 0.8 * old + 0.2 * plain
+            # the median of the last few: a neighbour's spike only ever adds time, and an inflated plain time would
+            # overrate every speculative step measured against it and underrate what probes cost
+            window = self._plain_window.setdefault(b, deque(maxlen=9))
+            window.append(plain)
+            self.plain_step_s[b] = statistics.median(window)
             return
         if self.plain_step_s:
             # counted at the expected tokens, not the emitted ones: acceptance is measured over every verified
