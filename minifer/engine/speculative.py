@@ -62,9 +62,10 @@ gains of small batches far above the margin.)
 Staying informed costs too: when plain decoding wins but not by much (the best prediction within 10% of the
 margin), now and then one sequence speculates anyway (a *probe*), so a stale acceptance or draft cost cannot
 switch speculation off for good. A draft-model probe first catches the draft up on every token it skipped,
-which at 32 sequences can cost a third of a step, so probes are rationed to 0.2% of the decode time of roughly the last thousand steps (``PROBE_BUDGET``,
-``PROBE_DECAY``): time banked while speculating at small batches must not pay for a run of probes later. A
-prediction clearly short of the margin gets no probes: its decision is held for a few steps instead.
+which at 32 sequences can cost a third of a step, so probes are rationed to 0.2% of the decode time of roughly
+the last thousand steps (``PROBE_BUDGET``, ``PROBE_DECAY``): time banked while speculating at small batches must
+not pay for a run of probes later. A prediction clearly short of the margin gets no probes: its decision is held
+for a few steps instead.
 
 Limits (documented, not hidden): requests with ``repetition_penalty != 1`` decode without speculation;
 with adaptive k, a seeded *sampled* request is distributed exactly as without speculation but its exact
