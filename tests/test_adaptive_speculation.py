@@ -208,9 +208,10 @@ def test_closed_batches_need_a_larger_margin_as_they_grow(spec):
     from minifer.engine.speculative import TAIL_GROWTH
 
     m = spec.cfg.margin
-    assert spec.margin_for(8, waiting=0) == m  # up to 8 sequences the plain margin
-    assert spec.margin_for(16, waiting=0) == pytest.approx(m * (1 + TAIL_GROWTH))
-    assert spec.margin_for(64, waiting=0) == pytest.approx(m * (1 + 3 * TAIL_GROWTH))
+    assert spec.margin_for(1, waiting=0) == m  # one sequence: no ragged tail
+    assert spec.margin_for(8, waiting=0) == pytest.approx(m * (1 + 9 * TAIL_GROWTH))
+    margins = [spec.margin_for(b, waiting=0) for b in (1, 2, 4, 8, 16, 32, 64)]
+    assert margins == sorted(margins) and 1.25 < margins[3] < 1.35 and margins[-1] > 1.8
     assert spec.margin_for(64, waiting=3) == m  # requests waiting refill finished slots: no ragged tail
 
 
