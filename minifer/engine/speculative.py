@@ -26,17 +26,16 @@ predicted tokens per second
     E = (1 - alpha^(k+1)) / (1 - alpha)
 
 where ``h`` is the measured fraction of sequences that get drafts at all (1 for a draft model), ``alpha`` the
-measured per-token acceptance (over roughly the last 200 verifications) and ``T(n)`` the predicted time of a
-whole engine step whose target forward covers ``n`` tokens: the forward's time from a table (by powers of two,
-interpolated) filled at start-up by a short calibration shaped like decode steps and refreshed by every
-pure-decode step, times the measured ratio of whole steps to
-their forwards (larger for speculative steps: verification, rollback and more tokens to append). ``k = 0``
-(plain decoding) wins unless the prediction beats it by a margin (10%, more in closed batches, see below), so under load, when ``T``
-grows with the tokens, speculation turns itself off instead of becoming the 1.4-1.8x slowdown that fixed-k
-speculation shows at high QPS. A clear plain decision is reused for the next few steps at the same batch size
-(``PLAIN_HOLD``), and such steps keep only a light bookkeeping (``_plain_step``): the predictions and timings
-of every step would otherwise cost about 1% at 16-64 sequences, and plain decoding should cost the same in an
-adaptive engine as in a plain one.
+measured per-token acceptance (over roughly the last 200 verifications) and ``T(n)`` the predicted time of a whole
+engine step whose target forward covers ``n`` tokens: the forward's time from a table (by powers of two,
+interpolated) filled at start-up by a short calibration shaped like decode steps and refreshed by every pure-decode
+step, times the measured ratio of whole steps to their forwards (larger for speculative steps: verification,
+rollback and more tokens to append). ``k = 0`` (plain decoding) wins unless the prediction beats it by a margin
+(10%, more in closed batches, see below), so under load, when ``T`` grows with the tokens, speculation turns itself
+off instead of becoming the 1.4-1.8x slowdown that fixed-k speculation shows at high QPS. A clear plain decision is
+reused for the next few steps at the same batch size (``PLAIN_HOLD``), and such steps keep only a light bookkeeping
+(``_plain_step``): the predictions and timings of every step would otherwise cost about 1% at 16-64 sequences, and
+plain decoding should cost the same in an adaptive engine as in a plain one.
 
 N-gram lookup costs almost nothing, so with ``"ngram"`` the engine looks first and decides after: it knows which
 sequences have a draft and how long a match found it (a 4-token match is accepted far more often than a 1-token
@@ -45,19 +44,19 @@ one; acceptance is measured per match length), and verifies only the drafts pred
 With no request waiting for a slot it speculates only in steps where every decoding sequence has a draft: a
 sequence that speeds ahead alone frees a slot nobody takes, and the batch still ends with its slowest sequence.
 
-The model can be wrong (a cost table from a calibration, acceptance that differs between requests), so
-measurement has the last word: per batch-size bucket the engine keeps the measured speedup of each recent
-speculative step (its tokens per second over a plain step's at the same batch size, counting the tokens such a
-step emits on average at the measured acceptance, so that one step's luck does not decide a trial; it mixes in a
-few plain steps to know those) and stops speculating in a bucket where, after a trial of 8 steps, the mean speedup
-does not clear the margin (or after 4 that lose outright). It tries again after 32, 64, ... 1024 plain steps. Why a
-margin rather than 1, and why a growing one when nothing is waiting: speculation speeds sequences up unevenly, so
-the batch ends in a ragged tail of a few slow sequences stepping at a small, inefficient batch size, and a batch
-takes as long as its slowest sequence; a step's own speedup does not see that. Measured with the bundled pair on the CPU, draft-model
-steps about 1.4x faster per step at 8 sequences finished batches about 1.2x sooner, while steps about 1.3x
-faster at 16 sequences finished them no sooner at all: the more sequences, the further the slowest lags the mean,
-so with nothing waiting the margin grows with the batch (``margin_for``). (A GPU's flatter cost keeps the per-step
-gains of small batches far above the margin.)
+The model can be wrong (a cost table from a calibration, acceptance that differs between requests), so measurement
+has the last word: per batch-size bucket the engine keeps the measured speedup of each recent speculative step (its
+tokens per second over a plain step's at the same batch size, counting the tokens such a step emits on average at
+the measured acceptance, so that one step's luck does not decide a trial; it mixes in a few plain steps to know
+those) and stops speculating in a bucket where, after a trial of 8 steps, the mean speedup does not clear the margin
+(or after 4 that lose outright). It tries again after 32, 64, ... 1024 plain steps. Why a margin rather than 1, and
+why a growing one when nothing is waiting: speculation speeds sequences up unevenly, so the batch ends in a ragged
+tail of a few slow sequences stepping at a small, inefficient batch size, and a batch takes as long as its slowest
+sequence; a step's own speedup does not see that. Measured with the bundled pair on the CPU, draft-model steps about
+1.4x faster per step at 8 sequences finished batches about 1.2x sooner, while steps about 1.3x faster at 16
+sequences finished them no sooner at all: the more sequences, the further the slowest lags the mean, so with nothing
+waiting the margin grows with the batch (``margin_for``). (A GPU's flatter cost keeps the per-step gains of small
+batches far above the margin.)
 
 Staying informed costs too: when plain decoding wins but not by much (the best prediction within 10% of the
 margin), now and then one sequence speculates anyway (a *probe*), so a stale acceptance or draft cost cannot
