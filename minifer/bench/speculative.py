@@ -69,7 +69,7 @@ def grounded_prompts(llm, n: int, continuation: int = 48) -> list[dict[str, list
 
 def _engine(model: str, spec: dict | None, max_num_seqs: int, device: str | None, share=None):
     """An engine for the comparisons. ``share``: an engine whose loaded weights (and draft) this one uses: engines
-    compared with each other run the very same weights, because two copies of them can differ in speed by 1-2.5%
+    compared with each other run the very same weights, because two copies of them differed in speed by up to 2.5%
     on the CPU (memory placement), which a ratio would otherwise report as a difference between the engines."""
     from minifer import LLM
 
@@ -88,8 +88,8 @@ def run_interleaved(engines: dict[Any, Any], batch: list, params: SamplingParams
     apart see the same one, so a ratio of the sums compares the engines, not the moments they ran in.
 
     Why a random order: a step finds the CPU caches as the step before it left them. In a fixed cyclic order
-    (even one whose first engine rotates) each engine always follows the same other one, and the engine that
-    follows a speculating engine's large verify forwards measured 1-2% slower than the others on this CPU."""
+    (even one whose first engine rotates) each engine always follows the same other one, so whatever a speculating
+    engine's large verify forwards do to the caches would always land on the same successor."""
     seqs = {m: [llm.make_sequence(i, p, params) for i, p in enumerate(batch)] for m, llm in engines.items()}
     for m, llm in engines.items():
         for seq in seqs[m]:

@@ -84,7 +84,7 @@ class LLM:
         share_weights_with: another ``LLM`` of the same model, dtype, device and quantization whose loaded weights
             (and draft model, when both use the same draft) this one uses instead of loading its own copy: two
             engines to compare in one process (plain vs speculative, chapter 04). Separate copies of the same
-            weights can differ in speed by where they sit in memory (1-2.5% measured on the CPU), which would
+            weights can differ in speed by where they sit in memory (up to 2.5% measured on the CPU), which would
             otherwise be read as a difference between the engines.
     """
 
