@@ -376,7 +376,7 @@ class Speculator:
         """Time target (and draft) forwards shaped like decode steps, once, at start-up while every block is free:
         1, 2, 4, ... scratch sequences with ``context`` cached tokens bring one new token each. Why decode-shaped: a
         forward's time depends on how many sequences' caches it reads, not only on its token count; a table timed
-        on one long prompt chunk ran 20-30% under real decode steps of 40-100 tokens here, and made speculation
+        on one long prompt chunk ran 15-20% under real decode steps of 64-128 tokens here, and made speculation
         at 32 sequences look like a gain. Verify steps carry fewer sequences and more tokens each; at the same
         token count they measured from about 0.6x to 1.35x a decode step here, so for them the table is a first
         guess that their own steps refresh (and the measured trials overrule). Beyond ``max_tokens`` the table
