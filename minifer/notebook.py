@@ -997,10 +997,9 @@ def adaptive_k_table(speculator: Any, batch_sizes: Sequence[int]) -> list[dict[s
     k, and the target's measured time for ``b`` and ``b (k_max + 1)`` tokens."""
     k_max = speculator.cfg.num_speculative_tokens
     alpha = speculator.alpha_estimate()
-    saved = speculator.probe_every, speculator._plain_choices, getattr(speculator, "_plain_hold", None)
+    saved = speculator.probe_every, speculator._plain_choices, speculator._plain_hold
     speculator.probe_every = 2**62
-    if saved[2] is not None:
-        speculator._plain_hold = {}  # every row predicted afresh, not a decision held from the engine's last steps
+    speculator._plain_hold = {}  # every row predicted afresh, not a decision held from the engine's last steps
     try:
         rows = []
         for b in batch_sizes:
@@ -1014,9 +1013,7 @@ def adaptive_k_table(speculator: Any, batch_sizes: Sequence[int]) -> list[dict[s
                          "target_ms_verify": 1e3 * speculator.target_cost(b * (k_max + 1))})
         return rows
     finally:
-        speculator.probe_every, speculator._plain_choices = saved[:2]
-        if saved[2] is not None:
-            speculator._plain_hold = saved[2]
+        speculator.probe_every, speculator._plain_choices, speculator._plain_hold = saved
 
 
 def plot_adaptive_k(speculator: Any, rows: Sequence[Mapping[str, Any]]) -> "Figure":

@@ -367,7 +367,6 @@ class Speculator:
         self.step_factor: dict[bool, deque[float]] = {False: deque(maxlen=32), True: deque(maxlen=32)}
         self._factor = {False: 1.0, True: 1.0}
         self._step_tokens, self._step_propose_s = 0, 0.0
-        self._margin = cfg.margin  # this step's (margin_for)
         self.match_seen: Counter[int] = Counter()  # n-gram lookups by the match length they found (0: none)
 
     # --- choosing k ----------------------------------------------------------------------------------
@@ -475,24 +474,30 @@ class Speculator:
             return k_max, False
         if not self.calibrated:
             self.calibrate()
-        if self._plain_hold.get(num_decodes):  # plain decoding won clearly a few steps ago at this batch size
-            self._plain_hold[num_decodes] -= 1
-            self._plain_choices += 1
+        if self._held(num_decodes):
             return 0, False
-        self._margin = self.margin_for(num_decodes, waiting)
+        margin = self.margin_for(num_decodes, waiting)
         alpha = self.alpha_estimate()
         base = self.predicted_rate(num_decodes, 0, alpha)
         rates = {k: self.predicted_rate(num_decodes, k, alpha, lag) for k in range(1, k_max + 1)}
         best = max(rates, key=rates.get)
-        if rates[best] > base * self._margin:
-            return (best if self.measured_allows(num_decodes) else 0), False
+        if rates[best] > base * margin:
+            return (best if self.measured_allows(num_decodes, margin) else 0), False
         self._plain_choices += 1
-        if rates[best] < 0.9 * base * self._margin:  # clearly short: the next few steps need no new prediction
+        if rates[best] < 0.9 * base * margin:  # clearly short: the next few steps need no new prediction
             self._plain_hold[num_decodes] = PLAIN_HOLD
         elif self._probe_due():  # short of the margin, but not by much: worth keeping the estimates current
             self._last_probe = self._plain_choices
             return best, True
         return 0, False
+
+    def _held(self, num_decodes: int) -> bool:
+        """Is a clear plain decision at this batch size still held (``PLAIN_HOLD``)? Uses up one held step."""
+        if not self._plain_hold.get(num_decodes):
+            return False
+        self._plain_hold[num_decodes] -= 1
+        self._plain_choices += 1
+        return True
 
     def _probe_due(self) -> bool:
         """A probe may run: ``probe_every`` plain choices since the last one, and probes have added at most
@@ -503,20 +508,22 @@ class Speculator:
         return (self._plain_choices - self._last_probe >= self.probe_every
                 and self._probe_extra_s <= PROBE_BUDGET * self._decode_s)
 
-    def measured_allows(self, num_decodes: int) -> bool:
+    def measured_allows(self, num_decodes: int, margin: float | None = None) -> bool:
         """The cost model says speculate; do the measured steps of this batch size agree? Keep a few plain
         steps in the mix (every 8th until the batch size has a plain time, then every 32nd) and speculate
         only while the measured speculative steps beat them by the margin (``_beats``; a trial stops after 4
         steps that lose outright). Once overruled, try again after 32, 64, ... (at most 1024) plain steps,
         with a fresh trial of 8 speculative steps: a batch size where speculation loses then costs little,
-        and one where it starts to win (acceptance rose, an unlucky first trial) is found again."""
+        and one where it starts to win (acceptance rose, an unlucky first trial) is found again. ``margin``: this
+        step's (``margin_for``), ``cfg.margin`` by default."""
+        margin = self.cfg.margin if margin is None else margin
         bucket = num_decodes.bit_length()
         on = self.realized.get(bucket, ())
         self._spec_choices += 1
         if self._spec_choices % (8 if num_decodes not in self.plain_step_s else 32) == 0:
             return False  # a plain step now and then keeps the reference current
         # a trial ends early when its first steps already lose outright
-        lost = (len(on) >= TRIAL_STEPS and not _beats(on, self._margin)) or (len(on) >= 4 and not _beats(on, 1.0))
+        lost = (len(on) >= TRIAL_STEPS and not _beats(on, margin)) or (len(on) >= 4 and not _beats(on, 1.0))
         if bucket not in self.realized and any(self._overruled[smaller] for smaller in range(1, bucket)):
             # never tried here, and speculation is losing at a smaller batch size: that speaks for this one too
             # (more sequences only make the verify forward dearer), so it waits for a retry as if it had lost
@@ -575,7 +582,7 @@ class Speculator:
                         best = (m, k, ratio)
         return best
 
-    def _ngram_may_pay(self, num_decodes: int, require_all: bool = False) -> bool:
+    def _ngram_may_pay(self, num_decodes: int, require_all: bool = False, margin: float | None = None) -> bool:
         """Before the lookups: would the step pay if its sequences matched as often, and as long, as recent
         lookups did (``match_seen``: lookups by the match length they found, 0 for none)? Verifying only the
         sequences of the best match lengths is allowed. Asked only at 8 or more sequences: below that the
@@ -586,6 +593,7 @@ class Speculator:
         recent share of lookups that found one), the lookups are not worth their cost — at 16 sequences they
         take 1-2% of a step on the CPU, and a step that speculates gains 10-20%."""
         seen, b = self.match_seen, num_decodes
+        margin = self.cfg.margin if margin is None else margin
         total = seen.total()
         if b < 8 or total < 64:
             return True
@@ -598,7 +606,7 @@ class Speculator:
             for alpha, share in classes:
                 gain += b * share * (expected_tokens_per_forward(min(alpha, 0.999), k) - 1)
                 tokens += b * share * k
-                if (b + gain) / self.step_time(round(b + tokens), True) > base * self._margin:
+                if (b + gain) / self.step_time(round(b + tokens), True) > base * margin:
                     return True
         return False
 
@@ -616,8 +624,8 @@ class Speculator:
             self.calibrate()
         k_max = self.cfg.num_speculative_tokens
         b = len(decoding)
-        self._margin = self.margin_for(b, waiting)
-        if not self._ngram_may_pay(b, require_all=not waiting) or not self.measured_allows(b):
+        margin = self.margin_for(b, waiting)
+        if not self._ngram_may_pay(b, not waiting, margin) or not self.measured_allows(b, margin):
             # not worth even the lookups; now and then a probe: every sequence looked up (the match
             # statistics stay current) and one draft verified (so does its acceptance)
             self._plain_choices += 1
@@ -629,7 +637,7 @@ class Speculator:
         found = self._lookup_all(seqs, decoding)
         m, k, ratio = self.plan_drafts(b, [(a, len(t)) for a, _, t, _ in found], require_all=not waiting)
         probe = False
-        if not (m and ratio > self._margin):
+        if not (m and ratio > margin):
             m = 0
             self._plain_choices += 1
             if found and self._probe_due():
@@ -651,9 +659,7 @@ class Speculator:
             self._step_decodes, self._step_speculated, self._step_probe, self._step_propose_s = 0, False, False, 0.0
             return None
         b = len(decoding)
-        if self.cfg.adaptive and self._plain_hold.get(b):  # a clear plain decision, held: the fast path
-            self._plain_hold[b] -= 1
-            self._plain_choices += 1
+        if self.cfg.adaptive and self._held(b):  # a clear plain decision, held: the fast path
             self._plain_step(b)
             return None
         lag = 1.0
