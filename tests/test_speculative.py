@@ -275,3 +275,47 @@ def test_speculative_benchmark_smoke(tmp_path):
         assert all(r["identical_tokens"] for r in sp["rows"])
     for rows in result["tokens_per_forward"].values():
         assert all(1 <= r["tokens_per_forward"] <= r["k"] + 1 for r in rows)
+    for sp in result["speedup"].values():
+        for r in sp["rows"]:
+            lo, hi, coverage = r["ci_adaptive"]
+            assert lo <= r["speedup_adaptive"] <= hi and 0 <= coverage <= 1  # one round: coverage 0
+    assert set(bench.adaptive_verdict(result["speedup"])) >= {"met_within_resolution", "lowest_median"}
+
+
+def test_median_ci_order_statistics():
+    """The interval is the (j, n + 1 - j)-th order statistics with binomial coverage, and covers as it says."""
+    import random
+
+    from scipy.stats import binom
+
+    from minifer.bench.speculative import median_ci
+
+    xs = [0.97, 1.03, 0.99, 1.01, 1.00, 0.98, 1.02, 0.96, 1.04, 0.995, 1.005, 0.985, 1.015, 0.975, 1.025, 1.0]
+    lo, hi, cov = median_ci(xs)
+    s = sorted(xs)
+    assert (lo, hi) == (s[3], s[12])  # 16 values: the 4th and 13th
+    assert cov == pytest.approx(1 - 2 * binom.cdf(3, 16, 0.5)) and cov >= 0.95
+    assert median_ci(xs[:8])[:2] == (min(xs[:8]), max(xs[:8]))  # 8 values: only the range reaches 95%
+    assert median_ci([1.0, 2.0, 3.0, 4.0])[2] == pytest.approx(0.875)  # too few: the range, and its coverage
+    with pytest.raises(ValueError, match="at least one"):
+        median_ci([])
+    rng, misses = random.Random(0), 0  # coverage: a skewed distribution whose median is 1.0
+    for _ in range(2000):
+        lo, hi, _ = median_ci([1.0 + rng.expovariate(1.0) - 0.6931471805599453 for _ in range(16)])
+        misses += not lo <= 1.0 <= hi
+    assert misses / 2000 < 0.035  # at most 1 - 0.979 = 2.1% expected
+
+
+def test_adaptive_verdict_reads_the_intervals():
+    from minifer.bench.speculative import adaptive_verdict
+
+    def row(batch, med, lo, hi):
+        return {"batch": batch, "speedup_adaptive": med, "ci_adaptive": [lo, hi, 0.98],
+                "ci_plain_again": [0.99, 1.01, 0.98]}
+
+    ok = {"draft_model": {"rows": [row(1, 1.6, 1.5, 1.7), row(64, 0.995, 0.985, 1.004)]}}
+    v = adaptive_verdict(ok)
+    assert v["met_within_resolution"] and v["cells_below_1"] == 1 and v["lowest_at"] == ["draft_model", 64]
+    assert v["largest_shortfall_allowed"] == pytest.approx(0.015)
+    bad = {"draft_model": {"rows": [row(1, 1.6, 1.5, 1.7), row(16, 0.984, 0.975, 0.999)]}}
+    assert adaptive_verdict(bad)["measurably_slower"] == [("draft_model", 16)]
