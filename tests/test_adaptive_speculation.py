@@ -230,3 +230,13 @@ def test_the_drafts_catch_up_is_spread_over_a_trial():
     time_at = {lag: b * (1 + 2.952 - 1) / s.predicted_rate(b, k, alpha, lag) for lag in (1.0, 100.0)}
     catch_up = (s.draft_cost(b * 100) - s.draft_cost(b * 1)) / TRIAL_STEPS
     assert time_at[100.0] - time_at[1.0] == pytest.approx(catch_up, rel=0.02)
+
+
+def test_probes_are_counted_apart_from_speculative_steps(spec):
+    """A probe is a plain step with one sequence speculating: k = 0 in the histogram, and counted on its own."""
+    spec._record_step(8, 3, probe=True)
+    spec._record_step(8, 3, probe=False)
+    assert spec.stats.num_probes == 1
+    assert spec.stats.k_counts[0] == 1 and spec.stats.k_counts[3] == 1
+    summary = spec.summary()
+    assert summary["spec_probes"] == 1 and summary["spec_steps_speculating"] == 1

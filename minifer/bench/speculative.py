@@ -187,6 +187,7 @@ def speedup_vs_batch(model: str, spec: dict, prompts: list, batch_sizes: list[in
         # 4 rounds give only their range, 87.5%, and single rounds at 8 sequences scatter by +-3% here).
         rounds = repeats * (4 if b >= 8 else 1)
         adaptive_stats = engines["adaptive"].engine.speculator.stats
+        probes_before = adaptive_stats.num_probes
         for r in range(rounds):
             before = Counter(adaptive_stats.k_counts)
             spent = dict.fromkeys(engines, 0.0)
@@ -212,6 +213,7 @@ def speedup_vs_batch(model: str, spec: dict, prompts: list, batch_sizes: list[in
                      "ci_plain_again": median_ci(again),
                      "adaptive_mean_k": sum(k * n for k, n in ks.items()) / ks.total() if ks else 0.0,
                      "adaptive_k_hist": {str(k): ks[k] for k in sorted(ks)},
+                     "adaptive_probes": adaptive_stats.num_probes - probes_before,  # counted as k = 0 above
                      "identical_tokens": outputs["plain"] == outputs["fixed"] == outputs["adaptive"]
                      == outputs["plain_again"],
                      "tokens": n_batches * b * max_tokens, "batches": n_batches, "rounds": rounds})

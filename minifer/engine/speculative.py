@@ -314,6 +314,7 @@ class SpecStats:
     num_accepted: int = 0
     num_rejections: int = 0  # verifications that stopped at a rejected draft token
     num_verifies: int = 0  # (sequence, step) pairs that speculated
+    num_probes: int = 0  # plain steps in which one sequence speculated to keep the estimates current (k_counts: 0)
     num_emitted: int = 0  # tokens those verifications emitted
     k_counts: Counter[int] = field(default_factory=Counter)  # steps by the k they used (a server runs for days)
     # n-gram drafts by the length of the match that found them: accepted tokens and rejections
@@ -717,6 +718,7 @@ class Speculator:
         each (a probe counts as k = 0: it is plain decoding plus one sequence's measurement)."""
         self.k_in_use = 0 if probe else k
         self.stats.k_counts[self.k_in_use] += 1
+        self.stats.num_probes += probe
         self._step_decodes, self._step_speculated, self._step_probe = b, self.k_in_use > 0, probe
         self._step_expected = None
 
@@ -892,6 +894,7 @@ class Speculator:
             "spec_k_max": self.cfg.num_speculative_tokens,
             "spec_steps_speculating": s.k_counts.total() - s.k_counts[0],
             "spec_steps": s.k_counts.total(),
+            "spec_probes": s.num_probes,
         }
 
 
