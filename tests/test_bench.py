@@ -227,3 +227,17 @@ def test_cli_bound_and_plot(tmp_path):
     assert all(r["ratio_mean"] == 1 for r in data["curves"]["fixed:8"])
     assert "bound -n 16 64" in data["metadata"]["command"]
     assert out.with_suffix(".png").is_file()
+
+
+def test_block_order_smoke(tmp_path):
+    """The allocator-order benchmark runs end to end, its FIFO engines decode the same tokens, and its rows hold a
+    median inside its interval (speed itself is never asserted: ratios on a shared machine are measured, not tested)."""
+    from minifer.bench import block_order
+
+    out = tmp_path / "block_order.json"
+    block_order.main(["--smoke", "--out", str(out)])
+    d = json.loads(out.read_text())
+    assert d["identical_tokens"] and set(d["rows"]) == {"fifo_ordered", "fifo_scattered"}
+    for row in d["rows"].values():
+        lo, hi, cov = row["ci"]
+        assert lo <= row["speed_vs_lowest_first"] <= hi and 0 < cov <= 1 and len(row["round_ratios"]) == 2

@@ -7,6 +7,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import minifer.engine.block_manager as bm
+from minifer.bench.block_order import FifoBlockManager
 from minifer.engine.block_manager import BlockManager
 
 
@@ -103,11 +104,12 @@ ops = st.lists(
     max_size=60)
 
 
+@pytest.mark.parametrize("cls", [BlockManager, FifoBlockManager])  # the benchmark's FIFO variant must hold up too
 @settings(max_examples=200, deadline=None)
 @given(ops=ops, block_size=st.sampled_from([1, 2, 4]), num_blocks=st.integers(1, 12),
        caching=st.booleans())
-def test_random_workloads_leak_nothing(ops, block_size, num_blocks, caching):
-    m = BlockManager(num_blocks, block_size, enable_prefix_caching=caching)
+def test_random_workloads_leak_nothing(cls, ops, block_size, num_blocks, caching):
+    m = cls(num_blocks, block_size, enable_prefix_caching=caching)
     tokens: dict[int, list[int]] = {}
     for op, sid, toks, n in ops:
         if op == "alloc" and sid not in tokens:
@@ -152,3 +154,23 @@ def test_scratch_sequence_is_freed_and_not_counted_as_cache_traffic():
             raise RuntimeError("a failed calibration pass")
     assert not m.has_seq("__scratch__")
     assert (m.num_free_blocks, m.cache_queries, m.cache_hits) == before
+
+
+def test_lowest_free_block_goes_out_first_whatever_the_order_blocks_came_back_in():
+    """History (the order sequences finish, rollbacks) must not scatter later sequences over the pool."""
+    m = BlockManager(12, 2, enable_prefix_caching=False)
+    for sid in range(5):
+        m.allocate(sid, [1, 2, 3])  # two blocks each: 0-9 in use
+    for sid in (3, 0, 4, 1):
+        m.free(sid)
+    m.truncate(2, 1)  # a rollback frees block 5
+    m.allocate("new", list(range(9)))
+    assert m.block_table("new") == [0, 1, 2, 3, 5]
+    m.check_invariants()
+    fifo = FifoBlockManager(12, 2, enable_prefix_caching=False)  # the textbook queue hands the history on
+    for sid in range(5):
+        fifo.allocate(sid, [1, 2, 3])
+    for sid in (3, 0, 4, 1):
+        fifo.free(sid)
+    fifo.allocate("new", list(range(9)))
+    assert fifo.block_table("new") == [10, 11, 7, 6, 1]
