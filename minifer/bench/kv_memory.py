@@ -491,7 +491,8 @@ def triton_vs_reference(seed: int = 0, *, context_lens: Sequence[int] = (1, 17, 
 
 def block_table_demo(block_size: int = 4, num_blocks: int = 24, prefix_caching: bool = False):
     """A small ``BlockManager`` after a scripted run: sequences A, B, C arrive, grow in turns (one token each
-    per decode step, as in a batch), B finishes, D arrives and takes blocks wherever they are free.
+    per decode step, as in a batch), D joins them, B finishes, and E arrives and takes the lowest-numbered free
+    blocks, B's old ones first (``BlockManager._take_free``).
     Returns ``(block_manager, {name: tokens stored})``."""
     from minifer.engine.block_manager import BlockManager
 
