@@ -317,5 +317,6 @@ def test_adaptive_verdict_reads_the_intervals():
     v = adaptive_verdict(ok)
     assert v["met_within_resolution"] and v["cells_below_1"] == 1 and v["lowest_at"] == ["draft_model", 64]
     assert v["largest_shortfall_allowed"] == pytest.approx(0.015)
+    assert v["aa_intervals_missing_1"] == [] and v["aa_misses_expected"] == pytest.approx(2 * 0.02)
     bad = {"draft_model": {"rows": [row(1, 1.6, 1.5, 1.7), row(16, 0.984, 0.975, 0.999)]}}
     assert adaptive_verdict(bad)["measurably_slower"] == [("draft_model", 16)]
