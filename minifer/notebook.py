@@ -997,10 +997,9 @@ def adaptive_k_table(speculator: Any, batch_sizes: Sequence[int]) -> list[dict[s
     k, and the target's measured time for ``b`` and ``b (k_max + 1)`` tokens."""
     k_max = speculator.cfg.num_speculative_tokens
     alpha = speculator.alpha_estimate()
-    saved = speculator.probe_every, speculator._plain_choices, speculator._plain_hold, speculator._hold_len
+    saved = speculator.probe_every, speculator._plain_choices, speculator._plain_hold
     speculator.probe_every = 2**62
-    # every row predicted afresh, not a decision held from the engine's last steps (nor one that lengthens its holds)
-    speculator._plain_hold, speculator._hold_len = {}, {}
+    speculator._plain_hold = {}  # every row predicted afresh, not a decision held from the engine's last steps
     try:
         rows = []
         for b in batch_sizes:
@@ -1014,7 +1013,7 @@ def adaptive_k_table(speculator: Any, batch_sizes: Sequence[int]) -> list[dict[s
                          "target_ms_verify": 1e3 * speculator.target_cost(b * (k_max + 1))})
         return rows
     finally:
-        speculator.probe_every, speculator._plain_choices, speculator._plain_hold, speculator._hold_len = saved
+        speculator.probe_every, speculator._plain_choices, speculator._plain_hold = saved
 
 
 def plot_adaptive_k(speculator: Any, rows: Sequence[Mapping[str, Any]]) -> "Figure":

@@ -33,10 +33,9 @@ step, times the measured ratio of whole steps to their forwards (larger for spec
 rollback and more tokens to append). ``k = 0`` (plain decoding) wins unless the prediction beats it by a margin
 (10%, more in closed batches, see below), so under load, when ``T`` grows with the tokens, speculation turns itself
 off instead of becoming the 1.4-1.8x slowdown that fixed-k speculation shows at high QPS. A clear plain decision is
-reused for the next steps at the same batch size (``PLAIN_HOLD`` of them, doubling while the decisions there stay
-clear, up to ``PLAIN_HOLD_MAX``), and such steps keep only a light bookkeeping (``_plain_step``): the predictions and
-timings of every step would otherwise cost about 1% at 16-64 sequences, and plain decoding should cost the same in
-an adaptive engine as in a plain one.
+reused for the next few steps at the same batch size (``PLAIN_HOLD``), and such steps keep only a light bookkeeping
+(``_plain_step``): the predictions and timings of every step would otherwise cost about 1% at 16-64 sequences, and
+plain decoding should cost the same in an adaptive engine as in a plain one.
 
 N-gram lookup costs almost nothing, so with ``"ngram"`` the engine looks first and decides after: it knows which
 sequences have a draft and how long a match found it (a 4-token match is accepted far more often than a 1-token
@@ -101,9 +100,8 @@ PROBE_BUDGET = 0.002  # probes may cost at most this fraction of the decode time
 PROBE_DECAY = 0.999  # per pure-decode step: the budget covers roughly the last thousand steps, not all history
 ALPHA_DECAY = 0.995  # per verified sequence: the acceptance estimate follows roughly the last 200 verifications
 TAIL_GROWTH = 0.02  # closed batches: the margin grows by 1 + TAIL_GROWTH * log2(b)^2 (see Speculator.margin_for)
-PLAIN_HOLD = 15  # steps that reuse a clear "plain" decision at the same batch size (see Speculator._hold_plain)
-PLAIN_HOLD_MAX = 120  # ... doubling with each clear plain decision in a row there, up to this many
-LIGHT_EVERY = 16  # of the held plain steps, every LIGHT_EVERY-th refreshes the timings (see Speculator._plain_step)
+PLAIN_HOLD = 15  # steps that reuse a clear "plain" decision at the same batch size (see Speculator._plain_step)
+LIGHT_EVERY = 8  # of the held plain steps, every LIGHT_EVERY-th refreshes the timings (see Speculator._plain_step)
 MAX_SPECULATIVE_TOKENS = 16
 
 
@@ -351,7 +349,6 @@ class Speculator:
         self._step_probe = False
         self._observed = 0  # pure-decode steps observed (the step-factor medians refresh every 8th)
         self._plain_hold: dict[int, int] = {}  # per batch size: steps left that reuse a clear plain decision
-        self._hold_len: dict[int, int] = {}  # per batch size: the length of its last hold (see _hold_plain)
         self._light_steps, self._step_light = 0, False  # see _plain_step
         # the measurement that has the last word on k: per batch-size bucket, each recent speculative step's
         # tokens per second over plain decoding's at its batch size (plain_step_s: whole plain steps by size)
@@ -486,29 +483,15 @@ class Speculator:
         base = self.predicted_rate(num_decodes, 0, alpha)
         rates = {k: self.predicted_rate(num_decodes, k, alpha, lag) for k in range(1, k_max + 1)}
         best = max(rates, key=rates.get)
-        if rates[best] < 0.9 * base * margin:  # clearly short: the next steps need no new prediction
-            self._plain_choices += 1
-            self._hold_plain(num_decodes)
-            return 0, False
-        self._hold_len.pop(num_decodes, None)  # not clear: the next clear decision holds briefly again
         if rates[best] > base * margin:
             return (best if self.measured_allows(num_decodes, margin) else 0), False
         self._plain_choices += 1
-        if self._probe_due():  # short of the margin, but not by much: worth keeping the estimates current
+        if rates[best] < 0.9 * base * margin:  # clearly short: the next few steps need no new prediction
+            self._plain_hold[num_decodes] = PLAIN_HOLD
+        elif self._probe_due():  # short of the margin, but not by much: worth keeping the estimates current
             self._last_probe = self._plain_choices
             return best, True
         return 0, False
-
-    def _hold_plain(self, num_decodes: int) -> None:
-        """Reuse a clear plain decision for the next steps at this batch size: ``PLAIN_HOLD`` of them, twice as
-        many as last time while the decisions here stay clear, up to ``PLAIN_HOLD_MAX``. Why growing: a new
-        prediction and the steps around it cost about 100 us more than a held step, and with a fixed hold of 15
-        steps the adaptive engine's medians in the benchmark's plain-decoding cells (16-64 sequences on the CPU)
-        averaged 0.3-0.4% below the A/A control's in two runs; 120 steps are 2-4 s of decoding there, a short wait
-        for a load that has changed."""
-        last = self._hold_len.get(num_decodes)
-        n = min(2 * last, PLAIN_HOLD_MAX) if last else PLAIN_HOLD
-        self._hold_len[num_decodes] = self._plain_hold[num_decodes] = n
 
     def _held(self, num_decodes: int) -> bool:
         """Is a clear plain decision at this batch size still held (``PLAIN_HOLD``)? Uses up one held step."""
@@ -644,19 +627,15 @@ class Speculator:
         k_max = self.cfg.num_speculative_tokens
         b = len(decoding)
         margin = self.margin_for(b, waiting)
-        may_pay = self._ngram_may_pay(b, not waiting, margin)
-        if not may_pay or not self.measured_allows(b, margin):
+        if not self._ngram_may_pay(b, not waiting, margin) or not self.measured_allows(b, margin):
             # not worth even the lookups; now and then a probe: every sequence looked up (the match
             # statistics stay current) and one draft verified (so does its acceptance)
             self._plain_choices += 1
             if not self._probe_due():
-                if not may_pay:  # the lookups cannot pay: a clear plain decision, held (see _hold_plain)
-                    self._hold_plain(b)
                 return None  # not even looked up
             self._last_probe = self._plain_choices
             found = self._lookup_all(seqs, decoding)
             return ({found[0][1]: (found[0][2], found[0][3])}, k_max, True) if found else ({}, 0, False)
-        self._hold_len.pop(b, None)  # the lookups may pay: the next clear decision holds briefly again
         found = self._lookup_all(seqs, decoding)
         m, k, ratio = self.plan_drafts(b, [(a, len(t)) for a, _, t, _ in found], require_all=not waiting)
         probe = False
