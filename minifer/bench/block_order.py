@@ -46,20 +46,11 @@ class FifoBlockManager(BlockManager):
             random.Random(shuffle_seed).shuffle(order)
         self._free = deque(order)  # type: ignore[assignment]
 
-    def _unref(self, bid: int) -> None:
-        block = self.blocks[bid]
-        if block.ref_count == 1 and block.block_hash is None:  # about to become free: the queue's back
-            block.ref_count = 0
-            self._free.append(bid)
-            return
-        super()._unref(bid)
+    def _push_free(self, bid: int) -> None:
+        self._free.append(bid)  # type: ignore[attr-defined]
 
-    def _take_free(self) -> int:
-        if not self._free:
-            return super()._take_free()  # evicts a cached block
-        bid = self._free.popleft()
-        self.blocks[bid].ref_count = 1
-        return bid
+    def _pop_free(self) -> int:
+        return self._free.popleft()  # type: ignore[attr-defined]
 
 
 def _use_allocator(llm, manager: BlockManager) -> None:

@@ -217,19 +217,26 @@ class BlockManager:
             if block.block_hash is not None:
                 self._evictable[bid] = None  # most recently used at the end
             else:
-                heapq.heappush(self._free, bid)
+                self._push_free(bid)
+
+    def _push_free(self, bid: int) -> None:
+        heapq.heappush(self._free, bid)
+
+    def _pop_free(self) -> int:
+        """The lowest-numbered free block. Why the lowest and not the longest free (a FIFO queue): the order in
+        which blocks come back depends on history (rollbacks, the order sequences finish, a start-up calibration
+        freeing its scratch blocks last-first), and a FIFO hands that order on, scattering a batch's KV over the
+        whole pool. On the CPU, where attention gathers the keys token by token, a decode step at 64 sequences ran
+        3.8% slower on a shuffled free list than on an ordered one (``python -m minifer.bench.block_order``);
+        lowest-first keeps the blocks in use packed at the start of the pool whatever happened before. Cached
+        blocks, parked for prefix hits, are not in this heap: they go out least recently used first, once no free
+        block is left (``_take_free``)."""
+        return heapq.heappop(self._free)
 
     def _take_free(self) -> int:
-        """The lowest-numbered free block, else the least recently used cached one. Why the lowest and not the
-        longest free (a FIFO queue): the order in which blocks come back depends on history (rollbacks, the order
-        sequences finish, a start-up calibration freeing its scratch blocks last-first), and a FIFO hands that
-        order on, scattering a batch's KV over the whole pool. On the CPU, where attention gathers the keys token
-        by token, a decode step at 64 sequences ran 3.8% slower on a shuffled free list than on an ordered one
-        (``python -m minifer.bench.block_order``); lowest-first keeps the blocks in use packed at the start of the
-        pool whatever happened before. Cached blocks, parked for prefix hits, are not in this heap: they go out
-        least recently used first, once no free block is left."""
+        """A free block (``_pop_free``), else the least recently used cached one, evicted."""
         if self._free:
-            bid = heapq.heappop(self._free)
+            bid = self._pop_free()
         elif self._evictable:
             bid, _ = self._evictable.popitem(last=False)  # evict the least recently used cached block
             block = self.blocks[bid]
