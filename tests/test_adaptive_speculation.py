@@ -141,6 +141,27 @@ def test_a_clear_plain_decision_is_reused_for_a_few_steps(spec, monkeypatch):
     monkeypatch.setattr(spec, "predicted_rate", real)
 
 
+def test_ngram_lookups_that_cannot_pay_are_skipped_for_a_few_steps(monkeypatch):
+    """When the match statistics say lookups cannot pay at a batch size, that decision is held like a clear plain
+    one (``PLAIN_HOLD``): the check runs once per ``PLAIN_HOLD + 1`` pure-decode steps, and decoding is plain."""
+    from minifer import SamplingParams
+    from minifer.engine.speculative import PLAIN_HOLD, Speculator
+
+    llm = LLM("tinystories-target", speculative_config=NGRAM, max_num_seqs=8)
+    spec = llm.engine.speculator
+    checks = []
+    monkeypatch.setattr(Speculator, "_ngram_may_pay", lambda self, b, *a, **k: checks.append(b) or b < 8)
+    monkeypatch.setattr(spec, "_probe_due", lambda: False)
+    params = SamplingParams(temperature=0, max_tokens=2 * (PLAIN_HOLD + 1) + 1, ignore_eos=True)
+    prompts = [f"Once upon a time there was a {w}" for w in ("cat", "dog", "bird", "fox", "frog", "owl", "bee", "elk")]
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    # the prefill step samples the first token; then 2 * (PLAIN_HOLD + 1) decode steps at 8 sequences
+    assert checks == [8, 8]
+    assert spec.stats.k_counts[0] == 2 * (PLAIN_HOLD + 1) and spec.stats.num_verifies == 0
+    plain = LLM("tinystories-target", max_num_seqs=8).generate(prompts, params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in plain]
+
+
 def test_held_plain_steps_keep_a_light_bookkeeping(spec):
     from minifer.engine.speculative import LIGHT_EVERY
 

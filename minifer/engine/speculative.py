@@ -40,7 +40,8 @@ plain decoding should cost the same in an adaptive engine as in a plain one.
 N-gram lookup costs almost nothing, so with ``"ngram"`` the engine looks first and decides after: it knows which
 sequences have a draft and how long a match found it (a 4-token match is accepted far more often than a 1-token
 one; acceptance is measured per match length), and verifies only the drafts predicted to pay
-(``plan_drafts``). At large batches it skips even the lookups when recent match statistics say they cannot pay.
+(``plan_drafts``). At large batches it skips even the lookups when recent match statistics say they cannot pay,
+and holds that decision for ``PLAIN_HOLD`` steps like a clear plain one (deciding it cost 30-50 us a step here).
 With no request waiting for a slot it speculates only in steps where every decoding sequence has a draft: a
 sequence that speeds ahead alone frees a slot nobody takes, and the batch still ends with its slowest sequence.
 
@@ -627,11 +628,14 @@ class Speculator:
         k_max = self.cfg.num_speculative_tokens
         b = len(decoding)
         margin = self.margin_for(b, waiting)
-        if not self._ngram_may_pay(b, not waiting, margin) or not self.measured_allows(b, margin):
+        may_pay = self._ngram_may_pay(b, not waiting, margin)
+        if not may_pay or not self.measured_allows(b, margin):
             # not worth even the lookups; now and then a probe: every sequence looked up (the match
             # statistics stay current) and one draft verified (so does its acceptance)
             self._plain_choices += 1
             if not self._probe_due():
+                if not may_pay:  # what decided it changes only with lookups, verifications and timings: hold it
+                    self._plain_hold[b] = PLAIN_HOLD
                 return None  # not even looked up
             self._last_probe = self._plain_choices
             found = self._lookup_all(seqs, decoding)
