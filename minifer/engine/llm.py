@@ -94,7 +94,8 @@ class LLM:
                  block_size: int = 16, num_kv_blocks: int | None = None, kv_cache_memory: int = 256 * 2**20,
                  gpu_memory_utilization: float = 0.9, enable_prefix_caching: bool = True,
                  max_num_batched_tokens: int = 2048, enable_chunked_prefill: bool = True,
-                 speculative_config: dict[str, Any] | None = None, enforce_eager: bool = False, kv_cache_dtype: str = "auto", quantization: str | None = None,
+                 speculative_config: dict[str, Any] | None = None, enforce_eager: bool = False,
+                 kv_cache_dtype: str = "auto", quantization: str | None = None,
                  kv_cache_scales: str = "token", share_weights_with: "LLM | None" = None) -> None:
         check_kv_cache_dtype(kv_cache_dtype, kv_cache_scales)
         if kv_cache_dtype != "auto" and batching != "continuous":
@@ -166,7 +167,8 @@ class LLM:
             path = resolve_model(spec.model)
             draft_cfg = load_config(path)
             draft = build_model(path, load_format="auto", dtype=self.dtype, device=self.device,
-                                max_positions=max(self.max_model_len, draft_cfg.max_position_embeddings), seed=self.seed)
+                                max_positions=max(self.max_model_len, draft_cfg.max_position_embeddings),
+                                seed=self.seed)
             draft_tok = load_tokenizer(path)
         if draft_cfg.vocab_size != self.model_config.vocab_size:
             raise ValueError(f"the draft model's vocabulary has {draft_cfg.vocab_size} tokens but the target's has "
