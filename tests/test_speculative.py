@@ -282,6 +282,34 @@ def test_speculative_benchmark_smoke(tmp_path):
     assert set(bench.adaptive_verdict(result["speedup"])) >= {"met_within_resolution", "lowest_median"}
 
 
+def test_bookkeeping_benchmark_times_the_speculators_calls_and_restores_them(tmp_path):
+    """``--bookkeeping`` end to end at tiny sizes: per batch size the speculator's calls per step, their share of
+    the step (a fraction, below 1), and the steps by k; the timers are taken off the engine afterwards."""
+    import json
+
+    from minifer.bench import speculative as bench
+
+    out = tmp_path / "bk.json"
+    bench.main(["--bookkeeping", "--smoke", "--out", str(out)])
+    result = json.loads(out.read_text())
+    assert result["kind"] == "speculative_bookkeeping" and "metadata" in result
+    for rows in result["bookkeeping"].values():
+        for r in rows:
+            assert set(r["us_per_step"]) == set(bench.SPECULATOR_CALLS)
+            assert r["bookkeeping_us"] == pytest.approx(sum(r["us_per_step"].values()))
+            assert 0 < r["share"] < 1 and r["steps"] > 0 and r["step_ms"] > 0
+    real = bench._engine  # the engine measured must come back without its timers
+    built = []
+    try:
+        bench._engine = lambda *a, **k: built.append(real(*a, **k)) or built[-1]
+        bench.bookkeeping("tinystories-target", {"method": "ngram", "num_speculative_tokens": 2}, ["Once upon a time"],
+                          [1], 4, rounds=1)
+    finally:
+        bench._engine = real
+    engine = built[0].engine
+    assert "step" not in vars(engine) and not set(bench.SPECULATOR_CALLS) & set(vars(engine.speculator))
+
+
 def test_median_ci_order_statistics():
     """The interval is the (j, n + 1 - j)-th order statistics with binomial coverage, and covers as it says."""
     import random

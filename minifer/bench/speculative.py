@@ -24,6 +24,9 @@ Three measurements, each writing into one JSON with the hardware and versions:
 3. ``verify_cost``: the target's forward time for ``k + 1`` tokens per sequence against one token, at
    several batch sizes — the cost side of speculation, which is all that dummy weights can show on a GPU.
 
+Separately, ``--bookkeeping`` times the adaptive engine's own work in place where it decodes plainly (``bookkeeping``):
+what the speculator's calls add to each engine step, the number behind "adaptive k costs 0.1-0.2% while plain".
+
 Input-grounded workload: the model first writes a greedy continuation ``C`` of a story opening ``P``; the
 prompt is then ``P C`` followed by ``P`` again, so the answer largely repeats text already in the prompt, as
 in summarisation, retrieval-augmented answers or code edits. Prompt lookup thrives on exactly that.
@@ -291,6 +294,65 @@ def verify_cost(llm, batch_sizes: list[int], ks: list[int], context: int = 256, 
     return rows
 
 
+SPECULATOR_CALLS = ("propose", "observe_step", "observe_realized", "release")  # what LLMEngine.step calls
+
+
+def bookkeeping(model: str, spec: dict, prompts: list, batch_sizes: list[int], max_tokens: int, rounds: int = 4,
+                device: str | None = None) -> list[dict[str, Any]]:
+    """The adaptive engine's own per-step work, timed in place: every call ``LLMEngine.step`` makes into the
+    speculator (``SPECULATOR_CALLS``) gets a timer around it, and so does the whole step, over ``rounds`` batches
+    of ``b`` greedy requests at each batch size (after one warm-up batch, which also lets adaptive k settle).
+
+    Why in place and not in a loop of its own: between two calls the model's forward runs and evicts the caches,
+    so each call runs cold, several times slower than the same code timed in a tight loop (about 1 us against
+    15 here for a held plain step's ``propose``). Why not as a ratio of two engines' step times: that ratio
+    scatters by +-0.5% per round on a shared machine, more than the cost it would measure. The timers' own cost
+    (two clock reads per call) is included, so the share is an upper bound."""
+    llm = _engine(model, {**spec, "adaptive": True}, max(batch_sizes), device)
+    engine, speculator = llm.engine, llm.engine.speculator
+    spent: Counter[str] = Counter()
+
+    def timed(name, fn):
+        def call(*args, **kwargs):
+            t = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                spent[name] += time.perf_counter() - t
+        return call
+
+    for name in SPECULATOR_CALLS:  # instance attributes shadow the methods; deleted again below
+        setattr(speculator, name, timed(name, getattr(speculator, name)))
+    step = engine.step
+    engine.step = timed("step", step)
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    rows = []
+    try:
+        for b in batch_sizes:
+            batch = [prompts[i % len(prompts)] for i in range(b)]
+            llm.generate(batch, params, use_tqdm=False)  # warm-up
+            spent.clear()
+            before, steps = Counter(speculator.stats.k_counts), 0
+            for _ in range(rounds):
+                seqs = [llm.make_sequence(i, p, params) for i, p in enumerate(batch)]
+                for seq in seqs:
+                    engine.add_sequence(seq)
+                while engine.has_unfinished_requests():
+                    engine.step()
+                    steps += 1
+            ks = speculator.stats.k_counts - before
+            calls = {name: 1e6 * spent[name] / steps for name in SPECULATOR_CALLS}
+            rows.append({"batch": b, "steps": steps, "step_ms": 1e3 * spent["step"] / steps,
+                         "us_per_step": calls, "bookkeeping_us": sum(calls.values()),
+                         "share": sum(spent[name] for name in SPECULATOR_CALLS) / spent["step"],
+                         "k_hist": {str(k): ks[k] for k in sorted(ks)}})
+    finally:
+        del engine.step
+        for name in SPECULATOR_CALLS:
+            delattr(speculator, name)
+    return rows
+
+
 def run(model: str = "tinystories-target", draft: str = DRAFT, device: str | None = None, smoke: bool = False,
         repeats: int = 2) -> dict[str, Any]:
     from minifer import LLM
@@ -328,6 +390,29 @@ def run(model: str = "tinystories-target", draft: str = DRAFT, device: str | Non
     result["verify_cost"] = verify_cost(base, batch_sizes, [1, 2, 4, 8] if not smoke else [1, 2],
                                         context=32 if smoke else 256)
     return result
+
+
+def run_bookkeeping(model: str = "tinystories-target", draft: str = DRAFT, device: str | None = None,
+                    smoke: bool = False, rounds: int = 4) -> dict[str, Any]:
+    """``bookkeeping`` for both methods at the batch sizes where adaptive k decodes plainly on this CPU (16-64; the
+    draft model on stories, n-gram lookup on the grounded workload, as in ``run``)."""
+    from minifer import LLM
+    from minifer.bench.serving import metadata
+
+    batch_sizes, max_tokens = ([2], 8) if smoke else ([16, 32, 64], 64)
+    base = LLM(model, device=device, max_num_seqs=max(batch_sizes), enable_prefix_caching=False)
+    stories = story_openings(max(batch_sizes))
+    grounded = grounded_prompts(base, 4 if smoke else 16, continuation=16 if smoke else 48)
+    k = {"draft_model": 5, "ngram_grounded": 3}  # the fixed k of the committed runs' batch-1 sweeps
+    specs = {"draft_model": ({"method": "draft_model", "model": draft}, stories),
+             "ngram_grounded": ({"method": "ngram", "prompt_lookup_max": 4, "prompt_lookup_min": 1}, grounded)}
+    return {"kind": "speculative_bookkeeping", "metadata": metadata(module="minifer.bench.speculative"),
+            "config": {"model": model, "draft": draft, "device": str(base.device),
+                       "torch_threads": torch.get_num_threads(), "smoke": smoke, "max_tokens": max_tokens,
+                       "rounds": rounds},
+            "bookkeeping": {name: bookkeeping(model, {**spec, "num_speculative_tokens": k[name]}, prompts,
+                                              batch_sizes, max_tokens, 1 if smoke else rounds, device)
+                            for name, (spec, prompts) in specs.items()}}
 
 
 def plot(result: dict[str, Any], fig=None):
@@ -377,8 +462,20 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--smoke", action="store_true", help="tiny sizes: checks the pipeline in seconds")
     ap.add_argument("--out", type=Path, default=Path("runs/speculative.json"))
     ap.add_argument("--plot", action="store_true")
+    ap.add_argument("--bookkeeping", action="store_true",
+                    help="instead: time adaptive k's own per-step work where it decodes plainly (batch 16-64)")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
+    if args.bookkeeping:
+        result = run_bookkeeping(args.model, args.draft, args.device, args.smoke, args.repeats)
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(result, indent=1))
+        for name, rows in result["bookkeeping"].items():
+            for r in rows:
+                print(f"{name:15s} batch {r['batch']:>3}  step {r['step_ms']:.1f} ms  speculator calls "
+                      f"{r['bookkeeping_us']:.1f} us ({100 * r['share']:.2f}%)  steps by k {r['k_hist']}")
+        print(f"wrote {args.out}")
+        return
     result = run(args.model, args.draft, args.device, args.smoke, args.repeats)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=1))
