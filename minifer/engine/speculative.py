@@ -710,7 +710,7 @@ class Speculator:
         """Bookkeeping of a step that does not speculate because a decision was held (or lookups could not pay):
         counted, and only every ``LIGHT_EVERY``-th such step refreshes the cost table and the plain step time. A
         plain step of an adaptive engine should cost what a plain engine's does: the full bookkeeping of every step
-        added about 1% at 16-64 sequences here, the light one 0.1-0.2% (30-40 us of a 15-47 ms step, the decisions
+        added about 1% at 16-64 sequences here, the light one 0.1-0.2% (25-45 us of a 15-55 ms step, the decisions
         between holds included: ``python -m minifer.bench.speculative --bookkeeping``)."""
         self._record_step(b, 0, False)
         self._step_propose_s = 0.0
