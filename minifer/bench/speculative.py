@@ -468,19 +468,17 @@ def main(argv: list[str] | None = None) -> None:
                     help="instead: time adaptive k's own per-step work where it decodes plainly (batch 16-64)")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
+    measure = run_bookkeeping if args.bookkeeping else run
+    result = measure(args.model, args.draft, args.device, args.smoke, args.repeats)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(result, indent=1))
     if args.bookkeeping:
-        result = run_bookkeeping(args.model, args.draft, args.device, args.smoke, args.repeats)
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(result, indent=1))
         for name, rows in result["bookkeeping"].items():
             for r in rows:
                 print(f"{name:15s} batch {r['batch']:>3}  step {r['step_ms']:.1f} ms  speculator calls "
                       f"{r['bookkeeping_us']:.1f} us ({100 * r['share']:.2f}%)  steps by k {r['k_hist']}")
         print(f"wrote {args.out}")
         return
-    result = run(args.model, args.draft, args.device, args.smoke, args.repeats)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=1))
     for name, rows in result["tokens_per_forward"].items():
         for r in rows:
             print(f"{name:15s} k={r['k']}  alpha {r['alpha']:.3f}  tokens/forward {r['tokens_per_forward']:.2f}  "
