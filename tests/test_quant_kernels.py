@@ -4,6 +4,7 @@ ahead-of-time compile for sm_80 / sm_90; the GPU benchmark's pipeline on tiny sh
 
 from __future__ import annotations
 
+import itertools
 import json
 
 import pytest
@@ -143,12 +144,21 @@ def test_auto_path_by_format_and_rows():
 
 
 def test_choose_split():
-    from minifer.kernels.quant_matmul import MAX_SPLIT, choose_split
+    from minifer.kernels.quant_matmul import MAX_SPLIT, choose_split, split_cost
 
-    assert choose_split(tiles=1000, k_steps=64, sms=132, waves=1) == 1  # enough programs already
-    assert choose_split(tiles=32, k_steps=64, sms=132, waves=4) == MAX_SPLIT
-    assert choose_split(tiles=112, k_steps=32, sms=132, waves=4) == 5
-    assert choose_split(tiles=8, k_steps=3, sms=132, waves=4) == 1  # K too short to split
+    assert choose_split(tiles=1000, k_steps=64, sms=132, per_sm=1) == 1  # enough programs already
+    assert choose_split(tiles=32, k_steps=64, sms=132, per_sm=4) == MAX_SPLIT
+    assert choose_split(tiles=8, k_steps=3, sms=132, per_sm=4) == 1  # K too short to split
+    # int4 M=1 on 4096x14336 (H200): 5 splits would be 560 programs for 528 places, a tail of 32; 4 fill one wave
+    assert choose_split(tiles=112, k_steps=32, sms=132, per_sm=4) == 4
+    assert split_cost(112, 32, 132, 4, 5) == 7 * 1.5 and split_cost(112, 32, 132, 4, 4) == 8 * 448 / 528
+    # every choice is the cheapest split allowed, and no more splits than needed to reach that cost
+    for tiles, k_steps, sms, per_sm in itertools.product((1, 7, 112, 448), (2, 5, 32, 112), (4, 108, 132), (1, 2, 4)):
+        s = choose_split(tiles, k_steps, sms, per_sm)
+        allowed = range(1, max(1, min(MAX_SPLIT, k_steps // 2)) + 1)
+        costs = {a: split_cost(tiles, k_steps, sms, per_sm, a) for a in allowed}
+        assert s in allowed and costs[s] <= min(costs.values()) + 1e-9
+        assert all(costs[a] > costs[s] + 1e-9 for a in allowed if a < s)
 
 
 def test_bad_inputs_raise_clear_errors():
@@ -190,6 +200,15 @@ def test_cpu_tensors_need_the_interpreter(monkeypatch):
         qm.quant_matmul(x, qw)
 
 
+def test_aot_signatures_list_each_kernels_parameters_in_order():
+    """The divisibility hints of an ahead-of-time compile are keyed by parameter position: a signature in
+    another order than the kernel's parameters would put them on the wrong arguments."""
+    from minifer.kernels import aot
+
+    for spec in aot.kernel_specs():
+        assert list(spec.signature) == aot._jit(spec.kernel).arg_names, spec.name
+
+
 def test_quant_kernels_compile_ahead_of_time_for_sm80_and_sm90():
     from minifer.kernels.aot import compile_all, quant_matmul_specs
 
@@ -224,3 +243,18 @@ def test_benchmark_smoke(tmp_path):
         assert bench.main(["--device", "cpu", "--smoke", "--formats", "int8", "--no-extra-paths", "--out",
                            str(out)]) == 0
         assert {r["M"] for r in json.loads(out.read_text())["rows"]} == {1, 3, 17}
+    assert res["split_sweeps"] == []  # the sweep runs only for cases among those benchmarked
+
+
+def test_split_sweep_times_every_split():
+    from minifer.bench import quant_kernels as bench
+    from minifer.kernels.quant_matmul import choose_split
+
+    sweep = bench.split_sweep(256, 96, 1, "int4", torch.device(DEVICE), group_size=32, rounds=2, calls=1)
+    json.dumps(sweep)
+    assert sweep["path"] == "gemv" and sweep["k_steps"] >= 2
+    assert [r["split"] for r in sweep["rows"]] == list(range(1, min(16, sweep["k_steps"]) + 1))
+    assert all(r["us"] > 0 and r["speedup"] > 0 and r["model_cost"] > 0 for r in sweep["rows"])
+    per_sm = int(sweep["config"].split("SPLIT_PER_SM: ")[1].split(",")[0])
+    assert sweep["chosen"] == choose_split(sweep["tiles"], sweep["k_steps"], sweep["sms"], per_sm)
+    assert 1 <= sweep["fill_rule"] <= sweep["k_steps"]

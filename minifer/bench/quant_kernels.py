@@ -15,6 +15,8 @@ How it times, and why:
 - The quantized and bf16 graphs are replayed alternately, ``rounds`` times, and the median is kept, so a
   clock or neighbour change hits both alike.
 - The first call of every shape autotunes the kernel (``triton.autotune``) before anything is captured.
+- First, the target case is timed at every split of K (``split_sweep``, in ``split_sweeps``): the
+  launcher picks the split from a model of waves and tails (``choose_split``), and this is its check.
 
 Targets on an H200 (stated in the result): int4 at M=1 on 4096x14336 at least 3x faster than bf16 (the
 bytes bound is 2 / 0.53125 = 3.76x with groups of 128, about 3.9x counting nothing but the codes).
@@ -55,6 +57,7 @@ SHAPES = ((4096, 4096), (4096, 14336), (14336, 4096))  # (K, N)
 MS = (1, 16, 64, 256)
 FORMATS = ("int8", "int4", "fp8")
 SMOKE = dict(shapes=((256, 96),), ms=(1, 3, 17), group_size=64, rounds=2, calls=1)
+SWEEPS = ((4096, 14336, 1, "int4"),)  # split_sweep: the target case
 TARGETS = [{"format": "int4", "K": 4096, "N": 14336, "M": 1, "min_speedup": 3.0,
             "why": "decode is bandwidth-bound: int4 (g=128) reads 3.76x fewer weight bytes than bf16"}]
 
@@ -146,6 +149,51 @@ def bench_case(k: int, n: int, m: int, fmt: str, device: torch.device, *, group_
             "weight_copies": n_copies, "calls_per_graph": calls}
 
 
+def split_sweep(k: int, n: int, m: int, fmt: str, device: torch.device, *, group_size: int = 128,
+                rounds: int = 15, calls: int = 20, path: str = "auto", seed: int = 0) -> dict[str, Any]:
+    """Every split of K for one case, timed in interleaved rounds against bf16: the measurement behind
+    ``choose_split``, whose wave-quantization model (``split_cost``) picks the split without one. It
+    reports the split the launcher chose (``chosen``) with the autotuned config, and the one the rule
+    before it chose (``fill_rule``: the fewest splits that fill ``SPLIT_PER_SM`` programs per SM)."""
+    from minifer.kernels import quant_matmul as qm
+    from minifer.quant import quantize
+
+    gen = torch.Generator(device=device).manual_seed(seed)
+    w = (torch.randn(n, k, device=device, generator=gen) / math.sqrt(k)).to(torch.bfloat16)
+    x = torch.randn(m, k, device=device, generator=gen).to(torch.bfloat16)
+    qw = quantize(w, fmt, group_size=group_size)
+    out = torch.empty(m, n, device=device, dtype=torch.bfloat16)
+    qm.quant_matmul(x, qw, path=path, out=out)  # autotunes with the default split rule
+    chosen_path = qm.auto_path(m, qw) if path == "auto" else path
+    group = group_size if fmt == "int4" else 0
+    tuner = qm._tuners[(chosen_path, group & -group if chosen_path != "gemv" else 0)][0]
+    best = getattr(tuner, "best_config", None) or tuner.configs[0]
+    meta = best.kwargs
+    _, _, _, _, tiles, k_steps = qm._plan(chosen_path, m, n, k, qm._FMT[fmt], group)
+    sms, per_sm = qm._num_sms(device), int(meta["SPLIT_PER_SM"])
+    steps = k_steps(meta)
+    splits = list(range(1, min(qm.MAX_SPLIT, steps) + 1))
+    n_copies = _copies(min(qw.nbytes(), w.numel() * 2), device, calls)
+    qws = [qw] + [quantize(w, fmt, group_size=group_size) for _ in range(n_copies - 1)]
+    ws = [w] + [w.clone() for _ in range(n_copies - 1)]
+    timer = _graph_timer if device.type == "cuda" else _wall_timer
+    timers = {s: timer([lambda i=i, s=s: qm.quant_matmul(x, qws[i % n_copies], path=chosen_path, split_k=s, out=out)
+                        for i in range(calls)]) for s in splits}
+    timers["bf16"] = timer([lambda i=i: torch.matmul(x, ws[i % n_copies].T, out=out) for i in range(calls)])
+    times: dict[Any, list[float]] = {key: [] for key in timers}
+    for _ in range(rounds):
+        for key, t in timers.items():
+            times[key].append(t())
+    bf16 = statistics.median(times.pop("bf16"))
+    fill = max(1, min(-(-per_sm * sms // tiles(meta)), steps // 2, qm.MAX_SPLIT))
+    return {"K": k, "N": n, "M": m, "format": fmt, "path": chosen_path, "config": str(best), "sms": sms,
+            "tiles": tiles(meta), "k_steps": steps, "chosen": qm.choose_split(tiles(meta), steps, sms, per_sm),
+            "fill_rule": fill, "us_bf16": bf16 * 1e6,
+            "rows": [{"split": s, "us": statistics.median(times[s]) * 1e6,
+                      "speedup": bf16 / statistics.median(times[s]),
+                      "model_cost": qm.split_cost(tiles(meta), steps, sms, per_sm, s)} for s in splits]}
+
+
 def _best_config(path: str, group: int) -> str | None:
     """The config the autotuner picked for the call just made on ``path`` (int4 tensor-core tuners are
     per BLOCK_K cap, the largest power of two dividing the group size)."""
@@ -190,11 +238,13 @@ def device_info(device: torch.device) -> dict[str, Any]:
 
 def run(device: str = "cuda", shapes: Sequence[tuple[int, int]] = SHAPES, ms: Sequence[int] = MS,
         formats: Sequence[str] = FORMATS, *, group_size: int = 128, rounds: int = 15, calls: int = 20,
-        extra_paths: bool = True, progress: bool = False) -> dict[str, Any]:
+        extra_paths: bool = True, progress: bool = False,
+        sweeps: Sequence[tuple[int, int, int, str]] = SWEEPS) -> dict[str, Any]:
     """Every (shape, M, format) case; returns a JSON-able dict (see the module docstring).
 
     ``extra_paths``: also time the decode kernel that ``auto`` does not pick for M <= 16 (gemv vs
-    splitk), the measurement behind ``GEMV_MAX_M``."""
+    splitk), the measurement behind ``GEMV_MAX_M``. ``sweeps``: ``(K, N, M, format)`` cases whose every
+    split of K is timed (``split_sweep``), run first (those among ``shapes``, ``ms`` and ``formats``)."""
     from minifer.bench.roofline import measure_copy_bandwidth
     from minifer.kernels.quant_matmul import GEMV_MAX_M
 
@@ -202,6 +252,17 @@ def run(device: str = "cuda", shapes: Sequence[tuple[int, int]] = SHAPES, ms: Se
     if dev.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
         raise ValueError("the kernels run on the CPU only under TRITON_INTERPRET=1, set before triton is imported")
     copy_bw = measure_copy_bandwidth(dev, mib=2048 if dev.type == "cuda" else 16, repeats=5)
+    sweep_rows = []
+    for k, n, m, fmt in [c for c in sweeps if (c[0], c[1]) in shapes and c[2] in ms and c[3] in formats]:
+        t0 = time.perf_counter()
+        sweep = split_sweep(k, n, m, fmt, dev, group_size=group_size, rounds=rounds, calls=calls)
+        sweep_rows.append(sweep)
+        if progress:
+            best = max(sweep["rows"], key=lambda r: r["speedup"])
+            curve = " ".join(f"{r['split']}:x{r['speedup']:.2f}" for r in sweep["rows"])
+            print(f"split sweep K={k} N={n} M={m} {fmt}: chosen {sweep['chosen']} (fill rule {sweep['fill_rule']}), "
+                  f"fastest {best['split']} at x{best['speedup']:.2f}; {curve} [{time.perf_counter() - t0:.0f}s]",
+                  flush=True)
     rows = []
     for k, n in shapes:
         for fmt in formats:
@@ -224,7 +285,7 @@ def run(device: str = "cuda", shapes: Sequence[tuple[int, int]] = SHAPES, ms: Se
     return {"benchmark": "quant_kernels", "environment": device_info(dev), "copy_bandwidth_Bps": copy_bw,
             "settings": {"group_size": group_size, "rounds": rounds, "calls_per_graph": calls,
                          "timer": "CUDA graph replay, CUDA events" if dev.type == "cuda" else "wall clock"},
-            "rows": rows, "targets": check_targets(rows)}
+            "rows": rows, "targets": check_targets(rows), "split_sweeps": sweep_rows}
 
 
 def check_targets(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -245,6 +306,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--formats", nargs="+", default=list(FORMATS))
     ap.add_argument("--ms", nargs="+", type=int, default=list(MS))
     ap.add_argument("--no-extra-paths", action="store_true")
+    ap.add_argument("--no-split-sweep", action="store_true", help="skip timing every split of the target case")
     args = ap.parse_args(argv)
     if args.device == "cpu":
         from minifer.bench.kv_memory import enable_triton_interpreter
@@ -253,7 +315,9 @@ def main(argv: list[str] | None = None) -> int:
         if not ok:
             raise SystemExit(msg)
     torch.set_num_threads(max(1, min(torch.get_num_threads(), 4)))
-    kw = dict(SMOKE) if args.smoke else dict(ms=args.ms)
+    kw = dict(SMOKE, sweeps=((256, 96, 1, "int4"),)) if args.smoke else dict(ms=args.ms)
+    if args.no_split_sweep:
+        kw["sweeps"] = ()
     result = run(args.device, formats=args.formats, extra_paths=not args.no_extra_paths, progress=True, **kw)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2))

@@ -66,14 +66,15 @@ def quant_matmul_specs() -> list[KernelSpec]:
         sig = {"x_ptr": "*i32" if int4 else "*bf16", "q_ptr": "*u8" if int4 else "*i8", "s_ptr": "*fp32",
                "z_ptr": "*u8" if fmt == "int4-asym" else "*fp32", "bias_ptr": "*bf16", "out_ptr": "*bf16",
                "part_ptr": "*fp32", "lock_ptr": "*i32", "M": "i32", "N": "i32", "K": "i32", "ROW": "i32",
-               "M_KEY": "i32"}
+               "M_KEY": "i32", "SPLIT_PER_SM": "i32"}
         aligned = tuple(a for a in sig if a.endswith("_ptr")) + ("N", "K", "ROW")
         common = {"FMT": code, "GROUP": 128 if int4 else 0, "HAS_ZEROS": fmt == "int4-asym", "HAS_BIAS": True,
                   "FP8_NATIVE": False, "XKIND": qm.X_BF16}
         per_arch = {90: {"FP8_NATIVE": True}} if code == qm.FP8 else {}
         gw = 128 // 8 if int4 else qm.CHUNK_BYTES  # int4 gemv reads W as int32 words, a group is 16 of them
         specs.append(KernelSpec(f"quant_gemv[{fmt},BN=128,chunks=1]", qm.quant_gemv_kernel,
-                                {**sig, "q_ptr": "*i32" if int4 else "*i8", "magic": "i32",
+                                {**{k: v for k, v in sig.items() if k != "SPLIT_PER_SM"},
+                                 "q_ptr": "*i32" if int4 else "*i8", "magic": "i32", "SPLIT_PER_SM": "i32",
                                  **{k: "constexpr" for k in (*common, "GW", "GW_P2", "BLOCK_N", "CHUNKS")}},
                                 {**common, "GW": gw, "GW_P2": gw, "BLOCK_N": 128, "CHUNKS": 1}, 4, 2, per_arch,
                                 aligned))

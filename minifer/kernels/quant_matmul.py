@@ -18,7 +18,11 @@ Two kernels, three paths (``quant_matmul(..., path=)``):
 
 Split-K partial sums go to a float32 workspace; the last program to finish an output tile (counted with
 an atomic per tile, which it resets to 0 for the next launch) adds them up in a fixed order, adds the
-bias and writes the output — one launch, no zero-filled buffer, and the same bits on every run.
+bias and writes the output — one launch, no zero-filled buffer, and the same bits on every run. How many
+ways to split is a model's choice (``choose_split``): enough programs to keep the memory system busy,
+but not a few more than fit on the GPU at once, which would leave a short second wave running nearly
+alone (a *wave-quantization tail*). How many fit depends on the compiled kernel's registers, so each
+config names the programs per SM it assumes (``SPLIT_PER_SM``) and the autotuner tries several.
 
 Making the dequantization cheap matters as much as the loads: at batch 1 an H200 must turn ~10^13 codes
 per second into floats to keep up with its memory, and integer-to-float conversion runs at 1/8 of the
@@ -58,6 +62,7 @@ PATHS = ("auto", "gemv", "splitk", "tiled")
 GEMV_MAX_M = {"int4": 1, "int8": 0, "fp8": 0}
 SPLITK_MAX_M = 16
 MAX_SPLIT = 16
+TAIL_FLOOR = 0.5  # split_cost: a wave under half full is assumed to take as long as a half-full one
 CHUNK_BYTES = 64
 MAGIC = 0x4B000000  # float32 bits of 2^23  # int8/fp8 gemv: bytes of a row per chunk (int4 chunks are one quantization group)
 
@@ -169,11 +174,12 @@ def _gemv_loads(w_rows, x_row, s_ptr, z_ptr, rn, n_mask, chunk, j, n_chunks, c_e
 
 @triton.jit
 def quant_gemv_kernel(x_ptr, q_ptr, s_ptr, z_ptr, bias_ptr, out_ptr, part_ptr, lock_ptr, M, N, K, ROW, M_KEY, magic,
-                      FMT: tl.constexpr, GROUP: tl.constexpr, HAS_ZEROS: tl.constexpr, HAS_BIAS: tl.constexpr,
-                      FP8_NATIVE: tl.constexpr, XKIND: tl.constexpr, GW: tl.constexpr, GW_P2: tl.constexpr,
-                      BLOCK_N: tl.constexpr, CHUNKS: tl.constexpr):
+                      SPLIT_PER_SM, FMT: tl.constexpr, GROUP: tl.constexpr, HAS_ZEROS: tl.constexpr,
+                      HAS_BIAS: tl.constexpr, FP8_NATIVE: tl.constexpr, XKIND: tl.constexpr, GW: tl.constexpr,
+                      GW_P2: tl.constexpr, BLOCK_N: tl.constexpr, CHUNKS: tl.constexpr):
     """Grid ``(M * cdiv(N, BLOCK_N), splits)``; row ``m`` varies fastest so programs reading the same
-    weights run together (the second reader hits L2).
+    weights run together (the second reader hits L2). ``SPLIT_PER_SM`` is not read here: the launcher
+    picks the number of splits from it (``choose_split``), and as a config entry the autotuner tries it.
 
     A row of W is ``ROW`` units — int4: 32-bit words of 8 codes, else bytes — cut into chunks of ``GW``
     units that divide it (int4: one quantization group, so a chunk has one scale and zero point); a tile
@@ -242,9 +248,9 @@ def quant_gemv_kernel(x_ptr, q_ptr, s_ptr, z_ptr, bias_ptr, out_ptr, part_ptr, l
 
 @triton.jit
 def quant_gemm_kernel(x_ptr, q_ptr, s_ptr, z_ptr, bias_ptr, out_ptr, part_ptr, lock_ptr, M, N, K, ROW, M_KEY,
-                      FMT: tl.constexpr, GROUP: tl.constexpr, HAS_ZEROS: tl.constexpr, HAS_BIAS: tl.constexpr,
-                      FP8_NATIVE: tl.constexpr, XKIND: tl.constexpr, DOT_F32: tl.constexpr, BLOCK_M: tl.constexpr,
-                      BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
+                      SPLIT_PER_SM, FMT: tl.constexpr, GROUP: tl.constexpr, HAS_ZEROS: tl.constexpr,
+                      HAS_BIAS: tl.constexpr, FP8_NATIVE: tl.constexpr, XKIND: tl.constexpr, DOT_F32: tl.constexpr,
+                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
     """Grid ``(cdiv(M, BLOCK_M) * cdiv(N, BLOCK_N), splits)``. ``acc[BLOCK_M, BLOCK_N] += x_tile @ W_tile^T``
     with the W tile (``[BLOCK_K, BLOCK_N]``, read transposed from W's rows) dequantized in registers.
 
@@ -320,8 +326,10 @@ def _bench(fn, quantiles):
     return triton.testing.do_bench(fn, warmup=5, rep=20, quantiles=quantiles)
 
 
-def _cfg(num_warps: int = 4, num_stages: int = 2, **kw) -> triton.Config:
-    return triton.Config(kw, num_warps=num_warps, num_stages=num_stages)
+def _cfg(num_warps: int = 4, num_stages: int = 2, per_sm: int = 4, **kw) -> triton.Config:
+    """``per_sm``: the programs per SM that ``choose_split`` assumes fit at once (the kernel's occupancy,
+    which its registers decide, known only once it is compiled; so the autotuner tries a few)."""
+    return triton.Config({**kw, "SPLIT_PER_SM": per_sm}, num_warps=num_warps, num_stages=num_stages)
 
 
 # One config each under the interpreter (it runs every program in numpy: tuning would only cost time) or
@@ -329,18 +337,20 @@ def _cfg(num_warps: int = 4, num_stages: int = 2, **kw) -> triton.Config:
 AUTOTUNE = not INTERPRETING and os.environ.get("MINIFER_QUANT_AUTOTUNE", "1") != "0"
 if INTERPRETING:
     GEMV_CONFIGS = [_cfg(BLOCK_N=16, CHUNKS=2)]
-    SPLITK_CONFIGS = [_cfg(BLOCK_M=16, BLOCK_N=32, BLOCK_K=64, GROUP_M=1)]
-    TILED_CONFIGS = [_cfg(BLOCK_M=32, BLOCK_N=32, BLOCK_K=64, GROUP_M=4)]
+    SPLITK_CONFIGS = [_cfg(per_sm=2, BLOCK_M=16, BLOCK_N=32, BLOCK_K=64, GROUP_M=1)]
+    TILED_CONFIGS = [_cfg(per_sm=1, BLOCK_M=32, BLOCK_N=32, BLOCK_K=64, GROUP_M=4)]
 else:  # the first of each list is the one aot.py compiles (no spills on sm_80 or sm_90)
     # A chunk is 64 bytes of a row (an int4 group of 128, or 64 int8/fp8 codes): CHUNKS sets how long a
     # contiguous run of each row one step reads, BLOCK_N how many rows.
-    GEMV_CONFIGS = [_cfg(w, 2, BLOCK_N=n, CHUNKS=c) for n, c, w in
+    # Each tile config comes with the occupancies the split may assume (per_sm; see _cfg): tried for the
+    # same compiled kernel, they cost only a timing each.
+    GEMV_CONFIGS = [_cfg(w, 2, p, BLOCK_N=n, CHUNKS=c) for n, c, w in
                     ((128, 1, 4), (64, 1, 4), (64, 2, 4), (128, 2, 8), (32, 4, 4), (32, 2, 2), (256, 1, 8),
-                     (16, 8, 4), (32, 8, 8), (8, 16, 4))]
-    SPLITK_CONFIGS = [_cfg(w, s, BLOCK_M=16, BLOCK_N=n, BLOCK_K=k, GROUP_M=1) for n, k, w, s in
+                     (16, 8, 4), (32, 8, 8), (8, 16, 4)) for p in (4, 3, 2)]
+    SPLITK_CONFIGS = [_cfg(w, s, p, BLOCK_M=16, BLOCK_N=n, BLOCK_K=k, GROUP_M=1) for n, k, w, s in
                       ((32, 128, 4, 3), (64, 128, 4, 3), (64, 64, 4, 4), (32, 256, 4, 3), (128, 128, 8, 3),
-                       (128, 64, 4, 4))]
-    TILED_CONFIGS = [_cfg(w, s, BLOCK_M=m, BLOCK_N=n, BLOCK_K=k, GROUP_M=8) for m, n, k, w, s in
+                       (128, 64, 4, 4)) for p in (2, 4, 8)]
+    TILED_CONFIGS = [_cfg(w, s, 1, BLOCK_M=m, BLOCK_N=n, BLOCK_K=k, GROUP_M=8) for m, n, k, w, s in
                      ((64, 128, 64, 8, 3), (128, 128, 64, 8, 3), (128, 64, 64, 4, 4), (64, 64, 128, 4, 3),
                       (128, 256, 64, 8, 3), (64, 256, 64, 8, 3))]
     if not AUTOTUNE:
@@ -409,11 +419,37 @@ def _fp8_native(device: torch.device) -> bool:
     return device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 9)
 
 
-def choose_split(tiles: int, k_steps: int, sms: int, waves: int) -> int:
-    """Split K until ``tiles * split`` programs fill ``waves`` programs per SM, keeping at least two
-    K-steps per split (a split of one step is mostly overhead) and at most ``MAX_SPLIT``."""
-    want = -(-waves * sms // tiles)
-    return max(1, min(want, k_steps // 2, MAX_SPLIT))
+def split_cost(tiles: int, k_steps: int, sms: int, per_sm: int, split: int) -> float:
+    """A model of the time of a launch split ``split`` ways, in K-steps of one program at full speed.
+
+    The programs run in waves of ``per_sm * sms`` at once, each for ``ceil(k_steps / split)`` steps. A
+    memory-bound wave takes time in proportion to the bytes it reads, so a wave that is a fraction ``f``
+    full costs ``f`` of a full one, but never less than ``TAIL_FLOOR``: with few programs left the memory
+    system waits on their latency instead of being kept busy. That floor is what makes a launch of 1.06
+    waves slow, a *wave-quantization tail*."""
+    slots = per_sm * sms
+    programs = tiles * split
+    full, rest = divmod(programs, slots)
+    waves = full + (max(rest / slots, TAIL_FLOOR) if rest else 0.0)
+    return waves * -(-k_steps // split)
+
+
+def choose_split(tiles: int, k_steps: int, sms: int, per_sm: int) -> int:
+    """The split of K with the lowest ``split_cost`` (ties: the fewest splits, so the fewest partial sums
+    to add), keeping at least two K-steps per split (a split of one step is mostly overhead) and at most
+    ``MAX_SPLIT``. ``per_sm``: how many programs of the kernel fit on an SM at once.
+
+    Example, int4 at M = 1 on 4096x14336 (112 tiles of 128 rows, 32 K-steps) on an H200 (132 SMs, 4
+    programs each, 528 at once). Filling the SMs (the rule before this one) asks for 5 splits: 560
+    programs of up to 7 steps, of which 32 wait for the first 528 and then run nearly alone (cost
+    7 x 1.5 = 10.5). 4 splits make 448 programs of 8 steps in one wave (cost 8 x 0.85 = 6.8). It is a
+    model, not a measurement: ``python -m minifer.bench.quant_kernels`` times every split of that case."""
+    best, best_cost = 1, split_cost(tiles, k_steps, sms, per_sm, 1)
+    for split in range(2, max(1, min(MAX_SPLIT, k_steps // 2)) + 1):
+        cost = split_cost(tiles, k_steps, sms, per_sm, split)
+        if cost < best_cost - 1e-9:
+            best, best_cost = split, cost
+    return best
 
 
 def _check(x: torch.Tensor, qw: QuantizedWeight, bias: torch.Tensor | None) -> None:
@@ -434,7 +470,7 @@ def _check(x: torch.Tensor, qw: QuantizedWeight, bias: torch.Tensor | None) -> N
 
 
 def _plan(path: str, m: int, n: int, k: int, fmt: int, group: int):
-    """The autotuned kernel, its extra constexprs, its configs, split-K waves, the row length of W in the
+    """The autotuned kernel, its extra constexprs, its configs, the row length of W in the
     units the kernel reads (int4 gemv: int32 words; otherwise bytes), and per config: output tiles and
     K-steps."""
     if path == "gemv":
@@ -443,13 +479,19 @@ def _plan(path: str, m: int, n: int, k: int, fmt: int, group: int):
         while row % gw:  # int8/fp8: chunks must tile the row exactly (no mask along a chunk)
             gw //= 2
         kernel, configs = _tuner("gemv")
-        return (kernel, dict(GW=gw, GW_P2=triton.next_power_of_2(gw)), configs, 4, row,
+        return (kernel, dict(GW=gw, GW_P2=triton.next_power_of_2(gw)), configs, row,
                 lambda meta: m * triton.cdiv(n, meta["BLOCK_N"]),
                 lambda meta: triton.cdiv(row, gw * meta["CHUNKS"]))
     kernel, configs = _tuner(path, group & -group if fmt == INT4 else 0)
-    return (kernel, dict(DOT_F32=INTERPRETING), configs, 2 if path == "splitk" else 1, k // 2 if fmt == INT4 else k,
+    return (kernel, dict(DOT_F32=INTERPRETING), configs, k // 2 if fmt == INT4 else k,
             lambda meta: triton.cdiv(m, meta["BLOCK_M"]) * triton.cdiv(n, meta["BLOCK_N"]),
             lambda meta: triton.cdiv(k, meta["BLOCK_K"]))
+
+
+def _as_int(value) -> int:
+    """A config's integer as the grid function sees it: an int on a GPU, a scalar tensor wrapper under the
+    interpreter (which converts the kernel's arguments before it calls the grid)."""
+    return int(value.handle.data.item()) if hasattr(value, "handle") else int(value)
 
 
 def auto_path(m: int, qw: QuantizedWeight) -> str:
@@ -465,8 +507,8 @@ def quant_matmul(x: torch.Tensor, qw: QuantizedWeight, bias: torch.Tensor | None
     """``x @ dequantize(qw)^T (+ bias)`` for ``x: [..., K]`` (float32 / bf16 / fp16), fused; returns ``[..., N]``
     in ``x.dtype`` (written into ``out`` if given: contiguous, that shape and dtype). ``path``: ``"gemv"`` /
     ``"splitk"`` (decode), ``"tiled"`` (prefill) or ``"auto"`` (``auto_path``: by format and number of rows
-    M). ``split_k`` overrides the split of K that is otherwise chosen from the
-    GPU's SM count (it is capped at the number of K-steps)."""
+    M). ``split_k`` overrides the split of K that is otherwise chosen from the GPU's SM count and the
+    config's ``SPLIT_PER_SM`` (``choose_split``; it is capped at the number of K-steps)."""
     if path not in PATHS:
         raise ValueError(f"quant_matmul: path must be one of {PATHS}, got {path!r}")
     if split_k is not None and not 1 <= split_k <= MAX_SPLIT:
@@ -491,11 +533,14 @@ def quant_matmul(x: torch.Tensor, qw: QuantizedWeight, bias: torch.Tensor | None
     if fmt == INT4 and chosen != "gemv" and group % 32:
         raise ValueError(f"quant_matmul: path {path!r} needs an int4 group size that is a multiple of 32 "
                          f"(a K-step of tl.dot stays inside one group), got {group}; use path='gemv'")
-    kernel, extra, configs, waves, row, tiles, k_steps = _plan(chosen, m, n, k, fmt, group)
+    kernel, extra, configs, row, tiles, k_steps = _plan(chosen, m, n, k, fmt, group)
     sms = _num_sms(x.device)
 
     def splits(meta) -> int:
-        s = split_k if split_k is not None else choose_split(tiles(meta), k_steps(meta), sms, waves)
+        if split_k is not None:
+            s = split_k
+        else:
+            s = choose_split(tiles(meta), k_steps(meta), sms, _as_int(meta["SPLIT_PER_SM"]))
         return max(1, min(s, k_steps(meta)))
 
     most = max(splits(c.kwargs) for c in configs)
@@ -511,6 +556,7 @@ def quant_matmul(x: torch.Tensor, qw: QuantizedWeight, bias: torch.Tensor | None
     z = qw.zeros if qw.zeros is not None else qw.scales  # a placeholder pointer, never read without HAS_ZEROS
     kernel[lambda meta: (tiles(meta), splits(meta))](
         xk, q, qw.scales, z, bias if bias is not None else qw.scales, out, part, locks, m, n, k,
-        row, min(triton.next_power_of_2(m), 256), *((MAGIC,) if chosen == "gemv" else ()), FMT=fmt, GROUP=group, HAS_ZEROS=qw.zeros is not None,
-        HAS_BIAS=bias is not None, FP8_NATIVE=_fp8_native(x.device), XKIND=_XKIND[x.dtype], **extra)
+        row, min(triton.next_power_of_2(m), 256), *((MAGIC,) if chosen == "gemv" else ()), FMT=fmt, GROUP=group,
+        HAS_ZEROS=qw.zeros is not None, HAS_BIAS=bias is not None, FP8_NATIVE=_fp8_native(x.device),
+        XKIND=_XKIND[x.dtype], **extra)
     return out
