@@ -16,7 +16,7 @@ How it times, and why:
   clock or neighbour change hits both alike.
 - The first call of every shape autotunes the kernel (``triton.autotune``) before anything is captured.
 - First, the target case is timed at every split of K (``split_sweep``, in ``split_sweeps``): the
-  launcher picks the split from a model of waves and tails (``choose_split``), and this is its check.
+  launcher's rule (``choose_split``) and the autotuner pick one, and this shows what the others cost.
 
 Targets on an H200 (stated in the result): int4 at M=1 on 4096x14336 at least 3x faster than bf16 (the
 bytes bound is 2 / 0.53125 = 3.76x with groups of 128, about 3.9x counting nothing but the codes).
@@ -151,10 +151,8 @@ def bench_case(k: int, n: int, m: int, fmt: str, device: torch.device, *, group_
 
 def split_sweep(k: int, n: int, m: int, fmt: str, device: torch.device, *, group_size: int = 128,
                 rounds: int = 15, calls: int = 20, path: str = "auto", seed: int = 0) -> dict[str, Any]:
-    """Every split of K for one case, timed in interleaved rounds against bf16: the measurement behind
-    ``choose_split``, whose wave-quantization model (``split_cost``) picks the split without one. It
-    reports the split the launcher chose (``chosen``) with the autotuned config, and the one the rule
-    before it chose (``fill_rule``: the fewest splits that fill ``SPLIT_PER_SM`` programs per SM)."""
+    """Every split of K for one case, timed in interleaved rounds against bf16 with the autotuned config:
+    the measurement behind ``choose_split``. ``chosen`` is the split the launcher uses with that config."""
     from minifer.kernels import quant_matmul as qm
     from minifer.quant import quantize
 
@@ -185,13 +183,11 @@ def split_sweep(k: int, n: int, m: int, fmt: str, device: torch.device, *, group
         for key, t in timers.items():
             times[key].append(t())
     bf16 = statistics.median(times.pop("bf16"))
-    fill = max(1, min(-(-per_sm * sms // tiles(meta)), steps // 2, qm.MAX_SPLIT))
     return {"K": k, "N": n, "M": m, "format": fmt, "path": chosen_path, "config": str(best), "sms": sms,
             "tiles": tiles(meta), "k_steps": steps, "chosen": qm.choose_split(tiles(meta), steps, sms, per_sm),
-            "fill_rule": fill, "us_bf16": bf16 * 1e6,
+            "us_bf16": bf16 * 1e6,
             "rows": [{"split": s, "us": statistics.median(times[s]) * 1e6,
-                      "speedup": bf16 / statistics.median(times[s]),
-                      "model_cost": qm.split_cost(tiles(meta), steps, sms, per_sm, s)} for s in splits]}
+                      "speedup": bf16 / statistics.median(times[s])} for s in splits]}
 
 
 def _best_config(path: str, group: int) -> str | None:
@@ -260,7 +256,7 @@ def run(device: str = "cuda", shapes: Sequence[tuple[int, int]] = SHAPES, ms: Se
         if progress:
             best = max(sweep["rows"], key=lambda r: r["speedup"])
             curve = " ".join(f"{r['split']}:x{r['speedup']:.2f}" for r in sweep["rows"])
-            print(f"split sweep K={k} N={n} M={m} {fmt}: chosen {sweep['chosen']} (fill rule {sweep['fill_rule']}), "
+            print(f"split sweep K={k} N={n} M={m} {fmt}: chosen {sweep['chosen']} ({sweep['config']}), "
                   f"fastest {best['split']} at x{best['speedup']:.2f}; {curve} [{time.perf_counter() - t0:.0f}s]",
                   flush=True)
     rows = []

@@ -19,10 +19,9 @@ Two kernels, three paths (``quant_matmul(..., path=)``):
 Split-K partial sums go to a float32 workspace; the last program to finish an output tile (counted with
 an atomic per tile, which it resets to 0 for the next launch) adds them up in a fixed order, adds the
 bias and writes the output — one launch, no zero-filled buffer, and the same bits on every run. How many
-ways to split is a model's choice (``choose_split``): enough programs to keep the memory system busy,
-but not a few more than fit on the GPU at once, which would leave a short second wave running nearly
-alone (a *wave-quantization tail*). How many fit depends on the compiled kernel's registers, so each
-config names the programs per SM it assumes (``SPLIT_PER_SM``) and the autotuner tries several.
+ways to split (``choose_split``): enough programs to fill the SMs, whose number at once depends on the
+compiled kernel's registers; so each config names the programs per SM it fills (``SPLIT_PER_SM``), and
+the autotuner tries several.
 
 Making the dequantization cheap matters as much as the loads: at batch 1 an H200 must turn ~10^13 codes
 per second into floats to keep up with its memory, and integer-to-float conversion runs at 1/8 of the
@@ -62,7 +61,6 @@ PATHS = ("auto", "gemv", "splitk", "tiled")
 GEMV_MAX_M = {"int4": 1, "int8": 0, "fp8": 0}
 SPLITK_MAX_M = 16
 MAX_SPLIT = 16
-TAIL_FLOOR = 0.5  # split_cost: a wave under half full is assumed to take as long as a half-full one
 CHUNK_BYTES = 64
 MAGIC = 0x4B000000  # float32 bits of 2^23  # int8/fp8 gemv: bytes of a row per chunk (int4 chunks are one quantization group)
 
@@ -327,11 +325,24 @@ def _bench(fn, quantiles):
 
 
 def _cfg(num_warps: int = 4, num_stages: int = 2, per_sm: int = 4, **kw) -> triton.Config:
-    """``per_sm``: the programs per SM that ``choose_split`` assumes fit at once (the kernel's occupancy,
-    which its registers decide, known only once it is compiled; so the autotuner tries a few)."""
+    """``per_sm``: the programs per SM that ``choose_split`` fills the GPU with (how many fit at once, the
+    occupancy, is decided by the compiled kernel's registers; so the autotuner tries a few)."""
     return triton.Config({**kw, "SPLIT_PER_SM": per_sm}, num_warps=num_warps, num_stages=num_stages)
 
 
+# The GPU's autotuning lists; the first of each is the one aot.py compiles (no spills on sm_80 or sm_90).
+# A chunk is 64 bytes of a row (an int4 group of 128, or 64 int8/fp8 codes): CHUNKS sets how long a
+# contiguous run of each row one step reads, BLOCK_N how many rows. Each tile config comes with several
+# programs per SM for the split (per_sm, see _cfg): the same compiled kernel, so each costs only a timing.
+GPU_GEMV_CONFIGS = [_cfg(w, 2, p, BLOCK_N=n, CHUNKS=c) for n, c, w in
+                    ((128, 1, 4), (64, 1, 4), (64, 2, 4), (128, 2, 8), (32, 4, 4), (32, 2, 2), (256, 1, 8),
+                     (16, 8, 4), (32, 8, 8), (8, 16, 4)) for p in (4, 3, 2)]
+GPU_SPLITK_CONFIGS = [_cfg(w, s, p, BLOCK_M=16, BLOCK_N=n, BLOCK_K=k, GROUP_M=1) for n, k, w, s in
+                      ((32, 128, 4, 3), (64, 128, 4, 3), (64, 64, 4, 4), (32, 256, 4, 3), (128, 128, 8, 3),
+                       (128, 64, 4, 4)) for p in (2, 4, 8)]
+GPU_TILED_CONFIGS = [_cfg(w, s, 1, BLOCK_M=m, BLOCK_N=n, BLOCK_K=k, GROUP_M=8) for m, n, k, w, s in
+                     ((64, 128, 64, 8, 3), (128, 128, 64, 8, 3), (128, 64, 64, 4, 4), (64, 64, 128, 4, 3),
+                      (128, 256, 64, 8, 3), (64, 256, 64, 8, 3))]
 # One config each under the interpreter (it runs every program in numpy: tuning would only cost time) or
 # with MINIFER_QUANT_AUTOTUNE=0 on a GPU (the first config of each list: quick start-up, fixed kernels).
 AUTOTUNE = not INTERPRETING and os.environ.get("MINIFER_QUANT_AUTOTUNE", "1") != "0"
@@ -339,22 +350,10 @@ if INTERPRETING:
     GEMV_CONFIGS = [_cfg(BLOCK_N=16, CHUNKS=2)]
     SPLITK_CONFIGS = [_cfg(per_sm=2, BLOCK_M=16, BLOCK_N=32, BLOCK_K=64, GROUP_M=1)]
     TILED_CONFIGS = [_cfg(per_sm=1, BLOCK_M=32, BLOCK_N=32, BLOCK_K=64, GROUP_M=4)]
-else:  # the first of each list is the one aot.py compiles (no spills on sm_80 or sm_90)
-    # A chunk is 64 bytes of a row (an int4 group of 128, or 64 int8/fp8 codes): CHUNKS sets how long a
-    # contiguous run of each row one step reads, BLOCK_N how many rows.
-    # Each tile config comes with the occupancies the split may assume (per_sm; see _cfg): tried for the
-    # same compiled kernel, they cost only a timing each.
-    GEMV_CONFIGS = [_cfg(w, 2, p, BLOCK_N=n, CHUNKS=c) for n, c, w in
-                    ((128, 1, 4), (64, 1, 4), (64, 2, 4), (128, 2, 8), (32, 4, 4), (32, 2, 2), (256, 1, 8),
-                     (16, 8, 4), (32, 8, 8), (8, 16, 4)) for p in (4, 3, 2)]
-    SPLITK_CONFIGS = [_cfg(w, s, p, BLOCK_M=16, BLOCK_N=n, BLOCK_K=k, GROUP_M=1) for n, k, w, s in
-                      ((32, 128, 4, 3), (64, 128, 4, 3), (64, 64, 4, 4), (32, 256, 4, 3), (128, 128, 8, 3),
-                       (128, 64, 4, 4)) for p in (2, 4, 8)]
-    TILED_CONFIGS = [_cfg(w, s, 1, BLOCK_M=m, BLOCK_N=n, BLOCK_K=k, GROUP_M=8) for m, n, k, w, s in
-                     ((64, 128, 64, 8, 3), (128, 128, 64, 8, 3), (128, 64, 64, 4, 4), (64, 64, 128, 4, 3),
-                      (128, 256, 64, 8, 3), (64, 256, 64, 8, 3))]
-    if not AUTOTUNE:
-        GEMV_CONFIGS, SPLITK_CONFIGS, TILED_CONFIGS = GEMV_CONFIGS[:1], SPLITK_CONFIGS[:1], TILED_CONFIGS[:1]
+elif AUTOTUNE:
+    GEMV_CONFIGS, SPLITK_CONFIGS, TILED_CONFIGS = GPU_GEMV_CONFIGS, GPU_SPLITK_CONFIGS, GPU_TILED_CONFIGS
+else:
+    GEMV_CONFIGS, SPLITK_CONFIGS, TILED_CONFIGS = GPU_GEMV_CONFIGS[:1], GPU_SPLITK_CONFIGS[:1], GPU_TILED_CONFIGS[:1]
 
 
 def _cap_block_k(configs: list[triton.Config], cap: int) -> list[triton.Config]:
@@ -419,37 +418,19 @@ def _fp8_native(device: torch.device) -> bool:
     return device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 9)
 
 
-def split_cost(tiles: int, k_steps: int, sms: int, per_sm: int, split: int) -> float:
-    """A model of the time of a launch split ``split`` ways, in K-steps of one program at full speed.
-
-    The programs run in waves of ``per_sm * sms`` at once, each for ``ceil(k_steps / split)`` steps. A
-    memory-bound wave takes time in proportion to the bytes it reads, so a wave that is a fraction ``f``
-    full costs ``f`` of a full one, but never less than ``TAIL_FLOOR``: with few programs left the memory
-    system waits on their latency instead of being kept busy. That floor is what makes a launch of 1.06
-    waves slow, a *wave-quantization tail*."""
-    slots = per_sm * sms
-    programs = tiles * split
-    full, rest = divmod(programs, slots)
-    waves = full + (max(rest / slots, TAIL_FLOOR) if rest else 0.0)
-    return waves * -(-k_steps // split)
-
-
 def choose_split(tiles: int, k_steps: int, sms: int, per_sm: int) -> int:
-    """The split of K with the lowest ``split_cost`` (ties: the fewest splits, so the fewest partial sums
-    to add), keeping at least two K-steps per split (a split of one step is mostly overhead) and at most
-    ``MAX_SPLIT``. ``per_sm``: how many programs of the kernel fit on an SM at once.
+    """Split K until ``tiles * split`` programs fill ``per_sm`` programs per SM, keeping at least two
+    K-steps per split (a split of one step is mostly overhead) and at most ``MAX_SPLIT``.
 
-    Example, int4 at M = 1 on 4096x14336 (112 tiles of 128 rows, 32 K-steps) on an H200 (132 SMs, 4
-    programs each, 528 at once). Filling the SMs (the rule before this one) asks for 5 splits: 560
-    programs of up to 7 steps, of which 32 wait for the first 528 and then run nearly alone (cost
-    7 x 1.5 = 10.5). 4 splits make 448 programs of 8 steps in one wave (cost 8 x 0.85 = 6.8). It is a
-    model, not a measurement: ``python -m minifer.bench.quant_kernels`` times every split of that case."""
-    best, best_cost = 1, split_cost(tiles, k_steps, sms, per_sm, 1)
-    for split in range(2, max(1, min(MAX_SPLIT, k_steps // 2)) + 1):
-        cost = split_cost(tiles, k_steps, sms, per_sm, split)
-        if cost < best_cost - 1e-9:
-            best, best_cost = split, cost
-    return best
+    How many programs an SM holds at once depends on the compiled kernel's registers, so each autotuning
+    config names its own ``per_sm`` (``SPLIT_PER_SM``) and the autotuner, timing them, picks the split. A
+    split that overshoots the SMs by a few programs costs less than it seems: the GPU starts each waiting
+    program as soon as one finishes, and the last split's programs are the shorter ones. On an H200, int4
+    at M = 1 on 4096x14336 (5 splits: 560 programs for 528 places) ran only 3% slower than on 14336x4096
+    (the same bytes, 512 programs that fit at once; ``quant_kernels_h200_decode.json``). The benchmark
+    times every split of that case (``split_sweep``)."""
+    want = -(-per_sm * sms // tiles)
+    return max(1, min(want, k_steps // 2, MAX_SPLIT))
 
 
 def _check(x: torch.Tensor, qw: QuantizedWeight, bias: torch.Tensor | None) -> None:
