@@ -1413,9 +1413,10 @@ def register_limited_warps(registers: int, num_warps: int, regs_per_sm: int = 65
 
 def aot_table(report: Mapping[str, Any], match: str = "quant_") -> list[dict[str, Any]]:
     """``python -m minifer.kernels.aot``'s report as one row per kernel whose name contains ``match``, with
-    registers per thread, shared memory, spills and the register-limited warps per SM
-    (:func:`register_limited_warps`) side by side for each architecture compiled (``regs_80``, ``smem_80``,
-    ``spills_80``, ``warps_80``, ...)."""
+    registers per thread, shared memory, spills, the register-limited warps per SM
+    (:func:`register_limited_warps`) and the main loop's instructions per weight (None where not counted)
+    side by side for each architecture compiled (``regs_80``, ``smem_80``, ``spills_80``, ``warps_80``,
+    ``ipw_80``, ...)."""
     rows: dict[str, dict[str, Any]] = {}
     for k in report["kernels"]:
         if match not in k["kernel"]:
@@ -1425,7 +1426,8 @@ def aot_table(report: Mapping[str, Any], match: str = "quant_") -> list[dict[str
                                             "num_stages": k["num_stages"]})
         row.update({f"regs_{cc}": k["registers"], f"smem_{cc}": k["shared_bytes"],
                     f"spills_{cc}": k["spill_stores"] + k["spill_loads"],
-                    f"warps_{cc}": register_limited_warps(k["registers"], k["num_warps"])})
+                    f"warps_{cc}": register_limited_warps(k["registers"], k["num_warps"]),
+                    f"ipw_{cc}": k.get("instructions_per_weight")})
     return list(rows.values())
 
 

@@ -171,12 +171,13 @@ def test_register_limited_warps_and_aot_table():
         {"kernel": "quant_gemv[x]", "arch": "sm_80", "num_warps": 4, "num_stages": 2, "registers": 188,
          "shared_bytes": 512, "spill_stores": 0, "spill_loads": 0},
         {"kernel": "quant_gemv[x]", "arch": "sm_90", "num_warps": 4, "num_stages": 2, "registers": 128,
-         "shared_bytes": 512, "spill_stores": 2, "spill_loads": 3},
+         "shared_bytes": 512, "spill_stores": 2, "spill_loads": 3, "instructions_per_weight": 4.6},
         {"kernel": "paged_decode", "arch": "sm_80", "num_warps": 4, "num_stages": 3, "registers": 64,
          "shared_bytes": 0, "spill_stores": 0, "spill_loads": 0}]}
     rows = aot_table(report)
     assert rows == [{"kernel": "quant_gemv[x]", "num_warps": 4, "num_stages": 2, "regs_80": 188, "smem_80": 512,
-                     "spills_80": 0, "warps_80": 8, "regs_90": 128, "smem_90": 512, "spills_90": 5, "warps_90": 16}]
+                     "spills_80": 0, "warps_80": 8, "ipw_80": None, "regs_90": 128, "smem_90": 512, "spills_90": 5,
+                     "warps_90": 16, "ipw_90": 4.6}]
     committed = aot_table(json.loads((RESULTS / "aot_report.json").read_text()))
     assert committed and all(r["kernel"].startswith("quant_") for r in committed)
 

@@ -112,6 +112,7 @@ def _copies(nbytes: int, device: torch.device, calls: int) -> int:
 def bench_case(k: int, n: int, m: int, fmt: str, device: torch.device, *, group_size: int = 128,
                rounds: int = 15, calls: int = 20, path: str = "auto", seed: int = 0) -> dict[str, Any]:
     """One (shape, M, format): correctness against the reference, then interleaved timings."""
+    from minifer.kernels import quant_matmul as qm
     from minifer.kernels.quant_matmul import auto_path, quant_matmul
     from minifer.quant import quant_linear_reference, quantize
 
@@ -124,9 +125,11 @@ def bench_case(k: int, n: int, m: int, fmt: str, device: torch.device, *, group_
     ref = quant_linear_reference(x.float(), qw)
     rel_err = float((y - ref).norm() / ref.norm())
 
-    chosen = auto_path(m, qw) if path == "auto" else path
-    config = _best_config(chosen, group_size if fmt == "int4" else 0)
-    tuning = _config_timings(chosen, group_size if fmt == "int4" else 0)
+    # int4 at one row: auto times gemv against the tensor-core kernel on first use (quant_matmul.decode_choice)
+    choice = qm.decode_choice(m, qw, x) if path == "auto" else None
+    chosen = choice["path"] if choice else auto_path(m, qw) if path == "auto" else path
+    launch = qm.plan(chosen, m, n, k, qm._FMT[fmt], group_size if fmt == "int4" else 0)
+    config, tuning = _best_config(launch), _config_timings(launch)
     n_copies = _copies(min(qw.nbytes(), w.numel() * 2), device, calls)
     qws = [qw] + [quantize(w, fmt, group_size=group_size) for _ in range(n_copies - 1)]
     ws = [w] + [w.clone() for _ in range(n_copies - 1)]
@@ -141,7 +144,8 @@ def bench_case(k: int, n: int, m: int, fmt: str, device: torch.device, *, group_
     tq_med, tb_med = statistics.median(tq), statistics.median(tb)
     act_bytes = (m * k + m * n) * 2
     return {"K": k, "N": n, "M": m, "format": fmt, "group_size": group_size if fmt == "int4" else None,
-            "path": chosen, "config": config, "autotune_ms": tuning, "rel_err": rel_err, "us_quant": tq_med * 1e6, "us_bf16": tb_med * 1e6,
+            "path": chosen, "decode_choice_us": choice["us"] if choice else None, "config": config,
+            "autotune_ms": tuning, "rel_err": rel_err, "us_quant": tq_med * 1e6, "us_bf16": tb_med * 1e6,
             "speedup": tb_med / tq_med, "bytes_bound": (w.numel() * 2 + act_bytes) / (qw.nbytes() + act_bytes),
             "GBps_quant": (qw.nbytes() + act_bytes) / tq_med / 1e9,
             "GBps_bf16": (w.numel() * 2 + act_bytes) / tb_med / 1e9,
@@ -162,14 +166,14 @@ def split_sweep(k: int, n: int, m: int, fmt: str, device: torch.device, *, group
     qw = quantize(w, fmt, group_size=group_size)
     out = torch.empty(m, n, device=device, dtype=torch.bfloat16)
     qm.quant_matmul(x, qw, path=path, out=out)  # autotunes with the default split rule
-    chosen_path = qm.auto_path(m, qw) if path == "auto" else path
-    group = group_size if fmt == "int4" else 0
-    tuner = qm._tuners[(chosen_path, group & -group if chosen_path != "gemv" else 0)][0]
-    best = getattr(tuner, "best_config", None) or tuner.configs[0]
+    choice = qm.decode_choice(m, qw, x) if path == "auto" else None
+    chosen_path = choice["path"] if choice else qm.auto_path(m, qw) if path == "auto" else path
+    launch = qm.plan(chosen_path, m, n, k, qm._FMT[fmt], group_size if fmt == "int4" else 0)
+    best = getattr(launch.kernel, "best_config", None) or launch.configs[0]
     meta = best.kwargs
-    _, _, _, _, tiles, k_steps = qm._plan(chosen_path, m, n, k, qm._FMT[fmt], group)
+    tiles = launch.tiles
     sms, per_sm = qm._num_sms(device), int(meta["SPLIT_PER_SM"])
-    steps = k_steps(meta)
+    steps = launch.k_steps(meta)
     splits = list(range(1, min(qm.MAX_SPLIT, steps) + 1))
     n_copies = _copies(min(qw.nbytes(), w.numel() * 2), device, calls)
     qws = [qw] + [quantize(w, fmt, group_size=group_size) for _ in range(n_copies - 1)]
@@ -190,22 +194,15 @@ def split_sweep(k: int, n: int, m: int, fmt: str, device: torch.device, *, group
                       "speedup": bf16 / statistics.median(times[s])} for s in splits]}
 
 
-def _best_config(path: str, group: int) -> str | None:
-    """The config the autotuner picked for the call just made on ``path`` (int4 tensor-core tuners are
-    per BLOCK_K cap, the largest power of two dividing the group size)."""
-    from minifer.kernels import quant_matmul as qm
-
-    tuner = qm._tuners.get((path, group & -group if path != "gemv" else 0))
-    best = getattr(tuner[0], "best_config", None) if tuner else None
+def _best_config(launch) -> str | None:
+    """The config the autotuner picked for the call just made with ``launch`` (a ``quant_matmul.Plan``)."""
+    best = getattr(launch.kernel, "best_config", None)
     return None if best is None else str(best)
 
 
-def _config_timings(path: str, group: int) -> dict[str, float] | None:
+def _config_timings(launch) -> dict[str, float] | None:
     """The autotuner's time (ms) of every config it tried for the call just made, if it tuned."""
-    from minifer.kernels import quant_matmul as qm
-
-    tuner = qm._tuners.get((path, group & -group if path != "gemv" else 0))
-    timings = getattr(tuner[0], "configs_timings", None) if tuner else None
+    timings = getattr(launch.kernel, "configs_timings", None)
     if not timings:
         return None
     return {str(c): float(t[0] if isinstance(t, (list, tuple)) else t) for c, t in timings.items()}
@@ -242,7 +239,6 @@ def run(device: str = "cuda", shapes: Sequence[tuple[int, int]] = SHAPES, ms: Se
     splitk), the measurement behind ``GEMV_MAX_M``. ``sweeps``: ``(K, N, M, format)`` cases whose every
     split of K is timed (``split_sweep``), run first (those among ``shapes``, ``ms`` and ``formats``)."""
     from minifer.bench.roofline import measure_copy_bandwidth
-    from minifer.kernels.quant_matmul import GEMV_MAX_M
 
     dev = torch.device(device)
     if dev.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
@@ -264,15 +260,16 @@ def run(device: str = "cuda", shapes: Sequence[tuple[int, int]] = SHAPES, ms: Se
         for fmt in formats:
             for m in ms:
                 paths = ["auto"]
-                if extra_paths and m <= 16:  # the other decode kernel
-                    paths += ["splitk" if m <= GEMV_MAX_M[fmt] else "gemv"]
-                for path in paths:
+                while paths:
+                    path = paths.pop(0)
                     t0 = time.perf_counter()
                     row = bench_case(k, n, m, fmt, dev, group_size=group_size, rounds=rounds, calls=calls, path=path)
                     row["of_copy_bw_quant"] = row["GBps_quant"] * 1e9 / copy_bw
                     row["of_copy_bw_bf16"] = row["GBps_bf16"] * 1e9 / copy_bw
                     row["auto"] = path == "auto"
                     rows.append(row)
+                    if path == "auto" and extra_paths and m <= 16 and row["path"] in ("gemv", "splitk"):
+                        paths.append("splitk" if row["path"] == "gemv" else "gemv")  # the other decode kernel
                     if progress:
                         print(f"K={k:>5} N={n:>5} M={m:>3} {fmt:<4} {row['path']:<6} quant {row['us_quant']:8.1f} us  "
                               f"bf16 {row['us_bf16']:8.1f} us  x{row['speedup']:.2f} (bound x{row['bytes_bound']:.2f})  "

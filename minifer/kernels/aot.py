@@ -3,7 +3,9 @@
 ``triton.compile(ASTSource(...), target=GPUTarget("cuda", cc, 32))`` runs Triton's whole pipeline down to
 PTX and a cubin. ``ptxas -v`` (bundled with Triton) then reports each kernel's registers, spills and
 shared memory: a kernel that spills or needs more shared memory than the chip has would be slow or fail
-to launch on the GPU, and this catches it in CPU-only CI.
+to launch on the GPU, and this catches it in CPU-only CI. ``nvdisasm`` (bundled too) turns the cubin into
+SASS, the instructions the GPU runs, and the report counts those of each kernel's main loop, per weight
+it decodes: a decode kernel that must keep up with the memory has a budget of a few (chapter 05).
 
     python -m minifer.kernels.aot --out runs/aot_report.json
 """
@@ -33,6 +35,7 @@ class KernelSpec:
     # Arguments to compile as multiples of 16 (pointers: 16-byte aligned), as Triton specializes them at
     # run time for torch allocations and real shapes; without it the report shows unvectorized loads.
     aligned: tuple[str, ...] = ()
+    weights_per_step: int = 0  # weights one program reads per main-loop iteration (0: not a weight loop)
 
 
 def kernel_specs() -> list[KernelSpec]:
@@ -72,19 +75,31 @@ def quant_matmul_specs() -> list[KernelSpec]:
                   "FP8_NATIVE": False, "XKIND": qm.X_BF16}
         per_arch = {90: {"FP8_NATIVE": True}} if code == qm.FP8 else {}
         gw = 128 // 8 if int4 else qm.CHUNK_BYTES  # int4 gemv reads W as int32 words, a group is 16 of them
+        gemv_weights = 128 * gw * (8 if int4 else 1)  # BLOCK_N rows x one chunk of GW units
         specs.append(KernelSpec(f"quant_gemv[{fmt},BN=128,chunks=1]", qm.quant_gemv_kernel,
                                 {**{k: v for k, v in sig.items() if k != "SPLIT_PER_SM"},
                                  "q_ptr": "*i32" if int4 else "*i8", "magic": "i32", "SPLIT_PER_SM": "i32",
                                  **{k: "constexpr" for k in (*common, "GW", "GW_P2", "BLOCK_N", "CHUNKS")}},
                                 {**common, "GW": gw, "GW_P2": gw, "BLOCK_N": 128, "CHUNKS": 1}, 4, 2, per_arch,
-                                aligned))
+                                aligned, gemv_weights))
         gemm_sig = {**sig, **{k: "constexpr" for k in (*common, "DOT_F32", "BLOCK_M", "BLOCK_N", "BLOCK_K",
                                                         "GROUP_M")}}
         for path, bm, bn, bk, warps, stages, group_m in (("splitk", 16, 32, 128, 4, 3, 1),
                                                          ("tiled", 64, 128, 64, 8, 3, 8)):
+            if int4 and path == "splitk":  # int4 decodes on tensor cores in its own kernel (groups of 64k)
+                first = qm.GPU_INT4_MMA_CONFIGS[0]
+                mma = {**common, "DOT_F32": False, **{k: v for k, v in first.kwargs.items() if k != "SPLIT_PER_SM"}}
+                specs.append(KernelSpec(f"quant_int4_mma[{fmt},{mma['BLOCK_M']}x{mma['BLOCK_N']}x{mma['BLOCK_K']}]",
+                                        qm.quant_int4_mma_kernel,
+                                        {**sig, "q_ptr": "*i32", "x_ptr": "*bf16",
+                                         **{k: "constexpr" for k in (*common, "DOT_F32", "BLOCK_M", "BLOCK_N",
+                                                                     "BLOCK_K")}},
+                                        mma, first.num_warps, first.num_stages, {}, aligned,
+                                        mma["BLOCK_N"] * mma["BLOCK_K"]))
+                continue
             specs.append(KernelSpec(f"quant_gemm[{fmt},{path},{bm}x{bn}x{bk}]", qm.quant_gemm_kernel, gemm_sig,
                                     {**common, "DOT_F32": False, "BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk,
-                                     "GROUP_M": group_m}, warps, stages, per_arch, aligned))
+                                     "GROUP_M": group_m}, warps, stages, per_arch, aligned, bn * bk))
     return specs
 
 
@@ -112,6 +127,31 @@ def _ptxas_usage(ptx: str, cc: int) -> dict[str, int]:
             "spill_loads": grab(r"(\d+) bytes spill loads"), "stack_frame": grab(r"(\d+) bytes stack frame")}
 
 
+def loop_instructions(cubin: bytes) -> int | None:
+    """SASS instructions in the kernel's largest loop (its main loop), from ``nvdisasm``; None without it."""
+    try:
+        from triton import knobs
+
+        nvdisasm = knobs.nvidia.nvdisasm.path
+    except Exception:  # pragma: no cover - a Triton without the bundled tool
+        return None
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "k.cubin"
+        path.write_bytes(cubin)
+        r = subprocess.run([nvdisasm, "-c", str(path)], capture_output=True, text=True)
+    if r.returncode:
+        return None
+    lines = r.stdout.splitlines()
+    labels, best = {}, (0, -1)
+    for i, line in enumerate(lines):
+        if (m := re.match(r"\s*(\.L_x_\d+):", line)):
+            labels[m.group(1)] = i
+        elif (m := re.search(r"BRA `?\(?(\.L_x_\d+)", line)) and m.group(1) in labels:  # a backward branch
+            if i - labels[m.group(1)] > best[1] - best[0]:
+                best = (labels[m.group(1)], i)
+    return sum(1 for line in lines[best[0]:best[1] + 1] if re.match(r"\s*/\*[0-9a-f]{4,}\*/\s+\S", line))
+
+
 def compile_all(ccs: tuple[int, ...] = (80, 90), specs: list[KernelSpec] | None = None) -> list[dict]:
     """Compile ``specs`` (default: every kernel) for each compute capability; one report row per pair.
 
@@ -136,10 +176,14 @@ def compile_all(ccs: tuple[int, ...] = (80, 90), specs: list[KernelSpec] | None 
             compiled = triton.compile(src, target=GPUTarget("cuda", cc, 32),
                                       options={"num_warps": spec.num_warps, "num_stages": spec.num_stages})
             usage = _ptxas_usage(compiled.asm["ptx"], cc)
+            loop = loop_instructions(compiled.asm["cubin"]) if spec.weights_per_step else None
+            per_thread = spec.weights_per_step / (32 * spec.num_warps)
             rows.append({"kernel": spec.name, "arch": f"sm_{cc}", "num_warps": spec.num_warps,
                          "num_stages": spec.num_stages,
                          "shared_bytes": int(compiled.metadata.shared), "cubin_bytes": len(compiled.asm["cubin"]),
-                         **usage, "spills": bool(usage["spill_stores"] or usage["spill_loads"])})
+                         **usage, "spills": bool(usage["spill_stores"] or usage["spill_loads"]),
+                         "loop_instructions": loop,
+                         "instructions_per_weight": None if loop is None else round(loop / per_thread, 2)})
     return rows
 
 
@@ -168,7 +212,10 @@ def main() -> None:
     else:
         for r in rows:
             flag = "  SPILLS" if r["spills"] else ""
-            print(f"{r['kernel']:<44} {r['arch']}  regs {r['registers']:>3}  smem {r['shared_bytes']:>6} B{flag}")
+            ipw = r["instructions_per_weight"]
+            per_w = "" if ipw is None else f"  {ipw:5.2f} instr/weight"
+            print(f"{r['kernel']:<44} {r['arch']}  regs {r['registers']:>3}  smem {r['shared_bytes']:>6} B"
+                  f"{per_w}{flag}")
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps({"triton": triton.__version__, "kernels": rows}, indent=2))

@@ -6,13 +6,15 @@ bytes of weights it reads (chapter 01), and a 4-bit weight is a quarter of the b
 formats are ``minifer/quant/formats.py``; ``quant_linear_reference`` there is the oracle these kernels
 are tested against (``tests/test_quant_kernels.py``, under the interpreter on CPU).
 
-Two kernels, three paths (``quant_matmul(..., path=)``):
+Three kernels, three paths (``quant_matmul(..., path=)``):
 
 - ``gemv`` (decode, M of 1 to a few): CUDA-core multiply-adds, no tensor cores. One program owns
   ``BLOCK_N`` output channels of one row of ``x`` and a slice of K (*split-K*: with N = 4096 outputs a
   GPU of 132 SMs would otherwise have too few programs to keep its memory system busy).
 - ``splitk`` (decode, M up to 16): ``tl.dot`` on a 16-row tile (tensor cores; the rows past M are
   masked), split-K as above. Above a few rows, multiply-adds on CUDA cores cost more than the bytes.
+  int4 (groups of a multiple of 64) has its own kernel here, ``quant_int4_mma_kernel``: the weights
+  as the MMA's wide operand, decoded in the registers that feed it, two codes per instruction.
 - ``tiled`` (prefill): the classic tiled GEMM of the Triton matmul tutorial, with the W tile dequantized
   just before each ``tl.dot``.
 
@@ -30,17 +32,24 @@ exactly ``2^23 + q`` (the low mantissa bits of 2^23 count in units of 1), and on
 ``2^23 + zero_point`` leaves ``q - z`` exactly. fp8 e4m3 shifted into a float16's bits is its value times
 2^-8 (exponent biases 7 and 15), subnormals included — the only fp8 decoding sm_80 can do; sm_89+ convert
 natively. int4's two codes per byte pair up with two neighbouring activations, so ``x`` is read as 32-bit
-*pairs* (a bf16 pair is one word: a shift and a mask split it) instead of with stride-2 loads.
+*pairs* (a bf16 pair is one word: a shift and a mask split it) instead of with stride-2 loads. For the
+tensor cores int4 goes straight to bfloat16: ``0x4300 | q`` is ``128 + q``, and two codes 16 bits apart
+in a word become two bfloat16 with one AND-OR.
 
-Where they stand on an H200 (``minifer/bench/quant_kernels.py`` has the table): decode is faster than
-bf16 (int4 M=1: 1.8x, int8 / fp8: 1.3-1.5x up to M=16) but int4 reaches only ~1.7 TB/s of 4.2, far from
-its 3.76x bytes bound; prefill (``tiled``) is 0.3-0.95x of cuBLAS bf16.
+Where they stand on an H200 (``minifer/bench/quant_kernels.py`` has the table), measured before
+``quant_int4_mma_kernel`` existed: decode is faster than bf16 (int4 M=1: 1.8x, int8 / fp8: 1.3-1.5x up
+to M=16) but int4 reaches only ~1.7 TB/s of 4.2, far from its 3.76x bytes bound; prefill (``tiled``) is
+0.3-0.95x of cuBLAS bf16. The int4 tensor-core kernel has not run on a GPU yet. Compiled for sm_90, its
+main loop issues ~3.1-3.3 instructions per weight (symmetric) where gemv's issues 4.6 and the old int4
+``splitk`` 5.5-9 (``nvdisasm`` of the ahead-of-time cubins; a count, not a timing).
 """
 
 from __future__ import annotations
 
 import functools
 import os
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -55,9 +64,10 @@ X_BF16, X_FP16, X_FP32 = 0, 1, 2
 _XKIND = {torch.bfloat16: X_BF16, torch.float16: X_FP16, torch.float32: X_FP32}
 _PAIR_DTYPE = {torch.bfloat16: torch.int32, torch.float16: torch.int32, torch.float32: torch.int64}
 PATHS = ("auto", "gemv", "splitk", "tiled")
-# path="auto", from H200 measurements (benchmarks/results/quant_kernels_h200*.json): int4 decodes one row
-# faster on CUDA cores (gemv: 18 us vs 31 us for splitk at 4096x14336) but its cost grows with every row
-# (M=16: 170 us); int8/fp8 are as fast or faster on tensor cores (splitk) from M=1.
+# path="auto", from H200 measurements (benchmarks/results/quant_kernels_h200*.json): int4 decoded one row
+# faster on CUDA cores (gemv: 18 us vs 31 us for splitk at 4096x14336, before quant_int4_mma_kernel) but
+# gemv's cost grows with every row (M=16: 170 us); int8/fp8 are as fast or faster on tensor cores (splitk)
+# from M=1. Where the int4 kernels are autotuned, the one-row choice is timed instead (``decode_choice``).
 GEMV_MAX_M = {"int4": 1, "int8": 0, "fp8": 0}
 SPLITK_MAX_M = 16
 MAX_SPLIT = 16
@@ -316,6 +326,84 @@ def quant_gemm_kernel(x_ptr, q_ptr, s_ptr, z_ptr, bias_ptr, out_ptr, part_ptr, l
     _epilogue(acc, rm, rn, M, N, out_ptr, bias_ptr, part_ptr, lock_ptr, pid, HAS_BIAS)
 
 
+# --- int4 decode on tensor cores -----------------------------------------------------------------------
+
+
+@triton.jit
+def _int4_pairs(b, SHIFT: tl.constexpr):
+    """Codes ``c = SHIFT / 4`` and ``c + 4`` of every 32-bit word of ``b`` ``[R, W]`` as bfloat16 ``128 + q``,
+    interleaved: ``[R, 2W]``, column ``2j + h`` is code ``c + 4h`` of word ``j``. One AND-OR per two codes:
+    code c + 4 sits 16 bits above code c, so ``(b >> SHIFT) & 0x000F000F | 0x43004300`` is two bfloat16
+    at once, and 0x4300 is 128.0 (its 7 mantissa bits count in units of 1, so 128 + q is exact)."""
+    v = ((b >> SHIFT) & 0x000F000F) | 0x43004300
+    lo = v.to(tl.int16).to(tl.bfloat16, bitcast=True)
+    hi = (v >> 16).to(tl.int16).to(tl.bfloat16, bitcast=True)
+    return tl.interleave(lo, hi)
+
+
+@triton.jit
+def quant_int4_mma_kernel(x_ptr, q_ptr, s_ptr, z_ptr, bias_ptr, out_ptr, part_ptr, lock_ptr, M, N, K, ROW, M_KEY,
+                          SPLIT_PER_SM, FMT: tl.constexpr, GROUP: tl.constexpr, HAS_ZEROS: tl.constexpr,
+                          HAS_BIAS: tl.constexpr, FP8_NATIVE: tl.constexpr, XKIND: tl.constexpr,
+                          DOT_F32: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                          BLOCK_K: tl.constexpr):
+    """int4 decode (M up to 16) on tensor cores. Grid ``(cdiv(M, BLOCK_M) * cdiv(N, BLOCK_N), splits)``.
+
+    The weights are the *first* operand: ``acc[BLOCK_N, BLOCK_M] += dequant(W_tile) @ x_tile^T``, so the
+    many output channels fill the MMA's 64-row side and the few rows of ``x`` its narrow one (8 or 16; an
+    H100/H200 then runs ``wgmma`` with the weights straight from registers). The 32-bit words of codes are
+    loaded as they are stored (``[BLOCK_N, BLOCK_K / 8]``) and decoded in the registers that feed the MMA,
+    two codes per logic op (``_int4_pairs``) and one subtraction per two codes (``- (128 + z)``, exact in
+    bfloat16). Nothing is unpacked into K order: the dot of step ``c`` pairs codes ``c`` and ``c + 4`` of each
+    word with the activations at those positions, which are loaded in that order. A K-step is one
+    quantization group or part of one (``BLOCK_K`` divides ``GROUP``), so its scale multiplies the
+    step's product, as in ``quant_gemm_kernel``. FMT, FP8_NATIVE and XKIND are not read: the launcher
+    passes every kernel the same arguments."""
+    pid = tl.program_id(0)
+    num_m = tl.cdiv(M, BLOCK_M)
+    rm = (pid % num_m) * BLOCK_M + tl.arange(0, BLOCK_M)  # rows of x vary fastest: same weights, close in time
+    rn = (pid // num_m) * BLOCK_N + tl.arange(0, BLOCK_N)
+    m_mask = rm < M
+    n_mask = rn < N
+    KW: tl.constexpr = BLOCK_K // 8  # words of codes per K-step and row
+    kw = tl.arange(0, KW)
+    kk = tl.arange(0, 2 * KW)
+    xdt = out_ptr.dtype.element_ty
+    if DOT_F32:  # the interpreter's tl.dot multiplies bf16 bit patterns (triton-lang/triton#11584)
+        xdt = tl.float32
+    n_groups = K // GROUP
+    n_steps = K // BLOCK_K
+    per_split = tl.cdiv(n_steps, tl.num_programs(1))
+    t_start = tl.program_id(1) * per_split
+    t_end = tl.minimum(t_start + per_split, n_steps)
+    w_rows = q_ptr + rn.to(tl.int64)[:, None] * ROW
+    x_rows = x_ptr + rm[None, :] * K
+    acc = tl.zeros((BLOCK_N, BLOCK_M), tl.float32)
+    for t in range(t_start, t_end):
+        b = tl.load(w_rows + (t * KW + kw)[None, :], mask=n_mask[:, None], other=0)
+        g = (t * BLOCK_K) // GROUP
+        # Symmetric: subtract 128 + 8 from every code. Asymmetric: subtract 128, and the zero point of each
+        # row after the dot, as z * sum(x) (one zero point per row and group; per code it would cost a
+        # register shuffle for every subtraction).
+        part = tl.zeros((BLOCK_N, BLOCK_M), tl.float32)
+        xsum = tl.zeros((BLOCK_M,), tl.float32)
+        for c in tl.static_range(4):
+            if DOT_F32:  # the interpreter's bfloat16 arithmetic is not exact: the same numbers in float32
+                w = _int4_pairs(b, 4 * c).to(tl.float32) - (128.0 if HAS_ZEROS else 136.0)
+            else:
+                w = _int4_pairs(b, 4 * c) - (128.0 if HAS_ZEROS else 136.0)  # exact in bfloat16
+            k = t * BLOCK_K + 8 * (kk // 2) + c + 4 * (kk % 2)  # the activations of those codes
+            xt = tl.load(x_rows + k[:, None], mask=m_mask[None, :], other=0.0)
+            part = tl.dot(w.to(xdt), xt.to(xdt), part, input_precision="ieee")
+            if HAS_ZEROS:
+                xsum += tl.sum(xt.to(tl.float32), axis=0)
+        if HAS_ZEROS:
+            z = tl.load(z_ptr + rn * n_groups + g, mask=n_mask, other=0).to(tl.float32)
+            part -= z[:, None] * xsum[None, :]
+        acc += part * tl.load(s_ptr + rn * n_groups + g, mask=n_mask, other=0.0)[:, None]
+    _epilogue(tl.trans(acc), rm, rn, M, N, out_ptr, bias_ptr, part_ptr, lock_ptr, pid, HAS_BIAS)
+
+
 # --- launch --------------------------------------------------------------------------------------------
 
 
@@ -340,6 +428,10 @@ GPU_GEMV_CONFIGS = [_cfg(w, 2, p, BLOCK_N=n, CHUNKS=c) for n, c, w in
 GPU_SPLITK_CONFIGS = [_cfg(w, s, p, BLOCK_M=16, BLOCK_N=n, BLOCK_K=k, GROUP_M=1) for n, k, w, s in
                       ((32, 128, 4, 3), (64, 128, 4, 3), (64, 64, 4, 4), (32, 256, 4, 3), (128, 128, 8, 3),
                        (128, 64, 4, 4)) for p in (2, 4, 8)]
+# int4 decode on tensor cores: BLOCK_M is the MMA's narrow side (8 or 16 rows of x).
+GPU_INT4_MMA_CONFIGS = [_cfg(w, s, p, BLOCK_M=m, BLOCK_N=n, BLOCK_K=k) for n, m, k, w, s in
+                        ((128, 16, 128, 4, 3), (128, 8, 128, 4, 3), (64, 16, 128, 4, 3), (256, 16, 128, 8, 3),
+                         (64, 8, 128, 4, 4), (128, 16, 64, 4, 4)) for p in (4, 2, 8)]
 GPU_TILED_CONFIGS = [_cfg(w, s, 1, BLOCK_M=m, BLOCK_N=n, BLOCK_K=k, GROUP_M=8) for m, n, k, w, s in
                      ((64, 128, 64, 8, 3), (128, 128, 64, 8, 3), (128, 64, 64, 4, 4), (64, 64, 128, 4, 3),
                       (128, 256, 64, 8, 3), (64, 256, 64, 8, 3))]
@@ -350,10 +442,13 @@ if INTERPRETING:
     GEMV_CONFIGS = [_cfg(BLOCK_N=16, CHUNKS=2)]
     SPLITK_CONFIGS = [_cfg(per_sm=2, BLOCK_M=16, BLOCK_N=32, BLOCK_K=64, GROUP_M=1)]
     TILED_CONFIGS = [_cfg(per_sm=1, BLOCK_M=32, BLOCK_N=32, BLOCK_K=64, GROUP_M=4)]
+    INT4_MMA_CONFIGS = [_cfg(per_sm=2, BLOCK_M=16, BLOCK_N=32, BLOCK_K=64)]
 elif AUTOTUNE:
     GEMV_CONFIGS, SPLITK_CONFIGS, TILED_CONFIGS = GPU_GEMV_CONFIGS, GPU_SPLITK_CONFIGS, GPU_TILED_CONFIGS
+    INT4_MMA_CONFIGS = GPU_INT4_MMA_CONFIGS
 else:
     GEMV_CONFIGS, SPLITK_CONFIGS, TILED_CONFIGS = GPU_GEMV_CONFIGS[:1], GPU_SPLITK_CONFIGS[:1], GPU_TILED_CONFIGS[:1]
+    INT4_MMA_CONFIGS = GPU_INT4_MMA_CONFIGS[:1]
 
 
 def _cap_block_k(configs: list[triton.Config], cap: int) -> list[triton.Config]:
@@ -374,10 +469,13 @@ _tuners: dict[tuple[str, int], tuple[object, list[triton.Config]]] = {}
 
 
 def _tuner(path: str, block_k_cap: int = 0):
-    """The autotuned kernel of a path, and its configs (one tuner per BLOCK_K cap, built on first use)."""
+    """The autotuned kernel of a path (``"int4_mma"``: int4's splitk path, see ``_plan``), and its configs
+    (one tuner per BLOCK_K cap, built on first use)."""
     if (path, block_k_cap) not in _tuners:
         if path == "gemv":
             kernel, configs = quant_gemv_kernel, GEMV_CONFIGS
+        elif path == "int4_mma":
+            kernel, configs = quant_int4_mma_kernel, _cap_block_k(INT4_MMA_CONFIGS, block_k_cap)
         else:
             kernel, configs = quant_gemm_kernel, SPLITK_CONFIGS if path == "splitk" else TILED_CONFIGS
             if block_k_cap:
@@ -450,23 +548,47 @@ def _check(x: torch.Tensor, qw: QuantizedWeight, bias: torch.Tensor | None) -> N
                          f"on {bias.device}")
 
 
-def _plan(path: str, m: int, n: int, k: int, fmt: int, group: int):
-    """The autotuned kernel, its extra constexprs, its configs, the row length of W in the
-    units the kernel reads (int4 gemv: int32 words; otherwise bytes), and per config: output tiles and
-    K-steps."""
+@dataclass(frozen=True)
+class Plan:
+    """How ``quant_matmul`` launches one path: the autotuned kernel (``tuner``: its key in ``_tuners``), the
+    constexprs only that kernel takes, its configs, the row length of W in the units the kernel reads
+    (``words``: int32 words of 8 codes, else bytes), whether ``x`` goes in as 32-bit pairs, and per config
+    the output tiles and K-steps."""
+
+    tuner: tuple[str, int]
+    kernel: object
+    extra: dict
+    configs: list
+    row: int
+    words: bool
+    x_pairs: bool
+    tiles: Callable[[dict], int]
+    k_steps: Callable[[dict], int]
+
+
+def plan(path: str, m: int, n: int, k: int, fmt: int, group: int) -> Plan:
+    """The launch plan of ``path`` (not ``"auto"``) for ``m`` rows, an ``n x k`` weight, format and group.
+    int4 on ``splitk`` takes ``quant_int4_mma_kernel`` when a K-step of at least 64 codes fits in a group
+    (``GROUP % 64 == 0``), otherwise ``quant_gemm_kernel`` as prefill does."""
     if path == "gemv":
         row = k // 8 if fmt == INT4 else k
         gw = group // 8 if fmt == INT4 else CHUNK_BYTES
         while row % gw:  # int8/fp8: chunks must tile the row exactly (no mask along a chunk)
             gw //= 2
         kernel, configs = _tuner("gemv")
-        return (kernel, dict(GW=gw, GW_P2=triton.next_power_of_2(gw)), configs, row,
-                lambda meta: m * triton.cdiv(n, meta["BLOCK_N"]),
-                lambda meta: triton.cdiv(row, gw * meta["CHUNKS"]))
-    kernel, configs = _tuner(path, group & -group if fmt == INT4 else 0)
-    return (kernel, dict(DOT_F32=INTERPRETING), configs, k // 2 if fmt == INT4 else k,
-            lambda meta: triton.cdiv(m, meta["BLOCK_M"]) * triton.cdiv(n, meta["BLOCK_N"]),
-            lambda meta: triton.cdiv(k, meta["BLOCK_K"]))
+        return Plan(("gemv", 0), kernel, dict(GW=gw, GW_P2=triton.next_power_of_2(gw)), configs, row, fmt == INT4,
+                    fmt == INT4, lambda meta: m * triton.cdiv(n, meta["BLOCK_N"]),
+                    lambda meta: triton.cdiv(row, gw * meta["CHUNKS"]))
+    cap = group & -group if fmt == INT4 else 0
+    tiles = lambda meta: triton.cdiv(m, meta["BLOCK_M"]) * triton.cdiv(n, meta["BLOCK_N"])  # noqa: E731
+    k_steps = lambda meta: triton.cdiv(k, meta["BLOCK_K"])  # noqa: E731
+    if path == "splitk" and fmt == INT4 and group % 64 == 0:
+        kernel, configs = _tuner("int4_mma", cap)
+        return Plan(("int4_mma", cap), kernel, dict(DOT_F32=INTERPRETING), configs, k // 8, True, False, tiles,
+                    k_steps)
+    kernel, configs = _tuner(path, cap)
+    return Plan((path, cap), kernel, dict(DOT_F32=INTERPRETING), configs, k // 2 if fmt == INT4 else k, False,
+                fmt == INT4, tiles, k_steps)
 
 
 def _as_int(value) -> int:
@@ -483,13 +605,44 @@ def auto_path(m: int, qw: QuantizedWeight) -> str:
     return "gemv" if m <= GEMV_MAX_M[qw.fmt] else "splitk" if m <= SPLITK_MAX_M else "tiled"
 
 
+_DECODE_CHOICE: dict[tuple, dict] = {}
+
+
+def _decode_key(m: int, qw: QuantizedWeight, x: torch.Tensor) -> tuple:
+    return (x.device, min(triton.next_power_of_2(m), 256), qw.shape, qw.group_size, qw.zeros is not None, x.dtype)
+
+
+def decode_choice(m: int, qw: QuantizedWeight, x: torch.Tensor) -> dict | None:
+    """The timed choice between ``gemv`` and ``splitk`` for int4 at ``m`` rows, once ``quant_matmul`` has
+    made it for this shape and device: ``{"path": ..., "us": {path: microseconds}}``; None if it has not
+    (or does not: the choice is timed only where the kernels are autotuned)."""
+    return _DECODE_CHOICE.get(_decode_key(m, qw, x))
+
+
+def _timed_decode_path(x2: torch.Tensor, qw: QuantizedWeight, bias: torch.Tensor | None, out2: torch.Tensor) -> str:
+    """int4 at one row: gemv (CUDA cores) or quant_int4_mma_kernel (tensor cores, ``splitk``), whichever
+    runs this shape faster here, timed on first use (each autotuned first) and remembered. Which one wins
+    depends on the GPU and the shape, and the autotuner can only compare configs of one kernel."""
+    key = _decode_key(x2.shape[0], qw, x2)
+    if key not in _DECODE_CHOICE:
+        us = {}
+        for cand in ("gemv", "splitk"):
+            quant_matmul(x2, qw, bias, path=cand, out=out2)  # autotune first
+            # replayed in a CUDA graph: timed eagerly, a call of a few microseconds would time the launcher
+            us[cand] = 1e3 * triton.testing.do_bench_cudagraph(
+                lambda c=cand: quant_matmul(x2, qw, bias, path=c, out=out2), rep=20)
+        _DECODE_CHOICE[key] = {"path": min(us, key=us.get), "us": us}
+    return _DECODE_CHOICE[key]["path"]
+
+
 def quant_matmul(x: torch.Tensor, qw: QuantizedWeight, bias: torch.Tensor | None = None, path: str = "auto",
                  split_k: int | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
     """``x @ dequantize(qw)^T (+ bias)`` for ``x: [..., K]`` (float32 / bf16 / fp16), fused; returns ``[..., N]``
     in ``x.dtype`` (written into ``out`` if given: contiguous, that shape and dtype). ``path``: ``"gemv"`` /
     ``"splitk"`` (decode), ``"tiled"`` (prefill) or ``"auto"`` (``auto_path``: by format and number of rows
-    M). ``split_k`` overrides the split of K that is otherwise chosen from the GPU's SM count and the
-    config's ``SPLIT_PER_SM`` (``choose_split``; it is capped at the number of K-steps)."""
+    M; int4 at one row on an autotuning GPU: whichever decode kernel its first call timed faster).
+    ``split_k`` overrides the split of K that is otherwise chosen from the GPU's SM count and the config's
+    ``SPLIT_PER_SM`` (``choose_split``; it is capped at the number of K-steps)."""
     if path not in PATHS:
         raise ValueError(f"quant_matmul: path must be one of {PATHS}, got {path!r}")
     if split_k is not None and not 1 <= split_k <= MAX_SPLIT:
@@ -508,36 +661,39 @@ def quant_matmul(x: torch.Tensor, qw: QuantizedWeight, bias: torch.Tensor | None
         return out
     fmt, group = _FMT[qw.fmt], qw.group_size or 0
     chosen = auto_path(m, qw) if path == "auto" else path
+    capturing = x.device.type == "cuda" and torch.cuda.is_current_stream_capturing()  # no timing in a graph
+    if path == "auto" and chosen == "gemv" and fmt == INT4 and group % 64 == 0 and AUTOTUNE and not capturing:
+        chosen = _timed_decode_path(x2, qw, bias, out.view(m, n))
     if fmt == INT4 and group % 8:
         raise ValueError(f"quant_matmul: the int4 kernels need a group size that is a multiple of 8 (a group is "
                          f"whole 32-bit words of codes), got {group}; use quant_linear_reference")
     if fmt == INT4 and chosen != "gemv" and group % 32:
         raise ValueError(f"quant_matmul: path {path!r} needs an int4 group size that is a multiple of 32 "
                          f"(a K-step of tl.dot stays inside one group), got {group}; use path='gemv'")
-    kernel, extra, configs, row, tiles, k_steps = _plan(chosen, m, n, k, fmt, group)
+    p = plan(chosen, m, n, k, fmt, group)
     sms = _num_sms(x.device)
 
     def splits(meta) -> int:
         if split_k is not None:
             s = split_k
         else:
-            s = choose_split(tiles(meta), k_steps(meta), sms, _as_int(meta["SPLIT_PER_SM"]))
-        return max(1, min(s, k_steps(meta)))
+            s = choose_split(p.tiles(meta), p.k_steps(meta), sms, _as_int(meta["SPLIT_PER_SM"]))
+        return max(1, min(s, p.k_steps(meta)))
 
-    most = max(splits(c.kwargs) for c in configs)
+    most = max(splits(c.kwargs) for c in p.configs)
     part = _workspace(most * m * n if most > 1 else 1, x.device)
-    locks = _lock_buffer(x.device, max(tiles(c.kwargs) for c in configs))
-    # int4 reads activations as pairs (see the module docstring); fp8 codes travel as their int8 bits.
-    xk = x2.view(_PAIR_DTYPE[x.dtype]) if fmt == INT4 else x2
+    locks = _lock_buffer(x.device, max(p.tiles(c.kwargs) for c in p.configs))
+    # int4 gemv and tiled read activations as pairs (see the module docstring); fp8 codes travel as int8 bits.
+    xk = x2.view(_PAIR_DTYPE[x.dtype]) if p.x_pairs else x2
     q = qw.qweight
     if fmt == FP8:
         q = q.view(torch.int8)
-    elif fmt == INT4 and chosen == "gemv":
+    elif p.words:
         q = q.view(torch.int32)  # [N, K / 8]: 8 codes a word, code 0 in the lowest nibble
     z = qw.zeros if qw.zeros is not None else qw.scales  # a placeholder pointer, never read without HAS_ZEROS
-    kernel[lambda meta: (tiles(meta), splits(meta))](
+    p.kernel[lambda meta: (p.tiles(meta), splits(meta))](
         xk, q, qw.scales, z, bias if bias is not None else qw.scales, out, part, locks, m, n, k,
-        row, min(triton.next_power_of_2(m), 256), *((MAGIC,) if chosen == "gemv" else ()), FMT=fmt, GROUP=group,
+        p.row, min(triton.next_power_of_2(m), 256), *((MAGIC,) if chosen == "gemv" else ()), FMT=fmt, GROUP=group,
         HAS_ZEROS=qw.zeros is not None, HAS_BIAS=bias is not None, FP8_NATIVE=_fp8_native(x.device),
-        XKIND=_XKIND[x.dtype], **extra)
+        XKIND=_XKIND[x.dtype], **p.extra)
     return out
