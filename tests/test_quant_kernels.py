@@ -150,6 +150,15 @@ def test_int4_decodes_on_tensor_cores_in_its_own_kernel_when_a_group_holds_64_co
     assert all(c.kwargs["BLOCK_K"] >= 64 and c.kwargs["BLOCK_M"] in (8, 16) for c in qm.GPU_INT4_MMA_CONFIGS)
 
 
+@pytest.mark.parametrize("group,symmetric", [(128, False), (192, True), (192, False), (256, True)])
+@pytest.mark.parametrize("m", [1, 5, 16])
+def test_int4_tensor_core_decode_on_other_groups(group, symmetric, m, poisoned_workspace):
+    """quant_int4_mma_kernel with K-steps of 64 codes inside groups of 192 (three per group), groups of 256,
+    and zero points (subtracted after the dot as z * sum(x))."""
+    x, qw, b = _case("int4", symmetric, group, 2 * group if group > 128 else 384, 20, m, torch.float32, seed=m)
+    assert _rel(_run(x, qw, b, "splitk"), quant_linear_reference(x, qw, b)) < 1e-5
+
+
 def test_auto_times_the_two_int4_decode_kernels_once_per_shape(monkeypatch):
     """Where the kernels are autotuned (a GPU), auto's int4 one-row choice between gemv and the tensor-core
     kernel is timed on first use and remembered; here the timer is a stand-in that says splitk is faster."""
