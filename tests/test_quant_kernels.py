@@ -168,14 +168,14 @@ def test_auto_times_the_two_int4_decode_kernels_once_per_shape(monkeypatch):
 
     timed = []
 
-    def fake_bench(fn, rep=20):
+    def fake_bench(fn, warmup=5, rep=20):
         fn()
         timed.append(len(timed))
         return 2.0 if len(timed) == 1 else 1.0  # gemv is timed first, then splitk
 
     monkeypatch.setattr(qm, "AUTOTUNE", True)
     monkeypatch.setattr(qm, "_DECODE_CHOICE", {})
-    monkeypatch.setattr(triton.testing, "do_bench_cudagraph", fake_bench)
+    monkeypatch.setattr(triton.testing, "do_bench", fake_bench)
     x, qw, b = _case("int4", True, 128, 256, 24, 1, torch.float32, seed=4)
     assert qm.decode_choice(1, qw, x) is None
     out = qm.quant_matmul(x, qw, b)

@@ -628,9 +628,10 @@ def _timed_decode_path(x2: torch.Tensor, qw: QuantizedWeight, bias: torch.Tensor
         us = {}
         for cand in ("gemv", "splitk"):
             quant_matmul(x2, qw, bias, path=cand, out=out2)  # autotune first
-            # replayed in a CUDA graph: timed eagerly, a call of a few microseconds would time the launcher
-            us[cand] = 1e3 * triton.testing.do_bench_cudagraph(
-                lambda c=cand: quant_matmul(x2, qw, bias, path=c, out=out2), rep=20)
+            # As the autotuner times: do_bench empties the L2 cache before each call (a decode step reads each
+            # layer's weights from memory, not from L2), and that memset keeps the GPU busy while Python launches.
+            us[cand] = 1e3 * triton.testing.do_bench(lambda c=cand: quant_matmul(x2, qw, bias, path=c, out=out2),
+                                                     warmup=5, rep=20)
         _DECODE_CHOICE[key] = {"path": min(us, key=us.get), "us": us}
     return _DECODE_CHOICE[key]["path"]
 
