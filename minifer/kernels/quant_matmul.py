@@ -353,8 +353,9 @@ def quant_int4_mma_kernel(x_ptr, q_ptr, s_ptr, z_ptr, bias_ptr, out_ptr, part_pt
     many output channels fill the MMA's 64-row side and the few rows of ``x`` its narrow one (8 or 16; an
     H100/H200 then runs ``wgmma`` with the weights straight from registers). The 32-bit words of codes are
     loaded as they are stored (``[BLOCK_N, BLOCK_K / 8]``) and decoded in the registers that feed the MMA,
-    two codes per logic op (``_int4_pairs``) and one subtraction per two codes (``- (128 + z)``, exact in
-    bfloat16). Nothing is unpacked into K order: the dot of step ``c`` pairs codes ``c`` and ``c + 4`` of each
+    two codes per logic op (``_int4_pairs``) and one subtraction per two codes (``- 136``: 128 and the
+    symmetric zero point 8, exact in bfloat16; asymmetric groups subtract 128 there and ``z * sum(x)``
+    from the product). Nothing is unpacked into K order: the dot of step ``c`` pairs codes ``c`` and ``c + 4`` of each
     word with the activations at those positions, which are loaded in that order. A K-step is one
     quantization group or part of one (``BLOCK_K`` divides ``GROUP``), so its scale multiplies the
     step's product, as in ``quant_gemm_kernel``. FMT, FP8_NATIVE and XKIND are not read: the launcher
