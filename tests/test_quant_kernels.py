@@ -212,7 +212,7 @@ def test_autotune_configs_try_several_splits():
     from minifer.kernels import quant_matmul as qm
 
     for configs, values in ((qm.GPU_GEMV_CONFIGS, {2, 3, 4}), (qm.GPU_SPLITK_CONFIGS, {2, 4, 8}),
-                            (qm.GPU_INT4_MMA_CONFIGS, {2, 4, 8})):
+                            (qm.GPU_INT4_MMA_CONFIGS, {1, 2, 4, 8})):
         tiles = {}
         for c in configs:
             key = tuple(sorted((k, v) for k, v in c.kwargs.items() if k != "SPLIT_PER_SM")) + (c.num_warps,)

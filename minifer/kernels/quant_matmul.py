@@ -429,10 +429,12 @@ GPU_GEMV_CONFIGS = [_cfg(w, 2, p, BLOCK_N=n, CHUNKS=c) for n, c, w in
 GPU_SPLITK_CONFIGS = [_cfg(w, s, p, BLOCK_M=16, BLOCK_N=n, BLOCK_K=k, GROUP_M=1) for n, k, w, s in
                       ((32, 128, 4, 3), (64, 128, 4, 3), (64, 64, 4, 4), (32, 256, 4, 3), (128, 128, 8, 3),
                        (128, 64, 4, 4)) for p in (2, 4, 8)]
-# int4 decode on tensor cores: BLOCK_M is the MMA's narrow side (8 or 16 rows of x).
+# int4 decode on tensor cores: BLOCK_M is the MMA's narrow side (8 or 16 rows of x). per_sm=1 lets a wide
+# layer run unsplit (one program per tile, no partial sums to add), its loads kept in flight by the
+# pipeline's stages instead (num_stages 5: five K-steps of words on their way per program).
 GPU_INT4_MMA_CONFIGS = [_cfg(w, s, p, BLOCK_M=m, BLOCK_N=n, BLOCK_K=k) for n, m, k, w, s in
                         ((128, 16, 128, 4, 3), (128, 8, 128, 4, 3), (64, 16, 128, 4, 3), (256, 16, 128, 8, 3),
-                         (64, 8, 128, 4, 4), (128, 16, 64, 4, 4)) for p in (4, 2, 8)]
+                         (64, 8, 128, 4, 4), (128, 16, 64, 4, 4), (128, 8, 128, 4, 5)) for p in (4, 2, 8, 1)]
 GPU_TILED_CONFIGS = [_cfg(w, s, 1, BLOCK_M=m, BLOCK_N=n, BLOCK_K=k, GROUP_M=8) for m, n, k, w, s in
                      ((64, 128, 64, 8, 3), (128, 128, 64, 8, 3), (128, 64, 64, 4, 4), (64, 64, 128, 4, 3),
                       (128, 256, 64, 8, 3), (64, 256, 64, 8, 3))]
