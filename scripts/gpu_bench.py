@@ -187,6 +187,17 @@ def section_spec(args) -> dict:
     return report
 
 
+def _out_path(args) -> Path:
+    return args.out or Path(f"runs/gpu_{args.section}.json")
+
+
+def _save_partial(args, report: dict) -> None:
+    """Write what a section has so far: a run cut short by its time limit still leaves its finished rows."""
+    out = _out_path(args)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({**report, "partial": True}, indent=2, default=str))
+
+
 def section_quant_e2e(args) -> dict:
     model = "tinystories-target" if args.smoke else "meta-llama/Llama-3.1-8B"
     report: dict = {"model": model, "rows": []}
@@ -199,6 +210,7 @@ def section_quant_e2e(args) -> dict:
         row["quantization"] = quant or "bf16"
         report["rows"].append(row)
         print(f"{row['quantization']}: {row['decode_tokens_per_s']:.0f} tok/s")
+        _save_partial(args, report)
         _free(llm)
     base = report["rows"][0]["decode_tokens_per_s"]
     for row in report["rows"]:
@@ -225,7 +237,7 @@ def main() -> None:
     t = time.perf_counter()
     report = SECTIONS[args.section](args)
     report["section_seconds"] = time.perf_counter() - t
-    out = args.out or Path(f"runs/gpu_{args.section}.json")
+    out = _out_path(args)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(report, indent=2, default=str))
     print(f"wrote {out}")

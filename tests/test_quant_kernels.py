@@ -314,6 +314,20 @@ def test_benchmark_smoke(tmp_path):
     assert res["split_sweeps"] == []  # the sweep runs only for cases among those benchmarked
 
 
+def test_benchmark_runs_the_target_case_first_and_checkpoints_every_row(monkeypatch):
+    """On a lent GPU with a time limit, the target's case comes first and every row is saved as it comes."""
+    from minifer.bench import quant_kernels as bench
+
+    monkeypatch.setattr(bench, "TARGETS", [{"format": "fp8", "K": 128, "N": 40, "M": 3, "min_speedup": 1.0,
+                                            "why": "a test"}])
+    saved = []
+    res = bench.run(DEVICE, shapes=((128, 40),), ms=(1, 3), formats=("int8", "fp8"), group_size=64, rounds=1,
+                    calls=1, extra_paths=False, sweeps=(), checkpoint=lambda partial: saved.append(json.dumps(partial)))
+    assert [(r["format"], r["M"]) for r in res["rows"]] == [("fp8", 3), ("int8", 1), ("int8", 3), ("fp8", 1)]
+    assert [len(json.loads(p)["rows"]) for p in saved] == [1, 2, 3, 4]
+    assert json.loads(saved[0])["targets"][0]["measured_speedup"] is not None  # the target, measured first
+
+
 def test_split_sweep_times_every_split():
     from minifer.bench import quant_kernels as bench
     from minifer.kernels.quant_matmul import choose_split

@@ -232,8 +232,11 @@ def device_info(device: torch.device) -> dict[str, Any]:
 def run(device: str = "cuda", shapes: Sequence[tuple[int, int]] = SHAPES, ms: Sequence[int] = MS,
         formats: Sequence[str] = FORMATS, *, group_size: int = 128, rounds: int = 15, calls: int = 20,
         extra_paths: bool = True, progress: bool = False,
-        sweeps: Sequence[tuple[int, int, int, str]] = SWEEPS) -> dict[str, Any]:
-    """Every (shape, M, format) case; returns a JSON-able dict (see the module docstring).
+        sweeps: Sequence[tuple[int, int, int, str]] = SWEEPS,
+        checkpoint: Callable[[dict[str, Any]], None] | None = None) -> dict[str, Any]:
+    """Every (shape, M, format) case, the targets' cases first; returns a JSON-able dict (see the module
+    docstring). ``checkpoint`` is called with the result so far after every case, so that a run stopped
+    part-way (a time limit on a lent GPU) still leaves what it measured.
 
     ``extra_paths``: also time the decode kernel that ``auto`` does not pick for M <= 16 (gemv vs
     splitk), the measurement behind ``GEMV_MAX_M``. ``sweeps``: ``(K, N, M, format)`` cases whose every
@@ -244,41 +247,49 @@ def run(device: str = "cuda", shapes: Sequence[tuple[int, int]] = SHAPES, ms: Se
     if dev.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
         raise ValueError("the kernels run on the CPU only under TRITON_INTERPRET=1, set before triton is imported")
     copy_bw = measure_copy_bandwidth(dev, mib=2048 if dev.type == "cuda" else 16, repeats=5)
-    sweep_rows = []
+    sweep_rows: list[dict[str, Any]] = []
+    rows: list[dict[str, Any]] = []
+
+    def result() -> dict[str, Any]:
+        return {"benchmark": "quant_kernels", "environment": device_info(dev), "copy_bandwidth_Bps": copy_bw,
+                "settings": {"group_size": group_size, "rounds": rounds, "calls_per_graph": calls,
+                             "timer": "CUDA graph replay, CUDA events" if dev.type == "cuda" else "wall clock"},
+                "rows": rows, "targets": check_targets(rows), "split_sweeps": sweep_rows}
+
     for k, n, m, fmt in [c for c in sweeps if (c[0], c[1]) in shapes and c[2] in ms and c[3] in formats]:
         t0 = time.perf_counter()
         sweep = split_sweep(k, n, m, fmt, dev, group_size=group_size, rounds=rounds, calls=calls)
         sweep_rows.append(sweep)
+        if checkpoint:
+            checkpoint(result())
         if progress:
             best = max(sweep["rows"], key=lambda r: r["speedup"])
             curve = " ".join(f"{r['split']}:x{r['speedup']:.2f}" for r in sweep["rows"])
             print(f"split sweep K={k} N={n} M={m} {fmt}: chosen {sweep['chosen']} ({sweep['config']}), "
                   f"fastest {best['split']} at x{best['speedup']:.2f}; {curve} [{time.perf_counter() - t0:.0f}s]",
                   flush=True)
-    rows = []
-    for k, n in shapes:
-        for fmt in formats:
-            for m in ms:
-                paths = ["auto"]
-                while paths:
-                    path = paths.pop(0)
-                    t0 = time.perf_counter()
-                    row = bench_case(k, n, m, fmt, dev, group_size=group_size, rounds=rounds, calls=calls, path=path)
-                    row["of_copy_bw_quant"] = row["GBps_quant"] * 1e9 / copy_bw
-                    row["of_copy_bw_bf16"] = row["GBps_bf16"] * 1e9 / copy_bw
-                    row["auto"] = path == "auto"
-                    rows.append(row)
-                    if path == "auto" and extra_paths and m <= 16 and row["path"] in ("gemv", "splitk"):
-                        paths.append("splitk" if row["path"] == "gemv" else "gemv")  # the other decode kernel
-                    if progress:
-                        print(f"K={k:>5} N={n:>5} M={m:>3} {fmt:<4} {row['path']:<6} quant {row['us_quant']:8.1f} us  "
-                              f"bf16 {row['us_bf16']:8.1f} us  x{row['speedup']:.2f} (bound x{row['bytes_bound']:.2f})  "
-                              f"{row['GBps_quant']:7.0f} GB/s  err {row['rel_err']:.1e}  [{time.perf_counter() - t0:.0f}s]",
-                              flush=True)
-    return {"benchmark": "quant_kernels", "environment": device_info(dev), "copy_bandwidth_Bps": copy_bw,
-            "settings": {"group_size": group_size, "rounds": rounds, "calls_per_graph": calls,
-                         "timer": "CUDA graph replay, CUDA events" if dev.type == "cuda" else "wall clock"},
-            "rows": rows, "targets": check_targets(rows), "split_sweeps": sweep_rows}
+    targets = {(t["K"], t["N"], t["M"], t["format"]) for t in TARGETS}
+    cases = [(k, n, m, fmt) for k, n in shapes for fmt in formats for m in ms]
+    for k, n, m, fmt in sorted(cases, key=lambda c: c not in targets):  # a stable sort: targets first
+        paths = ["auto"]
+        while paths:
+            path = paths.pop(0)
+            t0 = time.perf_counter()
+            row = bench_case(k, n, m, fmt, dev, group_size=group_size, rounds=rounds, calls=calls, path=path)
+            row["of_copy_bw_quant"] = row["GBps_quant"] * 1e9 / copy_bw
+            row["of_copy_bw_bf16"] = row["GBps_bf16"] * 1e9 / copy_bw
+            row["auto"] = path == "auto"
+            rows.append(row)
+            if checkpoint:
+                checkpoint(result())
+            if path == "auto" and extra_paths and m <= 16 and row["path"] in ("gemv", "splitk"):
+                paths.append("splitk" if row["path"] == "gemv" else "gemv")  # the other decode kernel
+            if progress:
+                print(f"K={k:>5} N={n:>5} M={m:>3} {fmt:<4} {row['path']:<6} quant {row['us_quant']:8.1f} us  "
+                      f"bf16 {row['us_bf16']:8.1f} us  x{row['speedup']:.2f} (bound x{row['bytes_bound']:.2f})  "
+                      f"{row['GBps_quant']:7.0f} GB/s  err {row['rel_err']:.1e}  [{time.perf_counter() - t0:.0f}s]",
+                      flush=True)
+    return result()
 
 
 def check_targets(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -311,9 +322,14 @@ def main(argv: list[str] | None = None) -> int:
     kw = dict(SMOKE, sweeps=((256, 96, 1, "int4"),)) if args.smoke else dict(ms=args.ms)
     if args.no_split_sweep:
         kw["sweeps"] = ()
-    result = run(args.device, formats=args.formats, extra_paths=not args.no_extra_paths, progress=True, **kw)
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=2))
+
+    def save(partial: dict[str, Any]) -> None:
+        args.out.write_text(json.dumps(partial, indent=2))
+
+    result = run(args.device, formats=args.formats, extra_paths=not args.no_extra_paths, progress=True,
+                 checkpoint=save, **kw)
+    save(result)
     for t in result["targets"]:
         print(f"target {t['format']} M={t['M']} {t['K']}x{t['N']}: >= {t['min_speedup']}x, measured "
               f"{t['measured_speedup']}, met: {t['met']}")

@@ -1,0 +1,41 @@
+"""scripts/gpu_bench.py, the prepared GPU check, on the CPU: a section cut short by its time limit (here: an
+error in its third run) still leaves the rows it finished, marked partial."""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+
+SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "gpu_bench.py"
+
+
+def _load():
+    spec = importlib.util.spec_from_file_location("gpu_bench", SCRIPT)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_quant_e2e_saves_each_finished_row(tmp_path, monkeypatch):
+    gb = _load()
+    real_llm, made = gb.LLM, []
+
+    def llm(*a, **kw):
+        made.append(kw.get("quantization"))
+        if len(made) == 3:
+            raise RuntimeError("stopped here, as a time limit would")
+        return real_llm(*a, **kw)
+
+    monkeypatch.setattr(gb, "LLM", llm)
+    out = tmp_path / "quant_e2e.json"
+    args = argparse.Namespace(smoke=True, device="cpu", out=out, section="quant_e2e")
+    with pytest.raises(RuntimeError, match="stopped here"):
+        gb.section_quant_e2e(args)
+    partial = json.loads(out.read_text())
+    assert partial["partial"] is True
+    assert [r["quantization"] for r in partial["rows"]] == ["bf16", "int8"]
+    assert all(r["decode_tokens_per_s"] > 0 for r in partial["rows"])
