@@ -40,8 +40,9 @@ Where they stand on an H200 (``minifer/bench/quant_kernels.py`` has the table), 
 ``quant_int4_mma_kernel`` existed: decode is faster than bf16 (int4 M=1: 1.8x, int8 / fp8: 1.3-1.5x up
 to M=16) but int4 reaches only ~1.7 TB/s of 4.2, far from its 3.76x bytes bound; prefill (``tiled``) is
 0.3-0.95x of cuBLAS bf16. The int4 tensor-core kernel has not run on a GPU yet. Compiled for sm_90, its
-main loop issues ~3.1-3.3 instructions per weight (symmetric) where gemv's issues 4.6 and the old int4
-``splitk`` 5.5-9 (``nvdisasm`` of the ahead-of-time cubins; a count, not a timing).
+main loop issues ~3.1-3.3 instructions per weight (symmetric; 3.3 in ``aot.py``'s configuration) where
+gemv's issues 4.6 (``nvdisasm`` of the ahead-of-time cubins, ``python -m minifer.kernels.aot``; a count,
+not a timing).
 """
 
 from __future__ import annotations
@@ -71,8 +72,8 @@ PATHS = ("auto", "gemv", "splitk", "tiled")
 GEMV_MAX_M = {"int4": 1, "int8": 0, "fp8": 0}
 SPLITK_MAX_M = 16
 MAX_SPLIT = 16
-CHUNK_BYTES = 64
-MAGIC = 0x4B000000  # float32 bits of 2^23  # int8/fp8 gemv: bytes of a row per chunk (int4 chunks are one quantization group)
+CHUNK_BYTES = 64  # int8/fp8 gemv: bytes of a row per chunk (int4 chunks are one quantization group)
+MAGIC = 0x4B000000  # float32 bits of 2^23
 
 
 # --- bits to numbers (run in registers, shared by both kernels) ----------------------------------------
@@ -472,7 +473,7 @@ _tuners: dict[tuple[str, int], tuple[object, list[triton.Config]]] = {}
 
 
 def _tuner(path: str, block_k_cap: int = 0):
-    """The autotuned kernel of a path (``"int4_mma"``: int4's splitk path, see ``_plan``), and its configs
+    """The autotuned kernel of a path (``"int4_mma"``: int4's splitk path, see ``plan``), and its configs
     (one tuner per BLOCK_K cap, built on first use)."""
     if (path, block_k_cap) not in _tuners:
         if path == "gemv":
