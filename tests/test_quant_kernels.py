@@ -134,8 +134,8 @@ def test_auto_path_batched_leading_dims_and_empty():
 
 
 def test_int4_decodes_on_tensor_cores_in_its_own_kernel_when_a_group_holds_64_codes():
-    """splitk for int4 takes quant_int4_mma_kernel (K-steps of 64 or 128 codes inside one group); groups of 32
-    take quant_gemm_kernel, as prefill does; gemv reads words, tiled reads bytes and activation pairs."""
+    """splitk and tiled for int4 take quant_int4_mma_kernel (K-steps of 64 or 128 codes inside one group), each
+    with its own configs; groups of 32 take quant_gemm_kernel, which reads bytes and activation pairs."""
     from minifer.kernels import quant_matmul as qm
 
     for group, tuner in ((64, ("int4_mma", 64)), (128, ("int4_mma", 128)), (192, ("int4_mma", 64)),
@@ -144,10 +144,12 @@ def test_int4_decodes_on_tensor_cores_in_its_own_kernel_when_a_group_holds_64_co
         assert p.tuner == tuner, group
         assert (p.words, p.x_pairs) == ((True, False) if tuner[0] == "int4_mma" else (False, True))
         assert all(group % c.kwargs["BLOCK_K"] == 0 and c.kwargs["BLOCK_K"] >= 32 for c in p.configs)
-    assert qm.plan("tiled", 40, 24, 384, qm.INT4, 128).tuner == ("tiled", 128)
+    assert qm.plan("tiled", 40, 24, 384, qm.INT4, 128).tuner == ("int4_mma_tiled", 128)
+    assert qm.plan("tiled", 40, 24, 384, qm.INT4, 32).tuner == ("tiled", 32)
     assert qm.plan("gemv", 1, 24, 384, qm.INT4, 128).words
     assert qm.plan("splitk", 4, 24, 384, qm.INT8, 0).tuner == ("splitk", 0)
     assert all(c.kwargs["BLOCK_K"] >= 64 and c.kwargs["BLOCK_M"] in (8, 16) for c in qm.GPU_INT4_MMA_CONFIGS)
+    assert all(c.kwargs["BLOCK_K"] >= 64 and c.kwargs["BLOCK_M"] >= 32 for c in qm.GPU_INT4_MMA_TILED_CONFIGS)
 
 
 @pytest.mark.parametrize("group,symmetric", [(128, False), (192, True), (192, False), (256, True)])
@@ -276,7 +278,8 @@ def test_quant_kernels_compile_ahead_of_time_for_sm80_and_sm90():
     assert {s.kernel.__name__ if hasattr(s.kernel, "__name__") else s.kernel.fn.__name__ for s in specs} >= {
         "quant_gemv_kernel", "quant_gemm_kernel", "quant_int4_mma_kernel"}
     rows = compile_all(specs=specs)
-    assert len(rows) == 2 * len(specs) == 2 * 4 * 3  # {int8, int4, int4-asym, fp8} x {gemv, splitk, tiled}
+    # {int8, int4, int4-asym, fp8} x {gemv, splitk, tiled}, and int4 in groups of 32 on {splitk, tiled}
+    assert len(rows) == 2 * len(specs) == 2 * (4 * 3 + 2)
     for r in rows:
         assert r["cubin_bytes"] > 0 and r["registers"] > 0, r
         assert not r["spills"], f"{r['kernel']} spills registers on {r['arch']}: {r}"
@@ -285,10 +288,10 @@ def test_quant_kernels_compile_ahead_of_time_for_sm80_and_sm90():
     # The point of the int4 tensor-core kernel: fewer instructions per weight than the CUDA-core gemv (on
     # sm_90 about 3.3 vs 4.6 symmetric, 4.3 vs 5.0 asymmetric); a change that brings its main loop up to
     # within 5% of gemv's cost fails here.
-    per_weight = {(r["kernel"].split("[")[0], r["kernel"].split("[")[1].split(",")[0], r["arch"]):
-                  r["instructions_per_weight"] for r in rows}
+    per_weight = {(r["kernel"], r["arch"]): r["instructions_per_weight"] for r in rows}
     for fmt in ("int4", "int4-asym"):
-        assert per_weight["quant_int4_mma", fmt, "sm_90"] < 0.95 * per_weight["quant_gemv", fmt, "sm_90"], per_weight
+        mma = per_weight[f"quant_int4_mma[{fmt},16x128x128]", "sm_90"]
+        assert mma < 0.95 * per_weight[f"quant_gemv[{fmt},BN=128,chunks=1]", "sm_90"], per_weight
 
 
 def test_benchmark_smoke(tmp_path):

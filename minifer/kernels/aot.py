@@ -86,8 +86,8 @@ def quant_matmul_specs() -> list[KernelSpec]:
                                                         "GROUP_M")}}
         for path, bm, bn, bk, warps, stages, group_m in (("splitk", 16, 32, 128, 4, 3, 1),
                                                          ("tiled", 64, 128, 64, 8, 3, 8)):
-            if int4 and path == "splitk":  # int4 decodes on tensor cores in its own kernel (groups of 64k)
-                first = qm.GPU_INT4_MMA_CONFIGS[0]
+            if int4:  # int4 in groups of a multiple of 64 runs its own tensor-core kernel on both paths
+                first = (qm.GPU_INT4_MMA_CONFIGS if path == "splitk" else qm.GPU_INT4_MMA_TILED_CONFIGS)[0]
                 mma = {**common, "DOT_F32": False, **{k: v for k, v in first.kwargs.items() if k != "SPLIT_PER_SM"}}
                 specs.append(KernelSpec(f"quant_int4_mma[{fmt},{mma['BLOCK_M']}x{mma['BLOCK_N']}x{mma['BLOCK_K']}]",
                                         qm.quant_int4_mma_kernel,
@@ -100,6 +100,12 @@ def quant_matmul_specs() -> list[KernelSpec]:
             specs.append(KernelSpec(f"quant_gemm[{fmt},{path},{bm}x{bn}x{bk}]", qm.quant_gemm_kernel, gemm_sig,
                                     {**common, "DOT_F32": False, "BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk,
                                      "GROUP_M": group_m}, warps, stages, per_arch, aligned, bn * bk))
+        if fmt == "int4":  # groups of 32 keep quant_gemm_kernel's int4 branch: K-steps of 32 codes
+            for path, bm, bn, warps, stages, group_m in (("splitk", 16, 32, 4, 3, 1), ("tiled", 64, 128, 8, 3, 8)):
+                specs.append(KernelSpec(f"quant_gemm[int4-g32,{path},{bm}x{bn}x32]", qm.quant_gemm_kernel, gemm_sig,
+                                        {**common, "GROUP": 32, "DOT_F32": False, "BLOCK_M": bm, "BLOCK_N": bn,
+                                         "BLOCK_K": 32, "GROUP_M": group_m}, warps, stages, per_arch, aligned,
+                                        bn * 32))
     return specs
 
 

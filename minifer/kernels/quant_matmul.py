@@ -16,7 +16,8 @@ Three kernels, three paths (``quant_matmul(..., path=)``):
   int4 (groups of a multiple of 64) has its own kernel here, ``quant_int4_mma_kernel``: the weights
   as the MMA's wide operand, decoded in the registers that feed it, two codes per instruction.
 - ``tiled`` (prefill): the classic tiled GEMM of the Triton matmul tutorial, with the W tile dequantized
-  just before each ``tl.dot``.
+  just before each ``tl.dot``; int4 in groups of a multiple of 64 takes ``quant_int4_mma_kernel`` here
+  too, with tiles of 32-128 rows.
 
 Split-K partial sums go to a float32 workspace; the last program to finish an output tile (counted with
 an atomic per tile, which it resets to 0 for the next launch) adds them up in a fixed order, adds the
@@ -348,7 +349,8 @@ def quant_int4_mma_kernel(x_ptr, q_ptr, s_ptr, z_ptr, bias_ptr, out_ptr, part_pt
                           HAS_BIAS: tl.constexpr, FP8_NATIVE: tl.constexpr, XKIND: tl.constexpr,
                           DOT_F32: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                           BLOCK_K: tl.constexpr):
-    """int4 decode (M up to 16) on tensor cores. Grid ``(cdiv(M, BLOCK_M) * cdiv(N, BLOCK_N), splits)``.
+    """int4 on tensor cores, decode (M up to 16) and prefill alike (its configs differ: 8-16 rows of x per
+    tile, or 32-128). Grid ``(cdiv(M, BLOCK_M) * cdiv(N, BLOCK_N), splits)``.
 
     The weights are the *first* operand: ``acc[BLOCK_N, BLOCK_M] += dequant(W_tile) @ x_tile^T``, so the
     many output channels fill the MMA's 64-row side and the few rows of ``x`` its narrow one (8 or 16; an
@@ -436,6 +438,10 @@ GPU_SPLITK_CONFIGS = [_cfg(w, s, p, BLOCK_M=16, BLOCK_N=n, BLOCK_K=k, GROUP_M=1)
 GPU_INT4_MMA_CONFIGS = [_cfg(w, s, p, BLOCK_M=m, BLOCK_N=n, BLOCK_K=k) for n, m, k, w, s in
                         ((128, 16, 128, 4, 3), (128, 8, 128, 4, 3), (64, 16, 128, 4, 3), (256, 16, 128, 8, 3),
                          (64, 8, 128, 4, 4), (128, 16, 64, 4, 4), (128, 8, 128, 4, 5)) for p in (4, 2, 8, 1)]
+# ... and prefill: 32-128 rows of x per tile (none spills on sm_90; the first none on sm_80 either).
+GPU_INT4_MMA_TILED_CONFIGS = [_cfg(w, s, 1, BLOCK_M=m, BLOCK_N=n, BLOCK_K=k) for m, n, k, w, s in
+                              ((64, 128, 128, 8, 3), (32, 128, 128, 4, 3), (128, 128, 128, 8, 3),
+                               (64, 256, 128, 8, 3), (128, 128, 64, 8, 4), (64, 128, 64, 4, 4))]
 GPU_TILED_CONFIGS = [_cfg(w, s, 1, BLOCK_M=m, BLOCK_N=n, BLOCK_K=k, GROUP_M=8) for m, n, k, w, s in
                      ((64, 128, 64, 8, 3), (128, 128, 64, 8, 3), (128, 64, 64, 4, 4), (64, 64, 128, 4, 3),
                       (128, 256, 64, 8, 3), (64, 256, 64, 8, 3))]
@@ -447,12 +453,13 @@ if INTERPRETING:
     SPLITK_CONFIGS = [_cfg(per_sm=2, BLOCK_M=16, BLOCK_N=32, BLOCK_K=64, GROUP_M=1)]
     TILED_CONFIGS = [_cfg(per_sm=1, BLOCK_M=32, BLOCK_N=32, BLOCK_K=64, GROUP_M=4)]
     INT4_MMA_CONFIGS = [_cfg(per_sm=2, BLOCK_M=16, BLOCK_N=32, BLOCK_K=64)]
+    INT4_MMA_TILED_CONFIGS = [_cfg(per_sm=1, BLOCK_M=32, BLOCK_N=32, BLOCK_K=64)]
 elif AUTOTUNE:
     GEMV_CONFIGS, SPLITK_CONFIGS, TILED_CONFIGS = GPU_GEMV_CONFIGS, GPU_SPLITK_CONFIGS, GPU_TILED_CONFIGS
-    INT4_MMA_CONFIGS = GPU_INT4_MMA_CONFIGS
+    INT4_MMA_CONFIGS, INT4_MMA_TILED_CONFIGS = GPU_INT4_MMA_CONFIGS, GPU_INT4_MMA_TILED_CONFIGS
 else:
     GEMV_CONFIGS, SPLITK_CONFIGS, TILED_CONFIGS = GPU_GEMV_CONFIGS[:1], GPU_SPLITK_CONFIGS[:1], GPU_TILED_CONFIGS[:1]
-    INT4_MMA_CONFIGS = GPU_INT4_MMA_CONFIGS[:1]
+    INT4_MMA_CONFIGS, INT4_MMA_TILED_CONFIGS = GPU_INT4_MMA_CONFIGS[:1], GPU_INT4_MMA_TILED_CONFIGS[:1]
 
 
 def _cap_block_k(configs: list[triton.Config], cap: int) -> list[triton.Config]:
@@ -473,13 +480,14 @@ _tuners: dict[tuple[str, int], tuple[object, list[triton.Config]]] = {}
 
 
 def _tuner(path: str, block_k_cap: int = 0):
-    """The autotuned kernel of a path (``"int4_mma"``: int4's splitk path, see ``plan``), and its configs
-    (one tuner per BLOCK_K cap, built on first use)."""
+    """The autotuned kernel of a path (``"int4_mma"`` / ``"int4_mma_tiled"``: int4's splitk / tiled paths,
+    see ``plan``), and its configs (one tuner per BLOCK_K cap, built on first use)."""
     if (path, block_k_cap) not in _tuners:
         if path == "gemv":
             kernel, configs = quant_gemv_kernel, GEMV_CONFIGS
-        elif path == "int4_mma":
-            kernel, configs = quant_int4_mma_kernel, _cap_block_k(INT4_MMA_CONFIGS, block_k_cap)
+        elif path in ("int4_mma", "int4_mma_tiled"):
+            configs = INT4_MMA_CONFIGS if path == "int4_mma" else INT4_MMA_TILED_CONFIGS
+            kernel, configs = quant_int4_mma_kernel, _cap_block_k(configs, block_k_cap)
         else:
             kernel, configs = quant_gemm_kernel, SPLITK_CONFIGS if path == "splitk" else TILED_CONFIGS
             if block_k_cap:
@@ -572,8 +580,8 @@ class Plan:
 
 def plan(path: str, m: int, n: int, k: int, fmt: int, group: int) -> Plan:
     """The launch plan of ``path`` (not ``"auto"``) for ``m`` rows, an ``n x k`` weight, format and group.
-    int4 on ``splitk`` takes ``quant_int4_mma_kernel`` when a K-step of at least 64 codes fits in a group
-    (``GROUP % 64 == 0``), otherwise ``quant_gemm_kernel`` as prefill does."""
+    int4 on ``splitk`` and ``tiled`` takes ``quant_int4_mma_kernel`` when a K-step of at least 64 codes fits
+    in a group (``GROUP % 64 == 0``; each path with its own configs), otherwise ``quant_gemm_kernel``."""
     if path == "gemv":
         row = k // 8 if fmt == INT4 else k
         gw = group // 8 if fmt == INT4 else CHUNK_BYTES
@@ -586,10 +594,10 @@ def plan(path: str, m: int, n: int, k: int, fmt: int, group: int) -> Plan:
     cap = group & -group if fmt == INT4 else 0
     tiles = lambda meta: triton.cdiv(m, meta["BLOCK_M"]) * triton.cdiv(n, meta["BLOCK_N"])  # noqa: E731
     k_steps = lambda meta: triton.cdiv(k, meta["BLOCK_K"])  # noqa: E731
-    if path == "splitk" and fmt == INT4 and group % 64 == 0:
-        kernel, configs = _tuner("int4_mma", cap)
-        return Plan(("int4_mma", cap), kernel, dict(DOT_F32=INTERPRETING), configs, k // 8, True, False, tiles,
-                    k_steps)
+    if fmt == INT4 and group % 64 == 0:
+        name = "int4_mma" if path == "splitk" else "int4_mma_tiled"
+        kernel, configs = _tuner(name, cap)
+        return Plan((name, cap), kernel, dict(DOT_F32=INTERPRETING), configs, k // 8, True, False, tiles, k_steps)
     kernel, configs = _tuner(path, cap)
     return Plan((path, cap), kernel, dict(DOT_F32=INTERPRETING), configs, k // 2 if fmt == INT4 else k, False,
                 fmt == INT4, tiles, k_steps)
