@@ -20,11 +20,12 @@ python3 -c "import torch, triton, transformers; print('torch', torch.__version__
 # Issue 5's open measurements first (int4 kernel vs bf16, with every split of the target case; then
 # end-to-end decode), so that a run cut short still brings them back. The quantized-kernel benchmark
 # also fills Triton's on-disk cache that the end-to-end section then reuses. Budget: ~9.5 minutes.
-run 200 quant-kernels python3 -m minifer.bench.quant_kernels --ms 1 16 --out "$out/quant_kernels.json"
+# The kernel benchmark saves its JSON after every case (the target's first), so a cut-short run keeps them.
+run 230 quant-kernels python3 -m minifer.bench.quant_kernels --ms 1 16 256 --out "$out/quant_kernels.json"
 run 120 quant-e2e python3 scripts/gpu_bench.py quant_e2e --out "$out/quant_e2e.json"
-MINIFER_QUANT_AUTOTUNE=0 run 90 kernel-tests python3 -m pytest -q -x -p no:cacheprovider tests/test_kernels.py \
+MINIFER_QUANT_AUTOTUNE=0 run 80 kernel-tests python3 -m pytest -q -x -p no:cacheprovider tests/test_kernels.py \
   tests/test_quant_kernels.py
-run 60 engine python3 scripts/gpu_bench.py engine --out "$out/engine.json"
-run 45 spec python3 scripts/gpu_bench.py spec --out "$out/spec.json"
-run 30 parity python3 scripts/gpu_bench.py parity --out "$out/parity.json"
+run 55 engine python3 scripts/gpu_bench.py engine --out "$out/engine.json"
+run 35 spec python3 scripts/gpu_bench.py spec --out "$out/spec.json"
+run 25 parity python3 scripts/gpu_bench.py parity --out "$out/parity.json"
 grep -E "^=== |tok/s|speedup|split sweep|target|parity|passed|failed|Error" "$log" | tail -60
