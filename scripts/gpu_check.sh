@@ -19,8 +19,8 @@ nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm --format=c
 python3 -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__)" >>"$log" 2>&1
 # Issue 5's open measurements first (int4 kernel vs bf16, with every split of the target case; then
 # end-to-end decode), so that a run cut short still brings them back. The quantized-kernel benchmark
-# also fills Triton's on-disk cache that the end-to-end section then reuses. Budget: about 9 minutes (545 s of limits).
-# The kernel benchmark saves its JSON after every case (the target's first), so a cut-short run keeps them.
+# also fills Triton's on-disk cache that the end-to-end section then reuses, and saves its JSON after every
+# case (the target's first), so a cut-short run keeps them. Budget: about 9 minutes (545 s of limits).
 run 230 quant-kernels python3 -m minifer.bench.quant_kernels --ms 1 16 256 --out "$out/quant_kernels.json"
 run 120 quant-e2e python3 scripts/gpu_bench.py quant_e2e --out "$out/quant_e2e.json"
 MINIFER_QUANT_AUTOTUNE=0 run 80 kernel-tests python3 -m pytest -q -x -p no:cacheprovider tests/test_kernels.py \
