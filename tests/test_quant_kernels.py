@@ -190,6 +190,32 @@ def test_auto_times_the_two_int4_decode_kernels_once_per_shape(monkeypatch):
     assert qm.decode_choice(1, qw2, x2) is None and len(timed) == 2
 
 
+def test_a_failing_tensor_core_kernel_leaves_gemv_with_a_warning(monkeypatch):
+    """If the tensor-core kernel cannot run here (say, a Triton that fails to compile it), auto's timed
+    choice says so, warns, and decodes with gemv; a failing gemv is an error."""
+    import triton.testing
+
+    from minifer.kernels import quant_matmul as qm
+
+    real = qm.quant_matmul
+
+    def failing(x, qw, bias=None, path="auto", split_k=None, out=None):
+        if path == "splitk":
+            raise RuntimeError("no wgmma for you")
+        return real(x, qw, bias, path=path, split_k=split_k, out=out)
+
+    monkeypatch.setattr(qm, "AUTOTUNE", True)
+    monkeypatch.setattr(qm, "_DECODE_CHOICE", {})
+    monkeypatch.setattr(triton.testing, "do_bench", lambda fn, warmup=5, rep=20: (fn(), 1.0)[1])
+    monkeypatch.setattr(qm, "quant_matmul", failing)
+    x, qw, b = _case("int4", True, 128, 256, 24, 1, torch.float32, seed=5)
+    with pytest.warns(RuntimeWarning, match="int4 splitk kernel failed.*no wgmma for you"):
+        out = real(x, qw, b)
+    assert _rel(out, quant_linear_reference(x, qw, b)) < 1e-5
+    choice = qm.decode_choice(1, qw, x)
+    assert choice["path"] == "gemv" and "splitk" not in choice["us"] and "no wgmma" in choice["errors"]["splitk"]
+
+
 def test_auto_path_by_format_and_rows():
     from minifer.kernels.quant_matmul import auto_path
 

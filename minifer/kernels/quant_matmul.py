@@ -50,6 +50,7 @@ from __future__ import annotations
 
 import functools
 import os
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -626,8 +627,9 @@ def _decode_key(m: int, qw: QuantizedWeight, x: torch.Tensor) -> tuple:
 
 def decode_choice(m: int, qw: QuantizedWeight, x: torch.Tensor) -> dict | None:
     """The timed choice between ``gemv`` and ``splitk`` for int4 at ``m`` rows, once ``quant_matmul`` has
-    made it for this shape and device: ``{"path": ..., "us": {path: microseconds}}``; None if it has not
-    (or does not: the choice is timed only where the kernels are autotuned)."""
+    made it for this shape and device: ``{"path": ..., "us": {path: microseconds}}`` (and ``"errors"`` if
+    the tensor-core kernel failed, with a warning, leaving gemv); None if it has not (or does not: the
+    choice is timed only where the kernels are autotuned)."""
     return _DECODE_CHOICE.get(_decode_key(m, qw, x))
 
 
@@ -637,14 +639,22 @@ def _timed_decode_path(x2: torch.Tensor, qw: QuantizedWeight, bias: torch.Tensor
     depends on the GPU and the shape, and the autotuner can only compare configs of one kernel."""
     key = _decode_key(x2.shape[0], qw, x2)
     if key not in _DECODE_CHOICE:
-        us = {}
+        us, errors = {}, {}
         for cand in ("gemv", "splitk"):
-            quant_matmul(x2, qw, bias, path=cand, out=out2)  # autotune first
+            try:
+                quant_matmul(x2, qw, bias, path=cand, out=out2)  # autotune first
+            except Exception as e:  # e.g. a Triton that cannot compile one kernel: the other one still serves
+                if cand == "gemv":
+                    raise
+                errors[cand] = f"{type(e).__name__}: {e}"
+                warnings.warn(f"quant_matmul: the int4 {cand} kernel failed for {tuple(qw.shape)} and is not used: "
+                              f"{errors[cand]}", RuntimeWarning, stacklevel=3)
+                continue
             # As the autotuner times: do_bench empties the L2 cache before each call (a decode step reads each
             # layer's weights from memory, not from L2), and that memset keeps the GPU busy while Python launches.
             us[cand] = 1e3 * triton.testing.do_bench(lambda c=cand: quant_matmul(x2, qw, bias, path=c, out=out2),
                                                      warmup=5, rep=20)
-        _DECODE_CHOICE[key] = {"path": min(us, key=us.get), "us": us}
+        _DECODE_CHOICE[key] = {"path": min(us, key=us.get), "us": us, **({"errors": errors} if errors else {})}
     return _DECODE_CHOICE[key]["path"]
 
 
