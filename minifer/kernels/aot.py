@@ -59,8 +59,10 @@ def kernel_specs() -> list[KernelSpec]:
 
 def quant_matmul_specs() -> list[KernelSpec]:
     """The fused dequantize-matmul kernels for bf16 activations, at the tile sizes they get on a GPU for a
-    Llama-8B-sized layer (K = 4096, int4 groups of 128). fp8 converts natively on sm_90 and by bit
-    arithmetic on sm_80, which has no e4m3 conversion."""
+    Llama-8B-sized layer (K = 4096, int4 groups of 128; and groups of 32, which take quant_gemm_kernel's
+    int4 branch). fp8 converts natively on sm_90 and by bit arithmetic on sm_80, which has no e4m3
+    conversion. ``weights_per_step`` is what one program reads per main-loop iteration: the report's
+    instructions per weight divide by it."""
     from minifer.kernels import quant_matmul as qm
 
     specs = []
