@@ -109,33 +109,46 @@ def _copies(nbytes: int, device: torch.device, calls: int) -> int:
     return max(1, min(calls, math.ceil(3 * l2 / nbytes)))
 
 
-def bench_case(k: int, n: int, m: int, fmt: str, device: torch.device, *, group_size: int = 128,
-               rounds: int = 15, calls: int = 20, path: str = "auto", seed: int = 0) -> dict[str, Any]:
-    """One (shape, M, format): correctness against the reference, then interleaved timings."""
-    from minifer.kernels import quant_matmul as qm
-    from minifer.kernels.quant_matmul import auto_path, quant_matmul
-    from minifer.quant import quant_linear_reference, quantize
+def _inputs(k: int, n: int, m: int, fmt: str, device: torch.device, group_size: int, seed: int):
+    """A random bf16 weight ``[n, k]`` (unit-scale outputs), its quantized form, activations ``[m, k]`` and an
+    output buffer."""
+    from minifer.quant import quantize
 
     gen = torch.Generator(device=device).manual_seed(seed)
     w = (torch.randn(n, k, device=device, generator=gen) / math.sqrt(k)).to(torch.bfloat16)
     x = torch.randn(m, k, device=device, generator=gen).to(torch.bfloat16)
-    qw = quantize(w, fmt, group_size=group_size)
-    out = torch.empty(m, n, device=device, dtype=torch.bfloat16)
-    y = quant_matmul(x, qw, path=path, out=out).float()  # autotunes here, before any capture
+    return w, quantize(w, fmt, group_size=group_size), x, torch.empty(m, n, device=device, dtype=torch.bfloat16)
+
+
+def _rotation(w: torch.Tensor, qw, fmt: str, group_size: int, calls: int) -> tuple[list, list, int]:
+    """Copies of both weights for ``calls`` calls to rotate through (``_copies``): ``(quantized, bf16, n)``."""
+    from minifer.quant import quantize
+
+    n_copies = _copies(min(qw.nbytes(), w.numel() * 2), w.device, calls)
+    return ([qw] + [quantize(w, fmt, group_size=group_size) for _ in range(n_copies - 1)],
+            [w] + [w.clone() for _ in range(n_copies - 1)], n_copies)
+
+
+def bench_case(k: int, n: int, m: int, fmt: str, device: torch.device, *, group_size: int = 128,
+               rounds: int = 15, calls: int = 20, path: str = "auto", seed: int = 0) -> dict[str, Any]:
+    """One (shape, M, format): correctness against the reference, then interleaved timings."""
+    from minifer.kernels import quant_matmul as qm
+    from minifer.quant import quant_linear_reference
+
+    w, qw, x, out = _inputs(k, n, m, fmt, device, group_size, seed)
+    y = qm.quant_matmul(x, qw, path=path, out=out).float()  # autotunes here, before any capture
     ref = quant_linear_reference(x.float(), qw)
     rel_err = float((y - ref).norm() / ref.norm())
 
     # int4 at one row: auto times gemv against the tensor-core kernel on first use (quant_matmul.decode_choice)
     choice = qm.decode_choice(m, qw, x) if path == "auto" else None
-    chosen = choice["path"] if choice else auto_path(m, qw) if path == "auto" else path
+    chosen = qm.auto_choice(m, qw, x) if path == "auto" else path
     launch = qm.plan(chosen, m, n, k, qm._FMT[fmt], group_size if fmt == "int4" else 0)
     config, tuning = _best_config(launch), _config_timings(launch)
-    n_copies = _copies(min(qw.nbytes(), w.numel() * 2), device, calls)
-    qws = [qw] + [quantize(w, fmt, group_size=group_size) for _ in range(n_copies - 1)]
-    ws = [w] + [w.clone() for _ in range(n_copies - 1)]
+    qws, ws, n_copies = _rotation(w, qw, fmt, group_size, calls)
     outs = [torch.empty_like(out) for _ in range(2)]
     timer = _graph_timer if device.type == "cuda" else _wall_timer
-    t_quant = timer([lambda i=i: quant_matmul(x, qws[i % n_copies], path=path, out=outs[0]) for i in range(calls)])
+    t_quant = timer([lambda i=i: qm.quant_matmul(x, qws[i % n_copies], path=path, out=outs[0]) for i in range(calls)])
     t_bf16 = timer([lambda i=i: torch.matmul(x, ws[i % n_copies].T, out=outs[1]) for i in range(calls)])
     tq, tb = [], []
     for _ in range(rounds):
@@ -158,16 +171,10 @@ def split_sweep(k: int, n: int, m: int, fmt: str, device: torch.device, *, group
     """Every split of K for one case, timed in interleaved rounds against bf16 with the autotuned config:
     the measurement behind ``choose_split``. ``chosen`` is the split the launcher uses with that config."""
     from minifer.kernels import quant_matmul as qm
-    from minifer.quant import quantize
 
-    gen = torch.Generator(device=device).manual_seed(seed)
-    w = (torch.randn(n, k, device=device, generator=gen) / math.sqrt(k)).to(torch.bfloat16)
-    x = torch.randn(m, k, device=device, generator=gen).to(torch.bfloat16)
-    qw = quantize(w, fmt, group_size=group_size)
-    out = torch.empty(m, n, device=device, dtype=torch.bfloat16)
+    w, qw, x, out = _inputs(k, n, m, fmt, device, group_size, seed)
     qm.quant_matmul(x, qw, path=path, out=out)  # autotunes with the default split rule
-    choice = qm.decode_choice(m, qw, x) if path == "auto" else None
-    chosen_path = choice["path"] if choice else qm.auto_path(m, qw) if path == "auto" else path
+    chosen_path = qm.auto_choice(m, qw, x) if path == "auto" else path
     launch = qm.plan(chosen_path, m, n, k, qm._FMT[fmt], group_size if fmt == "int4" else 0)
     best = getattr(launch.kernel, "best_config", None) or launch.configs[0]
     meta = best.kwargs
@@ -175,9 +182,7 @@ def split_sweep(k: int, n: int, m: int, fmt: str, device: torch.device, *, group
     sms, per_sm = qm._num_sms(device), int(meta["SPLIT_PER_SM"])
     steps = launch.k_steps(meta)
     splits = list(range(1, min(qm.MAX_SPLIT, steps) + 1))
-    n_copies = _copies(min(qw.nbytes(), w.numel() * 2), device, calls)
-    qws = [qw] + [quantize(w, fmt, group_size=group_size) for _ in range(n_copies - 1)]
-    ws = [w] + [w.clone() for _ in range(n_copies - 1)]
+    qws, ws, n_copies = _rotation(w, qw, fmt, group_size, calls)
     timer = _graph_timer if device.type == "cuda" else _wall_timer
     timers = {s: timer([lambda i=i, s=s: qm.quant_matmul(x, qws[i % n_copies], path=chosen_path, split_k=s, out=out)
                         for i in range(calls)]) for s in splits}
@@ -249,9 +254,10 @@ def run(device: str = "cuda", shapes: Sequence[tuple[int, int]] = SHAPES, ms: Se
     copy_bw = measure_copy_bandwidth(dev, mib=2048 if dev.type == "cuda" else 16, repeats=5)
     sweep_rows: list[dict[str, Any]] = []
     rows: list[dict[str, Any]] = []
+    env = device_info(dev)
 
     def result() -> dict[str, Any]:
-        return {"benchmark": "quant_kernels", "environment": device_info(dev), "copy_bandwidth_Bps": copy_bw,
+        return {"benchmark": "quant_kernels", "environment": env, "copy_bandwidth_Bps": copy_bw,
                 "settings": {"group_size": group_size, "rounds": rounds, "calls_per_graph": calls,
                              "timer": "CUDA graph replay, CUDA events" if dev.type == "cuda" else "wall clock"},
                 "rows": rows, "targets": check_targets(rows), "split_sweeps": sweep_rows}

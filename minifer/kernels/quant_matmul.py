@@ -393,10 +393,10 @@ def quant_int4_mma_kernel(x_ptr, q_ptr, s_ptr, z_ptr, bias_ptr, out_ptr, part_pt
         part = tl.zeros((BLOCK_N, BLOCK_M), tl.float32)
         xsum = tl.zeros((BLOCK_M,), tl.float32)
         for c in tl.static_range(4):
+            w = _int4_pairs(b, 4 * c)
             if DOT_F32:  # the interpreter's bfloat16 arithmetic is not exact: the same numbers in float32
-                w = _int4_pairs(b, 4 * c).to(tl.float32) - (128.0 if HAS_ZEROS else 136.0)
-            else:
-                w = _int4_pairs(b, 4 * c) - (128.0 if HAS_ZEROS else 136.0)  # exact in bfloat16
+                w = w.to(tl.float32)
+            w = w - (128.0 if HAS_ZEROS else 136.0)  # exact in bfloat16
             k = t * BLOCK_K + 8 * (kk // 2) + c + 4 * (kk % 2)  # the activations of those codes
             xt = tl.load(x_rows + k[:, None], mask=m_mask[None, :], other=0.0)
             part = tl.dot(w.to(xdt), xt.to(xdt), part, input_precision="ieee")
@@ -633,6 +633,13 @@ def decode_choice(m: int, qw: QuantizedWeight, x: torch.Tensor) -> dict | None:
     return _DECODE_CHOICE.get(_decode_key(m, qw, x))
 
 
+def auto_choice(m: int, qw: QuantizedWeight, x: torch.Tensor) -> str:
+    """The path ``quant_matmul(x, qw)`` (``path="auto"``) takes for ``m`` rows: its timed choice where it has
+    made one (``decode_choice``), else ``auto_path``'s rule."""
+    choice = decode_choice(m, qw, x)
+    return choice["path"] if choice else auto_path(m, qw)
+
+
 def _timed_decode_path(x2: torch.Tensor, qw: QuantizedWeight, bias: torch.Tensor | None, out2: torch.Tensor) -> str:
     """int4 at one row: gemv (CUDA cores) or quant_int4_mma_kernel (tensor cores, ``splitk``), whichever
     runs this shape faster here, timed on first use (each autotuned first) and remembered. Which one wins
@@ -684,8 +691,8 @@ def quant_matmul(x: torch.Tensor, qw: QuantizedWeight, bias: torch.Tensor | None
         return out
     fmt, group = _FMT[qw.fmt], qw.group_size or 0
     chosen = auto_path(m, qw) if path == "auto" else path
-    capturing = x.device.type == "cuda" and torch.cuda.is_current_stream_capturing()  # no timing in a graph
-    if path == "auto" and chosen == "gemv" and fmt == INT4 and group % 64 == 0 and AUTOTUNE and not capturing:
+    if (path == "auto" and chosen == "gemv" and fmt == INT4 and group % 64 == 0 and AUTOTUNE
+            and not (x.device.type == "cuda" and torch.cuda.is_current_stream_capturing())):  # no timing in a graph
         chosen = _timed_decode_path(x2, qw, bias, out.view(m, n))
     if fmt == INT4 and group % 8:
         raise ValueError(f"quant_matmul: the int4 kernels need a group size that is a multiple of 8 (a group is "
