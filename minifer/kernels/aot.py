@@ -90,13 +90,14 @@ def quant_matmul_specs() -> list[KernelSpec]:
                                                          ("tiled", 64, 128, 64, 8, 3, 8)):
             if int4:  # int4 in groups of a multiple of 64 runs its own tensor-core kernel on both paths
                 first = (qm.GPU_INT4_MMA_CONFIGS if path == "splitk" else qm.GPU_INT4_MMA_TILED_CONFIGS)[0]
-                mma = {**common, "DOT_F32": False, **{k: v for k, v in first.kwargs.items() if k != "SPLIT_PER_SM"}}
+                mma = {**common, "DOT_F32": False, "ONE_DOT": False,
+                       **{k: v for k, v in first.kwargs.items() if k != "SPLIT_PER_SM"}}
                 specs.append(KernelSpec(f"quant_int4_mma[{fmt},{mma['BLOCK_M']}x{mma['BLOCK_N']}x{mma['BLOCK_K']}]",
                                         qm.quant_int4_mma_kernel,
                                         {**sig, "q_ptr": "*i32", "x_ptr": "*bf16",
-                                         **{k: "constexpr" for k in (*common, "DOT_F32", "BLOCK_M", "BLOCK_N",
-                                                                     "BLOCK_K")}},
-                                        mma, first.num_warps, first.num_stages, {}, aligned,
+                                         **{k: "constexpr" for k in (*common, "DOT_F32", "ONE_DOT", "BLOCK_M",
+                                                                     "BLOCK_N", "BLOCK_K")}},
+                                        mma, first.num_warps, first.num_stages, {90: {"ONE_DOT": True}}, aligned,
                                         mma["BLOCK_N"] * mma["BLOCK_K"]))
                 continue
             specs.append(KernelSpec(f"quant_gemm[{fmt},{path},{bm}x{bn}x{bk}]", qm.quant_gemm_kernel, gemm_sig,

@@ -41,7 +41,7 @@ Where they stand on an H200 (``minifer/bench/quant_kernels.py`` has the table), 
 ``quant_int4_mma_kernel`` existed: decode is faster than bf16 (int4 M=1: 1.8x, int8 / fp8: 1.3-1.5x up
 to M=16) but int4 reaches only ~1.7 TB/s of 4.2, far from its 3.76x bytes bound; prefill (``tiled``) is
 0.3-0.95x of cuBLAS bf16. The int4 tensor-core kernel has not run on a GPU yet. Compiled for sm_90, its
-main loop issues ~3.1-3.3 instructions per weight (symmetric; 3.3 in ``aot.py``'s configuration) where
+main loop issues ~2.4-2.5 instructions per weight (symmetric; 2.45 in ``aot.py``'s configuration) where
 gemv's issues 4.6 (``nvdisasm`` of the ahead-of-time cubins, ``python -m minifer.kernels.aot``; a count,
 not a timing).
 """
@@ -345,11 +345,33 @@ def _int4_pairs(b, SHIFT: tl.constexpr):
 
 
 @triton.jit
+def _int4_planes(b, HAS_ZEROS: tl.constexpr, DOT_F32: tl.constexpr):
+    """The four code planes of the words ``b`` ``[R, W]`` (plane ``c``: codes ``c`` and ``c + 4`` of each word,
+    ``_int4_pairs``) side by side along K, ``[R, 8W]``: column ``c' * 2W + 2j + h`` is code ``c + 4h`` of word
+    ``j``, planes in the order c' -> c = 0, 2, 1, 3 (that is how ``tl.join`` nests), minus 136 (or 128)."""
+    w = tl.join(tl.join(_int4_pairs(b, 0), _int4_pairs(b, 8)), tl.join(_int4_pairs(b, 4), _int4_pairs(b, 12)))
+    R: tl.constexpr = b.shape[0]
+    W: tl.constexpr = b.shape[1]
+    w = tl.reshape(tl.permute(w, (0, 3, 2, 1)), (R, 8 * W))
+    if DOT_F32:  # the interpreter's bfloat16 arithmetic is not exact: the same numbers in float32
+        w = w.to(tl.float32)
+    return w - (128.0 if HAS_ZEROS else 136.0)  # exact in bfloat16
+
+
+@triton.jit
+def _x_in_plane_order(x, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Activations ``x`` ``[BLOCK_M, BLOCK_K]`` in K order, rearranged to ``_int4_planes``' order and
+    transposed: ``[BLOCK_K, BLOCK_M]``. Position ``8j + 4h + c`` of a K-step is code ``c + 4h`` of word ``j``."""
+    x = tl.reshape(x, (BLOCK_M, BLOCK_K // 8, 2, 2, 2))  # [m, j, h, c >> 1, c & 1]
+    return tl.reshape(tl.permute(x, (4, 3, 1, 2, 0)), (BLOCK_K, BLOCK_M))
+
+
+@triton.jit
 def quant_int4_mma_kernel(x_ptr, q_ptr, s_ptr, z_ptr, bias_ptr, out_ptr, part_ptr, lock_ptr, M, N, K, ROW, M_KEY,
                           SPLIT_PER_SM, FMT: tl.constexpr, GROUP: tl.constexpr, HAS_ZEROS: tl.constexpr,
                           HAS_BIAS: tl.constexpr, FP8_NATIVE: tl.constexpr, XKIND: tl.constexpr,
-                          DOT_F32: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                          BLOCK_K: tl.constexpr):
+                          DOT_F32: tl.constexpr, ONE_DOT: tl.constexpr, BLOCK_M: tl.constexpr,
+                          BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """int4 on tensor cores, decode (M up to 16) and prefill alike (its configs differ: 8-16 rows of x per
     tile, or 32-128). Grid ``(cdiv(M, BLOCK_M) * cdiv(N, BLOCK_N), splits)``.
 
@@ -359,11 +381,21 @@ def quant_int4_mma_kernel(x_ptr, q_ptr, s_ptr, z_ptr, bias_ptr, out_ptr, part_pt
     loaded as they are stored (``[BLOCK_N, BLOCK_K / 8]``) and decoded in the registers that feed the MMA,
     two codes per logic op (``_int4_pairs``) and one subtraction per two codes (``- 136``: 128 and the
     symmetric zero point 8, exact in bfloat16; asymmetric groups subtract 128 there and ``z * sum(x)``
-    from the product). Nothing is unpacked into K order: the dot of step ``c`` pairs codes ``c`` and ``c + 4`` of each
-    word with the activations at those positions, which are loaded in that order. A K-step is one
-    quantization group or part of one (``BLOCK_K`` divides ``GROUP``), so its scale multiplies the
-    step's product, as in ``quant_gemm_kernel``. FMT, FP8_NATIVE and XKIND are not read: the launcher
-    passes every kernel the same arguments."""
+    from the product). Nothing is unpacked into K order: a code plane (codes ``c`` and ``c + 4`` of each
+    word) is multiplied by the activations at those positions. A K-step is one quantization group or part
+    of one (``BLOCK_K`` divides ``GROUP``), so its scale multiplies the step's product, as in
+    ``quant_gemm_kernel``.
+
+    Two ways to feed the planes, the same sums (``ONE_DOT``, chosen per GPU by the launcher):
+
+    - ``ONE_DOT`` (sm_90, ``wgmma``): the four planes side by side make one ``[BLOCK_N, BLOCK_K]`` operand
+      (``_int4_planes``) and the step's activations, loaded in K order (whole 16-byte rows, copied
+      asynchronously by the pipeline), are rearranged to match in registers (``_x_in_plane_order``): one
+      dot, one barrier and one wait per step.
+    - otherwise (sm_80, ``mma.sync``, where Triton splits the joined planes' code pairs across threads):
+      one dot per plane, each with the activations of its positions gathered from memory.
+
+    FMT, FP8_NATIVE and XKIND are not read: the launcher passes every kernel the same arguments."""
     pid = tl.program_id(0)
     num_m = tl.cdiv(M, BLOCK_M)
     rm = (pid % num_m) * BLOCK_M + tl.arange(0, BLOCK_M)  # rows of x vary fastest: same weights, close in time
@@ -382,7 +414,6 @@ def quant_int4_mma_kernel(x_ptr, q_ptr, s_ptr, z_ptr, bias_ptr, out_ptr, part_pt
     t_start = tl.program_id(1) * per_split
     t_end = tl.minimum(t_start + per_split, n_steps)
     w_rows = q_ptr + rn.to(tl.int64)[:, None] * ROW
-    x_rows = x_ptr + rm[None, :] * K
     acc = tl.zeros((BLOCK_N, BLOCK_M), tl.float32)
     for t in range(t_start, t_end):
         b = tl.load(w_rows + (t * KW + kw)[None, :], mask=n_mask[:, None], other=0)
@@ -390,18 +421,25 @@ def quant_int4_mma_kernel(x_ptr, q_ptr, s_ptr, z_ptr, bias_ptr, out_ptr, part_pt
         # Symmetric: subtract 128 + 8 from every code. Asymmetric: subtract 128, and the zero point of each
         # row after the dot, as z * sum(x) (one zero point per row and group; per code it would cost a
         # register shuffle for every subtraction).
-        part = tl.zeros((BLOCK_N, BLOCK_M), tl.float32)
-        xsum = tl.zeros((BLOCK_M,), tl.float32)
-        for c in tl.static_range(4):
-            w = _int4_pairs(b, 4 * c)
-            if DOT_F32:  # the interpreter's bfloat16 arithmetic is not exact: the same numbers in float32
-                w = w.to(tl.float32)
-            w = w - (128.0 if HAS_ZEROS else 136.0)  # exact in bfloat16
-            k = t * BLOCK_K + 8 * (kk // 2) + c + 4 * (kk % 2)  # the activations of those codes
-            xt = tl.load(x_rows + k[:, None], mask=m_mask[None, :], other=0.0)
-            part = tl.dot(w.to(xdt), xt.to(xdt), part, input_precision="ieee")
-            if HAS_ZEROS:
-                xsum += tl.sum(xt.to(tl.float32), axis=0)
+        if ONE_DOT:
+            x = tl.load(x_ptr + rm[:, None] * K + (t * BLOCK_K + tl.arange(0, BLOCK_K))[None, :],
+                        mask=m_mask[:, None], other=0.0)
+            part = tl.dot(_int4_planes(b, HAS_ZEROS, DOT_F32).to(xdt),
+                          _x_in_plane_order(x, BLOCK_M, BLOCK_K).to(xdt), input_precision="ieee")
+            xsum = tl.sum(x.to(tl.float32), axis=1)
+        else:
+            part = tl.zeros((BLOCK_N, BLOCK_M), tl.float32)
+            xsum = tl.zeros((BLOCK_M,), tl.float32)
+            for c in tl.static_range(4):
+                w = _int4_pairs(b, 4 * c)
+                if DOT_F32:
+                    w = w.to(tl.float32)
+                w = w - (128.0 if HAS_ZEROS else 136.0)
+                k = t * BLOCK_K + 8 * (kk // 2) + c + 4 * (kk % 2)  # the activations of those codes
+                xt = tl.load(x_ptr + rm[None, :] * K + k[:, None], mask=m_mask[None, :], other=0.0)
+                part = tl.dot(w.to(xdt), xt.to(xdt), part, input_precision="ieee")
+                if HAS_ZEROS:
+                    xsum += tl.sum(xt.to(tl.float32), axis=0)
         if HAS_ZEROS:
             z = tl.load(z_ptr + rn * n_groups + g, mask=n_mask, other=0).to(tl.float32)
             part -= z[:, None] * xsum[None, :]
@@ -439,7 +477,8 @@ GPU_SPLITK_CONFIGS = [_cfg(w, s, p, BLOCK_M=16, BLOCK_N=n, BLOCK_K=k, GROUP_M=1)
 GPU_INT4_MMA_CONFIGS = [_cfg(w, s, p, BLOCK_M=m, BLOCK_N=n, BLOCK_K=k) for n, m, k, w, s in
                         ((128, 16, 128, 4, 3), (128, 8, 128, 4, 3), (64, 16, 128, 4, 3), (256, 16, 128, 8, 3),
                          (64, 8, 128, 4, 4), (128, 16, 64, 4, 4), (128, 8, 128, 4, 5)) for p in (4, 2, 8, 1)]
-# ... and prefill: 32-128 rows of x per tile (none spills on sm_90; the first none on sm_80 either).
+# ... and prefill: 32-128 rows of x per tile (the first spills on neither; on sm_90 only int4-asym's 64x256
+# tile spills, 32 bytes; on sm_80, 128x128 and the asymmetric 64x256).
 GPU_INT4_MMA_TILED_CONFIGS = [_cfg(w, s, 1, BLOCK_M=m, BLOCK_N=n, BLOCK_K=k) for m, n, k, w, s in
                               ((64, 128, 128, 8, 3), (32, 128, 128, 4, 3), (128, 128, 128, 8, 3),
                                (64, 256, 128, 8, 3), (128, 128, 64, 8, 4), (64, 128, 64, 4, 4))]
@@ -529,6 +568,15 @@ def _fp8_native(device: torch.device) -> bool:
     return device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 9)
 
 
+@functools.lru_cache(maxsize=None)
+def _one_dot(device: torch.device) -> bool:
+    """``quant_int4_mma_kernel``'s form: one dot per K-step where the MMA is ``wgmma`` (sm_90; ``aot.py``
+    counts 2.5 instructions per weight against 3.3 for one dot per code plane), one per plane below (sm_80:
+    4.2 either way at decode, 7.3 against 9.9 for prefill tiles). The interpreter runs the sm_90 form (the
+    tests run both)."""
+    return device.type != "cuda" or torch.cuda.get_device_capability(device) >= (9, 0)
+
+
 def choose_split(tiles: int, k_steps: int, sms: int, per_sm: int) -> int:
     """Split K until ``tiles * split`` programs fill ``per_sm`` programs per SM, keeping at least two
     K-steps per split (a split of one step is mostly overhead) and at most ``MAX_SPLIT``.
@@ -579,10 +627,11 @@ class Plan:
     k_steps: Callable[[dict], int]
 
 
-def plan(path: str, m: int, n: int, k: int, fmt: int, group: int) -> Plan:
+def plan(path: str, m: int, n: int, k: int, fmt: int, group: int, one_dot: bool = True) -> Plan:
     """The launch plan of ``path`` (not ``"auto"``) for ``m`` rows, an ``n x k`` weight, format and group.
     int4 on ``splitk`` and ``tiled`` takes ``quant_int4_mma_kernel`` when a K-step of at least 64 codes fits
-    in a group (``GROUP % 64 == 0``; each path with its own configs), otherwise ``quant_gemm_kernel``."""
+    in a group (``GROUP % 64 == 0``; each path with its own configs), otherwise ``quant_gemm_kernel``;
+    ``one_dot`` is its ``ONE_DOT`` (``_one_dot``: the GPU's form)."""
     if path == "gemv":
         row = k // 8 if fmt == INT4 else k
         gw = group // 8 if fmt == INT4 else CHUNK_BYTES
@@ -598,7 +647,8 @@ def plan(path: str, m: int, n: int, k: int, fmt: int, group: int) -> Plan:
     if fmt == INT4 and group % 64 == 0:
         name = "int4_mma" if path == "splitk" else "int4_mma_tiled"
         kernel, configs = _tuner(name, cap)
-        return Plan((name, cap), kernel, dict(DOT_F32=INTERPRETING), configs, k // 8, True, False, tiles, k_steps)
+        return Plan((name, cap), kernel, dict(DOT_F32=INTERPRETING, ONE_DOT=one_dot), configs, k // 8, True, False,
+                    tiles, k_steps)
     kernel, configs = _tuner(path, cap)
     return Plan((path, cap), kernel, dict(DOT_F32=INTERPRETING), configs, k // 2 if fmt == INT4 else k, False,
                 fmt == INT4, tiles, k_steps)
@@ -700,7 +750,7 @@ def quant_matmul(x: torch.Tensor, qw: QuantizedWeight, bias: torch.Tensor | None
     if fmt == INT4 and chosen != "gemv" and group % 32:
         raise ValueError(f"quant_matmul: path {path!r} needs an int4 group size that is a multiple of 32 "
                          f"(a K-step of tl.dot stays inside one group), got {group}; use path='gemv'")
-    p = plan(chosen, m, n, k, fmt, group)
+    p = plan(chosen, m, n, k, fmt, group, _one_dot(x.device))
     sms = _num_sms(x.device)
 
     def splits(meta) -> int:
