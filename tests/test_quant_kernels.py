@@ -353,6 +353,9 @@ def test_benchmark_smoke(tmp_path):
         assert r["rel_err"] < 1e-2 and r["us_quant"] > 0 and r["us_bf16"] > 0 and r["speedup"] > 0
         assert 1 < r["bytes_bound"] < 4
     assert res["copy_bandwidth_Bps"] > 0 and res["environment"]["triton"]
+    from minifer.kernels.quant_matmul import _one_dot
+
+    assert res["environment"]["int4_mma_one_dot"] is _one_dot(torch.device(device))  # the form that ran
     assert res["targets"][0]["measured_speedup"] is None  # the target shape was not run
     if device == "cpu":
         out = tmp_path / "q.json"

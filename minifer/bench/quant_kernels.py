@@ -143,7 +143,7 @@ def bench_case(k: int, n: int, m: int, fmt: str, device: torch.device, *, group_
     # int4 at one row: auto times gemv against the tensor-core kernel on first use (quant_matmul.decode_choice)
     choice = qm.decode_choice(m, qw, x) if path == "auto" else None
     chosen = qm.auto_choice(m, qw, x) if path == "auto" else path
-    launch = qm.plan(chosen, m, n, k, qm._FMT[fmt], group_size if fmt == "int4" else 0)
+    launch = qm.plan(chosen, m, n, k, qm._FMT[fmt], group_size if fmt == "int4" else 0, qm._one_dot(device))
     config, tuning = _best_config(launch), _config_timings(launch)
     qws, ws, n_copies = _rotation(w, qw, fmt, group_size, calls)
     outs = [torch.empty_like(out) for _ in range(2)]
@@ -175,7 +175,7 @@ def split_sweep(k: int, n: int, m: int, fmt: str, device: torch.device, *, group
     w, qw, x, out = _inputs(k, n, m, fmt, device, group_size, seed)
     qm.quant_matmul(x, qw, path=path, out=out)  # autotunes with the default split rule
     chosen_path = qm.auto_choice(m, qw, x) if path == "auto" else path
-    launch = qm.plan(chosen_path, m, n, k, qm._FMT[fmt], group_size if fmt == "int4" else 0)
+    launch = qm.plan(chosen_path, m, n, k, qm._FMT[fmt], group_size if fmt == "int4" else 0, qm._one_dot(device))
     best = getattr(launch.kernel, "best_config", None) or launch.configs[0]
     meta = best.kwargs
     tiles = launch.tiles
@@ -221,7 +221,10 @@ def device_info(device: torch.device) -> dict[str, Any]:
     try:
         import triton
 
+        from minifer.kernels import quant_matmul as qm
+
         info["triton"] = triton.__version__
+        info["int4_mma_one_dot"] = qm._one_dot(device)  # which form of the int4 tensor-core kernel runs here
     except ImportError:  # pragma: no cover
         info["triton"] = None
     if device.type == "cuda":

@@ -570,11 +570,11 @@ def _fp8_native(device: torch.device) -> bool:
 
 @functools.lru_cache(maxsize=None)
 def _one_dot(device: torch.device) -> bool:
-    """``quant_int4_mma_kernel``'s form: one dot per K-step where the MMA is ``wgmma`` (sm_90; ``aot.py``
-    counts 2.5 instructions per weight against 3.3 for one dot per code plane), one per plane below (sm_80:
-    4.2 either way at decode, 7.3 against 9.9 for prefill tiles). The interpreter runs the sm_90 form (the
-    tests run both)."""
-    return device.type != "cuda" or torch.cuda.get_device_capability(device) >= (9, 0)
+    """``quant_int4_mma_kernel``'s form: one dot per K-step where the MMA is ``wgmma`` (sm_90, H100/H200;
+    ``aot.py`` counts 2.5 instructions per weight against 3.3 for one dot per code plane), one per plane
+    elsewhere (sm_80: 4.2 either way at decode, 7.3 against 9.9 for prefill tiles; other GPUs were not
+    counted). The interpreter runs the sm_90 form (the tests run both)."""
+    return device.type != "cuda" or torch.cuda.get_device_capability(device)[0] == 9
 
 
 def choose_split(tiles: int, k_steps: int, sms: int, per_sm: int) -> int:
