@@ -215,7 +215,10 @@ def section_quant_e2e(args) -> dict:
     base = report["rows"][0]["decode_tokens_per_s"]
     for row in report["rows"]:
         row["speedup_vs_bf16"] = row["decode_tokens_per_s"] / base
-    report["target"] = {"int4_min_speedup": 1.8, "measured": report["rows"][2]["speedup_vs_bf16"]}
+    measured = report["rows"][2]["speedup_vs_bf16"]
+    # Speed only: dummy weights have no reference tokens; the kernels' outputs are checked by the kernel
+    # benchmark (rel_err per case) and tests/test_quant_kernels.py on the same GPU.
+    report["target"] = {"int4_min_speedup": 1.8, "measured": measured, "met": measured >= 1.8}
     return report
 
 

@@ -39,3 +39,13 @@ def test_quant_e2e_saves_each_finished_row(tmp_path, monkeypatch):
     assert partial["partial"] is True
     assert [r["quantization"] for r in partial["rows"]] == ["bf16", "int8"]
     assert all(r["decode_tokens_per_s"] > 0 for r in partial["rows"])
+
+
+def test_quant_e2e_reports_every_format_and_the_target(tmp_path):
+    gb = _load()
+    args = argparse.Namespace(smoke=True, device="cpu", out=tmp_path / "quant_e2e.json", section="quant_e2e")
+    report = gb.section_quant_e2e(args)
+    assert [r["quantization"] for r in report["rows"]] == ["bf16", "int8", "int4", "fp8"]
+    assert report["rows"][0]["speedup_vs_bf16"] == 1.0
+    t = report["target"]
+    assert t["measured"] == report["rows"][2]["speedup_vs_bf16"] and t["met"] is (t["measured"] >= 1.8)

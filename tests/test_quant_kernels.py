@@ -379,6 +379,19 @@ def test_benchmark_runs_the_target_case_first_and_checkpoints_every_row(monkeypa
     assert json.loads(saved[0])["targets"][0]["measured_speedup"] is not None  # the target, measured first
 
 
+def test_a_target_is_met_only_by_a_fast_and_correct_kernel(monkeypatch):
+    from minifer.bench import quant_kernels as bench
+
+    monkeypatch.setattr(bench, "TARGETS", [{"format": "int4", "K": 64, "N": 32, "M": 1, "min_speedup": 3.0,
+                                            "why": "a test"}])
+    row = {"format": "int4", "K": 64, "N": 32, "M": 1, "auto": True, "speedup": 3.2, "rel_err": 3e-3}
+    assert bench.check_targets([row])[0]["met"] is True
+    assert bench.check_targets([{**row, "speedup": 2.9}])[0]["met"] is False
+    wrong = bench.check_targets([{**row, "rel_err": 0.5}])[0]  # fast and wrong
+    assert wrong["met"] is False and wrong["rel_err"] == 0.5
+    assert bench.check_targets([{**row, "auto": False}])[0]["met"] is None  # not the auto path: not measured
+
+
 def test_split_sweep_times_every_split():
     from minifer.bench import quant_kernels as bench
     from minifer.kernels.quant_matmul import choose_split
