@@ -348,7 +348,7 @@ def _int4_pairs(b, SHIFT: tl.constexpr):
 def _int4_planes(b, HAS_ZEROS: tl.constexpr, DOT_F32: tl.constexpr):
     """The four code planes of the words ``b`` ``[R, W]`` (plane ``c``: codes ``c`` and ``c + 4`` of each word,
     ``_int4_pairs``) side by side along K, ``[R, 8W]``: column ``c' * 2W + 2j + h`` is code ``c + 4h`` of word
-    ``j``, planes in the order c' -> c = 0, 2, 1, 3 (that is how ``tl.join`` nests), minus 136 (or 128)."""
+    ``j`` for plane ``c = (0, 2, 1, 3)[c']`` (the order ``tl.join`` nests them in), minus 136 (or 128)."""
     w = tl.join(tl.join(_int4_pairs(b, 0), _int4_pairs(b, 8)), tl.join(_int4_pairs(b, 4), _int4_pairs(b, 12)))
     R: tl.constexpr = b.shape[0]
     W: tl.constexpr = b.shape[1]
@@ -389,7 +389,7 @@ def quant_int4_mma_kernel(x_ptr, q_ptr, s_ptr, z_ptr, bias_ptr, out_ptr, part_pt
     Two ways to feed the planes, the same sums (``ONE_DOT``, chosen per GPU by the launcher):
 
     - ``ONE_DOT`` (sm_90, ``wgmma``): the four planes side by side make one ``[BLOCK_N, BLOCK_K]`` operand
-      (``_int4_planes``) and the step's activations, loaded in K order (whole 16-byte rows, copied
+      (``_int4_planes``) and the step's activations, loaded in K order (16 bytes at a time, copied
       asynchronously by the pipeline), are rearranged to match in registers (``_x_in_plane_order``): one
       dot, one barrier and one wait per step.
     - otherwise (sm_80, ``mma.sync``, where Triton splits the joined planes' code pairs across threads):
