@@ -187,15 +187,16 @@ def section_spec(args) -> dict:
     return report
 
 
-def _out_path(args) -> Path:
-    return args.out or Path(f"runs/gpu_{args.section}.json")
+def _save(args, report: dict) -> Path:
+    out = args.out or Path(f"runs/gpu_{args.section}.json")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(report, indent=2, default=str))
+    return out
 
 
 def _save_partial(args, report: dict) -> None:
     """Write what a section has so far: a run cut short by its time limit still leaves its finished rows."""
-    out = _out_path(args)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({**report, "partial": True}, indent=2, default=str))
+    _save(args, {**report, "partial": True})
 
 
 def section_quant_e2e(args) -> dict:
@@ -240,10 +241,7 @@ def main() -> None:
     t = time.perf_counter()
     report = SECTIONS[args.section](args)
     report["section_seconds"] = time.perf_counter() - t
-    out = _out_path(args)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(report, indent=2, default=str))
-    print(f"wrote {out}")
+    print(f"wrote {_save(args, report)}")
 
 
 if __name__ == "__main__":

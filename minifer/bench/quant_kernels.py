@@ -130,6 +130,13 @@ def _rotation(w: torch.Tensor, qw, fmt: str, group_size: int, calls: int) -> tup
             [w] + [w.clone() for _ in range(n_copies - 1)], n_copies)
 
 
+def _plan(path: str, m: int, n: int, k: int, fmt: str, group_size: int, device: torch.device):
+    """``quant_matmul.plan`` of the call ``quant_matmul`` makes on ``path`` here (its tuner and configs)."""
+    from minifer.kernels import quant_matmul as qm
+
+    return qm.plan(path, m, n, k, qm._FMT[fmt], group_size if fmt == "int4" else 0, qm._one_dot(device))
+
+
 def bench_case(k: int, n: int, m: int, fmt: str, device: torch.device, *, group_size: int = 128,
                rounds: int = 15, calls: int = 20, path: str = "auto", seed: int = 0) -> dict[str, Any]:
     """One (shape, M, format): correctness against the reference, then interleaved timings."""
@@ -144,7 +151,7 @@ def bench_case(k: int, n: int, m: int, fmt: str, device: torch.device, *, group_
     # int4 at one row: auto times gemv against the tensor-core kernel on first use (quant_matmul.decode_choice)
     choice = qm.decode_choice(m, qw, x) if path == "auto" else None
     chosen = qm.auto_choice(m, qw, x) if path == "auto" else path
-    launch = qm.plan(chosen, m, n, k, qm._FMT[fmt], group_size if fmt == "int4" else 0, qm._one_dot(device))
+    launch = _plan(chosen, m, n, k, fmt, group_size, device)
     config, tuning = _best_config(launch), _config_timings(launch)
     qws, ws, n_copies = _rotation(w, qw, fmt, group_size, calls)
     outs = [torch.empty_like(out) for _ in range(2)]
@@ -176,7 +183,7 @@ def split_sweep(k: int, n: int, m: int, fmt: str, device: torch.device, *, group
     w, qw, x, out = _inputs(k, n, m, fmt, device, group_size, seed)
     qm.quant_matmul(x, qw, path=path, out=out)  # autotunes with the default split rule
     chosen_path = qm.auto_choice(m, qw, x) if path == "auto" else path
-    launch = qm.plan(chosen_path, m, n, k, qm._FMT[fmt], group_size if fmt == "int4" else 0, qm._one_dot(device))
+    launch = _plan(chosen_path, m, n, k, fmt, group_size, device)
     best = getattr(launch.kernel, "best_config", None) or launch.configs[0]
     meta = best.kwargs
     tiles = launch.tiles

@@ -345,17 +345,25 @@ def _int4_pairs(b, SHIFT: tl.constexpr):
 
 
 @triton.jit
-def _int4_planes(b, HAS_ZEROS: tl.constexpr, DOT_F32: tl.constexpr):
-    """The four code planes of the words ``b`` ``[R, W]`` (plane ``c``: codes ``c`` and ``c + 4`` of each word,
-    ``_int4_pairs``) side by side along K, ``[R, 8W]``: column ``c' * 2W + 2j + h`` is code ``c + 4h`` of word
-    ``j`` for plane ``c = (0, 2, 1, 3)[c']`` (the order ``tl.join`` nests them in), minus 136 (or 128)."""
-    w = tl.join(tl.join(_int4_pairs(b, 0), _int4_pairs(b, 8)), tl.join(_int4_pairs(b, 4), _int4_pairs(b, 12)))
-    R: tl.constexpr = b.shape[0]
-    W: tl.constexpr = b.shape[1]
-    w = tl.reshape(tl.permute(w, (0, 3, 2, 1)), (R, 8 * W))
+def _int4_plane(b, C: tl.constexpr, HAS_ZEROS: tl.constexpr, DOT_F32: tl.constexpr):
+    """Code plane ``C`` of the words ``b`` ``[R, W]``: codes ``C`` and ``C + 4`` of each word (``_int4_pairs``),
+    ``[R, 2W]``, minus 136 (128 and the symmetric zero point 8) or, with zero points, minus 128."""
+    w = _int4_pairs(b, 4 * C)
     if DOT_F32:  # the interpreter's bfloat16 arithmetic is not exact: the same numbers in float32
         w = w.to(tl.float32)
     return w - (128.0 if HAS_ZEROS else 136.0)  # exact in bfloat16
+
+
+@triton.jit
+def _int4_planes(b, HAS_ZEROS: tl.constexpr, DOT_F32: tl.constexpr):
+    """The four code planes of the words ``b`` ``[R, W]`` (``_int4_plane``) side by side along K, ``[R, 8W]``:
+    column ``c' * 2W + 2j + h`` is code ``c + 4h`` of word ``j`` for plane ``c = (0, 2, 1, 3)[c']`` (the order
+    ``tl.join`` nests them in)."""
+    w = tl.join(tl.join(_int4_plane(b, 0, HAS_ZEROS, DOT_F32), _int4_plane(b, 2, HAS_ZEROS, DOT_F32)),
+                tl.join(_int4_plane(b, 1, HAS_ZEROS, DOT_F32), _int4_plane(b, 3, HAS_ZEROS, DOT_F32)))
+    R: tl.constexpr = b.shape[0]
+    W: tl.constexpr = b.shape[1]
+    return tl.reshape(tl.permute(w, (0, 3, 2, 1)), (R, 8 * W))
 
 
 @triton.jit
@@ -404,7 +412,6 @@ def quant_int4_mma_kernel(x_ptr, q_ptr, s_ptr, z_ptr, bias_ptr, out_ptr, part_pt
     n_mask = rn < N
     KW: tl.constexpr = BLOCK_K // 8  # words of codes per K-step and row
     kw = tl.arange(0, KW)
-    kk = tl.arange(0, 2 * KW)
     xdt = out_ptr.dtype.element_ty
     if DOT_F32:  # the interpreter's tl.dot multiplies bf16 bit patterns (triton-lang/triton#11584)
         xdt = tl.float32
@@ -430,14 +437,12 @@ def quant_int4_mma_kernel(x_ptr, q_ptr, s_ptr, z_ptr, bias_ptr, out_ptr, part_pt
         else:
             part = tl.zeros((BLOCK_N, BLOCK_M), tl.float32)
             xsum = tl.zeros((BLOCK_M,), tl.float32)
+            kk = tl.arange(0, 2 * KW)
             for c in tl.static_range(4):
-                w = _int4_pairs(b, 4 * c)
-                if DOT_F32:
-                    w = w.to(tl.float32)
-                w = w - (128.0 if HAS_ZEROS else 136.0)
-                k = t * BLOCK_K + 8 * (kk // 2) + c + 4 * (kk % 2)  # the activations of those codes
+                k = t * BLOCK_K + 8 * (kk // 2) + c + 4 * (kk % 2)  # the activations of plane c's codes
                 xt = tl.load(x_ptr + rm[None, :] * K + k[:, None], mask=m_mask[None, :], other=0.0)
-                part = tl.dot(w.to(xdt), xt.to(xdt), part, input_precision="ieee")
+                part = tl.dot(_int4_plane(b, c, HAS_ZEROS, DOT_F32).to(xdt), xt.to(xdt), part,
+                              input_precision="ieee")
                 if HAS_ZEROS:
                     xsum += tl.sum(xt.to(tl.float32), axis=0)
         if HAS_ZEROS:
