@@ -196,6 +196,17 @@ def compile_all(ccs: tuple[int, ...] = (80, 90), specs: list[KernelSpec] | None 
     return rows
 
 
+def ptxas_version(cc: int) -> str:
+    """The CUDA release of the ptxas Triton assembles for ``cc`` with (its own copies, one per architecture
+    range, unless TRITON_PTXAS_PATH names another): the same PTX can become different machine code in
+    another release, so the report names it."""
+    from triton.backends.nvidia.compiler import get_ptxas
+
+    out = subprocess.run([get_ptxas(cc).path, "--version"], capture_output=True, text=True).stdout
+    m = re.search(r"release (\d+\.\d+)", out)
+    return m.group(1) if m else "unknown"
+
+
 def _compile_in_subprocess(ccs: tuple[int, ...], names: list[str]) -> list[dict]:
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     cmd = [sys.executable, "-m", "minifer.kernels.aot", "--json", "--ccs", *map(str, ccs), "--only", *names]
@@ -227,7 +238,9 @@ def main() -> None:
                   f"{per_w}{flag}")
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps({"triton": triton.__version__, "kernels": rows}, indent=2))
+        args.out.write_text(json.dumps({"triton": triton.__version__, "ptxas": {f"sm_{cc}": ptxas_version(cc) for cc in args.ccs},
+                                        "kernels": rows},
+                                       indent=2))
 
 
 if __name__ == "__main__":

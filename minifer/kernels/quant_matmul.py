@@ -41,9 +41,9 @@ Where they stand on an H200 (``minifer/bench/quant_kernels.py`` has the table), 
 ``quant_int4_mma_kernel`` existed: decode is faster than bf16 (int4 M=1: 1.8x, int8 / fp8: 1.3-1.5x up
 to M=16) but int4 reaches only ~1.7 TB/s of 4.2, far from its 3.76x bytes bound; prefill (``tiled``) is
 0.3-0.95x of cuBLAS bf16. The int4 tensor-core kernel has not run on a GPU yet. Compiled for sm_90, its
-main loop issues ~2.4-2.5 instructions per weight (symmetric; 2.45 in ``aot.py``'s configuration) where
-gemv's issues 4.6 (``nvdisasm`` of the ahead-of-time cubins, ``python -m minifer.kernels.aot``; a count,
-not a timing).
+main loop issues 2.2-2.4 instructions per weight (symmetric; 2.36 in ``aot.py``'s configuration, with
+Triton 3.9 and 3.6 alike) where gemv's issues 4.6 (``nvdisasm`` of the ahead-of-time cubins,
+``python -m minifer.kernels.aot``; a count, not a timing).
 """
 
 from __future__ import annotations
@@ -333,14 +333,27 @@ def quant_gemm_kernel(x_ptr, q_ptr, s_ptr, z_ptr, bias_ptr, out_ptr, part_ptr, l
 
 
 @triton.jit
-def _int4_pairs(b, SHIFT: tl.constexpr):
+def _int4_pairs(b, SHIFT: tl.constexpr, PTX: tl.constexpr):
     """Codes ``c = SHIFT / 4`` and ``c + 4`` of every 32-bit word of ``b`` ``[R, W]`` as bfloat16 ``128 + q``,
     interleaved: ``[R, 2W]``, column ``2j + h`` is code ``c + 4h`` of word ``j``. One AND-OR per two codes:
     code c + 4 sits 16 bits above code c, so ``(b >> SHIFT) & 0x000F000F | 0x43004300`` is two bfloat16
-    at once, and 0x4300 is 128.0 (its 7 mantissa bits count in units of 1, so 128 + q is exact)."""
-    v = ((b >> SHIFT) & 0x000F000F) | 0x43004300
-    lo = v.to(tl.int16).to(tl.bfloat16, bitcast=True)
-    hi = (v >> 16).to(tl.int16).to(tl.bfloat16, bitcast=True)
+    at once, and 0x4300 is 128.0 (its 7 mantissa bits count in units of 1, so 128 + q is exact).
+
+    ``PTX`` (a GPU, not the interpreter): the AND-OR written as one ``lop3`` (a logic op of three inputs,
+    0xEA being the truth table of ``a & b | c``). ptxas makes one instruction of the two by itself only
+    where it keeps a constant in a register: CUDA 13.4's ptxas (Triton 3.9's for sm_90) does, CUDA 12.8's
+    (Triton 3.6's) does not, and then emits 64 more instructions per K-step of the decode tile. The asm
+    hands back the word's halves as the two bfloat16 (an int32 result split afterwards made Triton 3.9
+    move halves between registers: 128 more ``PRMT`` per step)."""
+    v = b >> SHIFT
+    if PTX:
+        lo, hi = tl.inline_asm_elementwise(
+            "{ .reg .b32 t; lop3.b32 t, $2, 0x000F000F, 0x43004300, 0xEA; mov.b32 {$0, $1}, t; }", "=h,=h,r", [v],
+            dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=1)
+    else:
+        v = (v & 0x000F000F) | 0x43004300
+        lo = v.to(tl.int16).to(tl.bfloat16, bitcast=True)
+        hi = (v >> 16).to(tl.int16).to(tl.bfloat16, bitcast=True)
     return tl.interleave(lo, hi)
 
 
@@ -348,7 +361,7 @@ def _int4_pairs(b, SHIFT: tl.constexpr):
 def _int4_plane(b, C: tl.constexpr, HAS_ZEROS: tl.constexpr, DOT_F32: tl.constexpr):
     """Code plane ``C`` of the words ``b`` ``[R, W]``: codes ``C`` and ``C + 4`` of each word (``_int4_pairs``),
     ``[R, 2W]``, minus 136 (128 and the symmetric zero point 8) or, with zero points, minus 128."""
-    w = _int4_pairs(b, 4 * C)
+    w = _int4_pairs(b, 4 * C, not DOT_F32)
     if DOT_F32:  # the interpreter's bfloat16 arithmetic is not exact: the same numbers in float32
         w = w.to(tl.float32)
     return w - (128.0 if HAS_ZEROS else 136.0)  # exact in bfloat16
@@ -482,8 +495,9 @@ GPU_SPLITK_CONFIGS = [_cfg(w, s, p, BLOCK_M=16, BLOCK_N=n, BLOCK_K=k, GROUP_M=1)
 GPU_INT4_MMA_CONFIGS = [_cfg(w, s, p, BLOCK_M=m, BLOCK_N=n, BLOCK_K=k) for n, m, k, w, s in
                         ((128, 16, 128, 4, 3), (128, 8, 128, 4, 3), (64, 16, 128, 4, 3), (256, 16, 128, 8, 3),
                          (64, 8, 128, 4, 4), (128, 16, 64, 4, 4), (128, 8, 128, 4, 5)) for p in (4, 2, 8, 1)]
-# ... and prefill: 32-128 rows of x per tile (the first spills on neither; on sm_90 only int4-asym's 64x256
-# tile spills, 32 bytes; on sm_80, 128x128 and the asymmetric 64x256).
+# ... and prefill: 32-128 rows of x per tile. With Triton 3.9 the first spills on neither GPU; on sm_90 only
+# int4-asym's 64x256 tile spills (32 bytes), on sm_80 the 128x128 and 64x256 tiles. Triton 3.6 (ptxas 12.8)
+# spills more on sm_80, int4-asym's first tile among them (24 bytes).
 GPU_INT4_MMA_TILED_CONFIGS = [_cfg(w, s, 1, BLOCK_M=m, BLOCK_N=n, BLOCK_K=k) for m, n, k, w, s in
                               ((64, 128, 128, 8, 3), (32, 128, 128, 4, 3), (128, 128, 128, 8, 3),
                                (64, 256, 128, 8, 3), (128, 128, 64, 8, 4), (64, 128, 64, 4, 4))]
