@@ -1,5 +1,6 @@
 """scripts/gpu_bench.py, the prepared GPU check, on the CPU: a section cut short by its time limit (here: an
-error in its third run) still leaves the rows it finished, marked partial."""
+error in its third run) still leaves the rows it finished, marked partial; and gpu_check.sh's selections of
+native kernel tests."""
 
 from __future__ import annotations
 
@@ -49,3 +50,35 @@ def test_quant_e2e_reports_every_format_and_the_target(tmp_path):
     assert report["rows"][0]["speedup_vs_bf16"] == 1.0
     t = report["target"]
     assert t["measured"] == report["rows"][2]["speedup_vs_bf16"] and t["met"] is (t["measured"] >= 1.8)
+
+
+def _collected(files: list[str], expr: str) -> set[str]:
+    import subprocess
+    import sys
+
+    root = SCRIPT.parents[1]
+    r = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:randomly", *files,
+                        *(["-k", expr] if expr else [])], capture_output=True, text=True, cwd=root)
+    return {line for line in r.stdout.splitlines() if "::" in line}
+
+
+def test_gpu_check_kernel_test_selections_cover_every_native_test_once():
+    """gpu_check.sh splits the kernel tests in two ``-k`` selections (int4's first); a typo there would run
+    nothing on a lent GPU and say so only in its log. Together they must be every test of the two files but
+    the ahead-of-time compiles (CPU CI's), each once."""
+    import re
+    import shlex
+
+    text = (SCRIPT.parent / "gpu_check.sh").read_text().replace("\\\n", " ")
+    runs = [shlex.split(line) for line in text.splitlines() if "kernel-tests $tests" in line]
+    assert len(runs) == 2, runs
+    selections = []
+    for words in runs:
+        files = [w for w in words if w.startswith("tests/")]
+        selections.append(_collected(files, words[words.index("-k") + 1]))
+    everything = _collected(["tests/test_quant_kernels.py", "tests/test_kernels.py"], "")
+    aot = {t for t in everything if re.search(r"ahead_of_time", t)}
+    assert selections[0] and selections[1] and aot
+    assert not selections[0] & selections[1]
+    assert selections[0] | selections[1] == everything - aot
+    assert all("int4" in t for t in selections[0])
