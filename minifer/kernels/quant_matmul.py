@@ -358,22 +358,23 @@ def _int4_pairs(b, SHIFT: tl.constexpr, PTX: tl.constexpr):
 
 
 @triton.jit
-def _int4_plane(b, C: tl.constexpr, HAS_ZEROS: tl.constexpr, DOT_F32: tl.constexpr):
+def _int4_plane(b, C: tl.constexpr, off, DOT_F32: tl.constexpr):
     """Code plane ``C`` of the words ``b`` ``[R, W]``: codes ``C`` and ``C + 4`` of each word (``_int4_pairs``),
-    ``[R, 2W]``, minus 136 (128 and the symmetric zero point 8) or, with zero points, minus 128."""
+    ``[R, 2W]``, minus ``off``: 136 (128 and the symmetric zero point 8), or ``128 + z`` per row ``[R, 1]``
+    with zero points. Exact in bfloat16 either way: integers below 256."""
     w = _int4_pairs(b, 4 * C, not DOT_F32)
     if DOT_F32:  # the interpreter's bfloat16 arithmetic is not exact: the same numbers in float32
         w = w.to(tl.float32)
-    return w - (128.0 if HAS_ZEROS else 136.0)  # exact in bfloat16
+    return w - off
 
 
 @triton.jit
-def _int4_planes(b, HAS_ZEROS: tl.constexpr, DOT_F32: tl.constexpr):
+def _int4_planes(b, off, DOT_F32: tl.constexpr):
     """The four code planes of the words ``b`` ``[R, W]`` (``_int4_plane``) side by side along K, ``[R, 8W]``:
     column ``c' * 2W + 2j + h`` is code ``c + 4h`` of word ``j`` for plane ``c = (0, 2, 1, 3)[c']`` (the order
     ``tl.join`` nests them in)."""
-    w = tl.join(tl.join(_int4_plane(b, 0, HAS_ZEROS, DOT_F32), _int4_plane(b, 2, HAS_ZEROS, DOT_F32)),
-                tl.join(_int4_plane(b, 1, HAS_ZEROS, DOT_F32), _int4_plane(b, 3, HAS_ZEROS, DOT_F32)))
+    w = tl.join(tl.join(_int4_plane(b, 0, off, DOT_F32), _int4_plane(b, 2, off, DOT_F32)),
+                tl.join(_int4_plane(b, 1, off, DOT_F32), _int4_plane(b, 3, off, DOT_F32)))
     R: tl.constexpr = b.shape[0]
     W: tl.constexpr = b.shape[1]
     return tl.reshape(tl.permute(w, (0, 3, 2, 1)), (R, 8 * W))
@@ -401,11 +402,11 @@ def quant_int4_mma_kernel(x_ptr, q_ptr, s_ptr, z_ptr, bias_ptr, out_ptr, part_pt
     H100/H200 then runs ``wgmma`` with the weights straight from registers). The 32-bit words of codes are
     loaded as they are stored (``[BLOCK_N, BLOCK_K / 8]``) and decoded in the registers that feed the MMA,
     two codes per logic op (``_int4_pairs``) and one subtraction per two codes (``- 136``: 128 and the
-    symmetric zero point 8, exact in bfloat16; asymmetric groups subtract 128 there and ``z * sum(x)``
-    from the product). Nothing is unpacked into K order: a code plane (codes ``c`` and ``c + 4`` of each
-    word) is multiplied by the activations at those positions. A K-step is one quantization group or part
-    of one (``BLOCK_K`` divides ``GROUP``), so its scale multiplies the step's product, as in
-    ``quant_gemm_kernel``.
+    symmetric zero point 8; with zero points ``- (128 + z)``, the row's own, from a register instead of an
+    immediate and so just as cheap; exact in bfloat16 either way). Nothing is unpacked into K order: a code
+    plane (codes ``c`` and ``c + 4`` of each word) is multiplied by the activations at those positions. A
+    K-step is one quantization group or part of one (``BLOCK_K`` divides ``GROUP``), so its scale multiplies
+    the step's product, as in ``quant_gemm_kernel``.
 
     Two ways to feed the planes, the same sums (``ONE_DOT``, chosen per GPU by the launcher):
 
@@ -438,29 +439,25 @@ def quant_int4_mma_kernel(x_ptr, q_ptr, s_ptr, z_ptr, bias_ptr, out_ptr, part_pt
     for t in range(t_start, t_end):
         b = tl.load(w_rows + (t * KW + kw)[None, :], mask=n_mask[:, None], other=0)
         g = (t * BLOCK_K) // GROUP
-        # Symmetric: subtract 128 + 8 from every code. Asymmetric: subtract 128, and the zero point of each
-        # row after the dot, as z * sum(x) (one zero point per row and group; per code it would cost a
-        # register shuffle for every subtraction).
+        # Subtract 128 and the zero point from every code: 128 + 8 (symmetric), or 128 + z, one per row and
+        # group (a [BLOCK_N, 1] column the subtraction broadcasts along the row).
+        if HAS_ZEROS:
+            off = 128.0 + tl.load(z_ptr + rn * n_groups + g, mask=n_mask, other=0).to(tl.float32)[:, None]
+            off = off.to(tl.float32 if DOT_F32 else tl.bfloat16)
+        else:
+            off = 136.0
         if ONE_DOT:
             x = tl.load(x_ptr + rm[:, None] * K + (t * BLOCK_K + tl.arange(0, BLOCK_K))[None, :],
                         mask=m_mask[:, None], other=0.0)
-            part = tl.dot(_int4_planes(b, HAS_ZEROS, DOT_F32).to(xdt),
-                          _x_in_plane_order(x, BLOCK_M, BLOCK_K).to(xdt), input_precision="ieee")
-            xsum = tl.sum(x.to(tl.float32), axis=1)
+            part = tl.dot(_int4_planes(b, off, DOT_F32).to(xdt), _x_in_plane_order(x, BLOCK_M, BLOCK_K).to(xdt),
+                          input_precision="ieee")
         else:
             part = tl.zeros((BLOCK_N, BLOCK_M), tl.float32)
-            xsum = tl.zeros((BLOCK_M,), tl.float32)
             kk = tl.arange(0, 2 * KW)
             for c in tl.static_range(4):
                 k = t * BLOCK_K + 8 * (kk // 2) + c + 4 * (kk % 2)  # the activations of plane c's codes
                 xt = tl.load(x_ptr + rm[None, :] * K + k[:, None], mask=m_mask[None, :], other=0.0)
-                part = tl.dot(_int4_plane(b, c, HAS_ZEROS, DOT_F32).to(xdt), xt.to(xdt), part,
-                              input_precision="ieee")
-                if HAS_ZEROS:
-                    xsum += tl.sum(xt.to(tl.float32), axis=0)
-        if HAS_ZEROS:
-            z = tl.load(z_ptr + rn * n_groups + g, mask=n_mask, other=0).to(tl.float32)
-            part -= z[:, None] * xsum[None, :]
+                part = tl.dot(_int4_plane(b, c, off, DOT_F32).to(xdt), xt.to(xdt), part, input_precision="ieee")
         acc += part * tl.load(s_ptr + rn * n_groups + g, mask=n_mask, other=0.0)[:, None]
     _epilogue(tl.trans(acc), rm, rn, M, N, out_ptr, bias_ptr, part_ptr, lock_ptr, pid, HAS_BIAS)
 
@@ -496,8 +493,8 @@ GPU_INT4_MMA_CONFIGS = [_cfg(w, s, p, BLOCK_M=m, BLOCK_N=n, BLOCK_K=k) for n, m,
                         ((128, 16, 128, 4, 3), (128, 8, 128, 4, 3), (64, 16, 128, 4, 3), (256, 16, 128, 8, 3),
                          (64, 8, 128, 4, 4), (128, 16, 64, 4, 4), (128, 8, 128, 4, 5)) for p in (4, 2, 8, 1)]
 # ... and prefill: 32-128 rows of x per tile. With Triton 3.9 the first spills on neither GPU; on sm_90 only
-# int4-asym's 64x256 tile spills (32 bytes), on sm_80 the 128x128 and 64x256 tiles. Triton 3.6 (ptxas 12.8)
-# spills more on sm_80, int4-asym's first tile among them (24 bytes).
+# int4-asym's 64x256 tile spills (12 bytes), on sm_80 the 128x128 and 64x256 tiles; Triton 3.6 (ptxas 12.8)
+# spills in the same ones and in int4-asym's 128x128x64 on sm_80.
 GPU_INT4_MMA_TILED_CONFIGS = [_cfg(w, s, 1, BLOCK_M=m, BLOCK_N=n, BLOCK_K=k) for m, n, k, w, s in
                               ((64, 128, 128, 8, 3), (32, 128, 128, 4, 3), (128, 128, 128, 8, 3),
                                (64, 256, 128, 8, 3), (128, 128, 64, 8, 4), (64, 128, 64, 4, 4))]
