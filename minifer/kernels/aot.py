@@ -238,9 +238,8 @@ def main() -> None:
                   f"{per_w}{flag}")
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps({"triton": triton.__version__, "ptxas": {f"sm_{cc}": ptxas_version(cc) for cc in args.ccs},
-                                        "kernels": rows},
-                                       indent=2))
+        ptxas = {f"sm_{cc}": ptxas_version(cc) for cc in args.ccs}
+        args.out.write_text(json.dumps({"triton": triton.__version__, "ptxas": ptxas, "kernels": rows}, indent=2))
 
 
 if __name__ == "__main__":
