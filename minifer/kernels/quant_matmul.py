@@ -587,9 +587,10 @@ def _fp8_native(device: torch.device) -> bool:
 @functools.lru_cache(maxsize=None)
 def _one_dot(device: torch.device) -> bool:
     """``quant_int4_mma_kernel``'s form: one dot per K-step where the MMA is ``wgmma`` (sm_90, H100/H200;
-    ``aot.py`` counts 2.5 instructions per weight against 3.3 for one dot per code plane), one per plane
-    elsewhere (sm_80: 4.2 either way at decode, 7.3 against 9.9 for prefill tiles; other GPUs were not
-    counted). The interpreter runs the sm_90 form (the tests run both)."""
+    ``aot.py``'s configurations with Triton 3.9 count 2.36 instructions per weight against 2.81 for one dot
+    per code plane at decode, 3.83 against 4.97 for prefill tiles), one per plane elsewhere (sm_80: 2.74
+    against 2.68 at decode, 5.80 against 6.98 for prefill tiles; other GPUs were not counted). The
+    interpreter runs the sm_90 form (the tests run both)."""
     return device.type != "cuda" or torch.cuda.get_device_capability(device)[0] == 9
 
 
@@ -687,8 +688,14 @@ def auto_path(m: int, qw: QuantizedWeight) -> str:
 _DECODE_CHOICE: dict[tuple, dict] = {}
 
 
+def _m_key(m: int) -> int:
+    """The rows of ``x`` as the autotuner keys them (``M_KEY``): a power of two, at most 256, so that a
+    batch size it has not seen reuses the tuning of its bucket."""
+    return min(triton.next_power_of_2(m), 256)
+
+
 def _decode_key(m: int, qw: QuantizedWeight, x: torch.Tensor) -> tuple:
-    return (x.device, min(triton.next_power_of_2(m), 256), qw.shape, qw.group_size, qw.zeros is not None, x.dtype)
+    return (x.device, _m_key(m), qw.shape, qw.group_size, qw.zeros is not None, x.dtype)
 
 
 def decode_choice(m: int, qw: QuantizedWeight, x: torch.Tensor) -> dict | None:
@@ -789,7 +796,7 @@ def quant_matmul(x: torch.Tensor, qw: QuantizedWeight, bias: torch.Tensor | None
     z = qw.zeros if qw.zeros is not None else qw.scales  # a placeholder pointer, never read without HAS_ZEROS
     p.kernel[lambda meta: (p.tiles(meta), splits(meta))](
         xk, q, qw.scales, z, bias if bias is not None else qw.scales, out, part, locks, m, n, k,
-        p.row, min(triton.next_power_of_2(m), 256), *((MAGIC,) if chosen == "gemv" else ()), FMT=fmt, GROUP=group,
+        p.row, _m_key(m), *((MAGIC,) if chosen == "gemv" else ()), FMT=fmt, GROUP=group,
         HAS_ZEROS=qw.zeros is not None, HAS_BIAS=bias is not None, FP8_NATIVE=_fp8_native(x.device),
         XKIND=_XKIND[x.dtype], **p.extra)
     return out
