@@ -201,6 +201,13 @@ class Workload:
         return [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True) for m in self.max_tokens]
 
 
+def tokenizer_for(model: str):
+    """The tokenizer of a bundled name, local folder or hub id (the prompts are made before any engine)."""
+    from minifer.loader import load_tokenizer, resolve_model
+
+    return load_tokenizer(resolve_model(model))
+
+
 def make_workload(tokenizer, num_requests: int, output: str, seed: int = 0) -> Workload:
     """Held-out story openings (8 words) with output lengths drawn from ``output`` (``exp:MEAN:LO:HI`` ...)."""
     from minifer.bench.speculative import story_openings
@@ -339,10 +346,7 @@ def run(model: str = "tinystories-target", draft: str = DRAFT, *, device: str | 
         max_num_seqs: int = 64, rounds: int = 3, seed: int = 0) -> dict[str, Any]:
     """Build every configuration, measure, analyse. ``memory`` (bytes) defaults to the unquantized target's
     weights plus ``kv_memory``."""
-    from minifer.loader import load_tokenizer, resolve_model
-
-    tok = load_tokenizer(resolve_model(model))
-    workload = make_workload(tok, num_requests, output, seed)
+    workload = make_workload(tokenizer_for(model), num_requests, output, seed)
     engines = Engines(model, draft, memory, workload, device=device, k=k, max_num_seqs=max_num_seqs,
                       kv_memory=kv_memory)
     res = measure(engines, rounds=rounds, seed=seed)
