@@ -1,0 +1,87 @@
+"""The chapter-06 graders (``minifer.grading_stacking``): minifer's own implementations pass, the classic mistakes
+fail with a message that names them. (The generated notebooks are covered by ``tests/test_exercises.py``.)"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from minifer import grading_stacking as gs
+from minifer.bench import stacking as st
+
+
+def _blocks(memory, weights, block):
+    return st.split_budget(memory, weights, block, 16).kv_blocks
+
+
+def test_graders_pass_minifers_own_implementations(capsys):
+    gs.check_kv_blocks(_blocks)
+    gs.check_lever_analysis(st.lever_analysis)
+    out = capsys.readouterr().out
+    assert "kv_blocks: 7/7 checks passed" in out and "lever_analysis: 4/4 checks passed" in out
+    assert "FAIL" not in out
+
+
+@pytest.mark.parametrize("wrong, message", [
+    (lambda m, w, b: m // b, "the weights come first"),  # forgot the weights
+    (lambda m, w, b: max(1, -(-(m - w) // b)), "round down"),  # a partial block counted
+    (lambda m, w, b: max(0, (m - w) // b), "raise ValueError"),  # 0 blocks instead of an error
+    (lambda m, w, b: (m - w) / b, "is an int"),  # a float
+])
+def test_kv_blocks_mistakes_fail(wrong, message):
+    with pytest.raises(AssertionError, match=message):
+        gs.check_kv_blocks(wrong)
+
+
+def test_kv_blocks_stub_says_not_implemented():
+    def stub(memory, weight_bytes, block_bytes):
+        raise NotImplementedError("implement kv_blocks")
+
+    with pytest.raises(AssertionError, match="not implemented yet"):
+        gs.check_kv_blocks(stub)
+
+
+def _variant(gain, *, alone_base="cb", in_stack="last", overlap="product/stacked", check=True, mutate=False):
+    """lever_analysis with switches for the classic mistakes."""
+    if check:
+        missing = [st.label(c) for c in st.configurations() if c not in gain]
+        if missing:
+            raise ValueError(f"missing {missing}")
+    static, cb, full = frozenset(), frozenset({"continuous"}), frozenset(st.LEVERS)
+    alone = {"continuous": gain[cb] / gain[static]}
+    last = {"continuous": alone["continuous"]}
+    for x in st.LEVERS[1:]:
+        alone[x] = gain[cb | {x}] / (gain[cb] if alone_base == "cb" else gain[static])
+        last[x] = {"last": gain[full] / gain[full - {x}], "first": gain[cb | {x}] / gain[cb],
+                   "inverted": gain[full - {x}] / gain[full]}[in_stack]
+    product = math.prod(alone.values())
+    stacked = gain[full] / gain[static]
+    if mutate:
+        gain[static] = 1.0 + gain[static]
+    return {"alone": alone, "in_stack": last, "product": product, "stacked": stacked,
+            "overlap": product / stacked if overlap == "product/stacked" else stacked / product}
+
+
+def test_the_variant_itself_passes():
+    gs.check_lever_analysis(_variant)
+
+
+@pytest.mark.parametrize("switches, message", [
+    ({"alone_base": "static"}, "includes continuous batching's own"),
+    ({"in_stack": "first"}, "added last means on top of all the others"),
+    ({"in_stack": "inverted"}, "upside down: with it over without it"),
+    ({"overlap": "stacked/product"}, "upside down: overlap = product / stacked"),
+    ({"check": False}, "raised KeyError"),
+    ({"mutate": True}, "changed the gain dict"),
+])
+def test_lever_analysis_mistakes_fail_with_their_hint(switches, message):
+    with pytest.raises(AssertionError, match=message):
+        gs.check_lever_analysis(lambda g: _variant(g, **switches))
+
+
+def test_lever_analysis_result_shape_is_checked():
+    with pytest.raises(AssertionError, match="has no 'in_stack'"):
+        gs.check_lever_analysis(lambda g: {k: v for k, v in st.lever_analysis(g).items() if k != "in_stack"})
+    with pytest.raises(AssertionError, match="expected a dict"):
+        gs.check_lever_analysis(lambda g: list(st.lever_analysis(g).values()))
