@@ -84,7 +84,8 @@ def lever_analysis(gain: dict[frozenset[str], float]) -> dict[str, Any]:
       batching (its only host);
     - ``product``: what multiplying the ``alone`` gains predicts for all four stacked;
     - ``stacked``: what all four measured;
-    - ``overlap``: ``product / stacked``, how far the naive estimate overshoots (1.0 if the gains were independent);
+    - ``overlap``: ``product / stacked``, how far the naive estimate overshoots (1.0 if the gains were independent,
+      below 1 if the levers help each other);
     - ``in_stack``: each lever's gain as the last one added, on top of all the others (its marginal gain where it
       will actually run);
     - ``contexts``: each lever's gain on top of every subset of the other two non-batching levers;
@@ -231,8 +232,10 @@ class Engines:
         from minifer import LLM
 
         spec = {"method": "draft_model", "model": draft, "num_speculative_tokens": k, "adaptive": False}
-        common = dict(device=device, block_size=block_size, enable_prefix_caching=False, num_kv_blocks=1)
-        # the holders: loaded once each, with a one-block cache; every engine below shares their weights
+        # the holders: loaded once each, with a one-block cache and no CUDA graphs (they never serve); every engine
+        # below shares their weights
+        common = dict(device=device, block_size=block_size, enable_prefix_caching=False, num_kv_blocks=1,
+                      enforce_eager=True)
         self.holders = {None: LLM(model, speculative_config=spec, **common),
                         "int8": LLM(model, speculative_config=spec, quantization="int8", **common)}
         full = self.holders[None]
@@ -410,7 +413,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--output", default="exp:64:8:192", help="output lengths (default %(default)s)")
     p.add_argument("--memory-mib", type=float, default=None,
                    help="memory for weights + KV cache (default: the unquantized weights + --kv-mib)")
-    p.add_argument("--kv-mib", type=float, default=8.0)
+    p.add_argument("--kv-mib", type=float, default=8.0,
+                   help="the cache's share when --memory-mib is not given (default %(default)s, for the bundled "
+                        "pair; a real model needs GiBs, e.g. 2048)")
     p.add_argument("--k", type=int, default=4, help="draft tokens per step (fixed)")
     p.add_argument("--max-num-seqs", type=int, default=64)
     p.add_argument("--rounds", type=int, default=3)
