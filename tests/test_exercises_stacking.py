@@ -19,7 +19,7 @@ def test_graders_pass_minifers_own_implementations(capsys):
     gs.check_kv_blocks(_blocks)
     gs.check_lever_analysis(st.lever_analysis)
     out = capsys.readouterr().out
-    assert "kv_blocks: 7/7 checks passed" in out and "lever_analysis: 4/4 checks passed" in out
+    assert "kv_blocks: 7/7 checks passed" in out and "lever_analysis: 5/5 checks passed" in out
     assert "FAIL" not in out
 
 
@@ -42,21 +42,23 @@ def test_kv_blocks_stub_says_not_implemented():
         gs.check_kv_blocks(stub)
 
 
-def _variant(gain, *, alone_base="cb", in_stack="last", overlap="product/stacked", check=True, mutate=False):
+def _variant(gain, *, alone_base="cb", in_stack="last", overlap="product/stacked", check=True, mutate=False,
+             static_is_one=False):
     """lever_analysis with switches for the classic mistakes."""
     if check:
         missing = [st.label(c) for c in st.configurations() if c not in gain]
         if missing:
             raise ValueError(f"missing {missing}")
     static, cb, full = frozenset(), frozenset({"continuous"}), frozenset(st.LEVERS)
-    alone = {"continuous": gain[cb] / gain[static]}
+    base = 1.0 if static_is_one else gain[static]
+    alone = {"continuous": gain[cb] / base}
     last = {"continuous": alone["continuous"]}
     for x in st.LEVERS[1:]:
-        alone[x] = gain[cb | {x}] / (gain[cb] if alone_base == "cb" else gain[static])
+        alone[x] = gain[cb | {x}] / (gain[cb] if alone_base == "cb" else base)
         last[x] = {"last": gain[full] / gain[full - {x}], "first": gain[cb | {x}] / gain[cb],
                    "inverted": gain[full - {x}] / gain[full]}[in_stack]
     product = math.prod(alone.values())
-    stacked = gain[full] / gain[static]
+    stacked = gain[full] / base
     if mutate:
         gain[static] = 1.0 + gain[static]
     return {"alone": alone, "in_stack": last, "product": product, "stacked": stacked,
@@ -74,6 +76,7 @@ def test_the_variant_itself_passes():
     ({"overlap": "stacked/product"}, "upside down: overlap = product / stacked"),
     ({"check": False}, "raised KeyError"),
     ({"mutate": True}, "changed the gain dict"),
+    ({"static_is_one": True}, "also passes raw throughputs"),
 ])
 def test_lever_analysis_mistakes_fail_with_their_hint(switches, message):
     with pytest.raises(AssertionError, match=message):

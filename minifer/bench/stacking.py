@@ -15,7 +15,7 @@ The levers, in the order the course applies them:
 weights leave (``gpu_memory_utilization``). The benchmark does the same on any device: every configuration gets
 ``memory`` bytes, its weights (the target's, plus the draft's when it speculates) are taken off, and the rest becomes
 KV blocks (``kv_blocks``). So quantization is a *concurrency* lever too: int8 weights leave more memory to the cache
-and an int8 cache holds twice the tokens in it, while a draft model costs some (its weights and its own cache). More
+and an int8 cache holds twice the tokens of a bfloat16 one in the same bytes (3.8 times a float32 one's), while a draft model costs some (its weights and its own cache). More
 blocks mean more requests decoding at once, which is where batching's throughput comes from (chapter 03), and
 exactly where speculation's gain shrinks (chapter 04). That is why the gains overlap.
 
@@ -27,8 +27,8 @@ batching gets as many rows as its contiguous cache can hold at the workload's lo
 
 **How it is timed.** Every configuration serves the same seeded offline workload (all requests at t = 0, story
 openings as prompts, output lengths drawn from ``output``, EOS ignored, greedy), as whole runs in a fresh random order
-in every round. A gain is baseline time / configuration time *within* a round, and the reported gain is the median
-over rounds: on a shared machine speed drifts, and two runs seconds apart see nearly the same drift. The tokens are
+in every round. A gain is baseline time / configuration time *within* a round; ``lever_analysis`` reads each round's
+gains, and the reported readings are medians over rounds: on a shared machine speed drifts, and two runs seconds apart see nearly the same drift. The tokens are
 compared with the plain continuous engine's: speculation alone must give the very same tokens (it is lossless),
 int8 changes some, and the result says how many.
 """
@@ -167,11 +167,14 @@ class Budget:
 
 
 def split_budget(memory: int, weight_bytes: int, block_bytes: int, block_size: int, *,
-                 static_tokens_per_row: int | None = None) -> Budget:
+                 static_tokens_per_row: int | None = None, reserved_blocks: int = 0) -> Budget:
     """``memory`` minus the weights, in KV blocks; for static batching, the rows of ``static_tokens_per_row``
-    tokens that fit (a contiguous cache reserves a row's longest possible length up front)."""
+    tokens that fit (a contiguous cache reserves a row's longest possible length up front).
+
+    ``reserved_blocks``: blocks the cache allocates but never hands out (``PagedKVCache.RESERVED_BLOCKS``, its
+    scratch and null blocks): they come out of the budget, and ``kv_blocks`` counts the usable ones."""
     kv = memory - weight_bytes
-    blocks = kv // block_bytes if kv > 0 else 0
+    blocks = (kv // block_bytes if kv > 0 else 0) - reserved_blocks
     if blocks < 1:
         raise ValueError(f"a memory budget of {memory:,} bytes leaves {kv:,} bytes for the KV cache after "
                          f"{weight_bytes:,} bytes of weights: not one block of {block_bytes:,} bytes. Raise memory.")
@@ -181,7 +184,7 @@ def split_budget(memory: int, weight_bytes: int, block_bytes: int, block_size: i
         if rows < 1:
             raise ValueError(f"a static batch row needs {static_tokens_per_row} tokens of cache but the budget "
                              f"holds {blocks * block_size}: raise memory")
-    return Budget(memory, weight_bytes, blocks * block_bytes, blocks, block_bytes, rows)
+    return Budget(memory, weight_bytes, (blocks + reserved_blocks) * block_bytes, blocks, block_bytes, rows)
 
 
 # --- the runs ------------------------------------------------------------------------------------------
@@ -196,7 +199,14 @@ class Workload:
 
     @property
     def longest(self) -> int:
+        """The longest request: prompt plus output."""
         return max(len(p) + m for p, m in zip(self.prompts, self.max_tokens))
+
+    @property
+    def static_row_tokens(self) -> int:
+        """What one row of a static batch must reserve: a batch is padded to its longest prompt and decodes to its
+        longest output (``run_static_batch``), so a server sizing its batches up front reserves both maxima."""
+        return max(map(len, self.prompts)) + max(self.max_tokens)
 
     def params(self) -> list[SamplingParams]:
         return [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True) for m in self.max_tokens]
@@ -230,6 +240,7 @@ class Engines:
     def __init__(self, model: str, draft: str, memory: int | None, workload: Workload, *, device: str | None = None,
                  k: int = 4, max_num_seqs: int = 64, kv_memory: int = 8 * 2**20, block_size: int = 16) -> None:
         from minifer import LLM
+        from minifer.layers.paged_attention import PagedKVCache
 
         spec = {"method": "draft_model", "model": draft, "num_speculative_tokens": k, "adaptive": False}
         # the holders: loaded once each, with a one-block cache and no CUDA graphs (they never serve); every engine
@@ -253,13 +264,14 @@ class Engines:
             weights = model_bytes(holder.model) + (model_bytes(draft_model) if spec_on else 0)
             per_block = kv_bytes_per_block(holder.model, draft_model if spec_on else None, block_size, kv)
             if levers:
-                b = split_budget(self.memory, weights, per_block, block_size)
+                b = split_budget(self.memory, weights, per_block, block_size,
+                                 reserved_blocks=PagedKVCache.RESERVED_BLOCKS)
                 self.llms[label(levers)] = LLM(model, device=device, block_size=block_size, enable_prefix_caching=False,
                                                num_kv_blocks=b.kv_blocks, max_num_seqs=max_num_seqs,
                                                kv_cache_dtype=kv, quantization=quant, share_weights_with=holder,
                                                speculative_config=spec if spec_on else None)
             else:
-                b = split_budget(self.memory, weights, per_block, block_size, static_tokens_per_row=workload.longest)
+                b = split_budget(self.memory, weights, per_block, block_size, static_tokens_per_row=workload.static_row_tokens)
                 self.llms["static"] = LLM(model, device=device, batching="static", max_num_seqs=b.static_rows,
                                           share_weights_with=holder)
             self.budgets[label(levers)] = b
@@ -353,18 +365,34 @@ def run(model: str = "tinystories-target", draft: str = DRAFT, *, device: str | 
     engines = Engines(model, draft, memory, workload, device=device, k=k, max_num_seqs=max_num_seqs,
                       kv_memory=kv_memory)
     res = measure(engines, rounds=rounds, seed=seed)
-    gains = {frozenset(c): res["rows"][label(c)]["gain"] for c in configurations()}
     return {"kind": "stacking", "model": model, "draft": draft, "memory": engines.memory, "k": k,
             "max_num_seqs": max_num_seqs, "num_requests": num_requests, "output": output, "seed": seed,
-            **res, "analysis": _jsonable(lever_analysis(gains))}
+            **res, "analysis": analyse_rounds(res["rows"])}
 
 
-def _jsonable(x: Any) -> Any:
-    if isinstance(x, dict):
-        return {k: _jsonable(v) for k, v in x.items()}
-    if isinstance(x, list):
-        return [_jsonable(v) for v in x]
-    return x
+def analyse_rounds(rows: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """``lever_analysis`` of each round's gains (a ratio of two configurations then compares runs seconds apart),
+    and the median of every reading over the rounds. Plus the A/A control's per-round ratio to ``CB``: a reading
+    inside its range (``aa_band``) is not distinguishable from no change on this machine."""
+    n = len(rows["static"]["round_gains"])
+    per_round = [lever_analysis({c: rows[label(c)]["round_gains"][r] for c in configurations()}) for r in range(n)]
+    out = _median_tree(per_round)
+    if "CB (A/A)" in rows:
+        aa = [a / b for a, b in zip(rows["CB (A/A)"]["round_gains"], rows["CB"]["round_gains"])]
+        out["aa_round_ratios"], out["aa_band"] = aa, [min(aa), max(aa)]
+    return out
+
+
+def _median_tree(items: list[Any]) -> Any:
+    """The element-wise median of equally shaped dicts / lists / numbers (strings: the first one's)."""
+    first = items[0]
+    if isinstance(first, dict):
+        return {k: _median_tree([x[k] for x in items]) for k in first}
+    if isinstance(first, list):
+        return [_median_tree([x[i] for x in items]) for i in range(len(first))]
+    if isinstance(first, (int, float)) and not isinstance(first, bool):
+        return statistics.median(items)
+    return first
 
 
 def plot(result: dict[str, Any], fig=None):
@@ -378,7 +406,9 @@ def plot(result: dict[str, Any], fig=None):
     xs = list(LEVERS)
     pos = range(len(xs))
     ax1.bar([p - 0.2 for p in pos], [a["alone"][x] for x in xs], width=0.4, label="alone")
-    ax1.bar([p + 0.2 for p in pos], [a["in_stack"][x] for x in xs], width=0.4, label="added last, on all others")
+    # continuous batching cannot be added last (the others need it): its bar would repeat the alone gain
+    ax1.bar([p + 0.2 for p in pos[1:]], [a["in_stack"][x] for x in xs[1:]], width=0.4,
+            label="added last, on all others")
     ax1.axhline(1.0, color="k", lw=0.8)
     ax1.set_xticks(list(pos), [SHORT[x] for x in xs])
     ax1.set_ylabel("throughput gain (x)")
@@ -392,7 +422,7 @@ def plot(result: dict[str, Any], fig=None):
         ax2.annotate(name, (r["mean_running"], r["tokens_per_s"]), fontsize=7, textcoords="offset points",
                      xytext=(4, 6 - 9 * (i % 3)))  # staggered: the quantized configurations crowd together
     ax2.set_xscale("log", base=2)
-    ax2.set_xlabel("requests decoding at once (mean over steps)")
+    ax2.set_xlabel("requests decoding at once (mean over steps; static: rows held)")
     ax2.set_ylabel("output tokens / s")
     ax2.set_title("what the memory budget lets run")
     fig.tight_layout()
@@ -439,7 +469,8 @@ def main(argv: list[str] | None = None) -> None:
               f"{r['budget']['kv_blocks']:4d} blocks  identical {r['identical']:.2f}")
     a = res["analysis"]
     print("alone: " + ", ".join(f"{SHORT[x]} {g:.2f}x" for x, g in a["alone"].items()))
-    print(f"product {a['product']:.2f}x, stacked {a['stacked']:.2f}x, overlap {a['overlap']:.2f}")
+    print(f"product {a['product']:.2f}x, stacked {a['stacked']:.2f}x, overlap {a['overlap']:.2f} "
+          f"(medians over rounds; A/A band {a['aa_band'][0]:.3f}-{a['aa_band'][1]:.3f})")
     out = Path(args.out) if args.out else None
     if out is not None:
         out.parent.mkdir(parents=True, exist_ok=True)

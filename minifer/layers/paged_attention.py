@@ -155,6 +155,8 @@ def paged_attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: t
 class PagedKVCache:
     """The preallocated block pool and an ``AttentionBackend`` over it for one step at a time."""
 
+    RESERVED_BLOCKS = 2  # allocated beyond ``num_blocks`` and never handed out: the scratch and null blocks
+
     def __init__(self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
                  dtype: torch.dtype, device: torch.device | str, kv_cache_dtype: str = "auto",
                  kv_cache_scales: str = "token") -> None:
@@ -166,7 +168,7 @@ class PagedKVCache:
         self.kv_cache_dtype = kv_cache_dtype
         self.kv_cache_scales = kv_cache_scales if kv_cache_dtype != "auto" else "token"
         self.calibrating = False  # static scales: True during the start-up calibration pass
-        shape = (num_layers, num_blocks + 2, block_size, num_kv_heads, head_dim)
+        shape = (num_layers, num_blocks + self.RESERVED_BLOCKS, block_size, num_kv_heads, head_dim)
         store = dtype if kv_cache_dtype == "auto" else code_dtype(kv_cache_dtype)
         self.k = torch.empty(shape, dtype=store, device=device)
         self.v = torch.empty(shape, dtype=store, device=device)
