@@ -415,12 +415,12 @@ def plot(result: dict[str, Any], fig=None):
     ax1.set_title(f"product of alone {a['product']:.1f}x vs stacked {a['stacked']:.1f}x")
     ax1.legend(fontsize=8)
     rows = result["rows"]
+    markers = "osD^v<>ph"
     for i, (name, r) in enumerate(rows.items()):
         if name.endswith("(A/A)"):  # the control sits on CB by construction
             continue
-        ax2.scatter(r["mean_running"], r["tokens_per_s"], s=25)
-        ax2.annotate(name, (r["mean_running"], r["tokens_per_s"]), fontsize=7, textcoords="offset points",
-                     xytext=(4, 6 - 9 * (i % 3)))  # staggered: the quantized configurations crowd together
+        ax2.scatter(r["mean_running"], r["tokens_per_s"], s=30, marker=markers[i % len(markers)], label=name)
+    ax2.legend(fontsize=7, ncol=2, loc="lower right")  # a legend, not labels: the quantized ones crowd together
     ax2.set_xscale("log", base=2)
     ax2.set_xlabel("requests decoding at once (mean over steps; static: rows held)")
     ax2.set_ylabel("output tokens / s")
