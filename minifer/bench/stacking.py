@@ -15,9 +15,10 @@ The levers, in the order the course applies them:
 weights leave (``gpu_memory_utilization``). The benchmark does the same on any device: every configuration gets
 ``memory`` bytes, its weights (the target's, plus the draft's when it speculates) are taken off, and the rest becomes
 KV blocks (``kv_blocks``). So quantization is a *concurrency* lever too: int8 weights leave more memory to the cache
-and an int8 cache holds twice the tokens of a bfloat16 one in the same bytes (3.8 times a float32 one's), while a draft model costs some (its weights and its own cache). More
-blocks mean more requests decoding at once, which is where batching's throughput comes from (chapter 03), and
-exactly where speculation's gain shrinks (chapter 04). That is why the gains overlap.
+and an int8 cache holds twice the tokens of a bfloat16 one in the same bytes (3.8 times a float32 one's), while a
+draft model costs some (its weights and its own cache). More blocks mean more requests decoding at once, which is
+where batching's throughput comes from (chapter 03), and exactly where speculation's gain shrinks (chapter 04). That
+is why the gains overlap.
 
 **What runs.** Static batching with nothing else (the starting point), then the continuous engine with every subset
 of the other three levers (a full 2x2x2 factorial, so each lever's gain can be read in every context), plus a second
@@ -28,9 +29,9 @@ batching gets as many rows as its contiguous cache can hold at the workload's lo
 **How it is timed.** Every configuration serves the same seeded offline workload (all requests at t = 0, story
 openings as prompts, output lengths drawn from ``output``, EOS ignored, greedy), as whole runs in a fresh random order
 in every round. A gain is baseline time / configuration time *within* a round; ``lever_analysis`` reads each round's
-gains, and the reported readings are medians over rounds: on a shared machine speed drifts, and two runs seconds apart see nearly the same drift. The tokens are
-compared with the plain continuous engine's: speculation alone must give the very same tokens (it is lossless),
-int8 changes some, and the result says how many.
+gains, and the reported readings are medians over rounds: on a shared machine speed drifts, and two runs seconds
+apart see nearly the same drift. The tokens are compared with the plain continuous engine's: speculation alone must
+give the very same tokens (it is lossless), int8 changes some, and the result says how many.
 """
 
 from __future__ import annotations
@@ -271,7 +272,8 @@ class Engines:
                                                kv_cache_dtype=kv, quantization=quant, share_weights_with=holder,
                                                speculative_config=spec if spec_on else None)
             else:
-                b = split_budget(self.memory, weights, per_block, block_size, static_tokens_per_row=workload.static_row_tokens)
+                b = split_budget(self.memory, weights, per_block, block_size,
+                                 static_tokens_per_row=workload.static_row_tokens)
                 self.llms["static"] = LLM(model, device=device, batching="static", max_num_seqs=b.static_rows,
                                           share_weights_with=holder)
             self.budgets[label(levers)] = b
