@@ -66,10 +66,10 @@ def test_split_budget():
     assert (b.kv_blocks, b.kv_bytes, b.static_rows) == (10, 640, None)
     b = st.split_budget(1000, 300, 64, 16, static_tokens_per_row=50)
     assert b.static_rows == 3  # 160 tokens of cache, 50 reserved per row
-    b = st.split_budget(1000, 300, 64, 16, reserved_blocks=2)  # allocated but never handed out
+    b = st.split_budget(1000, 300, 64, 16, paged=True)  # the engine's scratch and null blocks come out of it too
     assert (b.kv_blocks, b.kv_bytes) == (8, 640)
     with pytest.raises(ValueError, match="not one block"):
-        st.split_budget(1000, 300, 64, 16, reserved_blocks=10)
+        st.split_budget(300 + 2 * 64 + 63, 300, 64, 16, paged=True)
     with pytest.raises(ValueError, match="leaves -200 bytes for the KV cache after 1,200 bytes of weights"):
         st.split_budget(1000, 1200, 64, 16)
     with pytest.raises(ValueError, match="needs 200 tokens of cache but the budget holds 160"):

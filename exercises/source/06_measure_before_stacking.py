@@ -180,7 +180,8 @@ print(", ".join(f"{key} {median([a[key] for a in rounds]):.2f}" for key in ("pro
 #
 # ## Where these live in the engine
 #
-# * `kv_blocks` is `minifer.bench.stacking.split_budget` (which also counts static batching's rows), and on a GPU
-#   `CacheConfig.num_blocks` in `minifer/engine/llm_engine.py` does the same from `gpu_memory_utilization`;
+# * `kv_blocks` is `minifer.bench.stacking.split_budget` (which also counts static batching's rows); the engine's
+#   `CacheConfig.num_blocks` (`minifer/engine/llm_engine.py`) does the same from `kv_cache_memory` on a CPU or
+#   `gpu_memory_utilization` on a GPU, less the two blocks its cache holds back (`usable_blocks`);
 # * `lever_analysis` is `minifer.bench.stacking.lever_analysis`, which also reads each lever's gain in every
 #   context of the others (`contexts`) and the cumulative path in the course's order (`path`).

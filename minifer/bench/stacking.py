@@ -136,22 +136,6 @@ def model_bytes(model: torch.nn.Module) -> int:
     return total
 
 
-def kv_bytes_per_block(model: torch.nn.Module, draft: torch.nn.Module | None, block_size: int,
-                       kv_cache_dtype: str) -> int:
-    """What one KV block costs: the target's layers (in ``kv_cache_dtype``) plus, when speculating, the draft's
-    (always in its own dtype), as ``LLMEngine`` allocates them."""
-    from minifer.layers.paged_attention import PagedKVCache
-
-    cfg = model.config
-    per = PagedKVCache.bytes_per_block(cfg.num_hidden_layers, block_size, cfg.num_key_value_heads, cfg.head_dim,
-                                       model.lm_head.weight.dtype, kv_cache_dtype)
-    if draft is not None:
-        d = draft.config
-        per += PagedKVCache.bytes_per_block(d.num_hidden_layers, block_size, d.num_key_value_heads, d.head_dim,
-                                            draft.lm_head.weight.dtype)
-    return per
-
-
 @dataclass
 class Budget:
     """How one configuration spends the memory budget."""
@@ -168,14 +152,17 @@ class Budget:
 
 
 def split_budget(memory: int, weight_bytes: int, block_bytes: int, block_size: int, *,
-                 static_tokens_per_row: int | None = None, reserved_blocks: int = 0) -> Budget:
+                 static_tokens_per_row: int | None = None, paged: bool = False) -> Budget:
     """``memory`` minus the weights, in KV blocks; for static batching, the rows of ``static_tokens_per_row``
     tokens that fit (a contiguous cache reserves a row's longest possible length up front).
 
-    ``reserved_blocks``: blocks the cache allocates but never hands out (``PagedKVCache.RESERVED_BLOCKS``, its
-    scratch and null blocks): they come out of the budget, and ``kv_blocks`` counts the usable ones."""
+    ``paged``: count the blocks as the engine does (``llm_engine.usable_blocks``): its cache allocates two more,
+    a scratch and a null block, from the same memory, and ``kv_blocks`` is the ones a request can get."""
+    from minifer.engine.llm_engine import usable_blocks
+
     kv = memory - weight_bytes
-    blocks = (kv // block_bytes if kv > 0 else 0) - reserved_blocks
+    whole = kv // block_bytes if kv > 0 else 0
+    blocks = usable_blocks(max(kv, 0), block_bytes) if paged else whole
     if blocks < 1:
         raise ValueError(f"a memory budget of {memory:,} bytes leaves {kv:,} bytes for the KV cache after "
                          f"{weight_bytes:,} bytes of weights: not one block of {block_bytes:,} bytes. Raise memory.")
@@ -185,7 +172,7 @@ def split_budget(memory: int, weight_bytes: int, block_bytes: int, block_size: i
         if rows < 1:
             raise ValueError(f"a static batch row needs {static_tokens_per_row} tokens of cache but the budget "
                              f"holds {blocks * block_size}: raise memory")
-    return Budget(memory, weight_bytes, (blocks + reserved_blocks) * block_bytes, blocks, block_bytes, rows)
+    return Budget(memory, weight_bytes, (whole if paged else blocks) * block_bytes, blocks, block_bytes, rows)
 
 
 # --- the runs ------------------------------------------------------------------------------------------
@@ -241,7 +228,7 @@ class Engines:
     def __init__(self, model: str, draft: str, memory: int | None, workload: Workload, *, device: str | None = None,
                  k: int = 4, max_num_seqs: int = 64, kv_memory: int = 8 * 2**20, block_size: int = 16) -> None:
         from minifer import LLM
-        from minifer.layers.paged_attention import PagedKVCache
+        from minifer.engine.llm_engine import CacheConfig, kv_block_bytes
 
         spec = {"method": "draft_model", "model": draft, "num_speculative_tokens": k, "adaptive": False}
         # the holders: loaded once each, with a one-block cache and no CUDA graphs (they never serve); every engine
@@ -263,10 +250,10 @@ class Engines:
             spec_on = "speculative" in levers
             kv = "int8" if "int8_kv" in levers else "auto"
             weights = model_bytes(holder.model) + (model_bytes(draft_model) if spec_on else 0)
-            per_block = kv_bytes_per_block(holder.model, draft_model if spec_on else None, block_size, kv)
+            per_block = kv_block_bytes(holder.model, CacheConfig(block_size=block_size, kv_cache_dtype=kv),
+                                       draft_model if spec_on else None)
             if levers:
-                b = split_budget(self.memory, weights, per_block, block_size,
-                                 reserved_blocks=PagedKVCache.RESERVED_BLOCKS)
+                b = split_budget(self.memory, weights, per_block, block_size, paged=True)
                 self.llms[label(levers)] = LLM(model, device=device, block_size=block_size, enable_prefix_caching=False,
                                                num_kv_blocks=b.kv_blocks, max_num_seqs=max_num_seqs,
                                                kv_cache_dtype=kv, quantization=quant, share_weights_with=holder,

@@ -55,10 +55,33 @@ class CacheConfig:
             budget = int(free * self.gpu_memory_utilization) - 2 * 2**30  # headroom for activations
         else:
             budget = self.kv_cache_memory
-        n = budget // bytes_per_block
+        n = usable_blocks(budget, bytes_per_block)
         if n < 1:
-            raise ValueError(f"KV cache budget of {budget} bytes holds no block of {bytes_per_block} bytes")
+            raise ValueError(f"KV cache budget of {budget} bytes holds no block of {bytes_per_block} bytes beyond the "
+                             f"{PagedKVCache.RESERVED_BLOCKS} the cache reserves")
         return n
+
+
+def usable_blocks(budget: int, bytes_per_block: int) -> int:
+    """Blocks a request can get from ``budget`` bytes: the cache also allocates its scratch and null blocks
+    (``PagedKVCache.RESERVED_BLOCKS``) from the same memory. At least 0."""
+    return max(0, budget // bytes_per_block - PagedKVCache.RESERVED_BLOCKS)
+
+
+def kv_block_bytes(model: LlamaForCausalLM, cache_config: CacheConfig,
+                   draft_model: LlamaForCausalLM | None = None) -> int:
+    """Bytes of one KV block as ``LLMEngine`` allocates it: the target's layers in the cache's format, plus, when
+    a draft model speculates, the draft's block in its own dtype (its cache gets as many blocks, from the same
+    budget)."""
+    cfg = model.config
+    per_block = PagedKVCache.bytes_per_block(cfg.num_hidden_layers, cache_config.block_size, cfg.num_key_value_heads,
+                                             cfg.head_dim, model.lm_head.weight.dtype, cache_config.kv_cache_dtype,
+                                             cache_config.kv_cache_scales)
+    if draft_model is not None:
+        d = draft_model.config
+        per_block += PagedKVCache.bytes_per_block(d.num_hidden_layers, cache_config.block_size, d.num_key_value_heads,
+                                                  d.head_dim, draft_model.lm_head.weight.dtype)
+    return per_block
 
 
 class LLMEngine:
@@ -68,15 +91,7 @@ class LLMEngine:
                  max_model_len: int | None = None) -> None:
         cfg, device = model.config, model.lm_head.weight.device
         dtype = model.lm_head.weight.dtype
-        per_block = PagedKVCache.bytes_per_block(cfg.num_hidden_layers, cache_config.block_size,
-                                                 cfg.num_key_value_heads, cfg.head_dim, dtype,
-                                                 cache_config.kv_cache_dtype, cache_config.kv_cache_scales)
-        if draft_model is not None:  # the draft's cache gets as many blocks, from the same budget
-            dcfg = draft_model.config
-            per_block += PagedKVCache.bytes_per_block(dcfg.num_hidden_layers, cache_config.block_size,
-                                                      dcfg.num_key_value_heads, dcfg.head_dim,
-                                                      draft_model.lm_head.weight.dtype)
-        num_blocks = cache_config.num_blocks(per_block, device)
+        num_blocks = cache_config.num_blocks(kv_block_bytes(model, cache_config, draft_model), device)
         self.tokenizer = tokenizer
         self._make_sequence = make_sequence
         self.block_manager = BlockManager(num_blocks, cache_config.block_size, cache_config.enable_prefix_caching)
@@ -244,4 +259,4 @@ class LLMEngine:
         }
 
 
-__all__ = ["LLMEngine", "CacheConfig", "SchedulerConfig", "SequenceStatus"]
+__all__ = ["LLMEngine", "CacheConfig", "SchedulerConfig", "SequenceStatus", "kv_block_bytes", "usable_blocks"]
