@@ -38,13 +38,11 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import json
 import math
 import random
 import statistics
 import time
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -273,17 +271,19 @@ class Engines:
 def run_once(llm, workload: Workload) -> dict[str, Any]:
     """Serve the whole workload (all requests at once). The continuous engine is stepped here so that its
     concurrency (requests decoding per step) and preemptions can be recorded; static batching runs its batches."""
+    from minifer.bench.serving import static_steps
+
     params = workload.params()
     t0 = time.perf_counter()
     if llm.engine is None:
         outs = llm.generate([{"prompt_token_ids": p} for p in workload.prompts], params, use_tqdm=False)
         seconds = time.perf_counter() - t0
         # rows computing per step, finished ones included: a batch holds all its rows until its longest ends
-        rows = llm.max_num_seqs
-        batches = [workload.max_tokens[i:i + rows] for i in range(0, len(workload.max_tokens), rows)]
-        steps = sum(max(b) for b in batches)
+        rows, lens = llm.max_num_seqs, workload.max_tokens
+        steps = static_steps(lens, rows)
+        row_steps = sum(len(lens[i:i + rows]) * max(lens[i:i + rows]) for i in range(0, len(lens), rows))
         return {"seconds": seconds, "tokens": [list(o.outputs[0].token_ids) for o in outs],
-                "mean_running": sum(len(b) * max(b) for b in batches) / steps, "steps": steps, "preemptions": 0}
+                "mean_running": row_steps / steps, "steps": steps, "preemptions": 0}
     engine = llm.engine
     preempt0 = engine.scheduler.num_preemptions
     seqs = [llm.make_sequence(i, {"prompt_token_ids": p}, sp)
@@ -422,7 +422,7 @@ def main(argv: list[str] | None = None) -> None:
     import sys
 
     from minifer.bench.roofline import default_threads
-    from minifer.bench.serving import metadata
+    from minifer.bench.serving import metadata, save_result
 
     p = argparse.ArgumentParser(prog="python -m minifer.bench.stacking", description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="tinystories-target")
@@ -460,10 +460,8 @@ def main(argv: list[str] | None = None) -> None:
     print("alone: " + ", ".join(f"{SHORT[x]} {g:.2f}x" for x, g in a["alone"].items()))
     print(f"product {a['product']:.2f}x, stacked {a['stacked']:.2f}x, overlap {a['overlap']:.2f} "
           f"(medians over rounds; A/A band {a['aa_band'][0]:.3f}-{a['aa_band'][1]:.3f})")
-    out = Path(args.out) if args.out else None
-    if out is not None:
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(json.dumps(res, indent=1))
+    if args.out:
+        out = save_result(res, args.out)
         print(f"wrote {out}")
         if args.plot:
             plot(res).savefig(out.with_suffix(".png"), dpi=110)
