@@ -566,7 +566,8 @@ def plot_block_pool(block_manager: Any, lengths: Mapping[str, int], ncols: int =
             ax.add_patch(Rectangle((c, y), 0.94 * fill[bid] / bs, 0.9, facecolor=colour, alpha=0.75,
                                    hatch="//" if len(who) > 1 else None, edgecolor="0.2" if len(who) > 1 else colour,
                                    lw=0.5))
-            ax.text(c + 0.47, y + 0.45, "+".join(who), ha="center", va="center", fontsize=8, weight="bold")
+            label = "+".join(who) if len("+".join(who)) <= 7 else f"{len(who)} seqs"  # too long for the cell
+            ax.text(c + 0.47, y + 0.45, label, ha="center", va="center", fontsize=8, weight="bold")
         ax.text(c + 0.05, y + 0.78, str(bid), fontsize=6, color="0.35")
     ax.set_xlim(-0.1, ncols)
     ax.set_ylim(-0.1, nrows)
@@ -622,6 +623,44 @@ def plot_same_memory(records: Sequence[Any], contiguous_seqs: int, max_model_len
            title=f"the same memory ({contiguous_seqs * max_model_len:,} token slots)")
     ax.set_ylim(bottom=0)
     ax.legend(fontsize=7.5, loc="upper right")
+    fig.tight_layout()
+    return fig
+
+
+# The vLLM paper's memory saving from parallel sampling (Kwon et al. 2023, §6.3, Fig. 15: OPT-13B, 2-6 samples).
+PAPER_PARALLEL_SAVING = {"Alpaca": (0.061, 0.098), "ShareGPT": (0.162, 0.305)}
+
+
+def plot_parallel_sampling(rows: Sequence[Mapping[str, Any]]) -> "Figure":
+    """From ``kv_memory.measure_parallel_sampling``: the share of KV blocks saved by sharing the prompt against n
+    (measured, and the end-state arithmetic dashed), beside the paper's ranges; and the peak blocks held with and
+    without sharing."""
+    import matplotlib.pyplot as plt
+
+    shapes = list(dict.fromkeys((r["prompt_len"], r["output_len"]) for r in rows))
+    colours = plt.get_cmap("tab10").colors
+    fig, (a, b) = plt.subplots(1, 2, figsize=(10, 3.6))
+    for (lo, hi), shade, (name, _) in zip(PAPER_PARALLEL_SAVING.values(), ("0.85", "0.93"),
+                                          PAPER_PARALLEL_SAVING.items()):
+        a.axhspan(100 * lo, 100 * hi, color=shade, zorder=0)
+        a.text(1.05, 100 * hi, f"vLLM paper, {name}", fontsize=7, va="bottom", color="0.3")
+    for k, (p, o) in enumerate(shapes):
+        sel = [r for r in rows if (r["prompt_len"], r["output_len"]) == (p, o)]
+        ns = [r["n"] for r in sel]
+        c = colours[k]
+        a.plot(ns, [100 * r["memory_saving"] for r in sel], "o-", color=c, label=f"prompt {p} + output {o}")
+        a.plot(ns, [100 * r["end_state_saving"] for r in sel], "--", color=c, lw=0.9)
+        b.plot(ns, [r["peak_blocks_unshared"] for r in sel], "s--", color=c, lw=0.9, label=f"{p} + {o}, unshared")
+        b.plot(ns, [r["peak_blocks_shared"] for r in sel], "o-", color=c, label=f"{p} + {o}, shared")
+    a.set(xlabel="completions per prompt (n)", ylabel="KV blocks saved by sharing (%)",
+          title="memory saved (dashed: n finished completions)")
+    a.set_ylim(bottom=0)
+    a.legend(fontsize=7.5, loc="center right")
+    b.set(xlabel="completions per prompt (n)", ylabel="peak KV blocks held", title="peak KV blocks")
+    b.set_ylim(bottom=0)
+    b.legend(fontsize=7, loc="upper left")
+    for ax in (a, b):
+        ax.set_xticks(sorted({r["n"] for r in rows}))
     fig.tight_layout()
     return fig
 

@@ -24,7 +24,7 @@ _EPS_TEMPERATURE = 1e-5
 class SamplingParams:
     """How to sample one request. Defaults are vLLM's (note ``max_tokens=16``)."""
 
-    n: int = 1
+    n: int = 1  # completions of the prompt: n sequences that share its KV blocks (``engine/sequence.py``)
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = -1
@@ -42,8 +42,8 @@ class SamplingParams:
         def bad(name: str, rule: str) -> ValueError:
             return ValueError(f"SamplingParams.{name} {rule}, got {getattr(self, name)!r}")
 
-        if self.n != 1:
-            raise bad("n", "must be 1 (parallel sampling is not implemented)")
+        if not isinstance(self.n, int) or isinstance(self.n, bool) or self.n < 1:
+            raise bad("n", "must be an integer >= 1 (the number of completions to sample for the prompt)")
         if not isinstance(self.temperature, (int, float)) or math.isnan(self.temperature) or self.temperature < 0:
             raise bad("temperature", "must be >= 0 (0 means greedy)")
         if not 0 < self.top_p <= 1:

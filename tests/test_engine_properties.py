@@ -1,6 +1,8 @@
 """Property test of the whole engine: random arrivals, lengths, aborts and forced preemptions over many
-steps, with and without speculative decoding (whose rollbacks free blocks too). Invariants: block reference counts always match the block tables, nothing leaks, every request
-that was not aborted finishes with exactly the tokens it produces alone, and streaming deltas add up."""
+steps, with and without speculative decoding (whose rollbacks free blocks too), requests of one or several
+completions (``n``, which share their prompt's blocks). Invariants: block reference counts always match the block
+tables, nothing leaks, every request that was not aborted finishes with exactly the tokens it produces alone (each
+of its greedy completions), and streaming deltas add up."""
 
 from __future__ import annotations
 
@@ -46,6 +48,7 @@ request = st.tuples(
     st.integers(1, 16),  # max_tokens
     st.integers(0, 12),  # arrival step
     st.one_of(st.none(), st.integers(0, 20)),  # abort at this step (None: never)
+    st.sampled_from([1, 1, 2, 3]),  # n: completions of the prompt
 )
 
 
@@ -55,38 +58,44 @@ def test_random_workload(engine_llm, reference, requests, shared_prefix):
     engine = engine_llm.engine
     prefix = [0] + list(range(500, 512)) if shared_prefix else [0]
     pending = sorted(enumerate(requests), key=lambda r: r[1][2])
-    finished: dict[str, list[int]] = {}
-    streamed: dict[str, str] = {}
+    finished: dict[str, list[list[int]]] = {}
+    streamed: dict[tuple[str, int], str] = {}
     aborted: set[str] = set()
     live: set[str] = set()
     step = 0
     while pending or engine.has_unfinished_requests():
         while pending and pending[0][1][2] <= step:
-            i, (prompt, max_tokens, _, _) = pending.pop(0)
+            i, (prompt, max_tokens, _, _, n) = pending.pop(0)
             engine.add_request(f"q{i}", {"prompt_token_ids": prefix + prompt},
-                               SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True))
+                               SamplingParams(n=n, temperature=0, max_tokens=max_tokens, ignore_eos=True))
             live.add(f"q{i}")
-        for i, (_, _, arrival, abort_at) in enumerate(requests):
+        for i, (_, _, arrival, abort_at, _) in enumerate(requests):
             rid = f"q{i}"
             if abort_at is not None and abort_at == step and rid in live:
                 engine.abort_request(rid)
                 live.discard(rid)
                 aborted.add(rid)
         for out in engine.step():
-            streamed[out.request_id] = streamed.get(out.request_id, "") + out.outputs[0].delta_text
+            assert out.request_id in live
+            for c in out.outputs:
+                key = (out.request_id, c.index)
+                streamed[key] = streamed.get(key, "") + c.delta_text
+                if c.finished():
+                    finished.setdefault(out.request_id, [None] * requests[int(out.request_id[1:])][4])[c.index] = \
+                        c.token_ids
+                    assert c.text == streamed[key]
             if out.finished:
-                finished[out.request_id] = out.outputs[0].token_ids
                 live.discard(out.request_id)
-                assert out.outputs[0].text == streamed[out.request_id]
+                assert None not in finished[out.request_id]
         engine.block_manager.check_invariants()
         if engine.speculator is not None and hasattr(engine.speculator.proposer, "blocks"):
             engine.speculator.proposer.blocks.check_invariants()
         step += 1
         assert step < 2000, "engine made no progress"
-    assert set(finished) | aborted == {f"q{i}" for i in range(len(requests))}
-    for i, (prompt, max_tokens, _, _) in enumerate(requests):
-        if f"q{i}" in finished:
-            assert finished[f"q{i}"] == reference(tuple(prefix + prompt), max_tokens), f"request q{i} differs"
+    assert {r for r in finished if r not in aborted} | aborted == {f"q{i}" for i in range(len(requests))}
+    for i, (prompt, max_tokens, _, _, n) in enumerate(requests):
+        if f"q{i}" in finished and f"q{i}" not in aborted:
+            assert finished[f"q{i}"] == [reference(tuple(prefix + prompt), max_tokens)] * n, f"request q{i} differs"
     stats = engine_llm.stats()
     assert stats["kv_blocks_free"] == stats["kv_blocks_total"]
     assert all(b.ref_count == 0 for b in engine.block_manager.blocks)

@@ -27,7 +27,9 @@ from minifer import ModelLoadError, SamplingParams, UnsupportedModelError
     (dict(logprobs=-1), "logprobs"),
     (dict(stop=[""]), "stop"),
     (dict(stop_token_ids=[-1]), "stop_token_ids"),
-    (dict(n=2), "n"),
+    (dict(n=0), "n"),
+    (dict(n=1.5), "n"),
+    (dict(n=True), "n"),
 ])
 def test_bad_sampling_params(kwargs, field):
     with pytest.raises(ValueError, match=rf"SamplingParams\.{field}\b"):
@@ -35,7 +37,8 @@ def test_bad_sampling_params(kwargs, field):
 
 
 @pytest.mark.parametrize("kwargs", [dict(max_tokens=1), dict(temperature=0), dict(top_p=1.0), dict(top_k=-1),
-                                    dict(top_k=0), dict(min_p=0.0), dict(min_p=1.0), dict(max_tokens=None)])
+                                    dict(top_k=0), dict(min_p=0.0), dict(min_p=1.0), dict(max_tokens=None),
+                                    dict(n=1), dict(n=8)])
 def test_boundary_sampling_params_are_accepted(kwargs):
     SamplingParams(**kwargs)
 

@@ -240,3 +240,33 @@ def test_measure_prefix_caching_counts(draft):
     assert r["prompt_tokens_computed_off"] == r["prompt_tokens"]
     assert r["prompt_tokens_computed_on"] == r["prompt_tokens"] - 3 * 32
     assert r["mean_ttft_on_s"] > 0 and r["mean_ttft_off_s"] > 0 and len(r["ttft_ratio_rounds"]) == 1
+
+
+def test_random_prompts():
+    ps = kvm.random_prompts(3, 12, vocab_size=50, bos_token_id=0, seed=2)
+    assert [len(p) for p in ps] == [12] * 3 and all(p[0] == 0 for p in ps) and len({tuple(p) for p in ps}) == 3
+    assert ps == kvm.random_prompts(3, 12, vocab_size=50, bos_token_id=0, seed=2)
+
+
+def test_parallel_sampling_demo(draft):
+    bm, lens, log = kvm.parallel_sampling_demo(draft, n=3, prompt_len=10, block_size=4, num_blocks=16, steps=2)
+    bm.check_invariants()
+    assert log == ["after step 1: running ['0_s'], waiting ['1_s', '2_s']",
+                   "after step 2: running ['0_s', '1_s', '2_s'], waiting []"]
+    tables = [bm.block_table(s) for s in ("0_s", "1_s", "2_s")]
+    assert tables[0][:2] == tables[1][:2] == tables[2][:2] and len({t[2] for t in tables}) == 3
+    assert lens == {"0_s": 11, "1_s": 10, "2_s": 10}  # 10 prompt tokens + the outputs whose KV is written
+
+
+def test_measure_parallel_sampling_counts(draft):
+    rows = kvm.measure_parallel_sampling(draft, shapes=((40, 6),), n_values=(1, 3), num_prompts=2, block_size=8)
+    one, three = rows
+    assert all(r["same_tokens"] for r in rows)  # sharing changes where KV lives, not the sampled tokens
+    assert one["memory_saving"] == 0 and one["peak_blocks_shared"] == one["peak_blocks_unshared"] == 2 * 6
+    assert one["prompt_tokens_computed_shared"] == one["prompt_tokens_computed_unshared"] == 80
+    # n=3: each of the 4 siblings finds the prompt's 4 full blocks ((40 - 1) // 8) and computes 8 tokens
+    assert three["prompt_tokens_computed_shared"] == 80 + 4 * (40 - 32)
+    assert three["prompt_tokens_computed_unshared"] == three["prompt_tokens"] == 240
+    assert three["peak_blocks_unshared"] == 6 * 6 and three["peak_blocks_shared"] == 6 * 6 - 4 * 4
+    assert three["end_state_saving"] == pytest.approx(2 * 4 / (3 * 6))
+    assert 0 < three["memory_saving"] < 1 and three["steps_shared"] == three["steps_unshared"] + 1

@@ -22,6 +22,9 @@ realistic lengths, what paging recovers, and what prefix caching saves.
   records the same numbers from ``engine.stats()``; on the same workload the two agree step for step.
 - **Prefix caching.** ``measure_prefix_caching`` sends requests that share a system prompt one after another
   through fresh engines with prefix caching on and off (interleaved rounds) and compares their TTFT.
+- **Parallel sampling.** ``measure_parallel_sampling`` asks for ``n`` completions of each prompt, with the
+  completions sharing the prompt's blocks (prefix caching on) and without; it counts the KV blocks held, the
+  prompt tokens computed, and checks that both give the same tokens (seeded).
 
 ``python -m minifer.bench.kv_memory --out benchmarks/results/kv_memory.json`` runs the chapter's
 measurements and writes them as JSON with hardware and version metadata.
@@ -616,6 +619,114 @@ def measure_prefix_caching(llm, *, system_len: int = 256, question_lens: tuple[i
     }
 
 
+# --- parallel sampling ------------------------------------------------------------------------------
+
+
+def random_prompts(num: int, length: int, *, vocab_size: int, bos_token_id: int | None,
+                   seed: int = 0) -> list[list[int]]:
+    """``num`` prompts of ``length`` random tokens (BOS first), sharing nothing with each other."""
+    rng = random.Random(f"prompts-{seed}-{length}")
+    low = 1 if vocab_size > 1 else 0
+    head = [bos_token_id] if bos_token_id is not None else []
+    return [head + [rng.randrange(low, vocab_size) for _ in range(length - len(head))] for _ in range(num)]
+
+
+def _parallel_engine(llm, *, sharing: bool, block_size: int, num_blocks: int, max_num_seqs: int,
+                     max_num_batched_tokens: int = 4096):
+    """A fresh continuous engine over ``llm``'s loaded model, with its own KV pool."""
+    from minifer.engine.llm_engine import CacheConfig, LLMEngine
+    from minifer.engine.scheduler import SchedulerConfig
+
+    return LLMEngine(llm.model, llm.tokenizer, llm.make_sequence,
+                     CacheConfig(block_size=block_size, num_kv_blocks=num_blocks, enable_prefix_caching=sharing),
+                     SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens))
+
+
+def parallel_sampling_demo(llm, *, n: int = 3, prompt_len: int = 10, block_size: int = 4, num_blocks: int = 16,
+                           steps: int = 3, seed: int = 0):
+    """One request for ``n`` completions of a ``prompt_len``-token prompt in a tiny pool, stepped ``steps`` times.
+    Returns ``(block_manager, {sequence: tokens stored}, log)``; ``log`` says, after each step, which sequences
+    were running and which waiting."""
+    from minifer import SamplingParams
+
+    engine = _parallel_engine(llm, sharing=True, block_size=block_size, num_blocks=num_blocks, max_num_seqs=n)
+    bos = llm.tokenizer.bos_token_id if llm.tokenizer is not None else None
+    prompt = random_prompts(1, prompt_len, vocab_size=llm.model_config.vocab_size, bos_token_id=bos, seed=seed)[0]
+    params = SamplingParams(n=n, temperature=1.0, seed=seed, max_tokens=steps + 4, ignore_eos=True)
+    group = engine.add_request("s", {"prompt_token_ids": prompt}, params)
+    log = []
+    for step in range(1, steps + 1):
+        engine.step()
+        running = [s.request_id for s in engine.scheduler.running]
+        waiting = [s.request_id for s in engine.scheduler.waiting]
+        log.append(f"after step {step}: running {running}, waiting {waiting}")
+    return engine.block_manager, {s.request_id: s.num_computed_tokens for s in group.seqs}, log
+
+
+def _run_parallel(llm, prompts: Sequence[list[int]], n: int, *, sharing: bool, block_size: int, max_tokens: int,
+                  seed: int) -> dict[str, Any]:
+    """All ``prompts`` at once, ``n`` seeded completions each, through a fresh engine with room for all of them
+    (no preemption), prefix caching on (the completions share the prompt) or off (each holds its own copy).
+    After every step, count the blocks in the running sequences' tables and the distinct physical blocks."""
+    from minifer import SamplingParams
+    from minifer.engine.sequence import sequences_of
+
+    seqs = len(prompts) * n
+    room = seqs * blocks_for(max(map(len, prompts)) + max_tokens, block_size)
+    engine = _parallel_engine(llm, sharing=sharing, block_size=block_size, num_blocks=room, max_num_seqs=seqs,
+                              max_num_batched_tokens=max(4096, n * sum(map(len, prompts))))
+    params = SamplingParams(n=n, temperature=1.0, seed=seed, max_tokens=max_tokens, ignore_eos=True)
+    requests = [engine.add_request(f"p{i}", {"prompt_token_ids": ids}, params) for i, ids in enumerate(prompts)]
+    bm = engine.block_manager
+    in_tables = distinct = peak = steps = 0
+    while engine.has_unfinished_requests():
+        engine.step()
+        steps += 1
+        tables = [bm.block_table(s.request_id) for s in engine.scheduler.running]
+        in_use = len({b for t in tables for b in t})
+        in_tables += sum(map(len, tables))
+        distinct += in_use
+        peak = max(peak, in_use)
+    return {"steps": steps, "block_steps_in_tables": in_tables, "block_steps_distinct": distinct,
+            "peak_blocks": peak, "prompt_tokens": n * sum(map(len, prompts)),
+            "prompt_tokens_computed": n * sum(map(len, prompts)) - bm.cache_hits * block_size,
+            "tokens": [[s.output_token_ids for s in sequences_of(r)] for r in requests]}
+
+
+def measure_parallel_sampling(llm, *, shapes: Sequence[tuple[int, int]] = ((256, 32), (32, 128)),
+                              n_values: Sequence[int] = (1, 2, 4, 8), num_prompts: int = 2, block_size: int = 16,
+                              seed: int = 0) -> list[dict[str, Any]]:
+    """KV memory of parallel sampling with and without sharing the prompt, per (prompt length, output length) in
+    ``shapes`` and ``n`` in ``n_values``.
+
+    ``memory_saving`` is the vLLM paper's measure (Kwon et al. 2023, §6.3, Fig. 15): blocks saved by sharing over
+    the blocks the same sequences would hold without it, summed over the steps of the run. ``end_state_saving``
+    is the same ratio for n finished completions, from the block arithmetic alone: each shares the prompt's
+    ``(prompt_len - 1) // block_size`` full blocks (its last token is always computed, so a prompt of whole
+    blocks keeps its last block private) out of ``ceil((prompt_len + output_len) / block_size)``."""
+    bos = llm.tokenizer.bos_token_id if llm.tokenizer is not None else None
+    rows = []
+    for prompt_len, max_tokens in shapes:
+        prompts = random_prompts(num_prompts, prompt_len, vocab_size=llm.model_config.vocab_size,
+                                 bos_token_id=bos, seed=seed)
+        shared_blocks = (prompt_len - 1) // block_size
+        total_blocks = blocks_for(prompt_len + max_tokens, block_size)
+        for n in n_values:
+            kw = dict(block_size=block_size, max_tokens=max_tokens, seed=seed)
+            on = _run_parallel(llm, prompts, n, sharing=True, **kw)
+            off = _run_parallel(llm, prompts, n, sharing=False, **kw)
+            rows.append({
+                "prompt_len": prompt_len, "output_len": max_tokens, "n": n, "num_prompts": num_prompts,
+                "memory_saving": 1 - on["block_steps_distinct"] / on["block_steps_in_tables"],
+                "end_state_saving": (n - 1) * shared_blocks / (n * total_blocks),
+                "peak_blocks_shared": on["peak_blocks"], "peak_blocks_unshared": off["peak_blocks"],
+                "prompt_tokens": on["prompt_tokens"], "prompt_tokens_computed_shared": on["prompt_tokens_computed"],
+                "prompt_tokens_computed_unshared": off["prompt_tokens_computed"],
+                "steps_shared": on["steps"], "steps_unshared": off["steps"],
+                "same_tokens": on["tokens"] == off["tokens"]})
+    return rows
+
+
 # --- the chapter's measurements as one JSON ---------------------------------------------------------
 
 
@@ -680,6 +791,7 @@ def run_kv_memory(llm, *, num_requests: int = 512, seed: int = 0, max_model_len:
                                "generate_16_to_512": estimate_generation_seconds(cache_timing, 16, 497),
                                "flops_16_to_512": generation_flops(cfg, 16, 497, dtype_bytes)},
         "prefix_caching": measure_prefix_caching(llm, rounds=prefix_rounds),
+        "parallel_sampling": measure_parallel_sampling(llm),
     }
 
 
@@ -732,6 +844,10 @@ def main(argv: list[str] | None = None) -> int:
     p = res["prefix_caching"]
     print(f"prefix caching: mean TTFT {p['mean_ttft_off_s'] * 1e3:.1f} ms off, {p['mean_ttft_on_s'] * 1e3:.1f} ms on "
           f"({p['ttft_ratio_off_over_on']:.2f}x), hit rate {p['hit_rate']:.1%}")
+    for r in res["parallel_sampling"]:
+        print(f"parallel sampling, prompt {r['prompt_len']} + output {r['output_len']}, n={r['n']}: "
+              f"{r['memory_saving']:.1%} of the KV blocks saved, peak {r['peak_blocks_shared']} vs "
+              f"{r['peak_blocks_unshared']} blocks, same tokens: {r['same_tokens']}")
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(res, indent=1))

@@ -18,7 +18,7 @@ import torch
 from minifer.config import ModelConfig
 from minifer.engine.llm_engine import CacheConfig, LLMEngine
 from minifer.engine.scheduler import SchedulerConfig
-from minifer.engine.sequence import Sequence
+from minifer.engine.sequence import Sequence, SequenceGroup, sequences_of
 from minifer.engine.speculative import SpeculativeConfig
 from minifer.layers.kv_quant import check_kv_cache_dtype
 from minifer.engine.static import generate_static
@@ -256,26 +256,35 @@ class LLM:
                 raise ValueError(f"got {len(params)} SamplingParams for {len(prompts)} prompts: "
                                  f"give one, or one per prompt")
         seqs = [self.make_sequence(i, p, sp) for i, (p, sp) in enumerate(zip(prompts, params))]
+        requests = [SequenceGroup.fan_out(s) if s.params.n > 1 else s for s in seqs]
         bar = None
         if use_tqdm:
             from tqdm.auto import tqdm
 
-            bar = tqdm(total=len(seqs), desc="Processed prompts", dynamic_ncols=True)
+            bar = tqdm(total=len(requests), desc="Processed prompts", dynamic_ncols=True)
         if self.engine is None:
-            generate_static(self.model, seqs, self.max_num_seqs, self.tokenizer,
-                            on_batch_done=(lambda b: bar.update(len(b))) if bar is not None else None)
+            counted: set[int] = set()
+
+            def on_batch_done(_batch) -> None:  # a prompt is done when all its completions are
+                for k, r in enumerate(requests):
+                    if k not in counted and r.is_finished:
+                        counted.add(k)
+                        bar.update(1)
+
+            generate_static(self.model, [s for r in requests for s in sequences_of(r)], self.max_num_seqs,
+                            self.tokenizer, on_batch_done=on_batch_done if bar is not None else None)
         else:
-            self._run_engine(seqs, bar)
+            self._run_engine(requests, bar)
         if bar is not None:
             bar.close()
-        return [s.to_output(self.tokenizer) for s in seqs]
+        return [r.to_output(self.tokenizer) for r in requests]
 
-    def _run_engine(self, seqs: list[Sequence], bar) -> None:
+    def _run_engine(self, requests: list[Sequence | SequenceGroup], bar) -> None:
         engine = self.engine
-        for s in seqs:
-            engine.scheduler.check_fits(s)  # reject before anything runs, as for bad prompts
-        for s in seqs:
-            engine.add_sequence(s)
+        for r in requests:
+            engine.scheduler.check_fits(sequences_of(r)[0])  # reject before anything runs, as for bad prompts
+        for r in requests:
+            engine.add_sequence(r)
         while engine.has_unfinished_requests():
             for out in engine.step():
                 if out.finished and bar is not None:

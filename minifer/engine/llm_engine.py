@@ -24,7 +24,7 @@ import torch
 from minifer.engine.block_manager import BlockManager
 from minifer.engine.runner import ModelRunner
 from minifer.engine.scheduler import Scheduler, SchedulerConfig
-from minifer.engine.sequence import Sequence, SequenceStatus
+from minifer.engine.sequence import Sequence, SequenceGroup, SequenceStatus, sequences_of
 from minifer.engine.speculative import SpeculativeConfig, Speculator, build_speculator
 from minifer.layers.kv_quant import CALIBRATION_TEXT
 from minifer.layers.paged_attention import PagedKVCache
@@ -102,7 +102,9 @@ class LLMEngine:
         self.runner = ModelRunner(model, self.kv_cache, self.block_manager)
         if self.kv_cache.kv_cache_scales == "head":
             self._calibrate_kv_scales()
-        self.requests: dict[str, Sequence] = {}
+        self.requests: dict[str, Sequence | SequenceGroup] = {}  # unfinished requests by their id
+        self._seqs: dict[str, Sequence] = {}  # their unfinished sequences (a group's completions: "<i>_<id>")
+        self._group_of: dict[str, SequenceGroup] = {}  # a completion's sequence id -> its group
         if cuda_graphs and device.type == "cuda" and self.kv_cache.use_triton:
             try:
                 self.runner.enable_cuda_graphs(scheduler_config.max_num_seqs,
@@ -124,7 +126,8 @@ class LLMEngine:
 
     # --- requests ---------------------------------------------------------------------------------------
 
-    def add_request(self, request_id: str, prompt, params, arrival_time: float | None = None) -> Sequence:
+    def add_request(self, request_id: str, prompt, params, arrival_time: float | None = None
+                    ) -> Sequence | SequenceGroup:
         """Validate and queue a request. Raises ``ValueError`` (naming the problem) without touching others.
         ``arrival_time`` (``time.perf_counter()`` seconds; default now) is when the request reached the
         server: a front end that queued it first passes it, so that TTFT counts that wait too."""
@@ -133,29 +136,74 @@ class LLMEngine:
         seq = self._make_sequence(0, prompt, params, request_id=request_id)
         if arrival_time is not None:
             seq.metrics.arrival_time = arrival_time
-        self.add_sequence(seq)
-        return seq
+        return self.add_sequence(seq)
 
-    def add_sequence(self, seq: Sequence) -> None:
-        """Queue an already validated request (``LLM.generate`` validates a whole batch first)."""
-        if seq.request_id in self.requests:
-            raise ValueError(f"request id {seq.request_id!r} is already in use")
-        self.scheduler.add(seq)
-        self.requests[seq.request_id] = seq
+    def add_sequence(self, request: Sequence | SequenceGroup) -> Sequence | SequenceGroup:
+        """Queue an already validated request (``LLM.generate`` validates a whole batch first). A sequence
+        that asks for ``n > 1`` completions is fanned out into a ``SequenceGroup`` (returned)."""
+        if isinstance(request, Sequence) and request.params.n > 1:
+            request = SequenceGroup.fan_out(request)
+        seqs = sequences_of(request)
+        if request.request_id in self.requests:
+            raise ValueError(f"request id {request.request_id!r} is already in use")
+        for s in seqs:
+            if s.request_id in self._seqs:
+                raise ValueError(f"request id {request.request_id!r}: its completion {s.index} would be sequence "
+                                 f"{s.request_id!r}, which is already in use")
+        self.scheduler.check_fits(seqs[0])  # the completions are alike: one check holds for all
+        first, siblings = seqs[0], seqs[1:]
+        self.scheduler.add(first)
+        if siblings and self._prompt_shareable(first):
+            request.pending = siblings  # type: ignore[union-attr]  # until `first` has computed the prompt
+        else:
+            for s in siblings:
+                self.scheduler.add(s)
+        self.requests[request.request_id] = request
+        for s in seqs:
+            self._seqs[s.request_id] = s
+            if isinstance(request, SequenceGroup):
+                self._group_of[s.request_id] = request
+        return request
+
+    def _prompt_shareable(self, seq: Sequence) -> bool:
+        """Whether siblings can take any of the prompt's blocks from the prefix cache once ``seq`` computed them:
+        prefix caching is on and the prompt fills a block before its last token (which is always computed)."""
+        bm = self.block_manager
+        return bm.enable_prefix_caching and (len(seq.prompt_token_ids) - 1) // bm.block_size >= 1
 
     def abort_request(self, request_id: str) -> None:
-        seq = self.requests.get(request_id)
-        if seq is None:
+        """Stop a request (all its completions) and free its KV blocks."""
+        request = self.requests.get(request_id)
+        if request is None:
             raise KeyError(f"no unfinished request with id {request_id!r}")
-        self.scheduler.abort(seq)
-        if self.speculator is not None:
-            self.speculator.release(request_id)
-        seq.abort()
-        del self.requests[request_id]
+        for seq in sequences_of(request):
+            if seq.is_finished:
+                continue
+            self.scheduler.abort(seq)
+            if self.speculator is not None:
+                self.speculator.release(seq.request_id)
+            seq.abort()
+            self._retire(seq)
+        if isinstance(request, SequenceGroup):
+            request.pending = []
+        self.requests.pop(request_id, None)
+
+    def _retire(self, seq: Sequence) -> None:
+        """Forget a finished or aborted sequence; its request too once every completion is done."""
+        del self._seqs[seq.request_id]
+        group = self._group_of.pop(seq.request_id, None)
+        if group is None:
+            del self.requests[seq.request_id]
+        elif not any(s.request_id in self._seqs for s in group.seqs):  # its last completion
+            del self.requests[group.request_id]
 
     def stream(self, request_id: str, prompt, params) -> Iterator[str]:
         """Add a request and yield its text as it grows (deltas), stepping the engine — and with it every
-        other queued request — until this one finishes."""
+        other queued request — until this one finishes. One completion (``n=1``): read ``step()``'s outputs
+        for several."""
+        if getattr(params, "n", 1) != 1:
+            raise ValueError(f"stream() follows one completion but request {request_id!r} asks for n={params.n}: "
+                             "call add_request() and read each completion's delta_text from step()")
         self.add_request(request_id, prompt, params)
         while True:
             for out in self.step():
@@ -166,7 +214,7 @@ class LLMEngine:
                         return
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished()
+        return bool(self.requests)
 
     # --- the step -------------------------------------------------------------------------------------
 
@@ -223,15 +271,38 @@ class LLMEngine:
             outputs.append(seq.to_output(self.tokenizer))
         for seq in batch.seqs:  # full blocks of computed tokens join the prefix cache (finished ones too)
             self.block_manager.register_computed(seq.request_id, seq.token_slice(0, seq.num_computed_tokens))
+        outputs = self._group_outputs(sampled, outputs)  # and the siblings of a computed prompt are queued
+        for seq in batch.seqs:
             if seq.is_finished:
                 self.scheduler.finish(seq)
                 if spec is not None:
                     spec.release(seq.request_id)
-                del self.requests[seq.request_id]
+                self._retire(seq)
         if spec is not None and pure_decode:
             # the whole step, scheduling and bookkeeping included: fewer, longer steps save those too
             spec.observe_realized(sum(len(t) for t in emitted), time.perf_counter() - start)
         return outputs
+
+    def _group_outputs(self, sampled: list[Sequence], outputs: list[RequestOutput]) -> list[RequestOutput]:
+        """One output per request: the completions of a group that advanced this step are merged into one
+        ``RequestOutput`` under the request's id. A group whose first completion has now computed its prompt
+        (it sampled a token) hands its pending siblings to the scheduler, at the front of the queue: they arrived
+        with it."""
+        merged: dict[str, tuple[SequenceGroup, list[RequestOutput]]] = {}
+        result: list[RequestOutput | str] = []
+        for seq, out in zip(sampled, outputs):
+            group = self._group_of.get(seq.request_id)
+            if group is None:
+                result.append(out)
+                continue
+            if group.pending:
+                self.scheduler.add_front(group.pending)
+                group.pending = []
+            if group.request_id not in merged:
+                merged[group.request_id] = (group, [])
+                result.append(group.request_id)
+            merged[group.request_id][1].append(out)
+        return [merged[r][0].merge(merged[r][1]) if isinstance(r, str) else r for r in result]
 
     def stats(self) -> dict[str, float | int]:
         bm = self.block_manager

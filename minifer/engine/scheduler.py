@@ -69,6 +69,15 @@ class Scheduler:
         seq.status = SequenceStatus.WAITING
         self.waiting.append(seq)
 
+    def add_front(self, seqs: list[Sequence]) -> None:
+        """Queue ``seqs`` ahead of every waiting request, in their order (siblings of a request already
+        admitted: parallel sampling's completions, ``SequenceGroup``)."""
+        for seq in seqs:
+            self.check_fits(seq)
+        for seq in reversed(seqs):
+            seq.status = SequenceStatus.WAITING
+            self.waiting.appendleft(seq)
+
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 

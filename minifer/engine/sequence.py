@@ -8,7 +8,7 @@ it is finished.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from enum import Enum
 
 import torch
@@ -32,6 +32,7 @@ class Sequence:
     max_tokens: int  # params.max_tokens clipped to what max_model_len leaves after the prompt
     eos_token_ids: frozenset[int]
     generator: torch.Generator | None = None
+    index: int = 0  # which completion of its request this is (``SamplingParams.n > 1``: see ``SequenceGroup``)
     output_token_ids: list[int] = field(default_factory=list)
     logprobs: list[dict[int, Logprob]] | None = None
     cumulative_logprob: float = 0.0
@@ -150,9 +151,77 @@ class Sequence:
         new_ids = self.output_token_ids[self._reported_tokens:]
         self._reported_tokens, self._reported_text = len(self.output_token_ids), stable
         completion = CompletionOutput(
-            index=0, text=text, token_ids=list(self.output_token_ids),
+            index=self.index, text=text, token_ids=list(self.output_token_ids),
             cumulative_logprob=self.cumulative_logprob if self.params.logprobs is not None else None,
             logprobs=self.logprobs, finish_reason=self.finish_reason, stop_reason=self.stop_reason,
             new_token_ids=new_ids, delta_text=delta)
         return RequestOutput(self.request_id, self.prompt, list(self.prompt_token_ids), [completion],
                              self.is_finished, self.metrics)
+
+
+@dataclass
+class SequenceGroup:
+    """One request with ``SamplingParams.n > 1``: n completions sampled from one prompt (parallel sampling).
+
+    Each completion is an ordinary ``Sequence``, so the scheduler, the sampler and speculation never hear of
+    groups. As in vLLM, completion ``i`` is the sequence ``f"{i}_{request_id}"`` and, when the request has a
+    seed, draws from ``seed + i`` (n copies of one seed would sample n identical texts).
+
+    What the completions share is the prompt. The engine hands only the first one to the scheduler and keeps the
+    others ``pending`` until its prompt is computed; by then the prompt's full blocks are in the prefix cache,
+    so each sibling's prompt is served from those blocks (computed and stored once, the memory sharing of
+    PagedAttention, Kwon et al. 2023, §4.4) and only the prompt's last, partly filled block is its own. The price
+    is one step of latency for the siblings' first token. A contiguous cache (static batching) stores n copies.
+    """
+
+    request_id: str
+    seqs: list[Sequence]
+    pending: list[Sequence] = field(default_factory=list)  # siblings not yet given to the scheduler
+
+    @classmethod
+    def fan_out(cls, seq: Sequence) -> "SequenceGroup":
+        """The n completions of a validated request (``seq.params.n > 1``), each a ``Sequence`` with ``n=1``."""
+        n, seed = seq.params.n, seq.params.seed
+        children = []
+        for i in range(n):
+            params = replace(seq.params, n=1, seed=None if seed is None else seed + i)
+            generator = seq.generator
+            if seed is not None:
+                device = seq.generator.device if seq.generator is not None else "cpu"
+                generator = torch.Generator(device=device).manual_seed(seed + i)
+            children.append(Sequence(f"{i}_{seq.request_id}", seq.prompt, list(seq.prompt_token_ids), params,
+                                     seq.max_tokens, seq.eos_token_ids, generator=generator, index=i,
+                                     metrics=RequestMetrics(seq.metrics.arrival_time)))
+        return cls(seq.request_id, children)
+
+    @property
+    def is_finished(self) -> bool:
+        return all(s.is_finished for s in self.seqs)
+
+    def metrics(self) -> RequestMetrics:
+        """The request's life: from its arrival to its first token (of any completion) and to its last."""
+        def first(times):
+            times = [t for t in times if t is not None]
+            return min(times) if times else None
+
+        m = [s.metrics for s in self.seqs]
+        return RequestMetrics(m[0].arrival_time, first(x.first_scheduled_time for x in m),
+                              first(x.first_token_time for x in m),
+                              max(x.finished_time for x in m) if self.is_finished else None,  # type: ignore[type-var]
+                              sorted(t for x in m for t in x.token_times))
+
+    def merge(self, outputs: list[RequestOutput]) -> RequestOutput:
+        """One report of the request from its completions' reports (``outputs``: some of them, e.g. the ones
+        that advanced this step), completions in index order."""
+        first = self.seqs[0]
+        completions = sorted((o.outputs[0] for o in outputs), key=lambda c: c.index)
+        return RequestOutput(self.request_id, first.prompt, list(first.prompt_token_ids), completions,
+                             self.is_finished, self.metrics())
+
+    def to_output(self, tokenizer) -> RequestOutput:
+        return self.merge([s.to_output(tokenizer) for s in self.seqs])
+
+
+def sequences_of(request: Sequence | SequenceGroup) -> list[Sequence]:
+    """The sequences a request runs as: itself, or a group's completions."""
+    return request.seqs if isinstance(request, SequenceGroup) else [request]
