@@ -266,20 +266,20 @@ for alpha in (0.5, 0.7, 0.8, 0.9):
 # %% [markdown]
 # The bundled pair: along the target's greedy continuations of 16 held-out prompts, the draft's `k = 4`
 # greedy proposals had 2.518 tokens accepted on average (`train_report.json`). Under the model that is an
-# acceptance rate `α` of about 0.8, and on the 2-core CPU of the README a draft step costs about 1/12 of a
-# target step:
+# acceptance rate `α` of about 0.8, and on the 2-core CPU of the README a draft forward costs about a seventh
+# of a target forward (0.144 in chapter 04's measurement):
 
 # %%
 report = json.loads((Path(minifer.__file__).parent / "assets" / "models" / "train_report.json").read_text())
 mean_accepted = report["draft_agreement_k4"]
 alpha = estimate_alpha(round(mean_accepted * 1000), 4 * 1000, k=4)  # per-step mean accepted -> per-token alpha
-cost = 1 / 12
+cost = 0.144
 best = optimal_k(alpha, cost)
 print(f"alpha = {alpha:.3f}")
 for k in (1, 2, 4, best):
     print(f"k = {k}: {expected_tokens_per_forward(alpha, k):.2f} tokens per target pass, "
           f"expected speedup {expected_speedup(alpha, k, cost):.2f}x")
-print(f"best k for draft cost 1/12: {best}")
+print(f"best k for draft cost {cost}: {best}")
 
 # %% [markdown]
 # These are upper bounds from an idealised model: the target's verification pass over `k + 1` positions is
