@@ -361,6 +361,29 @@ def sampling_playground(llm: "LLM", prompt: str = "Once upon a time", max_tokens
     return w.VBox([text, *controls.values(), button, out])
 
 
+# --- the server (chapter 00) ---------------------------------------------------------------------------
+
+
+def post_json(url: str, body: dict[str, Any], *, stream: bool = False) -> tuple[int, Any]:
+    """A client's POST to an OpenAI-style endpoint with the standard library: ``(status, JSON body)``, or with
+    ``stream=True`` ``(status, [every server-sent event's JSON])``. Errors come back as their status and body."""
+    import json
+    import urllib.error
+    import urllib.request
+
+    req = urllib.request.Request(url, json.dumps(body).encode(), {"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=120) as r:
+            text = r.read().decode()
+            status = r.status
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
+    if not stream:
+        return status, json.loads(text)
+    chunks = [line.removeprefix("data: ") for line in text.split("\n\n") if line.startswith("data: ")]
+    return status, [json.loads(c) for c in chunks if c != "[DONE]"]
+
+
 # --- roofline plots (chapter 01) ---------------------------------------------------------------------
 
 

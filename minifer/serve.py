@@ -1,0 +1,541 @@
+"""An OpenAI-compatible HTTP server over ``LLMEngine``: ``python -m minifer serve MODEL --port 8000``.
+
+The online engine (``LLMEngine``: ``add_request`` / ``step`` / ``abort_request``) is what a server needs; this
+module puts it behind the routes that OpenAI clients, ``curl`` and benchmark tools speak, with vLLM's names
+and extensions (``top_k``, ``min_p``, ``ignore_eos``, ...), so a client moves between minifer and ``vllm serve``
+unchanged:
+
+    GET  /health                  200 when the engine loop is alive
+    GET  /v1/models               the one served model
+    POST /v1/completions          prompt (text, token ids, or a list of texts) -> choices, usage; SSE if "stream"
+    POST /v1/chat/completions     messages through the tokenizer's chat template (Qwen3 / Llama-3 instruct)
+
+Two threads matter. The engine is not thread-safe, so one thread (``EngineLoop``) owns it: HTTP handlers hand
+it requests and aborts through a queue, and it applies them between steps, steps while anything is unfinished,
+and puts each output on the queue of the HTTP request that asked for it. The HTTP side is the standard
+library's ``ThreadingHTTPServer`` (a thread per connection, no dependencies): a handler validates, submits,
+and waits on its queue. Continuous batching happens in the engine thread: concurrent HTTP requests share its
+steps.
+
+Failure stays local. A request with a bad field is answered 400 with a message naming the field, before it
+reaches the engine (or by the engine's own validation); a client that disconnects mid-stream has its request
+aborted and its KV blocks freed; an exception inside a step fails the requests in flight with a 500 and the
+loop goes on serving new ones.
+"""
+
+from __future__ import annotations
+
+import json
+import queue
+import threading
+import time
+import traceback
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass
+from http import HTTPStatus
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+
+from minifer.outputs import CompletionOutput, RequestOutput
+from minifer.sampling import SamplingParams
+
+_DONE = object()  # an HTTP request's queue gets this once none of its engine requests will report again
+MAX_BODY_BYTES = 16 * 2**20
+
+
+class RequestError(ValueError):
+    """A request the server refuses: answered with ``status`` and OpenAI's error body."""
+
+    def __init__(self, message: str, param: str | None = None, status: HTTPStatus = HTTPStatus.BAD_REQUEST) -> None:
+        super().__init__(message)
+        self.param, self.status = param, status
+
+
+# --- the engine thread -----------------------------------------------------------------------------------
+
+
+class EngineLoop:
+    """Owns an ``LLMEngine`` on one thread. ``submit`` queues engine requests whose outputs (``RequestOutput``s,
+    an ``Exception`` if the engine refused or failed one, then ``_DONE``) go to one ``queue.Queue``.
+
+    Everything that touches the engine or its tokenizer runs on this thread, prompts included: a prompt may be a
+    callable (a chat template to apply) that is called here. A fast tokenizer shared between threads can fail
+    ("Already borrowed") when one thread encodes while another changes its settings."""
+
+    def __init__(self, engine) -> None:
+        self.engine = engine
+        self._commands: queue.Queue = queue.Queue()
+        self._routes: dict[str, tuple[queue.Queue, list[str]]] = {}  # engine request id -> (its queue, siblings)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="minifer-engine", daemon=True)
+        self.steps = 0
+        self.aborted = 0  # engine requests aborted because their client went away
+        self.peak_in_flight = 0  # most unfinished engine requests at once so far (the batching traffic allowed)
+
+    def start(self) -> "EngineLoop":
+        self._thread.start()
+        return self
+
+    def alive(self) -> bool:
+        return self._thread.is_alive()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._commands.put(None)
+        self._thread.join(timeout=10)
+
+    def submit(self, requests: list[tuple[str, Any, SamplingParams]]) -> queue.Queue:
+        out: queue.Queue = queue.Queue()
+        self._commands.put(("add", requests, out))
+        return out
+
+    def abort(self, request_ids: list[str]) -> None:
+        self._commands.put(("abort", request_ids, None))
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            busy = self.engine.has_unfinished_requests()
+            try:  # idle: sleep until a command arrives; busy: take what is queued, then step
+                cmd = self._commands.get_nowait() if busy else self._commands.get()
+            except queue.Empty:
+                cmd = None
+            while cmd is not None:
+                self._apply(*cmd)
+                try:
+                    cmd = self._commands.get_nowait()
+                except queue.Empty:
+                    cmd = None
+            self.peak_in_flight = max(self.peak_in_flight, len(self.engine.requests))
+            if self.engine.has_unfinished_requests():
+                self._step()
+
+    def _apply(self, kind: str, items: list, out: queue.Queue | None) -> None:
+        if kind == "abort":
+            for rid in items:
+                if rid in self.engine.requests:
+                    self.engine.abort_request(rid)
+                    self.aborted += 1
+                self._finish(rid)
+            return
+        added: list[str] = []
+        try:
+            for rid, prompt, params in items:
+                self.engine.add_request(rid, prompt() if callable(prompt) else prompt, params)
+                added.append(rid)
+        except Exception as e:  # noqa: BLE001 - nothing of this HTTP request runs, the others are untouched
+            for rid in added:
+                self.engine.abort_request(rid)
+            refused = isinstance(e, (ValueError, TypeError)) and not isinstance(e, RequestError)
+            out.put(RequestError(str(e)) if refused else e)  # the engine's validation: 400; anything else: 500
+            out.put(_DONE)
+            return
+        ids = [rid for rid, _, _ in items]
+        for rid in ids:
+            self._routes[rid] = (out, ids)
+
+    def _step(self) -> None:
+        try:
+            outputs = self.engine.step()
+        except Exception as e:  # noqa: BLE001 - a bug in a step must not stop the server: fail what was in flight
+            traceback.print_exc()
+            for rid in list(self._routes):
+                try:
+                    if rid in self.engine.requests:
+                        self.engine.abort_request(rid)
+                except Exception:  # noqa: BLE001 - the failed step may have left it half-updated: report, go on
+                    traceback.print_exc()
+                out, _ = self._routes[rid]
+                out.put(RuntimeError(f"engine step failed: {type(e).__name__}: {e}"))
+                self._finish(rid)
+            return
+        self.steps += 1
+        for o in outputs:
+            route = self._routes.get(o.request_id)
+            if route is None:
+                continue
+            route[0].put(o)
+            if o.finished:
+                self._finish(o.request_id)
+
+    def _finish(self, rid: str) -> None:
+        """Forget an engine request; its HTTP request's queue is closed once all its siblings are done."""
+        route = self._routes.pop(rid, None)
+        if route is not None and not any(s in self._routes for s in route[1]):
+            route[0].put(_DONE)
+
+
+# --- the OpenAI request format -------------------------------------------------------------------------
+
+_SAMPLING_FIELDS = {  # OpenAI's name (and vLLM's extensions) -> SamplingParams field
+    "n": "n", "temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p",
+    "repetition_penalty": "repetition_penalty", "max_tokens": "max_tokens", "stop": "stop",
+    "stop_token_ids": "stop_token_ids", "ignore_eos": "ignore_eos", "seed": "seed",
+    "skip_special_tokens": "skip_special_tokens",
+}
+# Fields minifer accepts only with the value that means "off" (clients often send these defaults).
+_NO_OP_FIELDS = {"presence_penalty": (0, 0.0, None), "frequency_penalty": (0, 0.0, None), "best_of": (1, None),
+                 "echo": (False, None), "logit_bias": (None,), "suffix": (None,), "user": None}
+
+
+def sampling_params(body: dict[str, Any], *, chat: bool) -> SamplingParams:
+    """``SamplingParams`` from a request body, with OpenAI's defaults (``max_tokens`` 16 for completions, up to
+    the context for chat). Unknown fields and unsupported values are errors that name the field."""
+    known = {"model", "prompt", "messages", "stream", "stream_options", "logprobs", "top_logprobs",
+             "max_completion_tokens", *_SAMPLING_FIELDS, *_NO_OP_FIELDS}
+    unknown = sorted(set(body) - known)
+    if unknown:
+        raise RequestError(f"unknown field(s) {', '.join(map(repr, unknown))}", unknown[0])
+    for name, allowed in _NO_OP_FIELDS.items():
+        if name in body and allowed is not None and body[name] not in allowed and body[name] != {}:
+            raise RequestError(f"{name}={body[name]!r} is not supported by minifer", name)
+    kwargs = {field: body[name] for name, field in _SAMPLING_FIELDS.items() if name in body}
+    if chat and "max_completion_tokens" in body:
+        kwargs["max_tokens"] = body["max_completion_tokens"]
+    kwargs.setdefault("max_tokens", None if chat else 16)
+    logprobs = body.get("logprobs")
+    if chat and logprobs:
+        raise RequestError("logprobs are not supported on /v1/chat/completions by minifer: use /v1/completions",
+                           "logprobs")
+    if not chat and logprobs is not None:
+        kwargs["logprobs"] = logprobs
+    try:
+        return SamplingParams(**kwargs)
+    except (ValueError, TypeError) as e:
+        field = str(e).split()[0].removeprefix("SamplingParams.") if str(e).startswith("SamplingParams.") else None
+        raise RequestError(str(e), field) from None
+
+
+def _prompts(body: dict[str, Any]) -> list[Any]:
+    """A completion request's prompts: a text, a list of token ids, or a list of texts (one choice set each)."""
+    if "prompt" not in body:
+        raise RequestError("missing field 'prompt'", "prompt")
+    p = body["prompt"]
+    if isinstance(p, str):
+        return [p]
+    if isinstance(p, list) and p and all(isinstance(t, int) and not isinstance(t, bool) for t in p):
+        return [{"prompt_token_ids": p}]
+    if isinstance(p, list) and p and all(isinstance(t, str) for t in p):
+        return list(p)
+    raise RequestError("prompt must be a string, a non-empty list of strings, or a non-empty list of token ids",
+                       "prompt")
+
+
+def _chat_prompt(body: dict[str, Any], tokenizer):
+    """A chat request's prompt, as a function for the engine thread to call (it owns the tokenizer)."""
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages or not all(
+            isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+            for m in messages):
+        raise RequestError("messages must be a non-empty list of {'role': str, 'content': str}", "messages")
+    if tokenizer is None or not getattr(tokenizer, "chat_template", None):
+        raise RequestError("this model's tokenizer has no chat template: use /v1/completions", "messages")
+
+    def encode() -> dict[str, list[int]]:
+        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        return {"prompt_token_ids": list(ids["input_ids"] if isinstance(ids, dict) else ids)}
+
+    return encode
+
+
+def _logprobs_json(c: CompletionOutput, token_ids: list[int], start: int, text_start: int = 0
+                   ) -> dict[str, Any] | None:
+    """OpenAI's completions ``logprobs`` object for ``token_ids`` (the tokens of ``c`` from index ``start``, whose
+    text begins at character ``text_start``). The engine thread decoded every candidate already
+    (``Logprob.decoded_token``)."""
+    if c.logprobs is None:
+        return None
+    entries = c.logprobs[start : start + len(token_ids)]
+    tokens = [e[t].decoded_token or str(t) for e, t in zip(entries, token_ids)]
+    offsets, at = [], text_start
+    for t in tokens:
+        offsets.append(at)
+        at += len(t)
+    return {"tokens": tokens, "token_logprobs": [e[t].logprob for e, t in zip(entries, token_ids)],
+            "top_logprobs": [{(lp.decoded_token or str(tid)): lp.logprob for tid, lp in e.items()} for e in entries],
+            "text_offset": offsets}
+
+
+def _finish_reason(c: CompletionOutput) -> str | None:
+    return c.finish_reason  # "stop", "length", or "abort" (vLLM reports aborted requests the same way)
+
+
+# --- HTTP -----------------------------------------------------------------------------------------------
+
+
+@dataclass
+class ServerState:
+    loop: EngineLoop
+    model_name: str
+    tokenizer: Any
+    created: int
+
+
+class Handler(BaseHTTPRequestHandler):
+    """One HTTP request: parse, validate, submit to the engine loop, answer (JSON or server-sent events)."""
+
+    server_version = "minifer"
+    protocol_version = "HTTP/1.1"
+    state: ServerState  # set on the subclass ``make_server`` builds
+
+    def log_message(self, format: str, *args: Any) -> None:  # quiet by default: notebooks and tests read stdout
+        pass
+
+    # routes
+    def do_GET(self) -> None:  # noqa: N802 - http.server's naming
+        if self.path == "/health":
+            ok = self.state.loop.alive()
+            self._json(HTTPStatus.OK if ok else HTTPStatus.SERVICE_UNAVAILABLE, {"status": "ok" if ok else "down"})
+        elif self.path == "/v1/models":
+            model = {"id": self.state.model_name, "object": "model", "created": self.state.created,
+                     "owned_by": "minifer"}
+            self._json(HTTPStatus.OK, {"object": "list", "data": [model]})
+        else:
+            self._error(RequestError(f"no route {self.path!r}", status=HTTPStatus.NOT_FOUND))
+
+    def do_POST(self) -> None:  # noqa: N802
+        if self.path not in ("/v1/completions", "/v1/chat/completions"):
+            self._error(RequestError(f"no route {self.path!r}", status=HTTPStatus.NOT_FOUND))
+            return
+        chat = self.path == "/v1/chat/completions"
+        try:
+            body = self._body()
+            if "model" not in body:
+                raise RequestError("missing field 'model'", "model")
+            if body["model"] != self.state.model_name:
+                raise RequestError(f"model {body.get('model')!r} is not served here; this server serves "
+                                   f"{self.state.model_name!r}", "model", HTTPStatus.NOT_FOUND)
+            params = sampling_params(body, chat=chat)
+            prompts = [_chat_prompt(body, self.state.tokenizer)] if chat else _prompts(body)
+            stream = body.get("stream", False)
+            if not isinstance(stream, bool):
+                raise RequestError("stream must be true or false", "stream")
+            options = body.get("stream_options") or {}
+            if not isinstance(options, dict):
+                raise RequestError("stream_options must be an object", "stream_options")
+        except RequestError as e:
+            self._error(e)
+            return
+        prefix = "chatcmpl-" if chat else "cmpl-"
+        request_id = prefix + uuid.uuid4().hex[:24]
+        ids = [f"{request_id}-{i}" for i in range(len(prompts))]
+        out = self.state.loop.submit([(rid, p, params) for rid, p in zip(ids, prompts)])
+        include_usage = bool(options.get("include_usage"))
+        if stream:
+            self._stream(out, request_id, ids, params.n, chat, include_usage)
+        else:
+            self._respond(out, request_id, ids, params.n, chat)
+
+    # reading
+    def _body(self) -> dict[str, Any]:
+        try:
+            length = int(self.headers.get("Content-Length", "0"))
+        except ValueError:
+            raise RequestError("the Content-Length header is not a number") from None
+        if not 0 <= length <= MAX_BODY_BYTES:
+            raise RequestError(f"the body must be at most {MAX_BODY_BYTES:,} bytes, got {length:,}",
+                               status=HTTPStatus.REQUEST_ENTITY_TOO_LARGE)
+        try:
+            body = json.loads(self.rfile.read(length) or b"null")
+        except (ValueError, UnicodeDecodeError) as e:
+            raise RequestError(f"the body is not valid JSON: {e}") from None
+        if not isinstance(body, dict):
+            raise RequestError("the body must be a JSON object")
+        return body
+
+    def _events(self, out: queue.Queue) -> Iterator[RequestOutput]:
+        """The engine's outputs for this HTTP request until it is done; raises what the engine reported."""
+        while True:
+            item = out.get()
+            if item is _DONE:
+                return
+            if isinstance(item, Exception):
+                raise item
+            yield item
+
+    # writing
+    def _choice_index(self, ids: list[str], rid: str, n: int, index: int) -> int:
+        return ids.index(rid) * n + index
+
+    def _respond(self, out: queue.Queue, request_id: str, ids: list[str], n: int, chat: bool) -> None:
+        final: dict[str, RequestOutput] = {}
+        try:
+            for o in self._events(out):
+                if o.finished:
+                    final[o.request_id] = o
+        except RequestError as e:
+            self._error(e)
+            return
+        except Exception as e:  # noqa: BLE001
+            self._error(RequestError(str(e), status=HTTPStatus.INTERNAL_SERVER_ERROR))
+            return
+        choices, prompt_tokens, completion_tokens = [], 0, 0
+        for rid in ids:
+            o = final[rid]
+            prompt_tokens += len(o.prompt_token_ids)
+            for c in o.outputs:
+                completion_tokens += len(c.token_ids)
+                idx = self._choice_index(ids, rid, n, c.index)
+                if chat:
+                    choices.append({"index": idx, "message": {"role": "assistant", "content": c.text},
+                                    "logprobs": None, "finish_reason": _finish_reason(c)})
+                else:
+                    choices.append({"index": idx, "text": c.text, "logprobs": _logprobs_json(c, c.token_ids, 0),
+                                    "finish_reason": _finish_reason(c)})
+        choices.sort(key=lambda ch: ch["index"])
+        self._json(HTTPStatus.OK, {
+            "id": request_id, "object": "chat.completion" if chat else "text_completion",
+            "created": int(time.time()), "model": self.state.model_name, "choices": choices,
+            "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+                      "total_tokens": prompt_tokens + completion_tokens}})
+
+    def _stream(self, out: queue.Queue, request_id: str, ids: list[str], n: int, chat: bool,
+                include_usage: bool) -> None:
+        """Server-sent events: one ``data: {chunk}`` per completion that advanced, then ``data: [DONE]``. A
+        client that goes away aborts its requests (the write fails) instead of leaving them to run."""
+        obj = "chat.completion.chunk" if chat else "text_completion"
+        created = int(time.time())
+        started = False
+        prompt_tokens = completion_tokens = 0
+        try:
+            for o in self._events(out):
+                if not started:
+                    self._start_events()
+                    started = True
+                for c in o.outputs:
+                    idx = self._choice_index(ids, o.request_id, n, c.index)
+                    completion_tokens += len(c.new_token_ids)
+                    if chat:
+                        choice = {"index": idx, "delta": {"role": "assistant", "content": c.delta_text},
+                                  "logprobs": None, "finish_reason": _finish_reason(c)}
+                    else:
+                        start = len(c.token_ids) - len(c.new_token_ids)
+                        choice = {"index": idx, "text": c.delta_text,
+                                  "logprobs": _logprobs_json(c, c.new_token_ids, start,
+                                                              len(c.text) - len(c.delta_text)),
+                                  "finish_reason": _finish_reason(c)}
+                    self._event({"id": request_id, "object": obj, "created": created,
+                                 "model": self.state.model_name, "choices": [choice]})
+                if o.finished:
+                    prompt_tokens += len(o.prompt_token_ids)
+            if include_usage:
+                self._event({"id": request_id, "object": obj, "created": created, "model": self.state.model_name,
+                             "choices": [], "usage": {"prompt_tokens": prompt_tokens,
+                                                      "completion_tokens": completion_tokens,
+                                                      "total_tokens": prompt_tokens + completion_tokens}})
+            self._write(b"data: [DONE]\n\n")
+        except (BrokenPipeError, ConnectionResetError):
+            self.state.loop.abort(ids)  # the client left: free its sequences for the others
+        except RequestError as e:
+            if started:
+                self._event({"error": {"message": str(e), "type": "BadRequestError", "param": e.param}})
+            else:
+                self._error(e)
+        except Exception as e:  # noqa: BLE001
+            if started:
+                self._event({"error": {"message": str(e), "type": "InternalServerError", "param": None}})
+            else:
+                self._error(RequestError(str(e), status=HTTPStatus.INTERNAL_SERVER_ERROR))
+        self.close_connection = True
+
+    def _start_events(self) -> None:
+        self.send_response(HTTPStatus.OK)
+        self.send_header("Content-Type", "text/event-stream")
+        self.send_header("Cache-Control", "no-cache")
+        self.send_header("Connection", "close")
+        self.end_headers()
+
+    def _event(self, payload: dict[str, Any]) -> None:
+        self._write(b"data: " + json.dumps(payload).encode() + b"\n\n")
+
+    def _write(self, data: bytes) -> None:
+        self.wfile.write(data)
+        self.wfile.flush()
+
+    def _json(self, status: HTTPStatus, payload: dict[str, Any]) -> None:
+        data = json.dumps(payload).encode()
+        try:
+            self.send_response(status)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+        except (BrokenPipeError, ConnectionResetError):  # the client left before its answer: nothing to do
+            self.close_connection = True
+
+    def _error(self, e: RequestError) -> None:
+        self.close_connection = True  # the body may not have been read: do not parse its rest as a request
+        kind = {HTTPStatus.NOT_FOUND: "NotFoundError", HTTPStatus.INTERNAL_SERVER_ERROR: "InternalServerError"}
+        self._json(e.status, {"error": {"message": str(e), "type": kind.get(e.status, "BadRequestError"),
+                                        "param": e.param, "code": int(e.status)}})
+
+
+class Server:
+    """A running server: ``url``, ``loop`` (the engine thread) and ``shutdown()``. Built by ``start_server``."""
+
+    def __init__(self, httpd: ThreadingHTTPServer, loop: EngineLoop, thread: threading.Thread) -> None:
+        self.httpd, self.loop, self._thread = httpd, loop, thread
+        host, port = httpd.server_address[:2]
+        self.url = f"http://{host}:{port}"
+
+    def shutdown(self) -> None:
+        self.httpd.shutdown()
+        self.httpd.server_close()
+        self.loop.stop()
+        self._thread.join(timeout=10)
+
+    def __enter__(self) -> "Server":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.shutdown()
+
+
+def start_server(llm, *, host: str = "127.0.0.1", port: int = 8000, model_name: str | None = None) -> Server:
+    """Serve ``llm`` (an ``LLM`` with ``batching="continuous"``) in background threads and return at once.
+    ``port=0`` picks a free port (``server.url`` tells which). Use as a context manager or call ``shutdown()``."""
+    if llm.engine is None:
+        raise ValueError("the server needs LLM(..., batching='continuous'): it drives the online LLMEngine")
+    loop = EngineLoop(llm.engine).start()
+    name = model_name or str(getattr(llm, "model_name", None) or llm.model_path.name)
+    state = ServerState(loop, name, llm.tokenizer, int(time.time()))
+    handler = type("MiniferHandler", (Handler,), {"state": state})
+    httpd = ThreadingHTTPServer((host, port), handler)
+    httpd.daemon_threads = True
+    thread = threading.Thread(target=httpd.serve_forever, name="minifer-http", daemon=True)
+    thread.start()
+    return Server(httpd, loop, thread)
+
+
+def main(argv: list[str] | None = None) -> int:
+    import argparse
+
+    from minifer import LLM
+
+    ap = argparse.ArgumentParser(prog="python -m minifer serve", description=__doc__.split("\n\n")[0])
+    ap.add_argument("model", help="bundled name, local HF folder or hub id")
+    ap.add_argument("--host", default="127.0.0.1")
+    ap.add_argument("--port", type=int, default=8000)
+    ap.add_argument("--served-model-name", default=None, help="the name clients pass as 'model' (default: MODEL)")
+    ap.add_argument("--dtype", default="auto")
+    ap.add_argument("--device", default=None)
+    ap.add_argument("--max-num-seqs", type=int, default=16)
+    ap.add_argument("--max-model-len", type=int, default=None)
+    ap.add_argument("--quantization", default=None, choices=["int8", "int4", "fp8"])
+    ap.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "int8", "fp8"])
+    ap.add_argument("--speculative-config", default=None, type=json.loads,
+                    help='JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\'')
+    args = ap.parse_args(argv)
+    llm = LLM(args.model, dtype=args.dtype, device=args.device, max_num_seqs=args.max_num_seqs,
+              max_model_len=args.max_model_len, quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype,
+              speculative_config=args.speculative_config)
+    server = start_server(llm, host=args.host, port=args.port, model_name=args.served_model_name or args.model)
+    print(f"serving {server.url}/v1 (model {args.served_model_name or args.model!r}); Ctrl-C stops", flush=True)
+    try:
+        while server.loop.alive():
+            time.sleep(0.5)
+    except KeyboardInterrupt:
+        pass
+    finally:
+        server.shutdown()
+    return 0

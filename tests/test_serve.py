@@ -1,0 +1,232 @@
+"""The OpenAI-compatible server (``minifer/serve.py``) against ``LLM.generate`` as the oracle: the same tokens
+over HTTP, alone and concurrently; streaming deltas that add up; clear 4xx errors that leave other requests
+alone; a client that disconnects has its request aborted and its blocks freed; a failing step fails only the
+requests in flight."""
+
+from __future__ import annotations
+
+import http.client
+import json
+import threading
+import time
+import urllib.error
+import urllib.request
+
+import pytest
+
+from minifer import LLM, SamplingParams
+from minifer.serve import start_server
+
+MODEL = "tiny"
+
+
+@pytest.fixture(scope="module")
+def llm():
+    return LLM("tinystories-target", max_num_seqs=8, num_kv_blocks=512)
+
+
+@pytest.fixture(scope="module")
+def server(llm):
+    with start_server(llm, port=0, model_name=MODEL) as srv:
+        yield srv
+
+
+def post(server, path: str, body, raw: bool = False):
+    data = body if isinstance(body, bytes) else json.dumps(body).encode()
+    req = urllib.request.Request(server.url + path, data, {"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=60) as r:
+            text = r.read().decode()
+            return r.status, text if raw else json.loads(text)
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
+
+
+def events(text: str) -> list:
+    chunks = [line.removeprefix("data: ") for line in text.split("\n\n") if line.startswith("data: ")]
+    assert chunks[-1] == "[DONE]"
+    return [json.loads(c) for c in chunks[:-1]]
+
+
+def greedy(n_tokens: int, **kw) -> dict:
+    return {"model": MODEL, "max_tokens": n_tokens, "temperature": 0, **kw}
+
+
+def test_health_models_and_unknown_routes(server):
+    with urllib.request.urlopen(server.url + "/health") as r:
+        assert json.loads(r.read()) == {"status": "ok"}
+    with urllib.request.urlopen(server.url + "/v1/models") as r:
+        assert [m["id"] for m in json.loads(r.read())["data"]] == [MODEL]
+    status, body = post(server, "/v1/nope", {})
+    assert status == 404 and "no route" in body["error"]["message"]
+
+
+def test_completion_equals_generate(server, llm):
+    status, body = post(server, "/v1/completions", greedy(24, prompt="Once upon a time"))
+    want = llm.generate(["Once upon a time"], SamplingParams(temperature=0, max_tokens=24), use_tqdm=False)[0]
+    assert status == 200 and body["object"] == "text_completion" and body["model"] == MODEL
+    assert body["choices"][0]["text"] == want.outputs[0].text
+    assert body["choices"][0]["finish_reason"] == want.outputs[0].finish_reason
+    assert body["usage"] == {"prompt_tokens": len(want.prompt_token_ids),
+                             "completion_tokens": len(want.outputs[0].token_ids),
+                             "total_tokens": len(want.prompt_token_ids) + len(want.outputs[0].token_ids)}
+    ids = want.prompt_token_ids
+    status, by_ids = post(server, "/v1/completions", greedy(24, prompt=ids))
+    assert status == 200 and by_ids["choices"][0]["text"] == want.outputs[0].text
+
+
+def test_concurrent_requests_share_steps_and_match(server, llm):
+    prompts = [f"Tom saw {w}" for w in ("a dog", "the sea", "a big red ball", "his mom", "a bird", "Lily",
+                                         "a cake", "the moon")]
+    want = [o.outputs[0].text for o in llm.generate(prompts, SamplingParams(temperature=0, max_tokens=40,
+                                                                             ignore_eos=True), use_tqdm=False)]
+    server.loop.peak_in_flight = 0
+    got: dict[int, str] = {}
+
+    def one(i: int) -> None:
+        status, body = post(server, "/v1/completions", greedy(40, prompt=prompts[i], ignore_eos=True))
+        got[i] = body["choices"][0]["text"] if status == 200 else f"HTTP {status}"
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(len(prompts))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert [got[i] for i in range(len(prompts))] == want
+    assert server.loop.peak_in_flight > 1  # they were in the engine together, batched by its scheduler
+
+
+def test_stream_deltas_add_up(server):
+    body = greedy(30, prompt="Lily and Ben", stream=True, stream_options={"include_usage": True})
+    status, text = post(server, "/v1/completions", body, raw=True)
+    chunks = events(text)
+    _, whole = post(server, "/v1/completions", greedy(30, prompt="Lily and Ben"))
+    assert status == 200
+    assert "".join(c["choices"][0]["text"] for c in chunks if c["choices"]) == whole["choices"][0]["text"]
+    assert chunks[-2]["choices"][0]["finish_reason"] == whole["choices"][0]["finish_reason"]
+    assert all(c["choices"][0]["finish_reason"] is None for c in chunks[:-2])
+    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"] == whole["usage"]
+
+
+def test_n_and_several_prompts_number_their_choices(server, llm):
+    prompts = ["Once upon a time", "The cat"]
+    status, body = post(server, "/v1/completions", {"model": MODEL, "prompt": prompts, "n": 2, "seed": 5,
+                                                    "temperature": 1.0, "max_tokens": 12})
+    want = llm.generate(prompts, SamplingParams(n=2, seed=5, temperature=1.0, max_tokens=12), use_tqdm=False)
+    assert status == 200
+    assert [c["index"] for c in body["choices"]] == [0, 1, 2, 3]
+    assert [c["text"] for c in body["choices"]] == [c.text for o in want for c in o.outputs]
+
+
+def test_logprobs(server):
+    status, body = post(server, "/v1/completions", greedy(6, prompt="Once upon a time", logprobs=2))
+    lp = body["choices"][0]["logprobs"]
+    assert status == 200 and len(lp["tokens"]) == len(lp["token_logprobs"]) == body["usage"]["completion_tokens"]
+    assert "".join(lp["tokens"]) == body["choices"][0]["text"]
+    assert all(x <= 0 for x in lp["token_logprobs"]) and all(1 <= len(t) <= 3 for t in lp["top_logprobs"])
+    assert lp["text_offset"][0] == 0 and lp["text_offset"] == sorted(lp["text_offset"])
+
+
+@pytest.mark.parametrize("body,status,param,words", [
+    (greedy(8, prompt="Hi", temperature=-1), 400, "temperature", "temperature must be >= 0"),
+    (greedy(8, prompt="Hi", foo=1), 400, "foo", "unknown field"),
+    (greedy(8, prompt="Hi", presence_penalty=0.5), 400, "presence_penalty", "not supported"),
+    (greedy(8, prompt="Hi", n=0), 400, "n", "SamplingParams.n"),
+    (greedy(8, prompt="Hi", stream="yes"), 400, "stream", "true or false"),
+    (greedy(8), 400, "prompt", "missing field 'prompt'"),
+    (greedy(8, prompt=[]), 400, "prompt", "non-empty"),
+    (greedy(8, prompt=[1, 999999]), 400, None, "out of the vocabulary"),
+    (greedy(8, prompt="word " * 3000), 400, None, "max_model_len"),
+    ({"prompt": "Hi"}, 400, "model", "missing field 'model'"),
+    ({"model": "gpt-4", "prompt": "Hi"}, 404, "model", "not served here"),
+])
+def test_bad_requests_are_refused_clearly_while_others_run(server, body, status, param, words):
+    result: dict = {}
+    good = threading.Thread(target=lambda: result.update(ok=post(server, "/v1/completions",
+                                                                 greedy(30, prompt="Tom", ignore_eos=True))))
+    good.start()
+    got, err = post(server, "/v1/completions", body)
+    good.join()
+    assert got == status and words in err["error"]["message"] and err["error"]["param"] == param
+    assert result["ok"][0] == 200 and result["ok"][1]["usage"]["completion_tokens"] == 30
+
+
+def test_bad_json_and_chat_without_template(server):
+    status, err = post(server, "/v1/completions", b"{not json")
+    assert status == 400 and "not valid JSON" in err["error"]["message"]
+    status, err = post(server, "/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user",
+                                                                                     "content": "hi"}]})
+    assert status == 400 and "no chat template" in err["error"]["message"]
+    status, err = post(server, "/v1/chat/completions", {"model": MODEL, "messages": "hi"})
+    assert status == 400 and err["error"]["param"] == "messages"
+
+
+def test_client_that_leaves_mid_stream_is_aborted(server, llm):
+    host, port = server.url.removeprefix("http://").split(":")
+    aborted = server.loop.aborted
+    conn = http.client.HTTPConnection(host, int(port), timeout=30)
+    conn.request("POST", "/v1/completions", json.dumps(greedy(400, prompt="Once", stream=True, ignore_eos=True)),
+                 {"Content-Type": "application/json"})
+    resp = conn.getresponse()
+    assert resp.status == 200 and resp.readline().startswith(b"data: ")
+    resp.close()  # the client goes away after the first token (the response owns the socket: Connection: close)
+    conn.close()
+    deadline = time.time() + 30
+    while llm.engine.requests and time.time() < deadline:  # the next write fails and the request is aborted
+        time.sleep(0.05)
+    assert not llm.engine.requests and server.loop.aborted == aborted + 1  # aborted, not run to its 400 tokens
+    stats = llm.stats()
+    assert stats["kv_blocks_free"] == stats["kv_blocks_total"]
+    llm.engine.block_manager.check_invariants()
+
+
+def test_a_failing_step_fails_the_requests_in_flight_and_the_server_goes_on():
+    llm = LLM("tinystories-draft", max_num_seqs=4)
+    with start_server(llm, port=0, model_name=MODEL) as srv:
+        real_step, calls = llm.engine.step, []
+
+        def broken_once():
+            calls.append(1)
+            if len(calls) == 3:
+                raise RuntimeError("injected fault")
+            return real_step()
+
+        llm.engine.step = broken_once
+        status, err = post(srv, "/v1/completions", greedy(20, prompt="Tom", ignore_eos=True))
+        assert status == 500 and "injected fault" in err["error"]["message"]
+        status, body = post(srv, "/v1/completions", greedy(5, prompt="Tom"))
+        assert status == 200 and body["choices"][0]["text"]
+        assert not llm.engine.requests and llm.stats()["kv_blocks_free"] == llm.stats()["kv_blocks_total"]
+
+
+def test_cli_help(capsys):
+    from minifer.__main__ import main
+
+    with pytest.raises(SystemExit) as e:
+        main(["serve", "--help"])
+    assert e.value.code == 0 and "--port" in capsys.readouterr().out
+
+
+def test_command_line_server_starts_answers_and_stops_on_ctrl_c():
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    proc = subprocess.Popen([sys.executable, "-m", "minifer", "serve", "tinystories-draft", "--port", "0",
+                             "--served-model-name", "d", "--max-num-seqs", "2"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    try:
+        line = proc.stdout.readline()
+        assert line.startswith("serving http://"), (line, proc.stderr.read() if proc.poll() is not None else "")
+        url = line.split()[1].removesuffix("/v1")
+        req = urllib.request.Request(url + "/v1/completions", json.dumps(
+            {"model": "d", "prompt": "Tom", "max_tokens": 4}).encode(), {"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=60) as r:
+            assert r.status == 200 and json.loads(r.read())["usage"]["completion_tokens"] == 4
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(timeout=30) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
