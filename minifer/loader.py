@@ -190,3 +190,12 @@ def load_tokenizer(path: Path):
         return AutoTokenizer.from_pretrained(str(path))
     except Exception as e:  # corrupt or incompatible tokenizer files
         raise ModelLoadError(f"{path}: cannot load the tokenizer ({type(e).__name__}: {e})") from e
+
+
+def chat_token_ids(tokenizer, messages: list[dict[str, str]]) -> list[int]:
+    """The prompt of a conversation: the tokenizer's chat template with the assistant's turn opened. transformers
+    4.x returns a list of ids here, 5.x a ``BatchEncoding`` (a mapping with ``input_ids``); both are accepted."""
+    from collections.abc import Mapping
+
+    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    return list(ids["input_ids"] if isinstance(ids, Mapping) else ids)

@@ -27,6 +27,9 @@ from __future__ import annotations
 
 import json
 import queue
+import select
+import signal
+import socket
 import threading
 import time
 import traceback
@@ -37,11 +40,13 @@ from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
+from minifer.loader import chat_token_ids
 from minifer.outputs import CompletionOutput, RequestOutput
 from minifer.sampling import SamplingParams
 
 _DONE = object()  # an HTTP request's queue gets this once none of its engine requests will report again
 MAX_BODY_BYTES = 16 * 2**20
+POLL_S = 0.25  # how often a waiting handler checks that its client and the engine loop are still there
 
 
 class RequestError(ValueError):
@@ -74,6 +79,7 @@ class EngineLoop:
         self.peak_in_flight = 0  # most unfinished engine requests at once so far (the batching traffic allowed)
 
     def start(self) -> "EngineLoop":
+        self.engine.owner = self._thread  # from now on other threads get a clear error if they step it
         self._thread.start()
         return self
 
@@ -83,32 +89,56 @@ class EngineLoop:
     def stop(self) -> None:
         self._stop.set()
         self._commands.put(None)
-        self._thread.join(timeout=10)
+        self._thread.join(timeout=30)
 
     def submit(self, requests: list[tuple[str, Any, SamplingParams]]) -> queue.Queue:
         out: queue.Queue = queue.Queue()
-        self._commands.put(("add", requests, out))
+        if self._stop.is_set() or not self.alive():
+            out.put(RuntimeError("the engine loop has stopped"))
+            out.put(_DONE)
+        else:
+            self._commands.put(("add", requests, out))
         return out
 
     def abort(self, request_ids: list[str]) -> None:
         self._commands.put(("abort", request_ids, None))
 
     def _run(self) -> None:
-        while not self._stop.is_set():
-            busy = self.engine.has_unfinished_requests()
-            try:  # idle: sleep until a command arrives; busy: take what is queued, then step
-                cmd = self._commands.get_nowait() if busy else self._commands.get()
-            except queue.Empty:
-                cmd = None
-            while cmd is not None:
-                self._apply(*cmd)
+        try:
+            while not self._stop.is_set():
+                try:
+                    self._iteration()
+                except Exception as e:  # noqa: BLE001 - whatever went wrong, fail what was in flight and go on
+                    traceback.print_exc()
+                    self._fail_all(RuntimeError(f"engine failed: {type(e).__name__}: {e}"))
+        finally:  # stopped: nobody may wait for this loop any more
+            self._stop.set()
+            self._fail_all(RuntimeError("the engine loop has stopped"))
+            self.engine.owner = None
+            while True:
                 try:
                     cmd = self._commands.get_nowait()
                 except queue.Empty:
-                    cmd = None
-            self.peak_in_flight = max(self.peak_in_flight, len(self.engine.requests))
-            if self.engine.has_unfinished_requests():
-                self._step()
+                    break
+                if cmd is not None and cmd[0] == "add":
+                    cmd[2].put(RuntimeError("the engine loop has stopped"))
+                    cmd[2].put(_DONE)
+
+    def _iteration(self) -> None:
+        busy = self.engine.has_unfinished_requests()
+        try:  # idle: sleep until a command arrives; busy: take what is queued, then step
+            cmd = self._commands.get_nowait() if busy else self._commands.get()
+        except queue.Empty:
+            cmd = None
+        while cmd is not None:
+            self._apply(*cmd)
+            try:
+                cmd = self._commands.get_nowait()
+            except queue.Empty:
+                cmd = None
+        self.peak_in_flight = max(self.peak_in_flight, len(self.engine.requests))
+        if self.engine.has_unfinished_requests():
+            self._step()
 
     def _apply(self, kind: str, items: list, out: queue.Queue | None) -> None:
         if kind == "abort":
@@ -118,6 +148,7 @@ class EngineLoop:
                     self.aborted += 1
                 self._finish(rid)
             return
+        assert out is not None
         added: list[str] = []
         try:
             for rid, prompt, params in items:
@@ -139,15 +170,7 @@ class EngineLoop:
             outputs = self.engine.step()
         except Exception as e:  # noqa: BLE001 - a bug in a step must not stop the server: fail what was in flight
             traceback.print_exc()
-            for rid in list(self._routes):
-                try:
-                    if rid in self.engine.requests:
-                        self.engine.abort_request(rid)
-                except Exception:  # noqa: BLE001 - the failed step may have left it half-updated: report, go on
-                    traceback.print_exc()
-                out, _ = self._routes[rid]
-                out.put(RuntimeError(f"engine step failed: {type(e).__name__}: {e}"))
-                self._finish(rid)
+            self._fail_all(RuntimeError(f"engine step failed: {type(e).__name__}: {e}"))
             return
         self.steps += 1
         for o in outputs:
@@ -157,6 +180,19 @@ class EngineLoop:
             route[0].put(o)
             if o.finished:
                 self._finish(o.request_id)
+
+    def _fail_all(self, error: Exception) -> None:
+        """Abort every request in flight (finished-but-unretired ones too: a step may fail half-way) and tell
+        their HTTP requests; a request the engine cannot even abort is still reported."""
+        for rid in list(self._routes):
+            try:
+                if rid in self.engine.requests:
+                    self.engine.abort_request(rid)
+            except Exception:  # noqa: BLE001
+                traceback.print_exc()
+            out, _ = self._routes[rid]
+            out.put(error)
+            self._finish(rid)
 
     def _finish(self, rid: str) -> None:
         """Forget an engine request; its HTTP request's queue is closed once all its siblings are done."""
@@ -190,13 +226,13 @@ def sampling_params(body: dict[str, Any], *, chat: bool) -> SamplingParams:
         if name in body and allowed is not None and body[name] not in allowed and body[name] != {}:
             raise RequestError(f"{name}={body[name]!r} is not supported by minifer", name)
     kwargs = {field: body[name] for name, field in _SAMPLING_FIELDS.items() if name in body}
-    if chat and "max_completion_tokens" in body:
+    if "max_completion_tokens" in body:  # OpenAI's newer name
         kwargs["max_tokens"] = body["max_completion_tokens"]
     kwargs.setdefault("max_tokens", None if chat else 16)
     logprobs = body.get("logprobs")
-    if chat and logprobs:
+    if chat and (logprobs or body.get("top_logprobs")):
         raise RequestError("logprobs are not supported on /v1/chat/completions by minifer: use /v1/completions",
-                           "logprobs")
+                           "logprobs" if logprobs else "top_logprobs")
     if not chat and logprobs is not None:
         kwargs["logprobs"] = logprobs
     try:
@@ -232,8 +268,10 @@ def _chat_prompt(body: dict[str, Any], tokenizer):
         raise RequestError("this model's tokenizer has no chat template: use /v1/completions", "messages")
 
     def encode() -> dict[str, list[int]]:
-        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-        return {"prompt_token_ids": list(ids["input_ids"] if isinstance(ids, dict) else ids)}
+        try:
+            return {"prompt_token_ids": chat_token_ids(tokenizer, messages)}
+        except Exception as e:  # noqa: BLE001 - a template that rejects these messages (jinja raises its own)
+            raise RequestError(f"the chat template failed on these messages: {e}", "messages") from None
 
     return encode
 
@@ -254,10 +292,6 @@ def _logprobs_json(c: CompletionOutput, token_ids: list[int], start: int, text_s
     return {"tokens": tokens, "token_logprobs": [e[t].logprob for e, t in zip(entries, token_ids)],
             "top_logprobs": [{(lp.decoded_token or str(tid)): lp.logprob for tid, lp in e.items()} for e in entries],
             "text_offset": offsets}
-
-
-def _finish_reason(c: CompletionOutput) -> str | None:
-    return c.finish_reason  # "stop", "length", or "abort" (vLLM reports aborted requests the same way)
 
 
 # --- HTTP -----------------------------------------------------------------------------------------------
@@ -343,99 +377,123 @@ class Handler(BaseHTTPRequestHandler):
             raise RequestError("the body must be a JSON object")
         return body
 
-    def _events(self, out: queue.Queue) -> Iterator[RequestOutput]:
-        """The engine's outputs for this HTTP request until it is done; raises what the engine reported."""
+    def _events(self, out: queue.Queue, ids: list[str]) -> Iterator[RequestOutput]:
+        """The engine's outputs for this HTTP request until it is done; raises what the engine reported. While
+        waiting it checks every ``POLL_S`` that the engine loop is alive and that the client is still there (one
+        that left has its requests aborted: ``ClientGone``)."""
+        checked = time.monotonic()
         while True:
-            item = out.get()
+            try:
+                item = out.get(timeout=POLL_S)
+            except queue.Empty:
+                item = None
+            if item is None or time.monotonic() - checked > POLL_S:  # outputs may come every step: check anyway
+                checked = time.monotonic()
+                if not self.state.loop.alive() and item is None:
+                    raise RuntimeError("the engine loop has stopped")
+                if self._client_gone():
+                    self.state.loop.abort(ids)
+                    raise ClientGone()
+            if item is None:
+                continue
             if item is _DONE:
                 return
             if isinstance(item, Exception):
                 raise item
             yield item
 
-    # writing
-    def _choice_index(self, ids: list[str], rid: str, n: int, index: int) -> int:
-        return ids.index(rid) * n + index
-
-    def _respond(self, out: queue.Queue, request_id: str, ids: list[str], n: int, chat: bool) -> None:
-        final: dict[str, RequestOutput] = {}
+    def _client_gone(self) -> bool:
+        """Whether the client closed its end: its socket reads as end-of-file (it sends nothing more after the
+        request it is waiting for)."""
         try:
-            for o in self._events(out):
-                if o.finished:
-                    final[o.request_id] = o
+            readable, _, _ = select.select([self.connection], [], [], 0)
+            return bool(readable) and self.connection.recv(1, socket.MSG_PEEK) == b""
+        except OSError:
+            return True
+
+    # writing
+    def _respond(self, out: queue.Queue, request_id: str, ids: list[str], n: int, chat: bool) -> None:
+        latest: dict[tuple[str, int], CompletionOutput] = {}  # each completion's last report (they end apart)
+        prompt_lens: dict[str, int] = {}
+        try:
+            for o in self._events(out, ids):
+                prompt_lens[o.request_id] = len(o.prompt_token_ids)
+                for c in o.outputs:
+                    latest[o.request_id, c.index] = c
+        except ClientGone:
+            self.close_connection = True
+            return
         except RequestError as e:
             self._error(e)
             return
         except Exception as e:  # noqa: BLE001
             self._error(RequestError(str(e), status=HTTPStatus.INTERNAL_SERVER_ERROR))
             return
-        choices, prompt_tokens, completion_tokens = [], 0, 0
-        for rid in ids:
-            o = final[rid]
-            prompt_tokens += len(o.prompt_token_ids)
-            for c in o.outputs:
-                completion_tokens += len(c.token_ids)
-                idx = self._choice_index(ids, rid, n, c.index)
-                if chat:
-                    choices.append({"index": idx, "message": {"role": "assistant", "content": c.text},
-                                    "logprobs": None, "finish_reason": _finish_reason(c)})
-                else:
-                    choices.append({"index": idx, "text": c.text, "logprobs": _logprobs_json(c, c.token_ids, 0),
-                                    "finish_reason": _finish_reason(c)})
-        choices.sort(key=lambda ch: ch["index"])
+        choices = []
+        for (rid, index), c in sorted(latest.items(), key=lambda kv: _choice_index(ids, kv[0][0], n, kv[0][1])):
+            idx = _choice_index(ids, rid, n, index)
+            if chat:
+                choices.append({"index": idx, "message": {"role": "assistant", "content": c.text},
+                                "logprobs": None, "finish_reason": c.finish_reason})
+            else:
+                choices.append({"index": idx, "text": c.text, "logprobs": _logprobs_json(c, c.token_ids, 0),
+                                "finish_reason": c.finish_reason})
+        prompt_tokens = sum(prompt_lens.values())
+        completion_tokens = sum(len(c.token_ids) for c in latest.values())
         self._json(HTTPStatus.OK, {
             "id": request_id, "object": "chat.completion" if chat else "text_completion",
             "created": int(time.time()), "model": self.state.model_name, "choices": choices,
-            "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-                      "total_tokens": prompt_tokens + completion_tokens}})
+            "usage": _usage(prompt_tokens, completion_tokens)})
 
     def _stream(self, out: queue.Queue, request_id: str, ids: list[str], n: int, chat: bool,
                 include_usage: bool) -> None:
         """Server-sent events: one ``data: {chunk}`` per completion that advanced, then ``data: [DONE]``. A
-        client that goes away aborts its requests (the write fails) instead of leaving them to run."""
+        client that goes away has its requests aborted instead of left to run."""
         obj = "chat.completion.chunk" if chat else "text_completion"
         created = int(time.time())
+        head = {"id": request_id, "object": obj, "created": created, "model": self.state.model_name}
         started = False
+        text_pos: dict[tuple[str, int], int] = {}  # characters streamed so far per completion (logprob offsets)
         prompt_tokens = completion_tokens = 0
         try:
-            for o in self._events(out):
+            for o in self._events(out, ids):
                 if not started:
                     self._start_events()
                     started = True
                 for c in o.outputs:
-                    idx = self._choice_index(ids, o.request_id, n, c.index)
+                    key = (o.request_id, c.index)
+                    idx = _choice_index(ids, o.request_id, n, c.index)
                     completion_tokens += len(c.new_token_ids)
                     if chat:
-                        choice = {"index": idx, "delta": {"role": "assistant", "content": c.delta_text},
-                                  "logprobs": None, "finish_reason": _finish_reason(c)}
+                        delta = {"content": c.delta_text} if key in text_pos else {"role": "assistant",
+                                                                                   "content": c.delta_text}
+                        choice = {"index": idx, "delta": delta, "logprobs": None, "finish_reason": c.finish_reason}
                     else:
                         start = len(c.token_ids) - len(c.new_token_ids)
                         choice = {"index": idx, "text": c.delta_text,
-                                  "logprobs": _logprobs_json(c, c.new_token_ids, start,
-                                                              len(c.text) - len(c.delta_text)),
-                                  "finish_reason": _finish_reason(c)}
-                    self._event({"id": request_id, "object": obj, "created": created,
-                                 "model": self.state.model_name, "choices": [choice]})
+                                  "logprobs": _logprobs_json(c, c.new_token_ids, start, text_pos.get(key, 0)),
+                                  "finish_reason": c.finish_reason}
+                    text_pos[key] = text_pos.get(key, 0) + len(c.delta_text)
+                    self._event({**head, "choices": [choice]})
                 if o.finished:
                     prompt_tokens += len(o.prompt_token_ids)
             if include_usage:
-                self._event({"id": request_id, "object": obj, "created": created, "model": self.state.model_name,
-                             "choices": [], "usage": {"prompt_tokens": prompt_tokens,
-                                                      "completion_tokens": completion_tokens,
-                                                      "total_tokens": prompt_tokens + completion_tokens}})
+                self._event({**head, "choices": [], "usage": _usage(prompt_tokens, completion_tokens)})
             self._write(b"data: [DONE]\n\n")
-        except (BrokenPipeError, ConnectionResetError):
-            self.state.loop.abort(ids)  # the client left: free its sequences for the others
-        except RequestError as e:
-            if started:
-                self._event({"error": {"message": str(e), "type": "BadRequestError", "param": e.param}})
-            else:
-                self._error(e)
-        except Exception as e:  # noqa: BLE001
-            if started:
-                self._event({"error": {"message": str(e), "type": "InternalServerError", "param": None}})
-            else:
-                self._error(RequestError(str(e), status=HTTPStatus.INTERNAL_SERVER_ERROR))
+        except ClientGone:
+            pass
+        except OSError:  # the client went away while we wrote (broken pipe, reset, ...): free its sequences
+            self.state.loop.abort(ids)
+        except Exception as e:  # noqa: BLE001 - RequestError (400) or a failure (500)
+            err = e if isinstance(e, RequestError) else RequestError(str(e), status=HTTPStatus.INTERNAL_SERVER_ERROR)
+            if not started:
+                self._error(err)
+            else:  # the status line has gone: report in the stream, as vLLM does, and end it
+                try:
+                    self._event({"error": _error_body(err)})
+                    self._write(b"data: [DONE]\n\n")
+                except OSError:
+                    pass
         self.close_connection = True
 
     def _start_events(self) -> None:
@@ -452,22 +510,42 @@ class Handler(BaseHTTPRequestHandler):
         self.wfile.write(data)
         self.wfile.flush()
 
-    def _json(self, status: HTTPStatus, payload: dict[str, Any]) -> None:
+    def _json(self, status: HTTPStatus, payload: dict[str, Any], close: bool = False) -> None:
         data = json.dumps(payload).encode()
         try:
             self.send_response(status)
             self.send_header("Content-Type", "application/json")
             self.send_header("Content-Length", str(len(data)))
+            if close:
+                self.send_header("Connection", "close")
             self.end_headers()
             self.wfile.write(data)
-        except (BrokenPipeError, ConnectionResetError):  # the client left before its answer: nothing to do
+        except OSError:  # the client left before its answer: nothing to do
             self.close_connection = True
 
     def _error(self, e: RequestError) -> None:
         self.close_connection = True  # the body may not have been read: do not parse its rest as a request
-        kind = {HTTPStatus.NOT_FOUND: "NotFoundError", HTTPStatus.INTERNAL_SERVER_ERROR: "InternalServerError"}
-        self._json(e.status, {"error": {"message": str(e), "type": kind.get(e.status, "BadRequestError"),
-                                        "param": e.param, "code": int(e.status)}})
+        self._json(e.status, {"error": _error_body(e)}, close=True)
+
+
+class ClientGone(Exception):
+    """The client of an HTTP request closed its connection while waiting."""
+
+
+def _choice_index(ids: list[str], rid: str, n: int, index: int) -> int:
+    """OpenAI numbers the choices of several prompts consecutively: prompt ``p``'s completion ``i`` is ``p*n+i``."""
+    return ids.index(rid) * n + index
+
+
+def _usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
+def _error_body(e: RequestError) -> dict[str, Any]:
+    kind = {HTTPStatus.NOT_FOUND: "NotFoundError", HTTPStatus.INTERNAL_SERVER_ERROR: "InternalServerError",
+            HTTPStatus.REQUEST_ENTITY_TOO_LARGE: "RequestTooLargeError"}
+    return {"message": str(e), "type": kind.get(e.status, "BadRequestError"), "param": e.param, "code": int(e.status)}
 
 
 class Server:
@@ -530,6 +608,12 @@ def main(argv: list[str] | None = None) -> int:
               max_model_len=args.max_model_len, quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype,
               speculative_config=args.speculative_config)
     server = start_server(llm, host=args.host, port=args.port, model_name=args.served_model_name or args.model)
+
+    def stop(signum: int, frame: Any) -> None:  # Ctrl-C, or SIGTERM from a process manager: a clean shutdown
+        raise KeyboardInterrupt
+
+    for sig in (signal.SIGINT, signal.SIGTERM):  # set, not inherited: a parent may have told us to ignore them
+        signal.signal(sig, stop)
     print(f"serving {server.url}/v1 (model {args.served_model_name or args.model!r}); Ctrl-C stops", flush=True)
     try:
         while server.loop.alive():
@@ -537,5 +621,9 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         pass
     finally:
+        died = not server.loop.alive()
         server.shutdown()
+    if died:
+        print("the engine loop stopped on its own (see the traceback above)", flush=True)
+        return 1
     return 0

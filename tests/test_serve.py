@@ -22,12 +22,14 @@ MODEL = "tiny"
 
 @pytest.fixture(scope="module")
 def llm():
+    """The oracle: ``LLM.generate`` on its own engine (a served engine belongs to the server's thread)."""
     return LLM("tinystories-target", max_num_seqs=8, num_kv_blocks=512)
 
 
 @pytest.fixture(scope="module")
 def server(llm):
-    with start_server(llm, port=0, model_name=MODEL) as srv:
+    served = LLM("tinystories-target", max_num_seqs=8, num_kv_blocks=512, share_weights_with=llm)
+    with start_server(served, port=0, model_name=MODEL) as srv:
         yield srv
 
 
@@ -161,7 +163,8 @@ def test_bad_json_and_chat_without_template(server):
     assert status == 400 and err["error"]["param"] == "messages"
 
 
-def test_client_that_leaves_mid_stream_is_aborted(server, llm):
+def test_client_that_leaves_mid_stream_is_aborted(server):
+    engine = server.loop.engine
     host, port = server.url.removeprefix("http://").split(":")
     aborted = server.loop.aborted
     conn = http.client.HTTPConnection(host, int(port), timeout=30)
@@ -172,12 +175,12 @@ def test_client_that_leaves_mid_stream_is_aborted(server, llm):
     resp.close()  # the client goes away after the first token (the response owns the socket: Connection: close)
     conn.close()
     deadline = time.time() + 30
-    while llm.engine.requests and time.time() < deadline:  # the next write fails and the request is aborted
+    while engine.requests and time.time() < deadline:  # the next write fails and the request is aborted
         time.sleep(0.05)
-    assert not llm.engine.requests and server.loop.aborted == aborted + 1  # aborted, not run to its 400 tokens
-    stats = llm.stats()
+    assert not engine.requests and server.loop.aborted == aborted + 1  # aborted, not run to its 400 tokens
+    time.sleep(0.3)  # let the loop finish the abort before reading its state from this thread
+    stats = engine.stats()
     assert stats["kv_blocks_free"] == stats["kv_blocks_total"]
-    llm.engine.block_manager.check_invariants()
 
 
 def test_a_failing_step_fails_the_requests_in_flight_and_the_server_goes_on():
@@ -230,3 +233,134 @@ def test_command_line_server_starts_answers_and_stops_on_ctrl_c():
     finally:
         if proc.poll() is None:
             proc.kill()
+
+
+LONG_PROMPT = "Once upon a time, there was a little girl named Lily. She loved to play outside in the park"
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_completions_that_end_at_different_steps_all_come_back(server, llm, stream):
+    """n=3 on a prompt longer than a block: the siblings start a step after the first completion (they wait for
+    its prompt blocks), so the completions finish in different steps; every one must be in the answer."""
+    body = {"model": MODEL, "prompt": LONG_PROMPT, "n": 3, "seed": 3, "temperature": 1.0, "max_tokens": 10,
+            "ignore_eos": True, "stream": stream}
+    want = llm.generate([LONG_PROMPT], SamplingParams(n=3, seed=3, temperature=1.0, max_tokens=10, ignore_eos=True),
+                        use_tqdm=False)[0]
+    status, got = post(server, "/v1/completions", body, raw=stream)
+    assert status == 200
+    if stream:
+        texts = {}
+        for chunk in events(got):
+            for c in chunk["choices"]:
+                texts[c["index"]] = texts.get(c["index"], "") + c["text"]
+        assert [texts[i] for i in range(3)] == [c.text for c in want.outputs]
+    else:
+        assert [c["text"] for c in got["choices"]] == [c.text for c in want.outputs]
+        assert got["usage"]["completion_tokens"] == 30
+
+
+def test_streamed_text_never_includes_a_stop_string_it_later_cuts(server, llm):
+    direct = llm.generate(["Once upon a time"], SamplingParams(temperature=0, max_tokens=40), use_tqdm=False)[0]
+    stop = "named Lily"  # several tokens: " named", " Lily"; the stream must not send " named" and take it back
+    assert stop in direct.outputs[0].text
+    status, text = post(server, "/v1/completions", greedy(40, prompt="Once upon a time", stop=[stop], stream=True),
+                        raw=True)
+    streamed = "".join(c["choices"][0]["text"] for c in events(text))
+    _, whole = post(server, "/v1/completions", greedy(40, prompt="Once upon a time", stop=[stop]))
+    assert status == 200 and streamed == whole["choices"][0]["text"] == direct.outputs[0].text.split(stop)[0]
+    assert whole["choices"][0]["finish_reason"] == "stop"
+
+
+def test_chat_through_a_template():
+    llm = LLM("tinystories-draft", max_num_seqs=4)
+    llm.tokenizer.chat_template = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+                                   "{% if add_generation_prompt %}assistant:{% endif %}")
+    messages = [{"role": "user", "content": "Tell me about a cat."}]
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    want = llm.chat(messages, params)[0].outputs[0].text
+    with start_server(llm, port=0, model_name=MODEL) as srv:
+        body = {"model": MODEL, "messages": messages, "temperature": 0, "max_tokens": 12, "ignore_eos": True}
+        status, got = post(srv, "/v1/chat/completions", body)
+        assert status == 200 and got["object"] == "chat.completion"
+        assert got["choices"][0]["message"] == {"role": "assistant", "content": want}
+        status, text = post(srv, "/v1/chat/completions", {**body, "stream": True}, raw=True)
+        chunks = events(text)
+        assert all(c["object"] == "chat.completion.chunk" for c in chunks)
+        assert chunks[0]["choices"][0]["delta"]["role"] == "assistant"
+        assert all("role" not in c["choices"][0]["delta"] for c in chunks[1:])
+        assert "".join(c["choices"][0]["delta"]["content"] for c in chunks) == want
+        status, err = post(srv, "/v1/chat/completions", {**body, "logprobs": True})
+        assert status == 400 and err["error"]["param"] == "logprobs"
+
+
+def test_a_step_failing_after_tokens_were_appended_leaves_nothing_behind():
+    """The fault hits after every sequence got its token (some finished) but before the step retired them."""
+    llm = LLM("tinystories-draft", max_num_seqs=4)
+    bm = llm.engine.block_manager
+    real, calls = bm.register_computed, []
+
+    def broken(*args):
+        calls.append(1)
+        if len(calls) == 5:
+            raise RuntimeError("injected late fault")
+        return real(*args)
+
+    bm.register_computed = broken
+    with start_server(llm, port=0, model_name=MODEL) as srv:
+        results = []
+        threads = [threading.Thread(target=lambda m=m: results.append(post(srv, "/v1/completions", greedy(
+            m, prompt="Tom", ignore_eos=True)))) for m in (1, 2, 30, 30)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert any(status == 500 and "injected late fault" in body["error"]["message"] for status, body in results)
+        status, body = post(srv, "/v1/completions", greedy(5, prompt="Lily"))
+        assert status == 200 and body["usage"]["completion_tokens"] == 5
+        deadline = time.time() + 10
+        while llm.engine.requests and time.time() < deadline:
+            time.sleep(0.05)
+        assert not llm.engine.requests and not llm.engine.scheduler.running
+        assert llm.stats()["kv_blocks_free"] == llm.stats()["kv_blocks_total"]
+        bm.check_invariants()
+
+
+def test_shutdown_with_requests_in_flight_answers_them_and_the_engine_is_free_again():
+    llm = LLM("tinystories-draft", max_num_seqs=2)
+    srv = start_server(llm, port=0, model_name=MODEL)
+    result = {}
+    t = threading.Thread(target=lambda: result.update(r=post(srv, "/v1/completions", greedy(
+        500, prompt="Tom", ignore_eos=True))))
+    t.start()
+    deadline = time.time() + 10
+    while not llm.engine.requests and time.time() < deadline:
+        time.sleep(0.01)
+    with pytest.raises(RuntimeError, match="driven by the thread"):  # the server's thread owns the engine
+        llm.generate(["Tom"], SamplingParams(max_tokens=2), use_tqdm=False)
+    srv.loop.stop()  # the engine stops first; the HTTP side still answers
+    t.join(timeout=30)
+    assert result["r"][0] == 500 and "stopped" in result["r"][1]["error"]["message"]
+    status, err = post(srv, "/v1/completions", greedy(4, prompt="Tom"))
+    assert status == 500 and "stopped" in err["error"]["message"]
+    with pytest.raises(urllib.error.HTTPError) as health:  # 503: a load balancer stops sending it traffic
+        urllib.request.urlopen(srv.url + "/health")
+    assert health.value.code == 503 and json.loads(health.value.read()) == {"status": "down"}
+    srv.shutdown()
+    assert llm.generate(["Tom"], SamplingParams(max_tokens=2), use_tqdm=False)[0].outputs[0].token_ids
+
+
+def test_a_client_that_leaves_a_plain_request_is_aborted_too(server):
+    engine = server.loop.engine
+    host, port = server.url.removeprefix("http://").split(":")
+    aborted = server.loop.aborted
+    conn = http.client.HTTPConnection(host, int(port), timeout=30)
+    conn.request("POST", "/v1/completions", json.dumps(greedy(400, prompt="Once", ignore_eos=True)),
+                 {"Content-Type": "application/json"})
+    deadline = time.time() + 10
+    while not engine.requests and time.time() < deadline:
+        time.sleep(0.01)
+    conn.close()  # leaves before the answer
+    deadline = time.time() + 30
+    while engine.requests and time.time() < deadline:
+        time.sleep(0.05)
+    assert not engine.requests and server.loop.aborted == aborted + 1

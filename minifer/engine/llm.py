@@ -22,7 +22,7 @@ from minifer.engine.sequence import Sequence, SequenceGroup, sequences_of
 from minifer.engine.speculative import SpeculativeConfig
 from minifer.layers.kv_quant import check_kv_cache_dtype
 from minifer.engine.static import generate_static
-from minifer.loader import build_model, load_config, load_tokenizer, resolve_model
+from minifer.loader import build_model, chat_token_ids, load_config, load_tokenizer, resolve_model
 from minifer.outputs import RequestOutput
 from minifer.sampling import SamplingParams
 
@@ -295,7 +295,5 @@ class LLM:
         """One conversation through the tokenizer's chat template (Qwen3 and Llama-3 instruct models)."""
         if self.tokenizer is None or not getattr(self.tokenizer, "chat_template", None):
             raise ValueError("this model's tokenizer has no chat template; use generate() with a plain prompt")
-        ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-        if isinstance(ids, dict):
-            ids = ids["input_ids"]
-        return self.generate([{"prompt_token_ids": list(ids)}], sampling_params, use_tqdm=use_tqdm)
+        ids = chat_token_ids(self.tokenizer, messages)
+        return self.generate([{"prompt_token_ids": ids}], sampling_params, use_tqdm=use_tqdm)

@@ -14,6 +14,7 @@ error; the others are unaffected. Nothing admitted is lost: every request finish
 
 from __future__ import annotations
 
+import threading
 import time
 import warnings
 from collections.abc import Iterator
@@ -102,6 +103,7 @@ class LLMEngine:
         self.runner = ModelRunner(model, self.kv_cache, self.block_manager)
         if self.kv_cache.kv_cache_scales == "head":
             self._calibrate_kv_scales()
+        self.owner: threading.Thread | None = None  # the one thread allowed to drive the engine (a server's loop)
         self.requests: dict[str, Sequence | SequenceGroup] = {}  # unfinished requests by their id
         self._seqs: dict[str, Sequence] = {}  # their unfinished sequences (a group's completions: "<i>_<id>")
         self._group_of: dict[str, SequenceGroup] = {}  # a completion's sequence id -> its group
@@ -138,9 +140,16 @@ class LLMEngine:
             seq.metrics.arrival_time = arrival_time
         return self.add_sequence(seq)
 
+    def _check_thread(self) -> None:
+        """The engine is not thread-safe: while a server's loop owns it (``owner``), other threads may not drive it."""
+        if self.owner is not None and threading.current_thread() is not self.owner:
+            raise RuntimeError(f"this engine is driven by the thread {self.owner.name!r} (a server, minifer.serve): "
+                               "send it requests over HTTP, or shut the server down first")
+
     def add_sequence(self, request: Sequence | SequenceGroup) -> Sequence | SequenceGroup:
         """Queue an already validated request (``LLM.generate`` validates a whole batch first). A sequence
         that asks for ``n > 1`` completions is fanned out into a ``SequenceGroup`` (returned)."""
+        self._check_thread()
         if isinstance(request, Sequence) and request.params.n > 1:
             request = SequenceGroup.fan_out(request)
         seqs = sequences_of(request)
@@ -172,17 +181,20 @@ class LLMEngine:
         return bm.enable_prefix_caching and (len(seq.prompt_token_ids) - 1) // bm.block_size >= 1
 
     def abort_request(self, request_id: str) -> None:
-        """Stop a request (all its completions) and free its KV blocks."""
+        """Stop a request (all its completions) and free its KV blocks. A completion that finished in a step that
+        then failed before retiring it is cleaned up too."""
+        self._check_thread()
         request = self.requests.get(request_id)
         if request is None:
             raise KeyError(f"no unfinished request with id {request_id!r}")
         for seq in sequences_of(request):
-            if seq.is_finished:
+            if seq.request_id not in self._seqs:  # finished and retired already
                 continue
             self.scheduler.abort(seq)
             if self.speculator is not None:
                 self.speculator.release(seq.request_id)
-            seq.abort()
+            if not seq.is_finished:
+                seq.abort()
             self._retire(seq)
         if isinstance(request, SequenceGroup):
             request.pending = []
@@ -220,6 +232,7 @@ class LLMEngine:
 
     def step(self) -> list[RequestOutput]:
         """One forward pass over the scheduled batch. Returns outputs of the requests that got a token."""
+        self._check_thread()
         start = time.perf_counter()
         batch = self.scheduler.schedule()
         spec = self.speculator

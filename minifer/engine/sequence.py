@@ -147,6 +147,11 @@ class Sequence:
             else:
                 text = self._detokenize(tokenizer)
         stable = text
+        if self.params.stop and not self.is_finished:
+            # Hold back what could be the start of a stop string: if it completes, the text is cut before it,
+            # and a stream must never have sent what the final text does not contain (vLLM does the same).
+            hold = max(map(len, self.params.stop)) - 1
+            stable = text[: max(len(text) - hold, len(self._reported_text))]
         delta = stable[len(self._reported_text):] if stable.startswith(self._reported_text) else stable
         new_ids = self.output_token_ids[self._reported_tokens:]
         self._reported_tokens, self._reported_text = len(self.output_token_ids), stable
