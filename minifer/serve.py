@@ -71,7 +71,8 @@ class EngineLoop:
     def __init__(self, engine) -> None:
         self.engine = engine
         self._commands: queue.Queue = queue.Queue()
-        self._routes: dict[str, tuple[queue.Queue, list[str]]] = {}  # engine request id -> (its queue, siblings)
+        # engine request id -> (its HTTP request's queue, the ids of that HTTP request, whether it streams)
+        self._routes: dict[str, tuple[queue.Queue, list[str], bool]] = {}
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="minifer-engine", daemon=True)
         self.steps = 0
@@ -91,13 +92,16 @@ class EngineLoop:
         self._commands.put(None)
         self._thread.join(timeout=30)
 
-    def submit(self, requests: list[tuple[str, Any, SamplingParams]]) -> queue.Queue:
+    def submit(self, requests: list[tuple[str, Any, SamplingParams]], stream: bool = True) -> queue.Queue:
+        """Queue engine requests ``(id, prompt, params)``. ``stream=False``: only the outputs in which a completion
+        finished are delivered (a plain answer needs nothing else), so its handler thread wakes once per
+        completion instead of at every step, competing less with the engine thread for the interpreter lock."""
         out: queue.Queue = queue.Queue()
         if self._stop.is_set() or not self.alive():
             out.put(RuntimeError("the engine loop has stopped"))
             out.put(_DONE)
         else:
-            self._commands.put(("add", requests, out))
+            self._commands.put(("add", (requests, stream), out))
         return out
 
     def abort(self, request_ids: list[str]) -> None:
@@ -120,7 +124,7 @@ class EngineLoop:
                     cmd = self._commands.get_nowait()
                 except queue.Empty:
                     break
-                if cmd is not None and cmd[0] == "add":
+                if cmd is not None and cmd[0] == "add":  # ("add", (requests, stream), out)
                     cmd[2].put(RuntimeError("the engine loop has stopped"))
                     cmd[2].put(_DONE)
 
@@ -149,6 +153,7 @@ class EngineLoop:
                 self._finish(rid)
             return
         assert out is not None
+        items, stream = items
         added: list[str] = []
         try:
             for rid, prompt, params in items:
@@ -163,7 +168,7 @@ class EngineLoop:
             return
         ids = [rid for rid, _, _ in items]
         for rid in ids:
-            self._routes[rid] = (out, ids)
+            self._routes[rid] = (out, ids, stream)
 
     def _step(self) -> None:
         try:
@@ -177,7 +182,8 @@ class EngineLoop:
             route = self._routes.get(o.request_id)
             if route is None:
                 continue
-            route[0].put(o)
+            if route[2] or o.finished or any(c.finished() for c in o.outputs):
+                route[0].put(o)
             if o.finished:
                 self._finish(o.request_id)
 
@@ -190,7 +196,7 @@ class EngineLoop:
                     self.engine.abort_request(rid)
             except Exception:  # noqa: BLE001
                 traceback.print_exc()
-            out, _ = self._routes[rid]
+            out = self._routes[rid][0]
             out.put(error)
             self._finish(rid)
 
@@ -353,7 +359,7 @@ class Handler(BaseHTTPRequestHandler):
         prefix = "chatcmpl-" if chat else "cmpl-"
         request_id = prefix + uuid.uuid4().hex[:24]
         ids = [f"{request_id}-{i}" for i in range(len(prompts))]
-        out = self.state.loop.submit([(rid, p, params) for rid, p in zip(ids, prompts)])
+        out = self.state.loop.submit([(rid, p, params) for rid, p in zip(ids, prompts)], stream=stream)
         include_usage = bool(options.get("include_usage"))
         if stream:
             self._stream(out, request_id, ids, params.n, chat, include_usage)
@@ -548,6 +554,13 @@ def _error_body(e: RequestError) -> dict[str, Any]:
     return {"message": str(e), "type": kind.get(e.status, "BadRequestError"), "param": e.param, "code": int(e.status)}
 
 
+class _HTTPServer(ThreadingHTTPServer):
+    daemon_threads = True  # a handler still waiting when the server stops does not keep the process alive
+    # socketserver's default backlog is 5 connections waiting to be accepted: 16 clients connecting at once
+    # overflowed it, and Linux then reset connections that the clients had already written a request on.
+    request_queue_size = 1024
+
+
 class Server:
     """A running server: ``url``, ``loop`` (the engine thread) and ``shutdown()``. Built by ``start_server``."""
 
@@ -578,8 +591,7 @@ def start_server(llm, *, host: str = "127.0.0.1", port: int = 8000, model_name: 
     name = model_name or str(getattr(llm, "model_name", None) or llm.model_path.name)
     state = ServerState(loop, name, llm.tokenizer, int(time.time()))
     handler = type("MiniferHandler", (Handler,), {"state": state})
-    httpd = ThreadingHTTPServer((host, port), handler)
-    httpd.daemon_threads = True
+    httpd = _HTTPServer((host, port), handler)
     thread = threading.Thread(target=httpd.serve_forever, name="minifer-http", daemon=True)
     thread.start()
     return Server(httpd, loop, thread)
