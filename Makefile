@@ -9,8 +9,10 @@ install:
 	$(PIP) -e ".[course,dev]"
 
 # Install, then open JupyterLab at chapter 00 (the bundled CPU model runs when no GPU or hub is there).
+# JupyterLab refuses to start as root unless told; containers often run as root, so say it for them.
+LAB_FLAGS = $(if $(filter 0,$(shell id -u 2>/dev/null)),--allow-root,)
 course: install
-	$(PY) -m jupyter lab notebooks/00_model_and_generation.ipynb
+	$(PY) -m jupyter lab $(LAB_FLAGS) notebooks/00_model_and_generation.ipynb
 
 # Install, then run the whole suite: unit tests, then every notebook executed and checked by nbval.
 test: install
