@@ -169,3 +169,24 @@ def test_speculative_engine_serves_parallel_greedy_completions(llm):
                         use_tqdm=False)[0].outputs[0].token_ids
     assert [c.token_ids for c in got.outputs] == [want, want]
     assert spec.stats()["kv_blocks_free"] == spec.stats()["kv_blocks_total"]
+
+
+def test_first_completion_finishing_at_its_first_token_still_releases_its_siblings(llm):
+    out = llm.generate([PROMPT], sampled(4, max_tokens=1), use_tqdm=False)[0]
+    assert out.finished and [len(c.token_ids) for c in out.outputs] == [1, 1, 1, 1]
+    assert [c.token_ids for c in out.outputs] == [alone(llm, 11 + i, max_tokens=1) for i in range(4)]
+    assert llm.stats()["kv_blocks_free"] == llm.stats()["kv_blocks_total"]
+
+
+def test_abort_while_the_first_completion_is_in_chunked_prefill():
+    llm = continuous(num_kv_blocks=64, max_num_batched_tokens=32)  # the 100-token prompt takes 4 steps
+    engine = llm.engine
+    group = engine.add_request("g", PROMPT, sampled(3))
+    engine.step()
+    assert group.seqs[0].num_computed_tokens == 32 and len(group.pending) == 2
+    engine.abort_request("g")
+    assert not engine.has_unfinished_requests() and not engine.requests
+    assert all(s.finish_reason == "abort" for s in group.seqs)
+    assert llm.stats()["kv_blocks_free"] == llm.stats()["kv_blocks_total"]
+    engine.block_manager.check_invariants()
+    assert llm.generate([PROMPT], sampled(2), use_tqdm=False)[0].finished  # the engine is fine afterwards
