@@ -650,7 +650,8 @@ def plot_same_memory(records: Sequence[Any], contiguous_seqs: int, max_model_len
     return fig
 
 
-# The vLLM paper's memory saving from parallel sampling (Kwon et al. 2023, §6.3, Fig. 15: OPT-13B, 2-6 samples).
+# The vLLM paper's memory saving from parallel sampling (Kwon et al. 2023, §6.3: Alpaca in Fig. 15, ShareGPT in the
+# text; OPT-13B, 2-6 samples).
 PAPER_PARALLEL_SAVING = {"Alpaca": (0.061, 0.098), "ShareGPT": (0.162, 0.305)}
 
 

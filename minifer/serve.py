@@ -95,7 +95,8 @@ class EngineLoop:
     def submit(self, requests: list[tuple[str, Any, SamplingParams]], stream: bool = True) -> queue.Queue:
         """Queue engine requests ``(id, prompt, params)``. ``stream=False``: only the outputs in which a completion
         finished are delivered (a plain answer needs nothing else), so its handler thread wakes once per
-        completion instead of at every step, competing less with the engine thread for the interpreter lock."""
+        completion (and every ``POLL_S`` to check its client) instead of at every step, competing less with the
+        engine thread for the interpreter lock."""
         out: queue.Queue = queue.Queue()
         if self._stop.is_set() or not self.alive():
             out.put(RuntimeError("the engine loop has stopped"))

@@ -10,13 +10,13 @@ like a batch job with that many workers), so the engine holds up to ``concurrenc
 the modes differ only in what surrounds it: the handler threads, JSON, sockets, and the Python interpreter lock
 they share with the engine thread. The clients run in a separate process, as they would on other machines, so
 their own work does not hold the server's interpreter lock (on a 2-core machine they still take some CPU). The
-answers must be the same tokens (greedy, ``ignore_eos``), which the run checks.
+answers must be the same text (greedy, ``ignore_eos``), which the run checks.
 
 vLLM measured its own HTTP server at 33% of the execution time for Llama-3-8B on an H100, and moved it into a
 separate process (vLLM blog, "vLLM v0.6.0: 2.7x Throughput Improvement and 5x Latency Reduction", 2024-09-05);
 this benchmark asks the same question of minifer, whose server shares the engine's process.
 
-    python -m minifer.bench.server_overhead --out benchmarks/results/server_overhead.json --plot
+    python -m minifer.bench.server_overhead --rounds 5 --out benchmarks/results/server_overhead.json --plot
 """
 
 from __future__ import annotations

@@ -172,11 +172,13 @@ class SequenceGroup:
     groups. As in vLLM, completion ``i`` is the sequence ``f"{i}_{request_id}"`` and, when the request has a
     seed, draws from ``seed + i`` (n copies of one seed would sample n identical texts).
 
-    What the completions share is the prompt. The engine hands only the first one to the scheduler and keeps the
-    others ``pending`` until its prompt is computed; by then the prompt's full blocks are in the prefix cache,
-    so each sibling's prompt is served from those blocks (computed and stored once, the memory sharing of
-    PagedAttention, Kwon et al. 2023, §4.4) and only the prompt's last, partly filled block is its own. The price
-    is one step of latency for the siblings' first token. A contiguous cache (static batching) stores n copies.
+    What the completions share is the prompt. When prefix caching is on and the prompt fills a block before its
+    last token, the engine hands only the first one to the scheduler and keeps the others ``pending`` until its
+    prompt is computed; by then the prompt's blocks are in the prefix cache, so each sibling's prompt is served
+    from them (computed and stored once, the memory sharing of PagedAttention, Kwon et al. 2023, §4.4), all but
+    the block holding the prompt's last token, which each computes for itself (its logits are needed). The price
+    is one step of latency for the siblings' first token. Otherwise all n are scheduled at once and share
+    nothing; a contiguous cache (static batching) stores n copies.
     """
 
     request_id: str
