@@ -25,6 +25,7 @@ Adding a grader for a new exercise:
 
 from __future__ import annotations
 
+import random
 import sys
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -644,6 +645,80 @@ def check_prefix_allocator(cls: Any) -> None:
         ("random script, block_size 3, 16 blocks", rand(5, 3, 16)),
     ]
     run_checks("prefix_allocator", checks)
+
+
+# --- chapter 02/03: parallel sampling in blocks -------------------------------------------------------------
+
+
+def check_parallel_sampling_blocks(fn: Callable[[int, int, int, int, bool], int]) -> None:
+    """Grade ``fn(prompt_len, output_len, n, block_size, shared)``, the KV blocks ``n`` completions of one prompt
+    hold, against :func:`minifer.bench.kv_memory.parallel_sampling_blocks`, then against the engine itself."""
+    from minifer.bench.kv_memory import blocks_for
+    from minifer.bench.kv_memory import parallel_sampling_blocks as ref
+
+    def diagnose(p: int, o: int, n: int, bs: int, shared: bool, got: int) -> str:
+        own = blocks_for(p + o, bs)
+        if not shared:
+            if got == ref(p, o, n, bs, True):
+                return "shared=False means no prefix cache: every completion holds all of its own blocks"
+            return f"without sharing each completion holds ceil((prompt_len + output_len) / block_size) = {own} blocks"
+        suspects = [
+            (min(p // bs, own) + n * (own - min(p // bs, own)),
+             "the block holding the prompt's last token is never taken from the cache: that token is always "
+             "computed (its logits give the first output token), so (prompt_len - 1) // block_size blocks are "
+             "shared, one fewer than prompt_len // block_size when the prompt fills its blocks exactly"),
+            (blocks_for(p, bs) + n * (own - blocks_for(p, bs)),
+             "a partly filled block cannot be shared: each completion writes its own tokens after the prompt's"),
+            (n * own, "with sharing, the prompt's shared blocks are held once, not once per completion"),
+            ((p - 1) // bs + own - (p - 1) // bs, "each of the n completions holds its own blocks after the shared "
+                                                  "ones: multiply them by n"),
+        ]
+        for value, why in suspects:
+            if value == got:
+                return why
+        return ("count the shared blocks once ((prompt_len - 1) // block_size of them) plus, for each of the n "
+                "completions, its blocks beyond those")
+
+    def case(p: int, o: int, n: int, bs: int, shared: bool) -> None:
+        got = fn(p, o, n, bs, shared)
+        if not isinstance(got, int) or isinstance(got, bool):
+            raise AssertionError(f"returned {got!r}: return the number of blocks as an int")
+        want = ref(p, o, n, bs, shared)
+        if got != want:
+            raise AssertionError(f"prompt {p}, output {o}, n={n}, block_size {bs}, shared={shared}: {got} blocks, "
+                                 f"expected {want}\nhint: {diagnose(p, o, n, bs, shared, got)}")
+
+    def grid() -> None:
+        rng = random.Random(7)
+        for _ in range(300):
+            bs = rng.choice([1, 2, 4, 8, 16, 32])
+            case(rng.randint(1, 300), rng.randint(1, 300), rng.randint(1, 9), bs, rng.random() < 0.7)
+
+    def engine() -> None:
+        from minifer import LLM
+        from minifer.bench.kv_memory import measure_parallel_sampling
+
+        llm = LLM("tinystories-draft")
+        for (p, o), n, bs in (((40, 8), 3, 8), ((17, 30), 4, 8)):
+            r = measure_parallel_sampling(llm, shapes=((p, o),), n_values=(n,), num_prompts=1, block_size=bs)[0]
+            for shared, measured in ((True, r["peak_blocks_shared"]), (False, r["peak_blocks_unshared"])):
+                got = fn(p, o, n, bs, shared)
+                if got != measured:
+                    raise AssertionError(f"the engine held at most {measured} blocks for prompt {p}, output {o}, "
+                                         f"n={n}, block_size {bs}, shared={shared}; you predict {got}")
+
+    checks: list[Check] = [
+        ("no sharing: 3 completions of 20 + 10 tokens, blocks of 8", lambda: case(20, 10, 3, 8, False)),
+        ("one completion: sharing changes nothing", lambda: case(20, 10, 1, 8, True)),
+        ("a prompt that ends inside a block: 20 + 10 tokens, n=3, blocks of 8", lambda: case(20, 10, 3, 8, True)),
+        ("a prompt that fills its blocks exactly: 16 + 8 tokens, n=4, blocks of 8", lambda: case(16, 8, 4, 8, True)),
+        ("a prompt shorter than a block: nothing to share", lambda: case(5, 20, 3, 8, True)),
+        ("chapter 02's shapes: 256 + 32 and 32 + 128, n=8, blocks of 16",
+         lambda: (case(256, 32, 8, 16, True), case(32, 128, 8, 16, True))),
+        ("300 random cases", grid),
+        ("the engine agrees: its peak blocks in two runs (tinystories-draft)", engine),
+    ]
+    run_checks("parallel_sampling_blocks", checks)
 
 
 # --- chapter 02/03: one continuous-batching step -----------------------------------------------------------

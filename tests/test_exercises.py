@@ -407,6 +407,8 @@ REFERENCES_02_03 = [
     (grading.check_paged_attention, _ref_paged_attention, "paged_attention: 8/8 checks passed"),
     (grading.check_prefix_allocator, _BlockManagerAdapter, "prefix_allocator: 10/10 checks passed"),
     (grading.check_schedule_step, grading._schedule_with_minifer, "schedule_step: 11/11 checks passed"),
+    (grading.check_parallel_sampling_blocks, lambda p, o, n, bs, shared: _ref_ps_blocks(p, o, n, bs, shared),
+     "parallel_sampling_blocks: 8/8 checks passed"),
 ]
 
 
@@ -610,6 +612,20 @@ def _schedule(running, waiting, free_blocks, block_size, max_num_seqs, token_bud
     return scheduled, preempted
 
 
+def _ref_ps_blocks(p, o, n, bs, shared):
+    from minifer.bench.kv_memory import parallel_sampling_blocks
+
+    return parallel_sampling_blocks(p, o, n, bs, shared)
+
+
+def _ps_blocks(p, o, n, bs, shared, common=lambda p, bs: (p - 1) // bs, times_n=True, honour_shared=True):
+    own = -(-(p + o) // bs)
+    if not shared and honour_shared:
+        return n * own
+    c = min(common(p, bs), own)
+    return c + (n if times_n else 1) * (own - c)
+
+
 WRONG_02_03 = [
     (grading.check_slot_mapping, _slots_swapped, "`//` and `%` are swapped"),
     (grading.check_slot_mapping, _slots_block_not_scaled, "multiply it by block_size"),
@@ -632,6 +648,14 @@ WRONG_02_03 = [
     (grading.check_schedule_step, lambda *a: _schedule(*a, no_chunking=True), "chunked prefill"),
     (grading.check_schedule_step, lambda *a: _schedule(*a, keep_victim_blocks=True), "add its blocks"),
     (grading.check_schedule_step, lambda *a: _schedule(*a, in_place=True), "modified the `running`"),
+    (grading.check_parallel_sampling_blocks, lambda *a: _ps_blocks(*a, common=lambda p, bs: p // bs),
+     "never taken from the cache"),
+    (grading.check_parallel_sampling_blocks, lambda *a: _ps_blocks(*a, common=lambda p, bs: -(-p // bs)),
+     "partly filled block cannot be shared"),
+    (grading.check_parallel_sampling_blocks, lambda *a: _ps_blocks(*a, common=lambda p, bs: 0),
+     "held once, not once per completion"),
+    (grading.check_parallel_sampling_blocks, lambda *a: _ps_blocks(*a, times_n=False), "multiply them by n"),
+    (grading.check_parallel_sampling_blocks, lambda *a: _ps_blocks(*a, honour_shared=False), "no prefix cache"),
 ]
 
 
@@ -645,3 +669,4 @@ def test_02_03_graders_accept_the_correct_variants():
     grading.check_paged_attention(_paged)
     grading.check_prefix_allocator(_Allocator)
     grading.check_schedule_step(_schedule)
+    grading.check_parallel_sampling_blocks(_ps_blocks)

@@ -5,12 +5,12 @@
 # # Exercises 02–03 · Paging the KV cache and batching continuously
 #
 # Chapter 02 cuts the KV cache into fixed-size blocks; chapter 03 decides, before every forward pass, which
-# requests the next step computes. Four pieces of the engine, rebuilt from scratch:
+# requests the next step computes. Four pieces of the engine, rebuilt from scratch, and one count:
 #
 # 1. **slot mapping**: where in the block pool each token's keys and values go;
 # 2. **paged attention**: attention that reads its keys and values through a block table;
 # 3. **a block allocator with prefix caching**: free list, reference counts, hashed full blocks shared
-#    between requests, LRU eviction;
+#    between requests, LRU eviction; then (3b) the blocks that `n` parallel completions of one prompt hold;
 # 4. **one scheduler step**: continuous batching with a token budget, chunked prefill and preemption.
 #
 # Each exercise explains the idea, gives a function (or a class) whose body you write, then a **check cell**
@@ -353,6 +353,38 @@ from minifer.grading import check_prefix_allocator
 check_prefix_allocator(PrefixCachingAllocator)
 
 # %% [markdown]
+# ## 3b · Parallel sampling, counted in blocks
+#
+# A request for `n` completions of one prompt (`SamplingParams(n=...)`, chapter 02, section 8) runs as `n`
+# sequences with the same prompt. With the prefix cache, the first completion computes the prompt and the others
+# take its blocks from the cache; without it, each holds a copy. Write the block count: how many KV blocks the
+# `n` completions hold once each has all its `prompt_len + output_len` tokens, with `shared=True` (prefix
+# caching) or `shared=False`.
+#
+# One rule of the allocator above decides the answer: the whole prompt is **never** served from the cache,
+# because its last token must be computed (its logits give the first output token). So which of the prompt's
+# blocks can a sibling take? Check your count on 16 + 8 tokens in blocks of 8 with `n=4` before running the
+# grader, which ends by comparing your count with the blocks the real engine held.
+
+# %%
+def parallel_sampling_blocks(prompt_len: int, output_len: int, n: int, block_size: int, shared: bool) -> int:
+    """KV blocks held by ``n`` completions of one prompt, each with ``prompt_len + output_len`` tokens."""
+    ### BEGIN SOLUTION
+    per_completion = -(-(prompt_len + output_len) // block_size)
+    if not shared:
+        return n * per_completion
+    common = (prompt_len - 1) // block_size  # every full block before the one holding the last prompt token
+    return common + n * (per_completion - common)
+    ### END SOLUTION
+
+
+# %%
+# NBVAL_CHECK_OUTPUT
+from minifer.grading import check_parallel_sampling_blocks
+
+check_parallel_sampling_blocks(parallel_sampling_blocks)
+
+# %% [markdown]
 # ## 4 · One step of continuous batching
 #
 # **Static batching** runs a batch until its longest request finishes; the slots of requests that ended
@@ -460,6 +492,8 @@ check_schedule_step(schedule_step)
 #   steps use the Triton kernels of `minifer/kernels/paged_attention.py`, checked against it;
 # * `PrefixCachingAllocator` is `minifer.engine.block_manager.BlockManager`, which also grows sequences
 #   (`append_slots`) and rolls them back (`truncate`, for speculative decoding);
+# * `parallel_sampling_blocks` is `minifer.bench.kv_memory.parallel_sampling_blocks`; the sharing itself is
+#   `SequenceGroup` (`minifer/engine/sequence.py`) with the prefix cache doing the work;
 # * `schedule_step` is `minifer.engine.scheduler.Scheduler.schedule`, which works on `Sequence` objects and
 #   the `BlockManager` directly: admission asks `can_allocate` (prefix-cache hits included), and a preempted
 #   request returns to the *front* of the waiting queue with its generated tokens as part of its prompt.

@@ -631,6 +631,20 @@ def random_prompts(num: int, length: int, *, vocab_size: int, bos_token_id: int 
     return [head + [rng.randrange(low, vocab_size) for _ in range(length - len(head))] for _ in range(num)]
 
 
+def parallel_sampling_blocks(prompt_len: int, output_len: int, n: int, block_size: int, shared: bool = True) -> int:
+    """KV blocks that ``n`` completions of one prompt hold once each has ``prompt_len + output_len`` tokens.
+
+    Unshared (no prefix caching, or a contiguous cache rounded to blocks), each holds all its blocks. Shared,
+    the prompt's blocks are held once, except the one holding the prompt's last token: that token is always
+    computed (its logits give the first output token), so no completion takes its block from the cache, and
+    ``(prompt_len - 1) // block_size`` blocks are shared. (Exercise 02_03 has you derive this.)"""
+    per_completion = blocks_for(prompt_len + output_len, block_size)
+    if not shared:
+        return n * per_completion
+    common = (prompt_len - 1) // block_size
+    return common + n * (per_completion - common)
+
+
 def _parallel_engine(llm, *, sharing: bool, block_size: int, num_blocks: int, max_num_seqs: int,
                      max_num_batched_tokens: int = 4096):
     """A fresh continuous engine over ``llm``'s loaded model, with its own KV pool."""
@@ -709,8 +723,6 @@ def measure_parallel_sampling(llm, *, shapes: Sequence[tuple[int, int]] = ((256,
     for prompt_len, max_tokens in shapes:
         prompts = random_prompts(num_prompts, prompt_len, vocab_size=llm.model_config.vocab_size,
                                  bos_token_id=bos, seed=seed)
-        shared_blocks = (prompt_len - 1) // block_size
-        total_blocks = blocks_for(prompt_len + max_tokens, block_size)
         for n in n_values:
             kw = dict(block_size=block_size, max_tokens=max_tokens, seed=seed)
             on = _run_parallel(llm, prompts, n, sharing=True, **kw)
@@ -718,7 +730,8 @@ def measure_parallel_sampling(llm, *, shapes: Sequence[tuple[int, int]] = ((256,
             rows.append({
                 "prompt_len": prompt_len, "output_len": max_tokens, "n": n, "num_prompts": num_prompts,
                 "memory_saving": 1 - on["block_steps_distinct"] / on["block_steps_in_tables"],
-                "end_state_saving": (n - 1) * shared_blocks / (n * total_blocks),
+                "end_state_saving": 1 - parallel_sampling_blocks(prompt_len, max_tokens, n, block_size)
+                / parallel_sampling_blocks(prompt_len, max_tokens, n, block_size, shared=False),
                 "peak_blocks_shared": on["peak_blocks"], "peak_blocks_unshared": off["peak_blocks"],
                 "prompt_tokens": on["prompt_tokens"], "prompt_tokens_computed_shared": on["prompt_tokens_computed"],
                 "prompt_tokens_computed_unshared": off["prompt_tokens_computed"],
