@@ -301,21 +301,16 @@ class LLMEngine:
         ``RequestOutput`` under the request's id. A group whose first completion has now computed its prompt
         (it sampled a token) hands its pending siblings to the scheduler, at the front of the queue: they arrived
         with it."""
-        merged: dict[str, tuple[SequenceGroup, list[RequestOutput]]] = {}
-        result: list[RequestOutput | str] = []
+        # request id -> (its group, or None for a single sequence; the outputs to report), in first-seen order
+        by_request: dict[str, tuple[SequenceGroup | None, list[RequestOutput]]] = {}
         for seq, out in zip(sampled, outputs):
             group = self._group_of.get(seq.request_id)
-            if group is None:
-                result.append(out)
-                continue
-            if group.pending:
+            if group is not None and group.pending:
                 self.scheduler.add_front(group.pending)
                 group.pending = []
-            if group.request_id not in merged:
-                merged[group.request_id] = (group, [])
-                result.append(group.request_id)
-            merged[group.request_id][1].append(out)
-        return [merged[r][0].merge(merged[r][1]) if isinstance(r, str) else r for r in result]
+            key = seq.request_id if group is None else group.request_id
+            by_request.setdefault(key, (group, []))[1].append(out)
+        return [outs[0] if group is None else group.merge(outs) for group, outs in by_request.values()]
 
     def stats(self) -> dict[str, float | int]:
         bm = self.block_manager
