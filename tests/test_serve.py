@@ -407,3 +407,78 @@ def test_server_overhead_benchmark_runs_every_mode_to_the_same_text():
     assert set(r["throughput_vs_direct"]) == {"http", "http-stream"} and all(
         v > 0 for v in r["throughput_vs_direct"].values())
     assert r["rounds"][0]["http"]["peak_in_flight"] <= 2 and sorted(r["rounds"][0]["order"]) == sorted(MODES)
+
+
+# --- random traffic -------------------------------------------------------------------------------------
+
+from hypothesis import HealthCheck, given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+_good = st.fixed_dictionaries({"kind": st.just("good"), "max_tokens": st.integers(1, 12), "n": st.integers(1, 3),
+                               "stream": st.booleans(), "words": st.integers(1, 30)})
+_bad = st.fixed_dictionaries({"kind": st.just("bad"), "field": st.sampled_from(
+    [("temperature", -1), ("top_p", 0), ("n", 0), ("max_tokens", 0), ("bogus", 1), ("stop", [""])])})
+_leave = st.fixed_dictionaries({"kind": st.just("leave"), "n": st.integers(1, 2)})
+
+
+@pytest.fixture(scope="module")
+def small_server():
+    llm = LLM("tinystories-draft", max_num_seqs=6, num_kv_blocks=48, block_size=8)
+    with start_server(llm, port=0, model_name=MODEL) as srv:
+        yield srv
+
+
+def _act(srv, action: dict) -> tuple[str, object]:
+    prompt = " ".join(["Tom"] * action.get("words", 3))
+    if action["kind"] == "good":
+        body = greedy(action["max_tokens"], prompt=prompt, n=action["n"], ignore_eos=True, stream=action["stream"])
+        status, got = post(srv, "/v1/completions", body, raw=action["stream"])
+        if status != 200:
+            return "good", status
+        if action["stream"]:
+            tokens = sum(1 for c in events(got) for _ in c["choices"])  # one event per completion per token
+            return "good", tokens == action["n"] * action["max_tokens"]
+        return "good", got["usage"]["completion_tokens"] == action["n"] * action["max_tokens"]
+    if action["kind"] == "bad":
+        name, value = action["field"]
+        status, err = post(srv, "/v1/completions", greedy(4, prompt=prompt, **{name: value}))
+        return "bad", status == 400 and err["error"]["param"] == name
+    host, port = srv.url.removeprefix("http://").split(":")
+    conn = http.client.HTTPConnection(host, int(port), timeout=60)
+    conn.request("POST", "/v1/completions", json.dumps(greedy(200, prompt=prompt, n=action["n"], stream=True,
+                                                              ignore_eos=True)), {"Content-Type": "application/json"})
+    resp = conn.getresponse()
+    first = resp.readline()
+    resp.close()
+    conn.close()
+    return "leave", resp.status == 200 and first.startswith(b"data: ")
+
+
+@settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(actions=st.lists(st.one_of(_good, _good, _bad, _leave), min_size=2, max_size=10))
+def test_random_concurrent_traffic_loses_nothing(small_server, actions):
+    """Good, bad and vanishing clients at once, in a cache too small for all of them (preemption): every good
+    request gets all its tokens, every bad one a 400 naming its field, every client that left is aborted, and
+    afterwards the engine holds no request and every block is free."""
+    results: list = [None] * len(actions)
+    aborted = small_server.loop.aborted
+
+    def run(i: int) -> None:
+        results[i] = _act(small_server, actions[i])
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(actions))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    assert all(r is not None and r[1] is True for r in results), list(zip(actions, results))
+    engine = small_server.loop.engine
+    deadline = time.time() + 20
+    while engine.requests and time.time() < deadline:
+        time.sleep(0.05)
+    time.sleep(0.3)  # the loop's last bookkeeping after its last request
+    assert not engine.requests and small_server.loop.alive()
+    assert small_server.loop.aborted - aborted == sum(1 for a in actions if a["kind"] == "leave")  # one each
+    stats = engine.stats()
+    assert stats["kv_blocks_free"] == stats["kv_blocks_total"]
+    engine.block_manager.check_invariants()
