@@ -68,6 +68,7 @@ def test_siblings_wait_for_the_prompt_then_share_its_blocks():
     group = engine.add_request("g", PROMPT, sampled(4))
     assert isinstance(group, SequenceGroup) and [s.request_id for s in group.seqs] == ["0_g", "1_g", "2_g", "3_g"]
     assert len(group.pending) == 3 and list(engine.scheduler.waiting) == [group.seqs[0]]
+    assert llm.stats()["num_waiting"] == 4  # the held siblings count as waiting (stats, speculation's k)
     first, *siblings = group.seqs
     engine.step()  # the first completion computes the whole prompt and samples its first token
     assert group.pending == [] and list(engine.scheduler.waiting) == siblings

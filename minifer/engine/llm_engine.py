@@ -249,7 +249,7 @@ class LLMEngine:
         drafts = None
         if spec is not None:
             budget = self.scheduler.config.max_num_batched_tokens - sum(batch.num_new_tokens)
-            drafts = spec.propose(batch.seqs, batch.num_new_tokens, budget, len(self.scheduler.waiting))
+            drafts = spec.propose(batch.seqs, batch.num_new_tokens, budget, self._num_waiting())
         rows, logits = self.runner.execute(batch, drafts)
         for seq, n in zip(batch.seqs, batch.num_new_tokens):
             seq.num_computed_tokens += n
@@ -296,6 +296,13 @@ class LLMEngine:
             spec.observe_realized(sum(len(t) for t in emitted), time.perf_counter() - start)
         return outputs
 
+    def _num_waiting(self) -> int:
+        """Sequences waiting for a slot: the scheduler's queue plus siblings held until their prompt is computed."""
+        if not self._group_of:  # no request with n > 1: nothing is held back
+            return len(self.scheduler.waiting)
+        held = sum(len(r.pending) for r in self.requests.values() if isinstance(r, SequenceGroup))
+        return len(self.scheduler.waiting) + held
+
     def _group_outputs(self, sampled: list[Sequence], outputs: list[RequestOutput]) -> list[RequestOutput]:
         """One output per request: the completions of a group that advanced this step are merged into one
         ``RequestOutput`` under the request's id. A group whose first completion has now computed its prompt
@@ -331,7 +338,7 @@ class LLMEngine:
             "num_preemptions": self.scheduler.num_preemptions,
             "prefix_cache_hit_rate": bm.cache_hits / bm.cache_queries if bm.cache_queries else 0.0,
             "num_running": len(self.scheduler.running),
-            "num_waiting": len(self.scheduler.waiting),
+            "num_waiting": self._num_waiting(),
             "kv_cache_dtype": self.kv_cache.kv_cache_dtype,
             "kv_cache_scales": self.kv_cache.kv_cache_scales,
             **(self.speculator.summary() if self.speculator is not None else {}),
