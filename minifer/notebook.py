@@ -380,8 +380,9 @@ def post_json(url: str, body: dict[str, Any], *, stream: bool = False) -> tuple[
         return e.code, json.loads(e.read())
     if not stream:
         return status, json.loads(text)
-    chunks = [line.removeprefix("data: ") for line in text.split("\n\n") if line.startswith("data: ")]
-    return status, [json.loads(c) for c in chunks if c != "[DONE]"]
+    from minifer.serve import sse_events
+
+    return status, sse_events(text)
 
 
 # --- roofline plots (chapter 01) ---------------------------------------------------------------------
@@ -842,8 +843,8 @@ def chunked_prefill_stall(llm: "LLM", settings: Mapping[str, tuple[bool, int]], 
     for k in range(rounds):
         for name in names if k % 2 == 0 else names[::-1]:
             chunked, budget = settings[name]
-            engine = LLMEngine(llm.model, llm.tokenizer, llm.make_sequence, CacheConfig(num_kv_blocks=blocks),
-                               SchedulerConfig(num_decoders + 1, budget, chunked))
+            engine = LLMEngine.from_llm(llm, CacheConfig(num_kv_blocks=blocks),
+                                        SchedulerConfig(num_decoders + 1, budget, chunked))
             seqs = [engine.add_request(r.request_id, {"prompt_token_ids": r.prompt_token_ids},
                                        greedy_params(r.max_tokens)) for r in short]
             for _ in range(arrive_after):

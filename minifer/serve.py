@@ -535,6 +535,13 @@ class Handler(BaseHTTPRequestHandler):
         self._json(e.status, {"error": _error_body(e)}, close=True)
 
 
+def sse_events(text: str) -> list[dict[str, Any]]:
+    """A client's side of a stream: the JSON of every ``data:`` event in a server-sent-events body, without the
+    closing ``data: [DONE]``."""
+    chunks = [line.removeprefix("data: ") for line in text.split("\n\n") if line.startswith("data: ")]
+    return [json.loads(c) for c in chunks if c != "[DONE]"]
+
+
 class ClientGone(Exception):
     """The client of an HTTP request closed its connection while waiting."""
 

@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from minifer import grading
+from minifer.bench.kv_memory import parallel_sampling_blocks
 from minifer.layers.norm import rms_norm as ref_rms_norm
 from minifer.layers.rotary import apply_rotary as ref_apply_rotary
 from minifer.layers.rotary import rope_inv_freq as ref_rope_inv_freq
@@ -407,8 +408,7 @@ REFERENCES_02_03 = [
     (grading.check_paged_attention, _ref_paged_attention, "paged_attention: 8/8 checks passed"),
     (grading.check_prefix_allocator, _BlockManagerAdapter, "prefix_allocator: 10/10 checks passed"),
     (grading.check_schedule_step, grading._schedule_with_minifer, "schedule_step: 11/11 checks passed"),
-    (grading.check_parallel_sampling_blocks, lambda p, o, n, bs, shared: _ref_ps_blocks(p, o, n, bs, shared),
-     "parallel_sampling_blocks: 8/8 checks passed"),
+    (grading.check_parallel_sampling_blocks, parallel_sampling_blocks, "parallel_sampling_blocks: 8/8 checks passed"),
 ]
 
 
@@ -610,12 +610,6 @@ def _schedule(running, waiting, free_blocks, block_size, max_num_seqs, token_bud
         scheduled.append((req.name, n))
         budget -= n
     return scheduled, preempted
-
-
-def _ref_ps_blocks(p, o, n, bs, shared):
-    from minifer.bench.kv_memory import parallel_sampling_blocks
-
-    return parallel_sampling_blocks(p, o, n, bs, shared)
 
 
 def _ps_blocks(p, o, n, bs, shared, common=lambda p, bs: (p - 1) // bs, times_n=True, honour_shared=True):

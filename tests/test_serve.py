@@ -15,7 +15,7 @@ import urllib.request
 import pytest
 
 from minifer import LLM, SamplingParams
-from minifer.serve import start_server
+from minifer.serve import sse_events, start_server
 
 MODEL = "tiny"
 
@@ -45,9 +45,8 @@ def post(server, path: str, body, raw: bool = False):
 
 
 def events(text: str) -> list:
-    chunks = [line.removeprefix("data: ") for line in text.split("\n\n") if line.startswith("data: ")]
-    assert chunks[-1] == "[DONE]"
-    return [json.loads(c) for c in chunks[:-1]]
+    assert text.rstrip().endswith("data: [DONE]")
+    return sse_events(text)
 
 
 def greedy(n_tokens: int, **kw) -> dict:

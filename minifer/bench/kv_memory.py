@@ -562,13 +562,8 @@ def prefix_prompts(num_requests: int, system_len: int, question_lens: tuple[int,
 def _serve_one_by_one(llm, prompts: Sequence[list[int]], *, prefix_caching: bool, block_size: int,
                       num_kv_blocks: int, max_tokens: int) -> dict[str, Any]:
     """A fresh engine over ``llm``'s model; each prompt arrives when the previous one has finished."""
-    from minifer.engine.llm_engine import CacheConfig, LLMEngine
-    from minifer.engine.scheduler import SchedulerConfig
-
-    engine = LLMEngine(llm.model, llm.tokenizer, llm.make_sequence,
-                       CacheConfig(block_size=block_size, num_kv_blocks=num_kv_blocks,
-                                   enable_prefix_caching=prefix_caching),
-                       SchedulerConfig(max_num_seqs=16, max_num_batched_tokens=4096))
+    engine = _fresh_engine(llm, sharing=prefix_caching, block_size=block_size, num_blocks=num_kv_blocks,
+                           max_num_seqs=16)
     ttfts, computed = [], 0
     for i, ids in enumerate(prompts):
         seq = engine.add_request(f"r{i}", {"prompt_token_ids": ids}, greedy_ignore_eos(max_tokens))
@@ -645,15 +640,15 @@ def parallel_sampling_blocks(prompt_len: int, output_len: int, n: int, block_siz
     return common + n * (per_completion - common)
 
 
-def _parallel_engine(llm, *, sharing: bool, block_size: int, num_blocks: int, max_num_seqs: int,
-                     max_num_batched_tokens: int = 4096):
-    """A fresh continuous engine over ``llm``'s loaded model, with its own KV pool."""
+def _fresh_engine(llm, *, sharing: bool, block_size: int, num_blocks: int, max_num_seqs: int,
+                  max_num_batched_tokens: int = 4096):
+    """A fresh continuous engine over ``llm``'s loaded model, with its own KV pool (prefix caching = ``sharing``)."""
     from minifer.engine.llm_engine import CacheConfig, LLMEngine
     from minifer.engine.scheduler import SchedulerConfig
 
-    return LLMEngine(llm.model, llm.tokenizer, llm.make_sequence,
-                     CacheConfig(block_size=block_size, num_kv_blocks=num_blocks, enable_prefix_caching=sharing),
-                     SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens))
+    return LLMEngine.from_llm(llm, CacheConfig(block_size=block_size, num_kv_blocks=num_blocks,
+                                               enable_prefix_caching=sharing),
+                              SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens))
 
 
 def parallel_sampling_demo(llm, *, n: int = 3, prompt_len: int = 10, block_size: int = 4, num_blocks: int = 16,
@@ -663,7 +658,7 @@ def parallel_sampling_demo(llm, *, n: int = 3, prompt_len: int = 10, block_size:
     were running and which waiting."""
     from minifer import SamplingParams
 
-    engine = _parallel_engine(llm, sharing=True, block_size=block_size, num_blocks=num_blocks, max_num_seqs=n)
+    engine = _fresh_engine(llm, sharing=True, block_size=block_size, num_blocks=num_blocks, max_num_seqs=n)
     bos = llm.tokenizer.bos_token_id if llm.tokenizer is not None else None
     prompt = random_prompts(1, prompt_len, vocab_size=llm.model_config.vocab_size, bos_token_id=bos, seed=seed)[0]
     params = SamplingParams(n=n, temperature=1.0, seed=seed, max_tokens=steps + 4, ignore_eos=True)
@@ -687,7 +682,7 @@ def _run_parallel(llm, prompts: Sequence[list[int]], n: int, *, sharing: bool, b
 
     seqs = len(prompts) * n
     room = seqs * blocks_for(max(map(len, prompts)) + max_tokens, block_size)
-    engine = _parallel_engine(llm, sharing=sharing, block_size=block_size, num_blocks=room, max_num_seqs=seqs,
+    engine = _fresh_engine(llm, sharing=sharing, block_size=block_size, num_blocks=room, max_num_seqs=seqs,
                               max_num_batched_tokens=max(4096, n * sum(map(len, prompts))))
     params = SamplingParams(n=n, temperature=1.0, seed=seed, max_tokens=max_tokens, ignore_eos=True)
     requests = [engine.add_request(f"p{i}", {"prompt_token_ids": ids}, params) for i, ids in enumerate(prompts)]

@@ -38,6 +38,7 @@ from datetime import datetime, timezone
 from typing import Any
 
 from minifer.bench.workloads import Workload, make_workload
+from minifer.serve import sse_events
 
 MODES = ("direct", "http", "http-stream")
 
@@ -83,8 +84,7 @@ def _client(host: str, port: int, model: str, jobs: queue.Queue, stream: bool, t
             errors.append(f"{rid}: HTTP {resp.status} {data[:200]}")
             continue
         if stream:  # the server closes a stream's connection: the next request opens a new one
-            chunks = [line.removeprefix("data: ") for line in data.split("\n\n") if line.startswith("data: ")]
-            texts[rid] = "".join(json.loads(c)["choices"][0]["text"] for c in chunks if c != "[DONE]")
+            texts[rid] = "".join(e["choices"][0]["text"] for e in sse_events(data))
             conn.close()
             conn = None
         else:

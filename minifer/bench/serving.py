@@ -256,9 +256,8 @@ def run_continuous(llm, workload: Workload, *, max_num_seqs: int = 16, max_num_b
     from minifer.engine.llm_engine import CacheConfig, LLMEngine
     from minifer.engine.scheduler import SchedulerConfig
 
-    engine = LLMEngine(llm.model, llm.tokenizer, llm.make_sequence,
-                       CacheConfig(enable_prefix_caching=enable_prefix_caching),
-                       SchedulerConfig(max_num_seqs, max_num_batched_tokens, enable_chunked_prefill))
+    engine = LLMEngine.from_llm(llm, CacheConfig(enable_prefix_caching=enable_prefix_caching),
+                                SchedulerConfig(max_num_seqs, max_num_batched_tokens, enable_chunked_prefill))
     reqs = sorted(workload.requests, key=lambda r: r.arrival)
     seqs = []
     steps = i = 0

@@ -1,6 +1,6 @@
 """``LLMEngine``: the online engine — add requests at any time, advance all of them one step at a time.
 
-    engine = LLMEngine.from_llm(LLM("tinystories-target"))   # or LLM(...).engine
+    engine = LLMEngine.from_llm(LLM("tinystories-target"))   # a fresh engine; or LLM(...).engine
     engine.add_request("a", "Once upon a time", SamplingParams(max_tokens=32))
     while engine.has_unfinished_requests():
         for out in engine.step():          # incremental RequestOutputs of the requests that advanced
@@ -118,6 +118,14 @@ class LLMEngine:
         if speculative_config is not None:
             self.speculator = build_speculator(speculative_config, draft_model, self.runner, self.block_manager,
                                                cfg.vocab_size, num_blocks, cache_config.block_size)
+
+    @classmethod
+    def from_llm(cls, llm, cache_config: CacheConfig | None = None,
+                 scheduler_config: SchedulerConfig | None = None) -> "LLMEngine":
+        """A fresh engine, with its own KV cache and queue, over ``llm``'s loaded model and tokenizer: what the
+        benchmarks use to compare engine settings on one set of weights."""
+        return cls(llm.model, llm.tokenizer, llm.make_sequence, cache_config or CacheConfig(),
+                   scheduler_config or SchedulerConfig())
 
     def _calibrate_kv_scales(self) -> None:
         """Static KV scales: one prefill of ``CALIBRATION_TEXT`` on a scratch sequence, before any request."""
@@ -308,6 +316,8 @@ class LLMEngine:
         ``RequestOutput`` under the request's id. A group whose first completion has now computed its prompt
         (it sampled a token) hands its pending siblings to the scheduler, at the front of the queue: they arrived
         with it."""
+        if not self._group_of:  # no request with n > 1: one output per sequence already
+            return outputs
         # request id -> (its group, or None for a single sequence; the outputs to report), in first-seen order
         by_request: dict[str, tuple[SequenceGroup | None, list[RequestOutput]]] = {}
         for seq, out in zip(sampled, outputs):
