@@ -75,6 +75,35 @@ class SamplingParams:
 
 
 @dataclass
+class BeamSearchParams:
+    """How to beam-search one prompt (vLLM's ``BeamSearchParams``; run by ``LLM.beam_search``).
+
+    ``beam_width`` beams are kept; each prompt returns its ``beam_width`` best finished sequences, ranked by
+    ``cum_logprob / num_output_tokens ** length_penalty``: 1.0 (the default) ranks by the mean log-probability
+    per token, 0 by the sum, which favours short outputs, and more than 1 favours long ones. ``temperature`` > 0
+    scores tokens by the log-softmax of ``logits / temperature``; the search stays deterministic."""
+
+    beam_width: int
+    max_tokens: int
+    ignore_eos: bool = False
+    temperature: float = 0.0
+    length_penalty: float = 1.0
+
+    def __post_init__(self) -> None:
+        def bad(name: str, rule: str) -> ValueError:
+            return ValueError(f"BeamSearchParams.{name} {rule}, got {getattr(self, name)!r}")
+
+        if not isinstance(self.beam_width, int) or isinstance(self.beam_width, bool) or self.beam_width < 1:
+            raise bad("beam_width", "must be an integer >= 1 (the number of beams kept)")
+        if not isinstance(self.max_tokens, int) or isinstance(self.max_tokens, bool) or self.max_tokens < 1:
+            raise bad("max_tokens", "must be an integer >= 1")
+        if not isinstance(self.temperature, (int, float)) or math.isnan(self.temperature) or self.temperature < 0:
+            raise bad("temperature", "must be >= 0 (0 scores by the model's own log-probabilities)")
+        if not isinstance(self.length_penalty, (int, float)) or not math.isfinite(self.length_penalty):
+            raise bad("length_penalty", "must be a finite number")
+
+
+@dataclass
 class Logprob:
     """One candidate token's log-probability under the model, and its rank (1 = most likely)."""
 

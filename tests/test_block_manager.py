@@ -98,8 +98,56 @@ def test_out_of_blocks_is_reported_not_corrupting():
         BlockManager(0)
 
 
+def test_fork_shares_every_block_and_copy_on_write_privatises_the_last():
+    m = BlockManager(num_blocks=8, block_size=4)
+    m.allocate("a", list(range(6)))  # one full block, one holding 2 of 4 tokens
+    m.fork("a", "b")
+    assert m.block_table("b") == m.block_table("a") and [m.blocks[i].ref_count for i in m.block_table("a")] == [2, 2]
+    assert m.num_free_blocks == 6  # a fork takes no block
+    with pytest.raises(ValueError, match="already has blocks"):
+        m.fork("a", "b")
+    shared = m.block_table("a")[1]
+    src, dst = m.copy_on_write("b", 6)  # b writes token 6 into the shared, partly filled block: copy it first
+    assert src == shared and m.block_table("b") == [m.block_table("a")[0], dst] and dst != shared
+    assert m.copy_on_write("a", 6) is None  # a is now the block's only holder: it writes in place
+    assert m.copy_on_write("a", 8) is None  # the next block does not exist yet: append_slots gives a fresh one
+    m.check_invariants()
+    m.free("a")
+    m.free("b")
+    m.check_invariants()
+    assert m.num_free_blocks == 8
+
+
+def test_copy_on_write_without_a_free_block_changes_nothing():
+    m = BlockManager(num_blocks=2, block_size=4)
+    m.allocate("a", list(range(6)))
+    m.fork("a", "b")
+    with pytest.raises(MemoryError, match="no free KV block"):
+        m.copy_on_write("b", 6)
+    assert m.block_table("b") == m.block_table("a")
+    m.check_invariants()
+
+
+def test_copy_blocks_copies_keys_values_and_scales_in_every_layer():
+    import torch
+
+    from minifer.layers.paged_attention import PagedKVCache
+
+    for kv_dtype in ("auto", "int8"):
+        cache = PagedKVCache(3, 6, 4, 2, 8, torch.float32, "cpu", kv_cache_dtype=kv_dtype)
+        tensors = [cache.k, cache.v] + ([cache.k_scale, cache.v_scale] if kv_dtype == "int8" else [])
+        for i, t in enumerate(tensors):
+            t.copy_(torch.randint(-100, 100, t.shape, generator=torch.Generator().manual_seed(i)).to(t.dtype))
+        before = [t.clone() for t in tensors]
+        cache.copy_blocks([(1, 4), (4, 2)])  # every source is read before any destination is written
+        for t, b in zip(tensors, before):
+            assert torch.equal(t[:, 4], b[:, 1]) and torch.equal(t[:, 2], b[:, 4])
+            for other in (0, 1, 3, 5):
+                assert torch.equal(t[:, other], b[:, other])
+
+
 ops = st.lists(
-    st.tuples(st.sampled_from(["alloc", "grow", "register", "truncate", "free"]), st.integers(0, 5),
+    st.tuples(st.sampled_from(["alloc", "grow", "register", "truncate", "free", "fork", "write"]), st.integers(0, 5),
               st.lists(st.integers(0, 3), min_size=1, max_size=14), st.integers(1, 30)),
     max_size=60)
 
@@ -134,6 +182,14 @@ def test_random_workloads_leak_nothing(cls, ops, block_size, num_blocks, caching
             elif op == "free":
                 m.free(sid)
                 del tokens[sid]
+            elif op == "fork" and n % 6 not in tokens:  # beam search: a child shares all its parent's blocks
+                m.fork(sid, n % 6)
+                tokens[n % 6] = list(tokens[sid])
+            elif op == "write":  # about to write the token after the last: make its block private first
+                try:
+                    m.copy_on_write(sid, len(tokens[sid]))
+                except MemoryError:
+                    pass
         m.check_invariants()
         for sid, t in tokens.items():
             assert len(m.block_table(sid)) >= m.blocks_needed(len(t))

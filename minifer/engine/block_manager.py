@@ -181,6 +181,35 @@ class BlockManager:
             block.block_hash, block.token_ids = h, tuple(token_ids[i * bs : (i + 1) * bs])
             self._cache[h] = block.block_id
 
+    def fork(self, parent_id: object, child_id: object) -> None:
+        """Give ``child_id`` the parent's blocks without copying any: the same table, every block's reference count
+        raised. Beam search forks a beam that has several surviving continuations (``engine/beam_search.py``); the
+        shared blocks stay read-only until one of the sharers writes, see ``copy_on_write``."""
+        if child_id in self._seqs:
+            raise ValueError(f"sequence {child_id!r} already has blocks")
+        parent = self._seqs[parent_id]
+        for bid in parent.table:
+            self._ref(bid)
+        self._seqs[child_id] = _SeqBlocks(list(parent.table), list(parent.hashes))
+
+    def copy_on_write(self, seq_id: object, position: int) -> tuple[int, int] | None:
+        """Make the block that will hold token ``position`` of the sequence its own before it is written.
+
+        If other sequences share that block (after a ``fork``), the sequence takes a fresh block in its place and
+        the caller must copy the KV of the shared block into it: returns ``(source, destination)``. Returns None if
+        the block is already private, or not allocated yet (``append_slots`` will give a fresh one). A full block
+        is never written again, so only a sequence's last, partly filled block is ever copied."""
+        seq = self._seqs[seq_id]
+        index = position // self.block_size
+        if index >= len(seq.table) or self.blocks[seq.table[index]].ref_count == 1:
+            return None
+        if not self._free and not self._evictable:
+            raise MemoryError(f"no free KV block to copy block {seq.table[index]} of {seq_id!r} into")
+        src, dst = seq.table[index], self._take_free()
+        self._unref(src)
+        seq.table[index] = dst
+        return src, dst
+
     def free(self, seq_id: object) -> None:
         """Release a finished, aborted or preempted sequence's blocks. Tail blocks are released first so
         that, under LRU eviction, a shared prefix outlives the private ends of the sequences using it."""

@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 from minifer.config import ModelConfig
+from minifer.engine.beam_search import BeamSearch, BeamSearchOutput
 from minifer.engine.llm_engine import CacheConfig, LLMEngine
 from minifer.engine.scheduler import SchedulerConfig
 from minifer.engine.sequence import Sequence, SequenceGroup, sequences_of
@@ -24,7 +25,7 @@ from minifer.layers.kv_quant import check_kv_cache_dtype
 from minifer.engine.static import generate_static
 from minifer.loader import build_model, chat_token_ids, load_config, load_tokenizer, resolve_model
 from minifer.outputs import RequestOutput
-from minifer.sampling import SamplingParams
+from minifer.sampling import BeamSearchParams, SamplingParams
 
 _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
            "float16": torch.float16, "fp16": torch.float16, "half": torch.float16}
@@ -289,6 +290,34 @@ class LLM:
             for out in engine.step():
                 if out.finished and bar is not None:
                     bar.update(1)
+
+    def beam_search(self, prompts: Prompt | SequenceT[Prompt], params: BeamSearchParams,
+                    use_tqdm: bool = False) -> list[BeamSearchOutput]:
+        """Beam search for every prompt (vLLM's ``LLM.beam_search``): each returns its ``params.beam_width``
+        best finished sequences, best first. The beams fork by sharing KV blocks and copy a block only when they
+        write into a shared one (``engine/beam_search.py``, chapter 02). Runs on the paged cache of an idle
+        engine: not while other requests are under way or a server owns the engine."""
+        if not isinstance(params, BeamSearchParams):
+            raise TypeError(f"params must be a BeamSearchParams, got {type(params).__name__}")
+        if self.engine is None:
+            raise ValueError("beam search runs on the paged KV cache: use batching='continuous'")
+        self.engine._check_thread()
+        if self.engine.has_unfinished_requests():
+            raise RuntimeError("beam search needs the engine to itself: finish or abort its running requests first")
+        if isinstance(prompts, (str, dict)):
+            prompts = [prompts]
+        ids = [self._prompt_ids(i, p)[1] for i, p in enumerate(prompts)]
+        search = BeamSearch(self.engine, params, self.eos_token_ids, self.tokenizer, self.max_model_len,
+                            self.max_num_seqs)
+        bar = None
+        if use_tqdm:
+            from tqdm.auto import tqdm
+
+            bar = tqdm(total=len(ids), desc="Beam search", dynamic_ncols=True)
+        outputs = search.run(ids, on_finish=(lambda _i: bar.update(1)) if bar is not None else None)
+        if bar is not None:
+            bar.close()
+        return outputs
 
     def chat(self, messages: list[dict[str, str]], sampling_params: SamplingParams | None = None,
              use_tqdm: bool = False) -> list[RequestOutput]:

@@ -200,6 +200,19 @@ class PagedKVCache:
         per_value = bytes_per_value(kv_cache_dtype, dtype, head_dim, kv_cache_scales)
         return round(2 * num_layers * block_size * num_kv_heads * head_dim * per_value)
 
+    def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
+        """Copy whole blocks, ``(source, destination)``, in every layer: keys, values and per-token scales (the
+        copy-on-write of ``BlockManager.copy_on_write``). All sources are read before any destination is written."""
+        if not pairs:
+            return
+        src = torch.tensor([s for s, _ in pairs], device=self.k.device)
+        dst = torch.tensor([d for _, d in pairs], device=self.k.device)
+        tensors = [self.k, self.v]
+        if self.k_scale is not None and self.kv_cache_scales == "token":
+            tensors += [self.k_scale, self.v_scale]
+        for t in tensors:
+            t[:, dst] = t[:, src]
+
     def calibrate_scales(self, run_prefill) -> None:
         """Static per-head scales: ``run_prefill()`` runs one forward over a calibration prompt from position 0;
         this records each layer's largest key and value magnitude per head, then fixes the scales from them."""
