@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from minifer.sampling import SamplingParams, process_logits
+from minifer.sampling import BeamSearchParams, SamplingParams, process_logits
 
 if TYPE_CHECKING:  # imported lazily at run time: matplotlib and ipywidgets are course extras
     from matplotlib.figure import Figure
@@ -237,6 +237,42 @@ def compare_with_transformers(llm: "LLM", prompts: Sequence[str], max_tokens: in
     outs = ref_llm.generate(list(prompts), SamplingParams(temperature=0, max_tokens=max_tokens), use_tqdm=False)
     del hf
     return ParityReport(list(prompts), err, [o.outputs[0].token_ids for o in outs], hf_tokens, "float32")
+
+
+def compare_beam_search_with_transformers(llm: "LLM", prompts: Sequence[str], params: "BeamSearchParams") -> str:
+    """Run ``llm.beam_search`` and transformers' own beam search (``generate(num_beams=..., early_stopping="never")``,
+    the canonical algorithm minifer implements) on the same checkpoint, both in float32 (see
+    ``compare_with_transformers`` for why), and say how many finished beams are identical, token for token and in
+    rank, and how far apart their scores are."""
+    from transformers import AutoModelForCausalLM
+
+    from minifer import LLM
+
+    ref_llm = llm if llm.dtype == torch.float32 else LLM(llm.model_path, dtype="float32", device=llm.device)
+    hf = AutoModelForCausalLM.from_pretrained(str(llm.model_path), dtype=torch.float32).to(llm.device).eval()
+    tok = llm.get_tokenizer()
+    eos = None if params.ignore_eos else sorted(ref_llm.eos_token_ids)
+    same = total = 0
+    worst = 0.0
+    for prompt, ours in zip(prompts, ref_llm.beam_search(list(prompts), params)):
+        ids = list(tok(prompt)["input_ids"])
+        x = torch.tensor([ids], device=llm.device)
+        with torch.inference_mode():
+            g = hf.generate(x, attention_mask=torch.ones_like(x), num_beams=params.beam_width,
+                            num_return_sequences=params.beam_width, early_stopping="never",
+                            length_penalty=params.length_penalty, max_new_tokens=params.max_tokens, do_sample=False,
+                            output_scores=True, return_dict_in_generate=True, eos_token_id=eos,
+                            pad_token_id=eos[0] if eos else 0)
+        for seq, row, score in zip(ours.sequences, g.sequences.tolist(), g.sequences_scores.tolist()):
+            out = row[len(ids):]
+            end = next((i for i, t in enumerate(out) if eos and t in eos), None)
+            theirs = ids + (out if end is None else out[: end + 1])
+            same += seq.tokens == theirs
+            total += 1
+            worst = max(worst, abs(seq.score - score))
+    del hf
+    return (f"transformers' beam search (float32): {same} of {total} finished beams identical, "
+            f"every score within 1e-4 of transformers': {worst < 1e-4}")
 
 
 # --- sampling ----------------------------------------------------------------------------------------
@@ -654,40 +690,54 @@ def plot_same_memory(records: Sequence[Any], contiguous_seqs: int, max_model_len
 # The vLLM paper's memory saving from parallel sampling (Kwon et al. 2023, §6.3: Alpaca in Fig. 15, ShareGPT in the
 # text; OPT-13B, 2-6 samples).
 PAPER_PARALLEL_SAVING = {"Alpaca": (0.061, 0.098), "ShareGPT": (0.162, 0.305)}
+PAPER_BEAM_SAVING = {"Alpaca": (0.376, 0.552), "ShareGPT": (0.443, 0.663)}  # Kwon et al. 2023, §6.3, Fig. 15
+
+
+def _plot_sharing(rows: Sequence[Mapping[str, Any]], x: str, x_label: str, paper: Mapping[str, tuple[float, float]],
+                  dashed: str | None, title: str) -> "Figure":
+    """The share of KV blocks saved by sharing against ``x`` per (prompt, output) shape, beside the paper's ranges
+    (``dashed``: a second series drawn dashed), and the peak blocks held with and without sharing."""
+    import matplotlib.pyplot as plt
+
+    shapes = list(dict.fromkeys((r["prompt_len"], r["output_len"]) for r in rows))
+    colours = plt.get_cmap("tab10").colors
+    fig, (a, b) = plt.subplots(1, 2, figsize=(10, 3.6))
+    for (lo, hi), shade, name in zip(paper.values(), ("0.85", "0.93"), paper):
+        a.axhspan(100 * lo, 100 * hi, color=shade, zorder=0)
+        a.text(1.05, 100 * hi, f"vLLM paper, {name}", fontsize=7, va="bottom", color="0.3")
+    for k, (p, o) in enumerate(shapes):
+        sel = [r for r in rows if (r["prompt_len"], r["output_len"]) == (p, o)]
+        xs = [r[x] for r in sel]
+        c = colours[k]
+        a.plot(xs, [100 * r["memory_saving"] for r in sel], "o-", color=c, label=f"prompt {p} + output {o}")
+        if dashed is not None:
+            a.plot(xs, [100 * r[dashed] for r in sel], "--", color=c, lw=0.9)
+        b.plot(xs, [r["peak_blocks_unshared"] for r in sel], "s--", color=c, lw=0.9, label=f"{p} + {o}, unshared")
+        b.plot(xs, [r["peak_blocks_shared"] for r in sel], "o-", color=c, label=f"{p} + {o}, shared")
+    a.set(xlabel=x_label, ylabel="KV blocks saved by sharing (%)", title=title)
+    a.set_ylim(bottom=0)
+    a.legend(fontsize=7.5, loc="center right")
+    b.set(xlabel=x_label, ylabel="peak KV blocks held", title="peak KV blocks")
+    b.set_ylim(bottom=0)
+    b.legend(fontsize=7, loc="upper left")
+    for ax in (a, b):
+        ax.set_xticks(sorted({r[x] for r in rows}))
+    fig.tight_layout()
+    return fig
 
 
 def plot_parallel_sampling(rows: Sequence[Mapping[str, Any]]) -> "Figure":
     """From ``kv_memory.measure_parallel_sampling``: the share of KV blocks saved by sharing the prompt against n
     (measured, and the end-state arithmetic dashed), beside the paper's ranges; and the peak blocks held with and
     without sharing."""
-    import matplotlib.pyplot as plt
+    return _plot_sharing(rows, "n", "completions per prompt (n)", PAPER_PARALLEL_SAVING, "end_state_saving",
+                         "memory saved (dashed: n finished completions)")
 
-    shapes = list(dict.fromkeys((r["prompt_len"], r["output_len"]) for r in rows))
-    colours = plt.get_cmap("tab10").colors
-    fig, (a, b) = plt.subplots(1, 2, figsize=(10, 3.6))
-    for (lo, hi), shade, (name, _) in zip(PAPER_PARALLEL_SAVING.values(), ("0.85", "0.93"),
-                                          PAPER_PARALLEL_SAVING.items()):
-        a.axhspan(100 * lo, 100 * hi, color=shade, zorder=0)
-        a.text(1.05, 100 * hi, f"vLLM paper, {name}", fontsize=7, va="bottom", color="0.3")
-    for k, (p, o) in enumerate(shapes):
-        sel = [r for r in rows if (r["prompt_len"], r["output_len"]) == (p, o)]
-        ns = [r["n"] for r in sel]
-        c = colours[k]
-        a.plot(ns, [100 * r["memory_saving"] for r in sel], "o-", color=c, label=f"prompt {p} + output {o}")
-        a.plot(ns, [100 * r["end_state_saving"] for r in sel], "--", color=c, lw=0.9)
-        b.plot(ns, [r["peak_blocks_unshared"] for r in sel], "s--", color=c, lw=0.9, label=f"{p} + {o}, unshared")
-        b.plot(ns, [r["peak_blocks_shared"] for r in sel], "o-", color=c, label=f"{p} + {o}, shared")
-    a.set(xlabel="completions per prompt (n)", ylabel="KV blocks saved by sharing (%)",
-          title="memory saved (dashed: n finished completions)")
-    a.set_ylim(bottom=0)
-    a.legend(fontsize=7.5, loc="center right")
-    b.set(xlabel="completions per prompt (n)", ylabel="peak KV blocks held", title="peak KV blocks")
-    b.set_ylim(bottom=0)
-    b.legend(fontsize=7, loc="upper left")
-    for ax in (a, b):
-        ax.set_xticks(sorted({r["n"] for r in rows}))
-    fig.tight_layout()
-    return fig
+
+def plot_beam_search(rows: Sequence[Mapping[str, Any]]) -> "Figure":
+    """From ``kv_memory.measure_beam_search``: the share of KV blocks saved by forking beams with shared blocks,
+    against the beam width, beside the paper's ranges; and the peak blocks held with and without sharing."""
+    return _plot_sharing(rows, "beam_width", "beam width", PAPER_BEAM_SAVING, None, "memory saved by beam search")
 
 
 def plot_block_size_tradeoff(rows: Sequence[Mapping[str, float]], selected: int | None = None) -> "Figure":

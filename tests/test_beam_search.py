@@ -238,3 +238,22 @@ def test_max_model_len_caps_the_output():
     prompt = llm.tokenizer("Once upon a time, there was a")["input_ids"]
     out = llm.beam_search([{"prompt_token_ids": prompt}], BeamSearchParams(2, 100, ignore_eos=True))[0]
     assert all(len(s.tokens) == 20 and s.finish_reason == "length" for s in out.sequences)
+
+
+def test_notebook_comparison_with_transformers(beam_llm, monkeypatch):
+    from minifer.notebook import compare_beam_search_with_transformers
+
+    params = BeamSearchParams(3, 16)
+    report = compare_beam_search_with_transformers(beam_llm, STORY_STARTS[:2], params)
+    assert report.endswith("6 of 6 finished beams identical, every score within 1e-4 of transformers': True")
+    search = minifer.LLM.beam_search
+
+    def reversed_beams(self, prompts, p):  # a wrong ranking must show
+        outs = search(self, prompts, p)
+        for o in outs:
+            o.sequences.reverse()
+        return outs
+
+    monkeypatch.setattr(minifer.LLM, "beam_search", reversed_beams)
+    report = compare_beam_search_with_transformers(beam_llm, STORY_STARTS[:2], params)
+    assert "2 of 6 finished beams identical" in report and report.endswith("False")

@@ -270,3 +270,26 @@ def test_measure_parallel_sampling_counts(draft):
     assert three["peak_blocks_unshared"] == 6 * 6 and three["peak_blocks_shared"] == 6 * 6 - 4 * 4
     assert three["end_state_saving"] == pytest.approx(2 * 4 / (3 * 6))
     assert 0 < three["memory_saving"] < 1 and three["steps_shared"] == three["steps_unshared"] + 1
+
+
+def test_beam_search_demo(draft):
+    bm, lens, log = kvm.beam_search_demo(draft, beam_width=3, prompt="Once upon a time", block_size=4,
+                                         num_blocks=24, steps=3)
+    bm.check_invariants()
+    assert len(log) == 3 and all(line.startswith(f"after step {i + 1}: ") for i, line in enumerate(log))
+    assert log[0].count("(fork of beam1)") == 2 and log[0].endswith("blocks copied: 1 -> 2, 1 -> 3")
+    # three beams of 5 prompt tokens + 2 written outputs: the prompt's full block 0 is held by all of them
+    assert set(lens.values()) == {7} and len(lens) == 3
+    tables = [bm.block_table(b) for b in lens]
+    assert all(t[0] == 0 for t in tables) and bm.blocks[0].ref_count == 3 and len({t[1] for t in tables}) == 3
+
+
+def test_measure_beam_search_counts(draft):
+    rows = kvm.measure_beam_search(draft, shapes=((40, 12),), widths=(1, 3), num_prompts=2, block_size=8)
+    one, three = rows
+    assert one["memory_saving"] == 0 and one["forks"] == one["block_copies"] == one["kv_tokens_copied"] == 0
+    assert one["peak_blocks_shared"] == one["peak_blocks_unshared"] == 2 * 7  # (40 + 12) / 8 -> 7 per prompt
+    assert one["kv_tokens_reordered"] == 2 * sum(range(40, 40 + 11))  # every step's cache, except the first's
+    assert 0 < three["memory_saving"] < 1 and three["peak_blocks_shared"] < three["peak_blocks_unshared"] == 2 * 3 * 7
+    assert 0 < three["block_copies"] <= three["forks"] and three["steps"] == 12
+    assert three["kv_tokens_copied"] <= 7 * three["block_copies"] < three["kv_tokens_reordered"]

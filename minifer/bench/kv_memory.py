@@ -25,6 +25,9 @@ realistic lengths, what paging recovers, and what prefix caching saves.
 - **Parallel sampling.** ``measure_parallel_sampling`` asks for ``n`` completions of each prompt, with the
   completions sharing the prompt's blocks (prefix caching on) and without; it counts the KV blocks held, the
   prompt tokens computed, and checks that both give the same tokens (seeded).
+- **Beam search.** ``measure_beam_search`` counts the same for beams that fork by sharing blocks and copy only
+  the last, partly filled one they write (``engine/beam_search.py``), and the KV tokens those copies carry
+  against what a contiguous cache copies.
 
 ``python -m minifer.bench.kv_memory --out benchmarks/results/kv_memory.json`` runs the chapter's
 measurements and writes them as JSON with hardware and version metadata.
@@ -702,6 +705,14 @@ def _run_parallel(llm, prompts: Sequence[list[int]], n: int, *, sharing: bool, b
             "tokens": [[s.output_token_ids for s in sequences_of(r)] for r in requests]}
 
 
+def _shape_prompts(llm, shapes: Sequence[tuple[int, int]], num_prompts: int, seed: int):
+    """``(prompt_len, output_len, prompts)`` per shape: ``num_prompts`` random-token prompts of that length."""
+    bos = llm.tokenizer.bos_token_id if llm.tokenizer is not None else None
+    for prompt_len, max_tokens in shapes:
+        yield prompt_len, max_tokens, random_prompts(num_prompts, prompt_len, vocab_size=llm.model_config.vocab_size,
+                                                     bos_token_id=bos, seed=seed)
+
+
 def measure_parallel_sampling(llm, *, shapes: Sequence[tuple[int, int]] = ((256, 32), (32, 128)),
                               n_values: Sequence[int] = (1, 2, 4, 8), num_prompts: int = 2, block_size: int = 16,
                               seed: int = 0) -> list[dict[str, Any]]:
@@ -713,11 +724,8 @@ def measure_parallel_sampling(llm, *, shapes: Sequence[tuple[int, int]] = ((256,
     is the same ratio for n finished completions, from the block arithmetic alone: each shares the prompt's
     ``(prompt_len - 1) // block_size`` full blocks (its last token is always computed, so a prompt of whole
     blocks keeps its last block private) out of ``ceil((prompt_len + output_len) / block_size)``."""
-    bos = llm.tokenizer.bos_token_id if llm.tokenizer is not None else None
     rows = []
-    for prompt_len, max_tokens in shapes:
-        prompts = random_prompts(num_prompts, prompt_len, vocab_size=llm.model_config.vocab_size,
-                                 bos_token_id=bos, seed=seed)
+    for prompt_len, max_tokens, prompts in _shape_prompts(llm, shapes, num_prompts, seed):
         for n in n_values:
             kw = dict(block_size=block_size, max_tokens=max_tokens, seed=seed)
             on = _run_parallel(llm, prompts, n, sharing=True, **kw)
@@ -748,6 +756,73 @@ def utilization_table(usage: KVUsage, static: dict[str, float]) -> list[dict[str
         {"scheme": "contiguous, prompt + max_tokens per sequence", "utilization": usage.contiguous_exact},
         {"scheme": f"paged, block_size {usage.block_size}", "utilization": usage.paged},
     ]
+
+
+def beam_search_demo(llm, *, beam_width: int = 3, prompt: str = "Once upon a time", block_size: int = 4,
+                     num_blocks: int = 24, steps: int = 3, max_tokens: int = 12):
+    """A beam search of one prompt in a tiny pool of ``block_size``-token blocks (a fresh engine over ``llm``'s
+    model), watched for its first ``steps`` steps. Returns ``(block_manager, {beam: tokens stored}, log)`` as they
+    were after step ``steps``; ``log`` says, step by step, each beam's latest token, which beams forked from which,
+    and which blocks were copied on write."""
+    import copy
+
+    from minifer import BeamSearchParams
+    from minifer.engine.beam_search import BeamSearch
+
+    engine = _fresh_engine(llm, sharing=True, block_size=block_size, num_blocks=num_blocks, max_num_seqs=beam_width)
+    tok = llm.tokenizer
+    ids = list(tok(prompt)["input_ids"])
+    log: list[str] = []
+    snapshot: dict[str, Any] = {}
+
+    def watch(search: BeamSearch) -> None:
+        step = search.stats.steps
+        if step > steps or not search.active or search.active[0].done:
+            return
+        parent = dict(search.last_forks)
+        beams = [f"{b.seq_id} {tok.decode(b.tokens[-1:])!r}" + (f" (fork of {parent[b.seq_id]})"
+                                                                 if b.seq_id in parent else "")
+                 for b in search.active[0].beams]
+        copies = ", ".join(f"{src} -> {dst}" for src, dst in search.last_copies) or "none"
+        log.append(f"after step {step}: {', '.join(beams)}; blocks copied: {copies}")
+        if step == steps:
+            snapshot["blocks"] = copy.deepcopy(search.blocks)
+            snapshot["lengths"] = {b.seq_id: len(b.tokens) - 1 for b in search.active[0].beams}
+
+    BeamSearch(engine, BeamSearchParams(beam_width, max_tokens, ignore_eos=True), llm.eos_token_ids, tok,
+               llm.max_model_len, beam_width).run([ids], on_step=watch)
+    return snapshot["blocks"], snapshot["lengths"], log
+
+
+def measure_beam_search(llm, *, shapes: Sequence[tuple[int, int]] = ((256, 32), (32, 128)),
+                        widths: Sequence[int] = (1, 2, 4, 8), num_prompts: int = 2, block_size: int = 16,
+                        seed: int = 0) -> list[dict[str, Any]]:
+    """KV memory of beam search on the paged cache, per (prompt length, output length) in ``shapes`` and beam width
+    in ``widths``: all ``num_prompts`` prompts searched side by side in a fresh engine with room for them
+    (``ignore_eos``, so every search runs its full length). ``memory_saving`` is the vLLM paper's measure, as in
+    ``measure_parallel_sampling``: blocks saved by sharing over the blocks the beams' tables list, summed over the
+    steps. It also counts the forks, the copy-on-write block copies and the cached tokens they carried, against
+    the tokens a contiguous cache would copy (every beam's whole cache, every step)."""
+    from minifer import BeamSearchParams
+    from minifer.engine.beam_search import BeamSearch, blocks_bound
+
+    rows = []
+    for prompt_len, max_tokens, prompts in _shape_prompts(llm, shapes, num_prompts, seed):
+        for w in widths:
+            room = num_prompts * blocks_bound(prompt_len, max_tokens, w, block_size)
+            engine = _fresh_engine(llm, sharing=True, block_size=block_size, num_blocks=room,
+                                   max_num_seqs=num_prompts * w)
+            search = BeamSearch(engine, BeamSearchParams(w, max_tokens, ignore_eos=True), llm.eos_token_ids,
+                                llm.tokenizer, llm.max_model_len, num_prompts * w)
+            search.run(prompts)
+            st = search.stats
+            rows.append({"prompt_len": prompt_len, "output_len": max_tokens, "beam_width": w,
+                         "num_prompts": num_prompts, "memory_saving": st.memory_saving,
+                         "peak_blocks_shared": st.peak_blocks, "peak_blocks_unshared": st.peak_blocks_unshared,
+                         "forks": st.forks, "block_copies": st.block_copies,
+                         "kv_tokens_copied": st.kv_tokens_copied, "kv_tokens_reordered": st.kv_tokens_reordered,
+                         "steps": st.steps})
+    return rows
 
 
 def run_kv_memory(llm, *, num_requests: int = 512, seed: int = 0, max_model_len: int = 1024,
@@ -800,6 +875,7 @@ def run_kv_memory(llm, *, num_requests: int = 512, seed: int = 0, max_model_len:
                                "flops_16_to_512": generation_flops(cfg, 16, 497, dtype_bytes)},
         "prefix_caching": measure_prefix_caching(llm, rounds=prefix_rounds),
         "parallel_sampling": measure_parallel_sampling(llm),
+        "beam_search": measure_beam_search(llm),
     }
 
 
@@ -856,6 +932,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"parallel sampling, prompt {r['prompt_len']} + output {r['output_len']}, n={r['n']}: "
               f"{r['memory_saving']:.1%} of the KV blocks saved, peak {r['peak_blocks_shared']} vs "
               f"{r['peak_blocks_unshared']} blocks, same tokens: {r['same_tokens']}")
+    for r in res["beam_search"]:
+        print(f"beam search, prompt {r['prompt_len']} + output {r['output_len']}, width {r['beam_width']}: "
+              f"{r['memory_saving']:.1%} of the KV blocks saved, peak {r['peak_blocks_shared']} vs "
+              f"{r['peak_blocks_unshared']} blocks, {r['block_copies']} block copies for {r['forks']} forks")
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(res, indent=1))

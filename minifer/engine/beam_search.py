@@ -124,11 +124,14 @@ class BeamSearch:
         # prompts searched side by side: their beams fill a batch of max_num_seqs
         self.max_active = max(1, max_num_seqs // params.beam_width)
         self.stats = BeamSearchStats()
+        self.active: list[_Search] = []  # the prompts under way (what ``on_step`` callbacks look at)
+        self.last_forks: list[tuple[str, str]] = []  # the latest step's forks: (child, parent)
+        self.last_copies: list[tuple[int, int]] = []  # and its block copies: (source, destination)
         self._ids = 0
 
     def _new_id(self) -> str:
         self._ids += 1
-        return f"__beam_{self._ids}__"
+        return f"beam{self._ids}"
 
     def plan(self, prompts: list[list[int]]) -> list[_Search]:
         """One search per prompt, checked before anything runs: each must fit the cache on its own."""
@@ -148,12 +151,12 @@ class BeamSearch:
         return searches
 
     @torch.inference_mode()
-    def run(self, prompts: list[list[int]], on_finish=None) -> list[BeamSearchOutput]:
+    def run(self, prompts: list[list[int]], on_finish=None, on_step=None) -> list[BeamSearchOutput]:
         """Search every prompt; outputs come back in the order of the prompts. ``on_finish(i)`` is called as
-        prompt ``i`` finishes (a progress bar)."""
+        prompt ``i`` finishes (a progress bar), ``on_step(self)`` after every step (chapter 02's demo)."""
         pending = deque(self.plan(prompts))
         outputs: list[BeamSearchOutput | None] = [None] * len(prompts)
-        active: list[_Search] = []
+        self.active = active = []
         reserved = 0
         try:
             while pending or active:
@@ -166,6 +169,8 @@ class BeamSearch:
                     active.append(search)
                     reserved += search.bound
                 self._step(active)
+                if on_step is not None:
+                    on_step(self)
                 for search in [s for s in active if s.done]:
                     active.remove(search)
                     reserved -= search.bound
@@ -205,6 +210,7 @@ class BeamSearch:
             logits = logits / self.params.temperature
         logprobs = torch.log_softmax(logits, dim=-1)
         row, copies = 0, []
+        self.last_forks = []
         for search in active:
             parents = search.beams
             for beam in parents:
@@ -217,6 +223,7 @@ class BeamSearch:
             else:
                 copies += self._place(search, {b.seq_id for b in parents})
         self.cache.copy_blocks(copies)
+        self.last_copies = copies
         self.stats.block_copies += len(copies)
         self.stats.steps += 1
         self._count_blocks([s for s in active if not s.done])
@@ -278,12 +285,16 @@ class BeamSearch:
             if beam.seq_id in taken:
                 child_id = self._new_id()
                 self.blocks.fork(beam.seq_id, child_id)
+                self.last_forks.append((child_id, beam.seq_id))
                 search.held.add(child_id)
                 beam.seq_id = child_id
                 self.stats.forks += 1
             taken.add(beam.seq_id)
         copies = []
-        for beam in search.beams:
+        forked = {child for child, _ in self.last_forks}
+        # forks first: each copies the shared block while there is another holder, so the parent's first child,
+        # processed last, finds the block its own and writes in place (which beam copies changes nothing else)
+        for beam in sorted(search.beams, key=lambda b: b.seq_id not in forked):
             cached = len(beam.tokens) - 1  # the new token's position: the tokens before it are in the cache
             pair = self.blocks.copy_on_write(beam.seq_id, cached)
             if pair is not None:
