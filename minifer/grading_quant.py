@@ -32,7 +32,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from minifer.grading import Check, _call_unmodified, _emit, _fmt_index, _gen, run_checks
+from minifer.grading import Check, _call_unmodified, _emit, _fmt_index, _gen, raised_by_learner, run_checks
 
 __all__ = ["check_quantize_int4", "check_int4_matmul_kernel", "check_perplexity", "launch_int4_matmul",
            "triton_modules"]
@@ -148,12 +148,18 @@ def _compare_int4(got: Any, w: torch.Tensor, group_size: int, symmetric: bool) -
     r, c = divmod(i, k)
     head = (f"codes: {int(bad.sum())} of {bad.numel()} differ; first at {_where(r, c, w, group_size)}: got "
             f"{int(codes[r, c])}, expected {int(want_codes[r, c])}")
+    ratio = (groups / want.scales[..., None]).reshape(n, k)
+    halfway = (ratio - ratio.floor()) == 0.5
     if torch.equal(got_lo, want_hi) and torch.equal(got_hi, want_lo):
         hint = ("your nibbles are swapped: column 2j goes in the LOW nibble of byte j and column 2j + 1 in the "
                 "high one, byte = q[:, 0::2] | (q[:, 1::2] << 4)")
     elif symmetric and torch.equal(got_lo, (want_lo.int() - 8).remainder(16).to(torch.uint8)):
         hint = ("your codes are the signed values -8..7: add the offset 8, q = clamp(round(w / scale), -8, 7) + 8, "
                 "so that they are in 0..15 before packing")
+    elif bool(halfway[bad].all()):
+        hint = (f"the codes differ only where w / scale is exactly halfway between two codes (here "
+                f"{float(ratio[r, c]):g}): round halves to even with torch.round, as minifer does, not with "
+                f"floor(x + 0.5) or away from zero")
     elif not symmetric:
         hint = "asymmetric: q = clamp(round(w / scale) + z, 0, 15), then pack two codes per byte"
     else:
@@ -168,17 +174,31 @@ def check_quantize_int4(fn: Callable[[torch.Tensor, int, bool], Any]) -> None:
 
     gen = _gen(50)
 
+    def compare_all(items: list[tuple[torch.Tensor, int, bool]]) -> Check:
+        def run() -> None:
+            for w, g, sym in items:
+                try:
+                    _compare_int4(_call_unmodified(fn, w, g, sym), w, g, sym)
+                except AssertionError as exc:
+                    if raised_by_learner(exc):  # an assert in the learner's own code: run_checks says so
+                        raise
+                    raise AssertionError(f"w {list(w.shape)}, group_size={g}, symmetric={sym}: {exc}") from None
+        return run
+
     def case(shapes: list[tuple[int, int, int]], symmetrics: tuple[bool, ...], make=None) -> Check:
         weights = [(make or (lambda n, k: torch.randn(n, k, generator=gen) * 0.05))(n, k) for n, k, _ in shapes]
+        return compare_all([(w, g, sym) for w, (_, _, g) in zip(weights, shapes) for sym in symmetrics])
 
-        def run() -> None:
-            for w, (_, _, g) in zip(weights, shapes):
-                for sym in symmetrics:
-                    try:
-                        _compare_int4(_call_unmodified(fn, w, g, sym), w, g, sym)
-                    except AssertionError as exc:
-                        raise AssertionError(f"w {list(w.shape)}, group_size={g}, symmetric={sym}: {exc}") from None
-        return run
+    def halfway(n: int, k: int, symmetric: bool) -> torch.Tensor:
+        """Weights at exact halves of the scale 2**-6 (codes -6.5 .. 6.5), each group's range set so that its
+        scale is exactly 2**-6: w / scale lands halfway between two codes, where the rounding rule decides."""
+        m = torch.randint(-7, 7, (n, k), generator=gen).float() + 0.5
+        ends = m.view(n, k // 32, 32)
+        if symmetric:
+            ends[:, :, 0] = 7.0  # absmax 7 steps: scale = 7 * 2**-6 / 7
+        else:
+            ends[:, :, 0], ends[:, :, 1] = -7.5, 7.5  # range 15 steps: scale = 15 * 2**-6 / 15
+        return m * 2.0 ** -6
 
     def one_sign(n: int, k: int) -> torch.Tensor:  # rows alternate all-positive and all-negative groups
         w = torch.rand(n, k, generator=gen) * 0.1 + 0.01
@@ -221,6 +241,8 @@ def check_quantize_int4(fn: Callable[[torch.Tensor, int, bool], Any]) -> None:
          case([(4, 128, 32), (3, 64, 64)], (True, False), make=one_sign)),
         ("an all-zero group: scale 1, every weight exactly 0 after dequantization",
          case([(3, 128, 32)], (True, False), make=with_zero_group)),
+        ("weights exactly halfway between two codes: halves round to even (torch.round)",
+         compare_all([(halfway(4, 64, True), 32, True), (halfway(4, 64, False), 32, False)])),
         ("round trip ([16, 512], groups 32, 64, 128): every weight within s / 2 of its dequantized value",
          round_trip),
     ]
@@ -289,13 +311,19 @@ def _not_implemented(exc: BaseException) -> bool:
     return False
 
 
+# The tensors the grader hands over as row-strided views, with the stride argument that walks each one's rows.
+_STRIDES = {"x": "x (stride_xm)", "packed": "packed W (stride_qn)", "scales": "scales/zeros (stride_sn)",
+            "out": "out (stride_om)"}
+
 _MARGIN = 64  # NaN margin around every input and the output: wider than any tile overrun of the wrapper
 
 
-def _in_margin(t: torch.Tensor, fill: float | int, device: str) -> tuple[torch.Tensor, torch.Tensor]:
+def _in_margin(t: torch.Tensor, fill: float | int, device: str,
+               strided: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     """``t`` copied into the top-left corner of a ``fill``-filled buffer with ``_MARGIN`` extra rows and
-    columns; returns ``(view, buffer)``."""
-    buf = torch.full((t.shape[0] + _MARGIN, t.shape[1] + 2 * _MARGIN), fill, dtype=t.dtype, device=device)
+    (``strided``) extra columns, so that the view's row stride is not its width; returns ``(view, buffer)``."""
+    cols = t.shape[1] + (2 * _MARGIN if strided else 0)
+    buf = torch.full((t.shape[0] + _MARGIN, cols), fill, dtype=t.dtype, device=device)
     view = buf[: t.shape[0], : t.shape[1]]
     view.copy_(t)
     return view, buf
@@ -357,14 +385,18 @@ def check_int4_matmul_kernel(kernel_or_wrapper: Any) -> None:
         raise AssertionError(f"{name}: expected a @triton.jit kernel or a wrapper function, got "
                              f"{type(kernel_or_wrapper).__name__}")
 
-    def launch(x: torch.Tensor, qw: Any, x_fill: float, s_fill: float) -> tuple[torch.Tensor, torch.Tensor]:
-        """``out`` and its buffer after one launch on inputs inside margins (NaN, or ``*_fill``)."""
+    every = frozenset(_STRIDES)
+
+    def launch(x: torch.Tensor, qw: Any, x_fill: float, s_fill: float,
+               strided: frozenset[str] = every) -> tuple[torch.Tensor, torch.Tensor]:
+        """``out`` and its buffer after one launch on inputs inside margins (NaN, or ``*_fill``); the tensors
+        named in ``strided`` are views with a row stride wider than their rows, the others contiguous."""
         m, n = x.shape[0], qw.shape[0]
-        xv, _ = _in_margin(x, x_fill, device)
-        qv, _ = _in_margin(qw.qweight, 0xFF, device)
-        sv, _ = _in_margin(qw.scales, s_fill, device)
-        zv = None if qw.zeros is None else _in_margin(qw.zeros, 0xFF, device)[0]
-        out, buf = _in_margin(torch.full((m, n), float("nan")), float("nan"), device)
+        xv, _ = _in_margin(x, x_fill, device, "x" in strided)
+        qv, _ = _in_margin(qw.qweight, 0xFF, device, "packed" in strided)
+        sv, _ = _in_margin(qw.scales, s_fill, device, "scales" in strided)
+        zv = None if qw.zeros is None else _in_margin(qw.zeros, 0xFF, device, "scales" in strided)[0]
+        out, buf = _in_margin(torch.full((m, n), float("nan")), float("nan"), device, "out" in strided)
         try:
             fn(xv, qv, sv, zv, qw.group_size, out)
         except Exception as exc:
@@ -375,6 +407,39 @@ def check_int4_matmul_kernel(kernel_or_wrapper: Any) -> None:
             torch.cuda.synchronize()
         return out.cpu(), buf.cpu()
 
+    def problem(x: torch.Tensor, qw: Any, want: torch.Tensor, strided: frozenset[str]) -> str | None:
+        """What is wrong with the kernel's output on these inputs (``None``: nothing)."""
+        m, n, k = x.shape[0], qw.shape[0], x.shape[1]
+        got, buf = launch(x, qw, float("nan"), float("nan"), strided)
+        outside = buf.clone()
+        outside[:m, :n] = float("nan")
+        if not bool(outside.isnan().all()):
+            r, c = (int(v) for v in (~outside.isnan()).nonzero()[0])
+            return (f"out [{m}, {n}]: the kernel wrote outside it (at row {r}, column {c} of the buffer around "
+                    f"it)\nhint: mask the store: mask=(rm < M)[:, None] & (rn < N)[None, :]")
+        if bool(got.isnan().any()):
+            again, _ = launch(x, qw, 0.0, 0.0, strided)
+            if not bool(again.isnan().any()):
+                return (f"{int(got.isnan().sum())} of {got.numel()} outputs are NaN because the kernel read past the "
+                        f"end of a row of x or of the scales (they sit in NaN-filled buffers here)\nhint: K = {k} "
+                        f"need not be a multiple of BLOCK_K: mask the last K tile's loads (columns < K) with other=0")
+            return (f"{int(again.isnan().sum())} of {got.numel()} outputs were never written (still NaN); first at "
+                    f"{_fmt_index(int(again.isnan().flatten().nonzero()[0]), got.shape)}\nhint: every program "
+                    f"stores its [BLOCK_M, BLOCK_N] tile of acc into out (the wrapper's out, not a new tensor)")
+        scale = float(want.abs().max())
+        bad = (got - want).abs() > 5e-3 * scale
+        if bool(bad.any()):
+            fits = [why for w_alt, why in _kernel_mistakes(qw)
+                    if bool(((got - x @ w_alt.T).abs() <= 5e-3 * scale).all())]
+            i = int(bad.flatten().nonzero()[0])
+            return (f"{int(bad.sum())} of {bad.numel()} outputs differ from x @ dequantize(W)^T; first at "
+                    f"{_fmt_index(i, got.shape)}: got {float(got.flatten()[i]):.5g}, expected "
+                    f"{float(want.flatten()[i]):.5g}\nhint: " + (fits[0] if fits else
+                    "per K tile: unpack each byte into (b & 0xF) for column 2j and (b >> 4) for 2j + 1, subtract "
+                    "the zero point, multiply by the scale of the column's group, and accumulate the even and "
+                    "odd columns' products with x's even and odd columns"))
+        return None
+
     def case(m: int, n: int, k: int, group: int, symmetric: bool, seed: int) -> Check:
         def run() -> None:
             from minifer.quant.formats import quant_linear_reference, quantize_int4
@@ -383,38 +448,19 @@ def check_int4_matmul_kernel(kernel_or_wrapper: Any) -> None:
             qw = quantize_int4(torch.randn(n, k, generator=gen), group, symmetric)
             x = torch.randn(m, k, generator=gen)
             want = quant_linear_reference(x, qw)
-            got, buf = launch(x, qw, float("nan"), float("nan"))
-            outside = buf.clone()
-            outside[:m, :n] = float("nan")
-            if not bool(outside.isnan().all()):
-                r, c = (int(v) for v in (~outside.isnan()).nonzero()[0])
+            msg = problem(x, qw, want, every)
+            if msg is None:
+                return
+            if problem(x, qw, want, frozenset()) is None:  # right on contiguous tensors: the strides are ignored
+                ignored = [_STRIDES[t] for t in _STRIDES if problem(x, qw, want, frozenset({t})) is not None]
                 raise AssertionError(
-                    f"out [{m}, {n}]: the kernel wrote outside it (at row {r}, column {c} of the buffer around "
-                    f"it)\nhint: mask the store: mask=(rm < M)[:, None] & (rn < N)[None, :]")
-            if bool(got.isnan().any()):
-                again, _ = launch(x, qw, 0.0, 0.0)
-                if not bool(again.isnan().any()):
-                    raise AssertionError(
-                        f"{int(got.isnan().sum())} of {got.numel()} outputs are NaN because the kernel read past the "
-                        f"end of a row of x or of the scales (they sit in NaN-filled buffers here)\nhint: K = {k} "
-                        f"need not be a multiple of BLOCK_K: mask the last K tile's loads (columns < K) with other=0")
-                raise AssertionError(
-                    f"{int(again.isnan().sum())} of {got.numel()} outputs were never written (still NaN); first at "
-                    f"{_fmt_index(int(again.isnan().flatten().nonzero()[0]), got.shape)}\nhint: every program "
-                    f"stores its [BLOCK_M, BLOCK_N] tile of acc into out (the wrapper's out, not a new tensor)")
-            scale = float(want.abs().max())
-            bad = (got - want).abs() > 5e-3 * scale
-            if bool(bad.any()):
-                fits = [why for w_alt, why in _kernel_mistakes(qw)
-                        if bool(((got - x @ w_alt.T).abs() <= 5e-3 * scale).all())]
-                i = int(bad.flatten().nonzero()[0])
-                raise AssertionError(
-                    f"{int(bad.sum())} of {bad.numel()} outputs differ from x @ dequantize(W)^T; first at "
-                    f"{_fmt_index(i, got.shape)}: got {float(got.flatten()[i]):.5g}, expected "
-                    f"{float(want.flatten()[i]):.5g}\nhint: " + (fits[0] if fits else
-                    "per K tile: unpack each byte into (b & 0xF) for column 2j and (b >> 4) for 2j + 1, subtract "
-                    "the zero point, multiply by the scale of the column's group, and accumulate the even and "
-                    "odd columns' products with x's even and odd columns"))
+                    "your kernel ignores the stride arguments: its output is right when every tensor is contiguous, "
+                    "wrong on row-strided views (here each tensor is a view into a wider buffer, as a slice of a "
+                    "bigger tensor would be)" + (f"; wrong with a strided {', '.join(ignored)}" if ignored else "")
+                    + "\nhint: index rows with stride_xm, stride_qn, stride_sn (scales and zero points) and "
+                    "stride_om, not with K or N: x_ptr + rm[:, None] * stride_xm, q_ptr + rn * stride_qn, "
+                    "s_ptr + rn * stride_sn, out_ptr + rm[:, None] * stride_om")
+            raise AssertionError(msg)
         return run
 
     checks: list[Check] = [

@@ -282,10 +282,17 @@ def check_ngram_propose(fn: Callable[[list[int], int, int, int], list[int]]) -> 
             want = ref(tokens, k, hi, lo)
             if got != want:
                 shown = tokens if len(tokens) <= 30 else f"[... {len(tokens)} tokens, ending {tokens[-8:]}]"
-                also = ("; an earlier occurrence exists: did your search count the pattern's own place at the end "
-                        "(occurrences must start before len(token_ids) - n)?") if want and not got else ""
+                without_min = [] if hi == lo else ref(tokens, k, hi, lo + 1)  # what skipping n = min gives
+                if got == without_min:
+                    why = (f"only n = prompt_lookup_min = {lo} matches here, and you never tried it: n runs from "
+                           f"prompt_lookup_max down to prompt_lookup_min, both included, "
+                           f"range(prompt_lookup_max, prompt_lookup_min - 1, -1)")
+                else:
+                    why = hint + ("; an earlier occurrence exists: did your search count the pattern's own place at "
+                                  "the end (occurrences must start before len(token_ids) - n)?" if want and not got
+                                  else "")
                 raise AssertionError(f"token_ids {shown}, k={k}, prompt_lookup_max={hi}, prompt_lookup_min={lo}\n"
-                                     f"got      {got}\nexpected {want}\nhint: {hint}{also}")
+                                     f"got      {got}\nexpected {want}\nhint: {why}")
         return run
 
     rng = random.Random(0)
@@ -306,6 +313,8 @@ def check_ngram_propose(fn: Callable[[list[int], int, int, int], list[int]]) -> 
         ("the longest n wins", case(
             [8, 2, 9, 40, 41, 5, 2, 9, 50, 8, 2, 9], 2, 3, 1,
             "try n = prompt_lookup_max first: '8 2 9' matched at the start beats the more recent '2 9'")),
+        ("only the shortest n matches: n = prompt_lookup_min is tried too", case(
+            [1, 2, 3, 4, 2], 2, 3, 1, "no 3- or 2-token match; the last token alone (n = 1) occurred at index 1")),
         ("the most recent occurrence wins", case(
             [3, 7, 10, 3, 7, 20, 3, 7], 1, 2, 2, "search backwards from the end: the nearest context is the best guess")),
         ("matches shorter than prompt_lookup_min are ignored", case(

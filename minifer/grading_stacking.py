@@ -40,7 +40,14 @@ def check_kv_blocks(fn: Callable[[int, int, int], int]) -> None:
     def case(memory: int, weights: int, block: int, hint: str) -> Check:
         def run() -> None:
             want = _reference_blocks(memory, weights, block)
-            got = fn(memory, weights, block)
+            try:
+                got = fn(memory, weights, block)
+            except ValueError as exc:
+                raise AssertionError(
+                    f"kv_blocks(memory={memory:,}, weight_bytes={weights:,}, block_bytes={block:,}) raised "
+                    f"ValueError ({exc}), expected {want}\nhint: the weights leave {memory - weights:,} bytes, room "
+                    f"for {want} block(s) of {block:,}: raise ValueError only when not even one block fits "
+                    f"(memory - weight_bytes < block_bytes)") from None
             if isinstance(got, bool) or not isinstance(got, int):
                 raise AssertionError(f"kv_blocks({memory}, {weights}, {block}) returned {got!r} "
                                      f"({type(got).__name__}); a number of blocks is an int")
@@ -76,6 +83,7 @@ def check_kv_blocks(fn: Callable[[int, int, int], int]) -> None:
         ("weights take part of the memory", case(1000, 300, 64, subtract)),
         ("the leftover is an exact number of blocks", case(1000, 360, 64, subtract)),
         ("a partial block is not a block", case(1000, 361, 64, "round down: a block is all or nothing")),
+        ("exactly one block left: 1, not a ValueError", case(1000, 936, 64, subtract)),
         ("no weights at all", case(4096, 0, 1024, subtract)),
         ("200 random budgets", random_budgets),
         ("less than one block left: ValueError", too_small(1000, 990, 64)),
@@ -141,6 +149,21 @@ def _diagnose(key: str, lever: str | None, got: Any, gain: dict[frozenset[str], 
     return "see the definitions above the function"
 
 
+def _missing_key_hint(key: Any, gain: dict[frozenset[str], float]) -> str | None:
+    """The hint for looking up ``gain[key]`` with ``key`` not a configuration (``None``: not that mistake)."""
+    from minifer.bench.stacking import LEVERS, configurations
+
+    if not isinstance(key, frozenset) or key in configurations():
+        return None
+    if key == frozenset(LEVERS) - {"continuous"}:  # in_stack computed for continuous batching like the others
+        return _diagnose("in_stack", "continuous", None, gain)
+    if "continuous" not in key:
+        return ("the other levers run only on continuous batching (static batching cannot host them), so every "
+                "configuration but static batching includes 'continuous': a lever's alone gain is "
+                "gain[cb | {x}] / gain[cb]")
+    return "gain holds the configurations of configurations() only"
+
+
 def check_lever_analysis(fn: Callable[[dict[frozenset[str], float]], dict[str, Any]]) -> None:
     """Grade ``fn(gain) -> {"alone", "product", "stacked", "overlap", "in_stack"}`` against
     :func:`minifer.bench.stacking.lever_analysis` (other keys in the answer are ignored)."""
@@ -148,7 +171,15 @@ def check_lever_analysis(fn: Callable[[dict[frozenset[str], float]], dict[str, A
 
     def compare(gain: dict[frozenset[str], float], what: str) -> None:
         given = dict(gain)
-        got = fn(gain)
+        try:
+            got = fn(gain)
+        except KeyError as exc:
+            hint = _missing_key_hint(exc.args[0] if exc.args else None, given)
+            if hint is None:
+                raise
+            shown = "{" + ", ".join(repr(x) for x in sorted(exc.args[0])) + "}"
+            raise AssertionError(f"{what}: your function raised KeyError: gain has no configuration {shown}"
+                                 f"\nhint: {hint}") from None
         if gain != given:
             raise AssertionError("your function changed the gain dict it was given; read it, build a new result")
         if not isinstance(got, dict):

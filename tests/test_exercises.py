@@ -247,7 +247,7 @@ def test_check_mode_reports_every_kind_of_staleness(tmp_path, monkeypatch):
 
 
 REFERENCES = [
-    (grading.check_rms_norm, ref_rms_norm, "rms_norm: 6/6 checks passed"),
+    (grading.check_rms_norm, ref_rms_norm, "rms_norm: 7/7 checks passed"),
     (grading.check_rope_inv_freq, ref_rope_inv_freq, "rope_inv_freq: 4/4 checks passed"),
     (grading.check_apply_rotary, ref_apply_rotary, "apply_rotary: 6/6 checks passed"),
     (grading.check_top_p, ref_apply_top_p, "top_p: 6/6 checks passed"),
@@ -291,6 +291,25 @@ def _rms_no_cast_back(x, weight, eps):
     return weight * (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps))
 
 
+def _rms_all_bf16(x, weight, eps):  # the statistics in x's own dtype
+    return weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps))
+
+
+def _rms_weight_before_cast(x, weight, eps):  # one rounding instead of the notebook's two
+    x32 = x.float()
+    return (weight * (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps))).to(x.dtype)
+
+
+def _rms_clamp(x, weight, eps):  # eps as a floor of the mean of squares
+    x32 = x.float()
+    return weight * (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True).clamp(min=eps))).to(x.dtype)
+
+
+def _rms_divide(x, weight, eps):  # correct too: another float32 route to the normalised value
+    x32 = x.float()
+    return weight * (x32 / torch.sqrt((x32 * x32).sum(-1, keepdim=True) / x.shape[-1] + eps)).to(x.dtype)
+
+
 def _inv_freq_no_factor_two(head_dim, theta):
     return 1.0 / theta ** (torch.arange(head_dim // 2).float() / head_dim)
 
@@ -332,9 +351,12 @@ def _top_p_ascending_without_guard(logits, top_p):  # minifer's version minus "a
 WRONG = [
     (grading.check_rms_norm, _rms_no_eps, "eps goes inside"),
     (grading.check_rms_norm, _rms_eps_outside_sqrt, "eps goes inside"),
-    (grading.check_rms_norm, _rms_global_mean, "check 1/6"),
+    (grading.check_rms_norm, _rms_global_mean, "check 1/7"),
     (grading.check_rms_norm, _rms_in_place, "in place"),
     (grading.check_rms_norm, _rms_no_cast_back, "dtype torch.float32, expected torch.bfloat16"),
+    (grading.check_rms_norm, _rms_all_bf16, "(?s)check 7/7.*half a bfloat16 ulp.*compute the mean of squares"),
+    (grading.check_rms_norm, _rms_weight_before_cast, "(?s)check 7/7.*you multiplied by weight in float32, then cast"),
+    (grading.check_rms_norm, _rms_clamp, "(?s)check 5/7.*not rsqrt\\(clamp\\(mean of squares, min=eps\\)\\)"),
     (grading.check_rope_inv_freq, _inv_freq_no_factor_two, "check 1/4"),
     (grading.check_rope_inv_freq, _inv_freq_float64, "dtype torch.float64"),
     (grading.check_apply_rotary, _rotary_interleaved, "rotate-half layout"),
@@ -355,6 +377,24 @@ def test_graders_reject_classic_mistakes(grader, wrong, match, capsys):
     assert "  FAIL  " in capsys.readouterr().out
 
 
+def test_rms_norm_bf16_check_is_half_an_ulp_on_any_inputs():
+    """The bfloat16 check is exact enough to tell the orders of operations apart, yet passes correct
+    float32 routes on any inputs (50 seeds, three shapes), not only on the grader's own."""
+    wrong = {"all bf16": _rms_all_bf16, "weight before cast": _rms_weight_before_cast}
+    caught = dict.fromkeys(wrong, 0)
+    for seed in range(50):
+        gen = torch.Generator().manual_seed(seed)
+        for shape, scale in (((4, 256), 4.0), ((3, 4096), 1.0), ((8, 64), 0.01)):
+            x = (torch.randn(*shape, generator=gen) * scale).bfloat16()
+            w = torch.randn(shape[-1], generator=gen).bfloat16()
+            for right in (ref_rms_norm, _rms_divide):
+                assert grading._rms_norm_low_precision_problem(right(x, w, 1e-6), x, w, 1e-6) is None, (seed, shape)
+            for name, fn in wrong.items():
+                caught[name] += grading._rms_norm_low_precision_problem(fn(x, w, 1e-6), x, w, 1e-6) is not None
+    assert caught == dict.fromkeys(wrong, 150), caught
+    grading.check_rms_norm(_rms_divide)
+
+
 def test_graders_accept_the_alternative_top_p():
     grading.check_top_p(_top_p)  # descending sort, exclusive cumsum: the solution's approach
 
@@ -365,6 +405,26 @@ def test_not_implemented_stub_gets_a_clear_message(capsys):
 
     with pytest.raises(AssertionError, match="not implemented yet"):
         grading.check_rms_norm(stub)
+
+
+def test_an_assert_in_the_learners_code_is_not_a_failed_check():
+    def asserts(x, weight, eps):  # `assert x.dim() == 2, "..."` in a notebook (pytest would rewrite an assert)
+        if x.dim() != 2:
+            raise AssertionError("only 2-D inputs")
+        return ref_rms_norm(x, weight, eps)
+
+    with pytest.raises(AssertionError, match=r"^rms_norm: check 2/7 \(3-D .*\): your function raised "
+                                             r"AssertionError: only 2-D inputs$") as info:
+        grading.check_rms_norm(asserts)
+    assert isinstance(info.value.__cause__, AssertionError)
+    with pytest.raises(AssertionError, match="^rms_norm: check 1/7 failed"):  # the grader's own expectation
+        grading.check_rms_norm(_rms_global_mean)
+
+    def bare_assert(table, positions, bs):
+        raise AssertionError
+
+    with pytest.raises(AssertionError, match=r"check 1/6 .*: your function raised AssertionError$"):
+        grading.check_slot_mapping(bare_assert)
 
 
 def test_a_crash_in_the_learners_code_names_the_check_and_keeps_the_cause():
@@ -406,7 +466,7 @@ class _BlockManagerAdapter(BlockManager):
 REFERENCES_02_03 = [
     (grading.check_slot_mapping, ref_slot_mapping, "slot_mapping: 6/6 checks passed"),
     (grading.check_paged_attention, _ref_paged_attention, "paged_attention: 8/8 checks passed"),
-    (grading.check_prefix_allocator, _BlockManagerAdapter, "prefix_allocator: 10/10 checks passed"),
+    (grading.check_prefix_allocator, _BlockManagerAdapter, "prefix_allocator: 11/11 checks passed"),
     (grading.check_schedule_step, grading._schedule_with_minifer, "schedule_step: 11/11 checks passed"),
     (grading.check_parallel_sampling_blocks, parallel_sampling_blocks, "parallel_sampling_blocks: 8/8 checks passed"),
 ]
@@ -481,10 +541,11 @@ class _Allocator:
     """A correct prefix-caching allocator (the notebook's) with switches for the classic mistakes."""
 
     def __init__(self, num_blocks, block_size, hash_fn=_bm.chain_hash, *, verify=True, keep_last=True, evict=True,
-                 lru=True, tail_first=True, unpark=True, uncache_evicted=True):
+                 lru=True, tail_first=True, unpark=True, uncache_evicted=True, stop_at_miss=True, park_cached=True):
         self.block_size, self.hash_fn = block_size, hash_fn
         self.verify, self.keep_last, self.evict, self.lru = verify, keep_last, evict, lru
         self.tail_first, self.unpark, self.uncache_evicted = tail_first, unpark, uncache_evicted
+        self.stop_at_miss, self.park_cached = stop_at_miss, park_cached
         self.ref_count, self.block_hash = [0] * num_blocks, [None] * num_blocks
         self.block_tokens = [()] * num_blocks
         self.free_list, self.evictable = deque(range(num_blocks)), OrderedDict()
@@ -522,7 +583,9 @@ class _Allocator:
         for i, h in enumerate(self.full_block_hashes(tokens)):
             b = self.cache.get(h)
             if b is None or (self.verify and self.block_tokens[b] != tuple(tokens[i * bs:(i + 1) * bs])):
-                break
+                if self.stop_at_miss:
+                    break
+                continue
             hits.append(b)
         if self.keep_last and hits and len(hits) * bs >= len(tokens):
             hits.pop()
@@ -561,7 +624,7 @@ class _Allocator:
         for b in reversed(table) if self.tail_first else table:
             self.ref_count[b] -= 1
             if self.ref_count[b] == 0:
-                if self.block_hash[b] is not None:
+                if self.block_hash[b] is not None and self.park_cached:
                     self.evictable[b] = None
                 else:
                     self.free_list.append(b)
@@ -624,15 +687,20 @@ WRONG_02_03 = [
     (grading.check_slot_mapping, _slots_swapped, "`//` and `%` are swapped"),
     (grading.check_slot_mapping, _slots_block_not_scaled, "multiply it by block_size"),
     (grading.check_slot_mapping, _slots_no_table, "look its block up in the block table"),
+    (grading.check_slot_mapping, lambda t, ps, bs: [t[p // bs] * bs + p % bs + 0.4 for p in ps],
+     r"slot_mapping: 28\.4 is not a whole number"),
     (grading.check_paged_attention, lambda *a: _paged(*a, offset=False), "check 2/8"),
     (grading.check_paged_attention, lambda *a: _paged(*a, interleave=False), "repeat_interleave"),
     (grading.check_paged_attention, lambda *a: _paged(*a, whole_blocks=True), r"0 \* NaN is NaN"),
     (grading.check_paged_attention, lambda *a: _paged(*a, scale=False), "check 1/8"),
     (grading.check_prefix_allocator, _allocator_with(verify=False), "compare the cached block's tokens"),
     (grading.check_prefix_allocator, _allocator_with(keep_last=False), "drop the last hit"),
-    (grading.check_prefix_allocator, _allocator_with(evict=False), "check 6/10 .*MemoryError"),
-    (grading.check_prefix_allocator, _allocator_with(lru=False), "check 6/10"),
-    (grading.check_prefix_allocator, _allocator_with(tail_first=False), "check 6/10"),
+    (grading.check_prefix_allocator, _allocator_with(evict=False), "check 6/11 .*MemoryError"),
+    (grading.check_prefix_allocator, _allocator_with(lru=False), "check 6/11"),
+    (grading.check_prefix_allocator, _allocator_with(tail_first=False), "check 6/11"),
+    (grading.check_prefix_allocator, _allocator_with(stop_at_miss=False), "(?s)check 8/11.*break, not continue"),
+    (grading.check_prefix_allocator, _allocator_with(park_cached=False),
+     "(?s)check 5/11.*blocks in `evictable`.*goes to the evictable LRU"),
     (grading.check_prefix_allocator, _allocator_with(unpark=False), "num_free_blocks is"),
     (grading.check_prefix_allocator, _allocator_with(uncache_evicted=False), "blocks in the prefix cache"),
     (grading.check_schedule_step, lambda *a: _schedule(*a, oldest_victim=True), "preempt running\\[-1\\]"),

@@ -49,7 +49,7 @@ def test_quantize_grader_passes_minifers_quantize_int4(capsys):
     rng = torch.random.get_rng_state()
     grading_quant.check_quantize_int4(_minifer_quantize)
     out = capsys.readouterr().out
-    assert out.rstrip().endswith("quantize_int4: 7/7 checks passed") and "FAIL" not in out
+    assert out.rstrip().endswith("quantize_int4: 8/8 checks passed") and "FAIL" not in out
     grading_quant.check_quantize_int4(_minifer_quantize)
     assert capsys.readouterr().out == out, "the report must be deterministic (nbval compares it)"
     assert torch.equal(torch.random.get_rng_state(), rng), "graders must not touch the global RNG"
@@ -67,8 +67,9 @@ def test_perplexity_grader_passes_minifers_eval(capsys):
 
 
 def _quantize(w, group_size, symmetric, *, swap=False, levels=7.0, offset=8, widen=True, clamp_zero=True,
-              axis="k", safe=True):
+              axis="k", safe=True, half_up=False):
     """The notebook's solution with switches for the classic mistakes."""
+    rnd = (lambda t: torch.floor(t + 0.5)) if half_up else torch.round  # half_up: round half up
     n, k = w.shape
     if axis == "k":
         groups = w.float().reshape(n, k // group_size, group_size)
@@ -77,17 +78,17 @@ def _quantize(w, group_size, symmetric, *, swap=False, levels=7.0, offset=8, wid
     pick = (lambda span, lv: torch.where(span > 0, span / lv, torch.ones_like(span))) if safe else (lambda s, lv: s / lv)
     if symmetric:
         scales = pick(groups.abs().amax(dim=2), levels)
-        q = torch.clamp(torch.round(groups / scales[..., None]), -8, 7) + offset
+        q = torch.clamp(rnd(groups / scales[..., None]), -8, 7) + offset
         zeros = None
     else:
         lo, hi = groups.amin(dim=2), groups.amax(dim=2)
         if widen:
             lo, hi = lo.clamp(max=0), hi.clamp(min=0)
         scales = pick(hi - lo, 15.0)
-        z = torch.round(-lo / scales)
+        z = rnd(-lo / scales)
         if clamp_zero:
             z = z.clamp(0, 15)
-        q = torch.clamp(torch.round(groups / scales[..., None]) + z[..., None], 0, 15)
+        q = torch.clamp(rnd(groups / scales[..., None]) + z[..., None], 0, 15)
         zeros = z.to(torch.uint8)
     if axis != "k":
         q = q.transpose(1, 2)
@@ -104,6 +105,7 @@ WRONG_QUANTIZE = [
     ({"widen": False}, "Widen its range to include 0"),
     ({"axis": "n"}, "consecutive"),
     ({"safe": False}, "all zeros"),
+    ({"half_up": True}, r"(?s)check 7/8.*exactly halfway between two codes.*round halves to even with torch.round"),
 ]
 
 
@@ -126,7 +128,7 @@ def test_quantize_grader_accepts_the_solution_and_rejects_bad_structure():
         packed, scales, zeros = _quantize(w, g, s)
         return packed & 0xEE, scales, zeros
 
-    with pytest.raises(AssertionError, match="(?s)check 1/7.*codes:"):
+    with pytest.raises(AssertionError, match="(?s)check 1/8.*codes:"):
         grading_quant.check_quantize_int4(round_half_up)
 
 
@@ -142,7 +144,14 @@ if HAS_TRITON:
                      BLOCK_K: tl.constexpr, MISTAKE: tl.constexpr = 0):
         """The notebook's solution (tl.dot) with MISTAKE switches: 1 swapped nibbles, 2 no zero point,
         3 no scale, 4 group of the byte index, 5 one group per K tile, 6 no K mask, 7 no store mask,
-        8 no store."""
+        8 no store, 9 rows indexed with K and N instead of the strides, 10 out's rows indexed with N, 11 x's
+        rows indexed with K."""
+        if MISTAKE == 11:
+            stride_xm = K
+        if MISTAKE == 9:
+            stride_xm, stride_qn, stride_sn = K, K // 2, K // GROUP
+        if MISTAKE == 9 or MISTAKE == 10:
+            stride_om = N
         pid_m = tl.program_id(0)
         pid_n = tl.program_id(1)
         rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -243,6 +252,10 @@ WRONG_KERNEL = [
     (6, "mask the last K tile's loads"),
     (7, "mask the store"),
     (8, "never written"),
+    (9, r"(?s)check 1/5.*ignores the stride arguments.*a strided packed W \(stride_qn\), scales/zeros "
+        r"\(stride_sn\)\nhint: index rows with stride_xm"),  # M = 1 in check 1: x's stride is not used
+    (10, r"ignores the stride arguments.*wrong with a strided out \(stride_om\)\n"),
+    (11, r"(?s)check 2/5.*ignores the stride arguments.*wrong with a strided x \(stride_xm\)\n"),
 ]
 
 
@@ -297,6 +310,18 @@ def test_perplexity_grader_accepts_the_solution_and_rejects_bad_calls():
         grading_quant.check_perplexity(lambda m, ids, w: _perplexity(lambda t: m(t[0])[None], ids, w))
     with pytest.raises(AssertionError, match="(?s)check 1/6.*uniform logits"):  # not a perplexity at all
         grading_quant.check_perplexity(lambda m, ids, w: float(m(ids[None, :-1]).mean().exp()))
+
+
+def test_an_assert_in_the_learners_code_is_reported_as_theirs():
+    def asserts(w, group_size, symmetric):  # `assert symmetric, "..."` in a notebook
+        if not symmetric:
+            raise AssertionError("not enough memory")
+        return _minifer_quantize(w, group_size, symmetric)
+
+    with pytest.raises(AssertionError, match=r"^quantize_int4: check 3/8 \(asymmetric.*\): your function raised "
+                                             r"AssertionError: not enough memory$") as info:
+        grading_quant.check_quantize_int4(asserts)
+    assert isinstance(info.value.__cause__, AssertionError)
 
 
 def test_not_implemented_stubs_get_the_clear_message():

@@ -18,7 +18,7 @@ REFERENCES = [
     (grading_spec.check_verify_greedy, ref_verify_greedy, "verify_greedy: 7/7 checks passed"),
     (grading_spec.check_rejection_sample, grading_spec._rejection_sample_with_minifer,
      "rejection_sample: 8/8 checks passed"),
-    (grading_spec.check_ngram_propose, ref_ngram_propose, "ngram_propose: 9/9 checks passed"),
+    (grading_spec.check_ngram_propose, ref_ngram_propose, "ngram_propose: 10/10 checks passed"),
 ]
 
 
@@ -80,9 +80,10 @@ def _rejection(draft, q, p, generator, *, residual="p-q", accept="ratio", draw="
     return out + [int(torch.multinomial(p[k - bonus_offset], 1, generator=generator))]
 
 
-def _ngram(tokens, k, hi, lo, *, longest_first=True, most_recent=True, include_suffix=False, pad=False):
+def _ngram(tokens, k, hi, lo, *, longest_first=True, most_recent=True, include_suffix=False, pad=False,
+           skip_min=False):
     """The notebook's ngram_propose with switches for the classic mistakes."""
-    sizes = range(hi, lo - 1, -1) if longest_first else range(lo, hi + 1)
+    sizes = range(hi, lo - 1 + skip_min, -1) if longest_first else range(lo, hi + 1)
     for n in sizes:
         if n >= len(tokens) + include_suffix:
             continue
@@ -118,6 +119,9 @@ WRONG = [
     (grading_spec.check_ngram_propose, lambda *a: _ngram(*a, include_suffix=True), "start before len"),
     (grading_spec.check_ngram_propose, lambda *a: _ngram(*a, pad=True), "fewer than k tokens"),
     (grading_spec.check_ngram_propose, lambda t, k, hi, lo: _ngram(t, k, hi, 1), "prompt_lookup_min count"),
+    (grading_spec.check_ngram_propose, lambda *a: _ngram(*a, skip_min=True),
+     r"(?s)check 5/10.*hint: only n = prompt_lookup_min = 1 matches here, and you never tried it: .*both included"
+     r", range\(prompt_lookup_max, prompt_lookup_min - 1, -1\)$"),  # and no unrelated hint after it
 ]
 
 
@@ -151,6 +155,17 @@ def test_inputs_modified_in_place_are_reported():
 
     with pytest.raises(AssertionError, match="modified draft_tokens, q or p"):
         grading_spec.check_rejection_sample(zeroes)
+
+
+def test_an_assert_in_the_learners_code_is_reported_as_theirs():
+    def asserts(tokens, k, hi, lo):  # `assert len(tokens) > 1, "..."` in a notebook
+        if len(tokens) < 2:
+            raise AssertionError("too short")
+        return ref_ngram_propose(tokens, k, hi, lo)
+
+    with pytest.raises(AssertionError, match=r"^ngram_propose: check 9/10 \(empty .*\): your function raised "
+                                             r"AssertionError: too short$"):
+        grading_spec.check_ngram_propose(asserts)
 
 
 def test_not_implemented_stubs_get_the_clear_message():

@@ -191,7 +191,8 @@ for name, qw in [("int8, per row", quantize(w, "int8")), ("fp8 e4m3, per row", q
 #
 # After the loop, store `acc` into `out` with a mask for the rows `rm < M` and columns `rn < N`: the last
 # tiles overhang the matrix. The check poisons `out` with NaN and surrounds every tensor with NaN-filled
-# memory, so a missing mask shows up.
+# memory, so a missing mask shows up. Each tensor it passes is a view into a wider buffer, so consecutive rows
+# are the `stride_*` arguments apart, not `K` or `N`: index rows with the strides.
 #
 # Under the interpreter, `print(...)` inside the kernel works (it runs as Python, one program at a time):
 # handy for looking at a tile's shape. minifer's own kernels (`minifer/kernels/quant_matmul.py`) do the same
