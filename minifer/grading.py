@@ -603,11 +603,15 @@ def _allocator_ops_random(seed: int, block_size: int, num_prefixes: int = 3, ste
 
 
 def _describe_op(op: tuple) -> str:
-    kind, seq, tokens = op
+    kind, seq, arg = op
     if kind == "free":
         return f"free({seq!r})"
-    shown = tokens if len(tokens) <= 12 else tokens[:12] + ["..."]
-    return f"{kind}({seq!r}, {len(tokens)} tokens {shown})".replace("'...'", "...")
+    if kind == "fork":
+        return f"fork({arg!r}, {seq!r})"
+    if kind == "grow":
+        return f"grow({seq!r}, {arg})"
+    shown = arg if len(arg) <= 12 else arg[:12] + ["..."]
+    return f"{kind}({seq!r}, {len(arg)} tokens {shown})".replace("'...'", "...")
 
 
 def _drive_allocator(cls: Any, ops: list[tuple], num_blocks: int, block_size: int, hint: str,
@@ -631,9 +635,20 @@ def _drive_allocator(cls: Any, ops: list[tuple], num_blocks: int, block_size: in
 
         for op in ops:
             kind, seq, tokens = op
-            if kind != "allocate" and seq not in live:
+            if (tokens not in live) if kind == "fork" else (kind != "allocate" and seq not in live):
                 continue  # its allocation did not fit
-            if kind == "allocate":
+            if kind == "fork":  # ("fork", child, parent)
+                ref.fork(tokens, seq)
+                mine.fork(tokens, seq)
+                history.append(_describe_op(op))
+                live.add(seq)
+            elif kind == "cow":  # ("cow", sequence, position)
+                _check_copy_on_write(ref, mine, seq, tokens, block_size, history, fail)
+            elif kind == "grow":  # ("grow", sequence, tokens it must hold)
+                ref.append_slots(seq, tokens)
+                mine.grow(seq, tokens)
+                history.append(_describe_op(op))
+            elif kind == "allocate":
                 want_ok, got_ok = ref.can_allocate(tokens), bool(mine.can_allocate(tokens))
                 if got_ok != want_ok:
                     history.append(f"can_allocate(... {len(tokens)} tokens)")
@@ -684,6 +699,117 @@ def _drive_allocator(cls: Any, ops: list[tuple], num_blocks: int, block_size: in
                              f"{ref.blocks[w].ref_count}")
         if not live and mine.num_free_blocks != num_blocks:
             fail(f"every sequence is freed but only {mine.num_free_blocks} of {num_blocks} blocks are free")
+
+
+def _check_copy_on_write(ref: Any, mine: Any, seq: str, position: int, block_size: int, history: list[str],
+                         fail: Callable[..., None]) -> None:
+    """One ``copy_on_write`` on both allocators: the same decision (copy or not), and a pair that names the shared
+    block the table held and the fresh block that replaced it."""
+    index = position // block_size
+    before = list(mine.tables[seq])
+    want, got = ref.copy_on_write(seq, position), mine.copy_on_write(seq, position)
+    history.append(f"copy_on_write({seq!r}, {position}) -> {got}")
+    if want is None and got is not None:
+        fail(f"copy_on_write returned {got}, expected None",
+             "copy only when another sequence still holds the block (ref_count > 1): its last holder writes in "
+             "place, and a position past the end of the table needs no copy (growing the table gives a fresh block)")
+    if want is not None and got is None:
+        fail(f"copy_on_write returned None, expected a (shared, fresh) pair: block {before[index]} holding position "
+             f"{position} is shared",
+             "writing into a shared block would change the other sequences' keys and values: take a fresh block "
+             "(take_free_block), put it in the table in place of the shared one, drop one reference from the "
+             "shared one, and return (shared, fresh) so that the runner copies the KV")
+    if got is not None:
+        after = mine.tables[seq]
+        if not (isinstance(got, tuple) and len(got) == 2) or got != (before[index], after[index]):
+            fail(f"copy_on_write returned {got}; expected (the shared block {before[index]}, the fresh block now at "
+                 f"index {index} of the table, {after[index]})",
+                 "return (shared, fresh) after putting the fresh block in the table in place of the shared one "
+                 "(table[index] = fresh): the sequence writes its token into the fresh block")
+        if mine.ref_count[got[0]] != ref.blocks[want[0]].ref_count:
+            fail(f"after the copy, the shared block {got[0]} has ref_count {mine.ref_count[got[0]]}, expected "
+                 f"{ref.blocks[want[0]].ref_count}",
+                 "the sequence no longer holds the shared block: drop one reference from it (the others still hold "
+                 "it, so it is not freed)")
+
+
+def _beam_ops_random(seed: int, block_size: int, width: int, steps: int) -> list[tuple]:
+    """A random beam search, as block operations: each step the ``width`` survivors are drawn from the live beams
+    (a beam drawn twice forks, one not drawn is freed); each survivor makes the block of its new token its own
+    (copy-on-write), grows its table to hold it, and publishes its full blocks."""
+    import random
+
+    rng = random.Random(seed)
+    prompt = [rng.randrange(50) for _ in range(rng.randrange(1, 3 * block_size))]
+    ops: list[tuple] = [("allocate", "b0", prompt), ("register", "b0", prompt)]
+    beams = {"b0": prompt}
+    count = 1
+    for _ in range(steps):
+        parents = [rng.choice(sorted(beams)) for _ in range(width)]
+        ops += [("free", b, None) for b in sorted(set(beams) - set(parents))]
+        new: dict[str, list[int]] = {}
+        for parent in parents:
+            child = parent if parent not in new else f"b{count}"
+            if child != parent:
+                count += 1
+                ops.append(("fork", child, parent))
+            new[child] = beams[parent] + [rng.randrange(50)]
+        for beam in rng.sample(sorted(new), len(new)):  # the order decides which sharer copies, not the outcome
+            tokens = new[beam]
+            ops += [("cow", beam, len(tokens) - 1), ("grow", beam, len(tokens)), ("register", beam, tokens[:-1])]
+        beams = new
+    return ops + [("free", b, None) for b in sorted(beams)]
+
+
+def check_forking_allocator(cls: Any) -> None:
+    """Grade ``fork`` and ``copy_on_write`` of an allocator class (the prefix-caching allocator plus a given
+    ``grow``) against :class:`minifer.engine.block_manager.BlockManager`'s, by the same comparison as
+    :func:`check_prefix_allocator`: which blocks the sequences share, reference counts, free and cached blocks,
+    and each ``copy_on_write`` decision."""
+    bs = 4
+    p6 = list(range(100, 106))  # one full block of 4 and one holding 2
+
+    def script(ops: list[tuple], num_blocks: int, hint: str, block_size: int = bs) -> Check:
+        return lambda: _drive_allocator(cls, ops, num_blocks, block_size, hint)
+
+    def rand(seed: int, block_size: int, width: int, num_blocks: int) -> Check:
+        return script(_beam_ops_random(seed, block_size, width, steps=12), num_blocks,
+                      "compare with the rules in the notebook: a fork shares every block (own lists, one more "
+                      "reference each); copy only a shared block about to be written", block_size)
+
+    checks: list[Check] = [
+        ("a fork shares every block: the same blocks, one more reference each, no block taken", script(
+            [("allocate", "a", p6), ("fork", "b", "a"), ("fork", "c", "a"), ("free", "a", None)], 8,
+            "fork copies the parent's table (the block ids) and adds 1 to the ref_count of every block in it; "
+            "freeing the parent then leaves the children's blocks alone")),
+        ("the child's table is its own list", script(
+            [("allocate", "a", p6), ("fork", "b", "a"), ("grow", "b", 9), ("free", "b", None)], 8,
+            "store a copy of the parent's table (list(...)): with the same list object, growing the child's "
+            "table grows the parent's too")),
+        ("the child's chained hashes are its own list", script(
+            [("allocate", "a", p6), ("register", "a", p6), ("fork", "b", "a"), ("cow", "b", 6), ("grow", "a", 8),
+             ("grow", "b", 8), ("register", "b", p6 + [7, 8]), ("register", "a", p6 + [5, 5])], 8,
+            "copy seq_hashes too (list(...)): register_computed appends to a sequence's hashes, and with a shared "
+            "list the parent's next registration starts past blocks it never published")),
+        ("a shared block is copied before a write; its last holder writes in place", script(
+            [("allocate", "a", p6), ("fork", "b", "a"), ("fork", "c", "a"), ("cow", "b", 6), ("cow", "c", 6),
+             ("cow", "a", 6)], 8,
+            "copy when ref_count > 1, in place otherwise: the third writer is the block's only holder")),
+        ("no copy of a private block, or of a block not allocated yet", script(
+            [("allocate", "a", p6 + [1, 2]), ("cow", "a", 7), ("fork", "b", "a"), ("cow", "b", 8), ("grow", "b", 9),
+             ("cow", "b", 8)], 8,
+            "position // block_size past the end of the table: nothing to copy; a block only this sequence holds: "
+            "nothing to copy")),
+        ("a copy takes a cached block when the free list is empty", script(
+            [("allocate", "x", [7, 7, 7, 7, 1]), ("register", "x", [7, 7, 7, 7, 1]), ("free", "x", None),
+             ("allocate", "a", p6), ("fork", "b", "a"), ("cow", "b", 6)], 3,
+            "take the fresh block with take_free_block: the free list first, else evict the least recently used "
+            "cached block")),
+        ("random beam search, width 3, block_size 4", rand(0, 4, 3, 64)),
+        ("random beam search, width 4, block_size 2", rand(1, 2, 4, 96)),
+        ("random beam search, width 2, block_size 3", rand(2, 3, 2, 64)),
+    ]
+    run_checks("forking_allocator", checks)
 
 
 def check_prefix_allocator(cls: Any) -> None:

@@ -463,12 +463,20 @@ class _BlockManagerAdapter(BlockManager):
     ref_count = property(lambda self: [b.ref_count for b in self.blocks])
 
 
+class _ForkingBlockManager(_BlockManagerAdapter):
+    """minifer's fork and copy_on_write, with the exercise's given ``grow``."""
+
+    def grow(self, seq_id, num_tokens):
+        self.append_slots(seq_id, num_tokens)
+
+
 REFERENCES_02_03 = [
     (grading.check_slot_mapping, ref_slot_mapping, "slot_mapping: 6/6 checks passed"),
     (grading.check_paged_attention, _ref_paged_attention, "paged_attention: 8/8 checks passed"),
     (grading.check_prefix_allocator, _BlockManagerAdapter, "prefix_allocator: 11/11 checks passed"),
     (grading.check_schedule_step, grading._schedule_with_minifer, "schedule_step: 11/11 checks passed"),
     (grading.check_parallel_sampling_blocks, parallel_sampling_blocks, "parallel_sampling_blocks: 8/8 checks passed"),
+    (grading.check_forking_allocator, _ForkingBlockManager, "forking_allocator: 9/9 checks passed"),
 ]
 
 
@@ -630,6 +638,43 @@ class _Allocator:
                     self.free_list.append(b)
 
 
+class _ForkingAllocator(_Allocator):
+    """The notebook's fork and copy_on_write, with switches for the classic mistakes."""
+
+    def __init__(self, num_blocks, block_size, hash_fn=_bm.chain_hash, *, own_table=True, own_hashes=True,
+                 add_refs=True, copy_private=False, drop_ref=True, replace=True):
+        super().__init__(num_blocks, block_size, hash_fn)
+        self.own_table, self.own_hashes, self.add_refs = own_table, own_hashes, add_refs
+        self.copy_private, self.drop_ref, self.replace = copy_private, drop_ref, replace
+
+    def grow(self, seq_id, num_tokens):
+        table = self.tables[seq_id]
+        while len(table) < self.blocks_needed(num_tokens):
+            table.append(self.take_free_block())
+
+    def fork(self, parent_id, child_id):
+        table, hashes = self.tables[parent_id], self.seq_hashes[parent_id]
+        self.tables[child_id] = list(table) if self.own_table else table
+        self.seq_hashes[child_id] = list(hashes) if self.own_hashes else hashes
+        for b in table:
+            self.ref_count[b] += self.add_refs
+
+    def copy_on_write(self, seq_id, position):
+        table, index = self.tables[seq_id], position // self.block_size
+        if index >= len(table) or (self.ref_count[table[index]] == 1 and not self.copy_private):
+            return None
+        shared, fresh = table[index], self.take_free_block()
+        self.ref_count[shared] -= self.drop_ref
+        if self.replace:
+            table[index] = fresh
+        return shared, fresh
+
+
+def _forking_with(**mistake):
+    return lambda num_blocks, block_size, hash_fn=_bm.chain_hash: _ForkingAllocator(num_blocks, block_size, hash_fn,
+                                                                                    **mistake)
+
+
 def _allocator_with(**mistake):
     return lambda num_blocks, block_size, hash_fn=_bm.chain_hash: _Allocator(num_blocks, block_size, hash_fn,
                                                                              **mistake)
@@ -718,6 +763,12 @@ WRONG_02_03 = [
      "held once, not once per completion"),
     (grading.check_parallel_sampling_blocks, lambda *a: _ps_blocks(*a, times_n=False), "multiply them by n"),
     (grading.check_parallel_sampling_blocks, lambda *a: _ps_blocks(*a, honour_shared=False), "no prefix cache"),
+    (grading.check_forking_allocator, _forking_with(add_refs=False), r"(?s)check 1/9.*ref_count"),
+    (grading.check_forking_allocator, _forking_with(own_table=False), r"(?s)check 2/9.*list\(\.\.\.\)"),
+    (grading.check_forking_allocator, _forking_with(own_hashes=False), r"(?s)check 3/9.*copy seq_hashes too"),
+    (grading.check_forking_allocator, _forking_with(copy_private=True), r"(?s)check 4/9.*expected None"),
+    (grading.check_forking_allocator, _forking_with(drop_ref=False), r"(?s)check 3/9.*drop one reference from it"),
+    (grading.check_forking_allocator, _forking_with(replace=False), r"(?s)check 3/9.*table\[index\] = fresh"),
 ]
 
 
@@ -732,3 +783,4 @@ def test_02_03_graders_accept_the_correct_variants():
     grading.check_prefix_allocator(_Allocator)
     grading.check_schedule_step(_schedule)
     grading.check_parallel_sampling_blocks(_ps_blocks)
+    grading.check_forking_allocator(_forking_with())

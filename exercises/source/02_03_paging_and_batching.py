@@ -10,7 +10,8 @@
 # 1. **slot mapping**: where in the block pool each token's keys and values go;
 # 2. **paged attention**: attention that reads its keys and values through a block table;
 # 3. **a block allocator with prefix caching**: free list, reference counts, hashed full blocks shared
-#    between requests, LRU eviction; then (3b) the blocks that `n` parallel completions of one prompt hold;
+#    between requests, LRU eviction; then (3b) the blocks that `n` parallel completions of one prompt hold,
+#    and (3c) the fork and copy-on-write of beam search;
 # 4. **one scheduler step**: continuous batching with a token budget, chunked prefill and preemption.
 #
 # Each exercise explains the idea, gives a function (or a class) whose body you write, then a **check cell**
@@ -383,6 +384,64 @@ def parallel_sampling_blocks(prompt_len: int, output_len: int, n: int, block_siz
 from minifer.grading import check_parallel_sampling_blocks
 
 check_parallel_sampling_blocks(parallel_sampling_blocks)
+
+# %% [markdown]
+# ## 3c · Beam search: fork, then copy on write
+#
+# Beam search (chapter 02, section 9) keeps the `w` best continuations of a prompt. At each step a beam with two
+# surviving continuations **forks**: the new beam starts as an exact copy of its parent, every token included. On
+# block tables a fork copies no keys or values at all:
+#
+# * `fork(parent_id, child_id)` gives the child **its own copy** of the parent's table (the same block ids) and
+#   of its chained hashes, and adds one reference to every block in it. No block is taken.
+# * Shared blocks are read-only. The only block a beam ever writes again is the one its next token goes to: its
+#   last, partly filled block (a full block is never written again). Before writing token `position`, the engine
+#   calls `copy_on_write(seq_id, position)`. If the block that will hold `position` is shared
+#   (`ref_count > 1`), the sequence takes a fresh block (`take_free_block`) in its place, the shared block loses
+#   one reference, and the method returns `(shared, fresh)` so that the runner copies the keys and values across.
+#   Otherwise it returns `None`: a block only this sequence holds is written in place, and a position past the end
+#   of the table needs no copy, because growing the table (`grow`, given) takes a fresh block.
+#
+# The grader drives your class through scripted cases and random beam searches next to minifer's `BlockManager`
+# (`fork`, `copy_on_write`), comparing which blocks the beams share, the reference counts and every copy decision.
+
+# %%
+class ForkingAllocator(PrefixCachingAllocator):
+    def grow(self, seq_id: str, num_tokens: int) -> None:
+        """Given: fresh blocks at the end of the table until it holds ``num_tokens`` tokens."""
+        table = self.tables[seq_id]
+        while len(table) < self.blocks_needed(num_tokens):
+            table.append(self.take_free_block())
+
+    def fork(self, parent_id: str, child_id: str) -> None:
+        """The child shares all of the parent's blocks: its own copy of the table and of the chained hashes, and
+        one more reference on every block."""
+        ### BEGIN SOLUTION
+        self.tables[child_id] = list(self.tables[parent_id])
+        self.seq_hashes[child_id] = list(self.seq_hashes[parent_id])
+        for b in self.tables[child_id]:
+            self.ref_count[b] += 1
+        ### END SOLUTION
+
+    def copy_on_write(self, seq_id: str, position: int) -> tuple[int, int] | None:
+        """Before the sequence writes token ``position``: if that token's block is shared, replace it by a fresh
+        block and return ``(shared, fresh)``; otherwise ``None``."""
+        ### BEGIN SOLUTION
+        table, index = self.tables[seq_id], position // self.block_size
+        if index >= len(table) or self.ref_count[table[index]] == 1:
+            return None
+        shared, fresh = table[index], self.take_free_block()
+        self.ref_count[shared] -= 1  # still held by the others: it was shared
+        table[index] = fresh
+        return shared, fresh
+        ### END SOLUTION
+
+
+# %%
+# NBVAL_CHECK_OUTPUT
+from minifer.grading import check_forking_allocator
+
+check_forking_allocator(ForkingAllocator)
 
 # %% [markdown]
 # ## 4 · One step of continuous batching
