@@ -263,12 +263,12 @@ def compare_beam_search_with_transformers(llm: "LLM", prompts: Sequence[str], pa
                             length_penalty=params.length_penalty, max_new_tokens=params.max_tokens, do_sample=False,
                             output_scores=True, return_dict_in_generate=True, eos_token_id=eos,
                             pad_token_id=eos[0] if eos else 0)
+        total += max(len(ours.sequences), len(g.sequences))  # a missing or extra beam counts as a difference
         for seq, row, score in zip(ours.sequences, g.sequences.tolist(), g.sequences_scores.tolist()):
             out = row[len(ids):]
             end = next((i for i, t in enumerate(out) if eos and t in eos), None)
             theirs = ids + (out if end is None else out[: end + 1])
             same += seq.tokens == theirs
-            total += 1
             worst = max(worst, abs(seq.score - score))
     del hf
     return (f"transformers' beam search (float32): {same} of {total} finished beams identical, "

@@ -80,8 +80,11 @@ class BeamSearchParams:
 
     ``beam_width`` beams are kept; each prompt returns its ``beam_width`` best finished sequences, ranked by
     ``cum_logprob / num_output_tokens ** length_penalty``: 1.0 (the default) ranks by the mean log-probability
-    per token, 0 by the sum, which favours short outputs, and more than 1 favours long ones. ``temperature`` > 0
-    scores tokens by the log-softmax of ``logits / temperature``; the search stays deterministic."""
+    per token, 0 by the sum, which favours short outputs, and more than 1 favours long ones. The search is
+    deterministic and ranks by the model's own log-probabilities, so ``temperature`` (kept for vLLM's signature)
+    must be 0, as transformers ignores it when it does not sample. ``beam_width=1`` makes greedy decoding's choices
+    until greedy would stop: where EOS is the most likely token, it keeps that finished hypothesis, goes on with
+    the next-best token, and returns whichever scores better with the length penalty."""
 
     beam_width: int
     max_tokens: int
@@ -97,8 +100,9 @@ class BeamSearchParams:
             raise bad("beam_width", "must be an integer >= 1 (the number of beams kept)")
         if not isinstance(self.max_tokens, int) or isinstance(self.max_tokens, bool) or self.max_tokens < 1:
             raise bad("max_tokens", "must be an integer >= 1")
-        if not isinstance(self.temperature, (int, float)) or math.isnan(self.temperature) or self.temperature < 0:
-            raise bad("temperature", "must be >= 0 (0 scores by the model's own log-probabilities)")
+        if self.temperature != 0:
+            raise bad("temperature", "must be 0: beam search is deterministic and ranks by the model's own "
+                                     "log-probabilities (transformers ignores temperature when it does not sample)")
         if not isinstance(self.length_penalty, (int, float)) or not math.isfinite(self.length_penalty):
             raise bad("length_penalty", "must be a finite number")
 

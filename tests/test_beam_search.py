@@ -9,14 +9,18 @@ import math
 
 import pytest
 import torch
-from conftest import TINY_VOCAB
+from conftest import TINY_VOCAB, build_hf_model
 
 import minifer
 from minifer import BeamSearchParams, SamplingParams
 from minifer.engine.beam_search import BeamSearch, blocks_bound
 
 
-def hf_beams(hf_model, ids: list[int], w: int, max_tokens: int, length_penalty: float, eos: int | None):
+def _first(eos: int | list[int]) -> int:
+    return eos[0] if isinstance(eos, list) else eos
+
+
+def hf_beams(hf_model, ids: list[int], w: int, max_tokens: int, length_penalty: float, eos: int | list[int] | None):
     """HF's finished beams: (prompt + output tokens, score), best first; padding after EOS stripped. ``eos`` is
     passed explicitly: it overrides the shared ``hf_target`` fixture's, which is off."""
     x = torch.tensor([ids])
@@ -24,13 +28,13 @@ def hf_beams(hf_model, ids: list[int], w: int, max_tokens: int, length_penalty: 
         g = hf_model.generate(x, attention_mask=torch.ones_like(x), num_beams=w, num_return_sequences=w,
                               early_stopping="never", length_penalty=length_penalty, max_new_tokens=max_tokens,
                               do_sample=False, output_scores=True, return_dict_in_generate=True,
-                              eos_token_id=eos, pad_token_id=0 if eos is None else eos, bos_token_id=None)
+                              eos_token_id=eos, pad_token_id=0 if eos is None else _first(eos), bos_token_id=None)
     beams = []
+    ends = set([eos] if isinstance(eos, int) else eos or [])
     for row, score in zip(g.sequences.tolist(), g.sequences_scores.tolist()):
         out = row[len(ids):]
-        if eos is not None and eos in out:
-            out = out[: out.index(eos) + 1]
-        beams.append((ids + out, score))
+        end = next((i for i, t in enumerate(out) if t in ends), None)
+        beams.append((ids + (out if end is None else out[: end + 1]), score))
     return beams
 
 
@@ -79,6 +83,48 @@ def test_tiny_checkpoints_match_hf_beam_search(kind, tiny_checkpoint):
     outputs = llm.beam_search([{"prompt_token_ids": p} for p in prompts], BeamSearchParams(3, 24, ignore_eos=True))
     for ids, output in zip(prompts, outputs):
         assert_same_beams(output, hf_beams(hf, ids, 3, 24, 1.0, None))
+
+
+def test_several_eos_ids_match_hf(tmp_path):
+    """With several EOS ids, each beam's EOS continuations compete: the top (1 + #EOS) * w are kept (HF's rule)."""
+    hf = build_hf_model("llama", seed=1)
+    eos = list(range(10, 16))
+    hf.config.eos_token_id = hf.generation_config.eos_token_id = eos
+    hf.save_pretrained(tmp_path, safe_serialization=True)
+    llm = minifer.LLM(str(tmp_path), dtype="float32", device="cpu", block_size=4)
+    assert set(eos) <= llm.eos_token_ids
+    gen = torch.Generator().manual_seed(0)
+    stopped = 0
+    for w, lp in ((2, 1.0), (3, 0.0), (5, 2.0)):
+        ids = torch.randint(20, TINY_VOCAB, (7,), generator=gen).tolist()
+        output = llm.beam_search([{"prompt_token_ids": ids}], BeamSearchParams(w, 20, length_penalty=lp))[0]
+        assert_same_beams(output, hf_beams(hf, ids, w, 20, lp, eos))
+        stopped += sum(s.finish_reason == "stop" for s in output.sequences)
+    assert stopped > 0, "no beam ended on one of the EOS ids: the case tests nothing"
+
+
+def test_prefill_keeps_to_the_token_budget(monkeypatch):
+    """Long prompts are prefilled in chunks of at most max_num_batched_tokens per step, as the scheduler does,
+    and give the same beams; without chunked prefill a prompt over the budget is refused."""
+    prompts = [[1] + list(range(30, 130)), [1] + list(range(200, 290))]
+    params = BeamSearchParams(3, 12, ignore_eos=True)
+    whole = minifer.LLM("tinystories-target", dtype="float32", device="cpu", block_size=4)
+    small = minifer.LLM("tinystories-target", dtype="float32", device="cpu", block_size=4, max_num_batched_tokens=32)
+    sizes = []
+    forward = small.engine.runner.forward
+
+    def counting(ids, starts, chunks, num_logits):
+        sizes.append(sum(map(len, chunks)))
+        return forward(ids, starts, chunks, num_logits)
+
+    monkeypatch.setattr(small.engine.runner, "forward", counting)
+    chunked = small.beam_search([{"prompt_token_ids": p} for p in prompts], params)
+    assert max(sizes) <= 32 and sum(sizes[:3]) == 96  # the first steps are pure prefill, 32 tokens each
+    assert tokens_of(chunked) == tokens_of(whole.beam_search([{"prompt_token_ids": p} for p in prompts], params))
+    strict = minifer.LLM("tinystories-target", dtype="float32", device="cpu", max_num_batched_tokens=32,
+                         enable_chunked_prefill=False)
+    with pytest.raises(ValueError, match="prompt 0 has 101 tokens, more than max_num_batched_tokens=32"):
+        strict.beam_search([{"prompt_token_ids": prompts[0]}], params)
 
 
 def test_beam_width_one_is_greedy(beam_llm):
@@ -203,8 +249,8 @@ def test_bad_requests_are_refused_naming_the_problem(beam_llm):
         BeamSearchParams(True, 8)
     with pytest.raises(ValueError, match="max_tokens"):
         BeamSearchParams(2, 0)
-    with pytest.raises(ValueError, match="temperature"):
-        BeamSearchParams(2, 8, temperature=-1)
+    with pytest.raises(ValueError, match="temperature must be 0"):
+        BeamSearchParams(2, 8, temperature=0.7)
     with pytest.raises(ValueError, match="length_penalty"):
         BeamSearchParams(2, 8, length_penalty=math.nan)
     with pytest.raises(TypeError, match="BeamSearchParams"):
@@ -257,3 +303,13 @@ def test_notebook_comparison_with_transformers(beam_llm, monkeypatch):
     monkeypatch.setattr(minifer.LLM, "beam_search", reversed_beams)
     report = compare_beam_search_with_transformers(beam_llm, STORY_STARTS[:2], params)
     assert "2 of 6 finished beams identical" in report and report.endswith("False")
+
+    def first_only(self, prompts, p):  # a missing beam must show too
+        outs = search(self, prompts, p)
+        for o in outs:
+            del o.sequences[1:]
+        return outs
+
+    monkeypatch.setattr(minifer.LLM, "beam_search", first_only)
+    assert "2 of 6 finished beams identical" in compare_beam_search_with_transformers(beam_llm, STORY_STARTS[:2],
+                                                                                      params)

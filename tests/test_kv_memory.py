@@ -280,6 +280,8 @@ def test_beam_search_demo(draft):
     assert log[0].count("(fork of beam1)") == 2 and log[0].endswith("blocks copied: 1 -> 2, 1 -> 3")
     # three beams of 5 prompt tokens + 2 written outputs: the prompt's full block 0 is held by all of them
     assert set(lens.values()) == {7} and len(lens) == 3
+    with pytest.raises(ValueError, match="steps must be in"):
+        kvm.beam_search_demo(draft, steps=12, max_tokens=12)
     tables = [bm.block_table(b) for b in lens]
     assert all(t[0] == 0 for t in tables) and bm.blocks[0].ref_count == 3 and len({t[1] for t in tables}) == 3
 

@@ -789,6 +789,9 @@ def beam_search_demo(llm, *, beam_width: int = 3, prompt: str = "Once upon a tim
             snapshot["blocks"] = copy.deepcopy(search.blocks)
             snapshot["lengths"] = {b.seq_id: len(b.tokens) - 1 for b in search.active[0].beams}
 
+    if not 1 <= steps < max_tokens:
+        raise ValueError(f"steps must be in [1, max_tokens - 1] to see the beams mid-search, got steps={steps}, "
+                         f"max_tokens={max_tokens}")
     BeamSearch(engine, BeamSearchParams(beam_width, max_tokens, ignore_eos=True), llm.eos_token_ids, tok,
                llm.max_model_len, beam_width).run([ids], on_step=watch)
     return snapshot["blocks"], snapshot["lengths"], log

@@ -24,7 +24,8 @@ tests use as the oracle. At every step:
 
 A prompt is done when no live beam can still beat the worst of ``w`` finished hypotheses (its score can only
 fall as it grows, so the bound is exact), or at ``max_tokens``. Prompts are searched side by side: one forward
-per step carries every live beam of every prompt under way, and the prefills of prompts just admitted.
+per step carries every live beam of every prompt under way, and the prefills of prompts just admitted, within
+the scheduler's token budget.
 
 The names are vLLM's (``LLM.beam_search``, ``BeamSearchParams``, ``BeamSearchOutput``, ``BeamSearchSequence``):
 like vLLM's, a sequence's ``tokens`` hold the prompt too, and its ``text`` is all of them decoded.
@@ -99,7 +100,7 @@ class _Search:
     beams: list[_Beam] = field(default_factory=list)
     finished: list[tuple[float, _Beam, str]] = field(default_factory=list)  # (score, beam, reason), best first
     held: set[str] = field(default_factory=set)  # sequence ids that hold blocks
-    start: int = 0  # prompt tokens already in the cache (prefix hits) when admitted
+    start: int = 0  # prompt tokens in the cache: prefix hits when admitted, then each prefill chunk
     prefilled: bool = False
     done: bool = False
 
@@ -142,6 +143,10 @@ class BeamSearch:
             if room < 1:
                 raise ValueError(f"prompt {i} has {len(prompt)} tokens: it must be shorter than max_model_len="
                                  f"{self.max_model_len} to leave room for output")
+            config = self.engine.scheduler.config
+            if not config.enable_chunked_prefill and len(prompt) > config.max_num_batched_tokens:
+                raise ValueError(f"prompt {i} has {len(prompt)} tokens, more than max_num_batched_tokens="
+                                 f"{config.max_num_batched_tokens} without chunked prefill")
             bound = blocks_bound(len(prompt), room, p.beam_width, bs)
             if bound > self.blocks.num_blocks:
                 raise ValueError(f"prompt {i}: {p.beam_width} beams of up to {len(prompt)} + {room} tokens may need "
@@ -196,25 +201,44 @@ class BeamSearch:
     # --- one step ----------------------------------------------------------------------------------------
 
     def _step(self, active: list[_Search]) -> None:
-        """One forward for every live beam (or prompt just admitted), then each search's selection and block
-        moves; the copy-on-write copies run together before the next forward writes anything."""
-        ids, starts, chunks = [], [], []
+        """One forward: one token for every live beam, plus as much of the prompts still being prefilled as the
+        step's token budget leaves (``max_num_batched_tokens``; split across steps with chunked prefill, as the
+        scheduler does). Then every search whose logits came back selects, and moves its blocks; the copy-on-write
+        copies run together before the next forward writes anything."""
+        config = self.engine.scheduler.config
+        budget = config.max_num_batched_tokens - sum(len(s.beams) for s in active if s.prefilled)
+        ids, starts, chunks, num_logits = [], [], [], []
+        selecting: list[_Search] = []  # the searches that get logits this step, in the order of their rows
         for search in active:
+            if search.prefilled:
+                for beam in search.beams:
+                    ids.append(beam.seq_id)
+                    starts.append(len(beam.tokens) - 1)
+                    chunks.append(beam.tokens[-1:])
+                    num_logits.append(1)
+                selecting.append(search)
+                continue
+            left = len(search.prompt) - search.start
+            take = min(left, budget) if config.enable_chunked_prefill else (left if left <= budget else 0)
+            if take <= 0:
+                continue  # no budget left this step
+            ids.append(search.beams[0].seq_id)
+            starts.append(search.start)
+            chunks.append(search.prompt[search.start : search.start + take])
+            num_logits.append(1 if take == left else 0)  # logits once the whole prompt is in the cache
+            search.start += take
+            budget -= take
+            if take == left:
+                selecting.append(search)
+        logprobs = torch.log_softmax(self.runner.forward(ids, starts, chunks, num_logits).float(), dim=-1)
+        for search in active:  # publish the blocks this step filled, for later prompts that share them
             for beam in search.beams:
-                start = len(beam.tokens) - 1 if search.prefilled else search.start
-                ids.append(beam.seq_id)
-                starts.append(start)
-                chunks.append(beam.tokens[start:])
-        logits = self.runner.forward(ids, starts, chunks, [1] * len(ids)).float()
-        if self.params.temperature > 0:
-            logits = logits / self.params.temperature
-        logprobs = torch.log_softmax(logits, dim=-1)
+                self.blocks.register_computed(beam.seq_id, beam.tokens[: search.start] if not search.prefilled
+                                              else beam.tokens)
         row, copies = 0, []
         self.last_forks = []
-        for search in active:
+        for search in selecting:
             parents = search.beams
-            for beam in parents:
-                self.blocks.register_computed(beam.seq_id, beam.tokens)
             search.prefilled = True
             self._select(search, logprobs[row : row + len(parents)])
             row += len(parents)
