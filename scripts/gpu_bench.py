@@ -12,7 +12,8 @@ is what is measured):
   offline throughput of ``--num-requests`` requests (default 256) with input and output lengths uniform in
   [100, 1024] (nano-vllm's benchmark).
 - ``parity``: the bundled target on the GPU (Triton decode kernels, CUDA graphs) gives the CPU's greedy
-  tokens in float32, and how often bf16 agrees.
+  tokens in float32, and how often bf16 agrees; and the same for beam search's beams (copy-on-write between
+  CUDA-graph replays).
 - ``spec`` (issue 4): the target's verify-forward time for k+1 tokens per sequence vs one, at several batch
   sizes (Qwen3-0.6B); and the bundled pair's speculative speedup vs batch size, fixed and adaptive k.
 - ``quant_e2e`` (issue 5): Llama-3.1-8B batch-1 decode tokens/s in bf16 and with int8 / int4 / fp8 weights.
@@ -143,21 +144,29 @@ def section_engine(args) -> dict:
 
 
 def section_parity(args) -> dict:
+    from minifer import BeamSearchParams
     from minifer.bench.speculative import story_openings
 
     prompts = story_openings(16)
     params = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)
-    cpu = [o.outputs[0].token_ids for o in LLM("tinystories-target", device="cpu").generate(prompts, params,
-                                                                                            use_tqdm=False)]
+    beam_params = BeamSearchParams(beam_width=4, max_tokens=32, ignore_eos=True)
+    cpu_llm = LLM("tinystories-target", device="cpu", block_size=4)
+    cpu = [o.outputs[0].token_ids for o in cpu_llm.generate(prompts, params, use_tqdm=False)]
+    cpu_beams = [[s.tokens for s in o.sequences] for o in cpu_llm.beam_search(prompts[:4], beam_params)]
     report = {"meta": metadata(torch.device(args.device or "cuda"))}
     for dtype in ("float32", "bfloat16"):
-        llm = LLM("tinystories-target", device=args.device, dtype=dtype)
+        # 4-token blocks: the beams fork inside blocks, so copy-on-write copies run between CUDA-graph replays
+        llm = LLM("tinystories-target", device=args.device, dtype=dtype, block_size=4)
+        beams = [[s.tokens for s in o.sequences] for o in llm.beam_search(prompts[:4], beam_params)]
         got = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
         same = sum(a == b for x, y in zip(got, cpu) for a, b in zip(x, y))
         first_diff = [next((i for i, (a, b) in enumerate(zip(x, y)) if a != b), len(x)) for x, y in zip(got, cpu)]
         report[dtype] = {"identical_sequences": sum(x == y for x, y in zip(got, cpu)), "sequences": len(cpu),
                          "token_agreement": same / sum(len(x) for x in cpu), "mean_first_divergence": sum(first_diff) / len(first_diff),
-                         "cuda_graphs": llm.engine.runner.graphs is not None}
+                         "cuda_graphs": llm.engine.runner.graphs is not None,
+                         "beam_search_beams": sum(map(len, cpu_beams)),
+                         "beam_search_identical_beams": sum(x == y for g, c in zip(beams, cpu_beams)
+                                                            for x, y in zip(g, c))}
         _free(llm)
         print(f"parity {dtype}: {report[dtype]}")
     return report
