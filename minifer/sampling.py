@@ -2,7 +2,8 @@
 
 Each step turns the model's next-token logits into one token per sequence:
 
-    logits -> repetition penalty -> / temperature -> top-k -> top-p -> min-p -> softmax -> draw
+    logits -> min_tokens -> repetition, frequency and presence penalties -> / temperature -> top-k -> top-p
+           -> min-p -> softmax -> draw
 
 The processors are plain functions on a ``[batch, vocab]`` tensor with one parameter per row, so a batch
 can mix greedy and sampled requests. ``temperature == 0`` means greedy (argmax after the penalty). Every
@@ -30,7 +31,10 @@ class SamplingParams:
     top_k: int = -1
     min_p: float = 0.0
     repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0  # OpenAI's: subtracted from the logit of every token already in the output
+    frequency_penalty: float = 0.0  # OpenAI's: subtracted once per occurrence in the output
     max_tokens: int | None = 16
+    min_tokens: int = 0  # EOS and stop_token_ids are masked, and stop strings ignored, until this many tokens
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
@@ -54,8 +58,16 @@ class SamplingParams:
             raise bad("min_p", "must be in [0, 1]")
         if not self.repetition_penalty > 0:
             raise bad("repetition_penalty", "must be > 0 (1 means no penalty)")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not isinstance(value, (int, float)) or isinstance(value, bool) or not -2 <= value <= 2:
+                raise bad(name, "must be a number in [-2, 2] (0 means no penalty)")
+        if not isinstance(self.min_tokens, int) or isinstance(self.min_tokens, bool) or self.min_tokens < 0:
+            raise bad("min_tokens", "must be an integer >= 0")
         if self.max_tokens is not None and (not isinstance(self.max_tokens, int) or self.max_tokens < 1):
             raise bad("max_tokens", "must be an integer >= 1 (or None for up to max_model_len)")
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise bad("min_tokens", f"must be at most max_tokens={self.max_tokens}")
         if self.logprobs is not None and (not isinstance(self.logprobs, int) or self.logprobs < 0):
             raise bad("logprobs", "must be None or an integer >= 0")
         if self.seed is not None and not isinstance(self.seed, int):
@@ -72,6 +84,13 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature < _EPS_TEMPERATURE
+
+    @property
+    def reads_history(self) -> bool:
+        """Whether the next token's distribution depends on the tokens so far (penalties, ``min_tokens``): such a
+        request decodes without speculation, whose drafted positions share one history."""
+        return (self.repetition_penalty != 1 or self.presence_penalty != 0 or self.frequency_penalty != 0
+                or self.min_tokens > 0)
 
 
 @dataclass
@@ -128,6 +147,14 @@ def apply_repetition_penalty(logits: torch.Tensor, seen: torch.Tensor, penalty: 
     return torch.where(seen, penalized, logits)
 
 
+def apply_frequency_presence(logits: torch.Tensor, counts: torch.Tensor, frequency: torch.Tensor,
+                             presence: torch.Tensor) -> torch.Tensor:
+    """OpenAI's penalties on the output so far (``counts``: ``[B, V]`` occurrences of each token in the output,
+    not the prompt, as in vLLM): ``logit - frequency * count - presence * (count > 0)``."""
+    counts = counts.to(logits.dtype)
+    return logits - frequency[:, None] * counts - presence[:, None] * (counts > 0).to(logits.dtype)
+
+
 def apply_top_k(logits: torch.Tensor, top_k: torch.Tensor) -> torch.Tensor:
     """Keep the ``k`` largest logits of each row (ties with the k-th kept); ``k <= 0`` keeps all."""
     vocab = logits.shape[-1]
@@ -153,13 +180,23 @@ def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
     return logits.masked_fill(probs < threshold, float("-inf"))
 
 
-def process_logits(logits: torch.Tensor, params: list[SamplingParams], seen: torch.Tensor | None) -> torch.Tensor:
-    """All processors in order, in float32. Greedy rows get temperature 1 (their argmax is unaffected)."""
+def process_logits(logits: torch.Tensor, params: list[SamplingParams], seen: torch.Tensor | None,
+                   counts: torch.Tensor | None = None, banned: torch.Tensor | None = None) -> torch.Tensor:
+    """All processors in order, in float32. Greedy rows get temperature 1 (their argmax is unaffected).
+    ``seen`` (bool ``[B, V]``): tokens of the prompt and output, for the repetition penalty; ``counts``
+    (``[B, V]``): each token's occurrences in the output, for the frequency and presence penalties; ``banned``
+    (bool ``[B, V]``): tokens that may not be drawn now (EOS and stop tokens before ``min_tokens``)."""
     dev = logits.device
     logits = logits.float()
+    if banned is not None:
+        logits = logits.masked_fill(banned, float("-inf"))
     pen = torch.tensor([p.repetition_penalty for p in params], device=dev)
     if seen is not None and bool((pen != 1).any()):
         logits = apply_repetition_penalty(logits, seen, pen)
+    if counts is not None and any(p.frequency_penalty or p.presence_penalty for p in params):
+        frequency = torch.tensor([p.frequency_penalty for p in params], device=dev)
+        logits = apply_frequency_presence(logits, counts, frequency,
+                                          torch.tensor([p.presence_penalty for p in params], device=dev))
     temps = torch.tensor([1.0 if p.greedy else p.temperature for p in params], device=dev)
     logits = logits / temps[:, None]
     if any(p.top_k > 0 for p in params):
@@ -179,10 +216,12 @@ class SampleResult:
 
 
 def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None],
-           seen: torch.Tensor | None = None) -> SampleResult:
-    """Draw one token per row. ``logprobs`` are those of the *model's* distribution (before penalty,
-    temperature and truncation), as vLLM reports them by default."""
-    processed = process_logits(logits, params, seen)
+           seen: torch.Tensor | None = None, counts: torch.Tensor | None = None,
+           banned: torch.Tensor | None = None) -> SampleResult:
+    """Draw one token per row (``seen``, ``counts``, ``banned``: see :func:`process_logits`). ``logprobs`` are
+    those of the *model's* distribution (before penalties, temperature and truncation), as vLLM reports them by
+    default."""
+    processed = process_logits(logits, params, seen, counts, banned)
     tokens = processed.argmax(dim=-1).tolist()  # greedy rows keep these; one device sync for the batch
     if not all(p.greedy for p in params):
         probs = processed.softmax(dim=-1)
@@ -214,3 +253,29 @@ def token_logprobs(logits: torch.Tensor, tokens: list[int], params: list[Samplin
             entry[t] = Logprob(float(row[t]), int((row > row[t]).sum()) + 1)
         result.logprobs.append(entry)
     return result
+
+
+def history_tensors(params: list[SamplingParams], all_tokens: list[list[int]], outputs: list[list[int]],
+                    stop_ids: list[set[int]], vocab: int, device: torch.device
+                    ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
+    """What the history-dependent processors read, built only when a row needs it: ``seen`` (every token so far,
+    for the repetition penalty), ``counts`` (output tokens, for the frequency and presence penalties) and
+    ``banned`` (``stop_ids[i]``, EOS and stop tokens, while row ``i`` has fewer than ``min_tokens`` outputs)."""
+    b = len(params)
+    seen = counts = banned = None
+    if any(p.repetition_penalty != 1 for p in params):
+        seen = torch.zeros(b, vocab, dtype=torch.bool, device=device)
+        for r, toks in enumerate(all_tokens):
+            seen[r, torch.tensor(toks, dtype=torch.long, device=device)] = True
+    if any(p.frequency_penalty or p.presence_penalty for p in params):
+        counts = torch.zeros(b, vocab, device=device)
+        for r, out in enumerate(outputs):
+            if out:
+                counts[r].index_add_(0, torch.tensor(out, dtype=torch.long, device=device),
+                                     torch.ones(len(out), device=device))
+    rows = [r for r, (p, out) in enumerate(zip(params, outputs)) if len(out) < p.min_tokens and stop_ids[r]]
+    if rows:
+        banned = torch.zeros(b, vocab, dtype=torch.bool, device=device)
+        for r in rows:
+            banned[r, torch.tensor(sorted(stop_ids[r]), dtype=torch.long, device=device)] = True
+    return seen, counts, banned

@@ -212,13 +212,13 @@ class EngineLoop:
 
 _SAMPLING_FIELDS = {  # OpenAI's name (and vLLM's extensions) -> SamplingParams field
     "n": "n", "temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p",
-    "repetition_penalty": "repetition_penalty", "max_tokens": "max_tokens", "stop": "stop",
+    "repetition_penalty": "repetition_penalty", "presence_penalty": "presence_penalty",
+    "frequency_penalty": "frequency_penalty", "max_tokens": "max_tokens", "min_tokens": "min_tokens", "stop": "stop",
     "stop_token_ids": "stop_token_ids", "ignore_eos": "ignore_eos", "seed": "seed",
     "skip_special_tokens": "skip_special_tokens",
 }
 # Fields minifer accepts only with the value that means "off" (clients often send these defaults).
-_NO_OP_FIELDS = {"presence_penalty": (0, 0.0, None), "frequency_penalty": (0, 0.0, None), "best_of": (1, None),
-                 "echo": (False, None), "logit_bias": (None,), "suffix": (None,), "user": None}
+_NO_OP_FIELDS = {"best_of": (1, None), "echo": (False, None), "logit_bias": (None,), "suffix": (None,), "user": None}
 
 
 def sampling_params(body: dict[str, Any], *, chat: bool) -> SamplingParams:
@@ -233,6 +233,9 @@ def sampling_params(body: dict[str, Any], *, chat: bool) -> SamplingParams:
         if name in body and allowed is not None and body[name] not in allowed and body[name] != {}:
             raise RequestError(f"{name}={body[name]!r} is not supported by minifer", name)
     kwargs = {field: body[name] for name, field in _SAMPLING_FIELDS.items() if name in body}
+    for name in ("presence_penalty", "frequency_penalty", "min_tokens"):  # OpenAI clients send null for "off"
+        if kwargs.get(name, 0) is None:
+            del kwargs[name]
     if "max_completion_tokens" in body:  # OpenAI's newer name
         kwargs["max_tokens"] = body["max_completion_tokens"]
     kwargs.setdefault("max_tokens", None if chat else 16)

@@ -119,6 +119,20 @@ def test_n_and_several_prompts_number_their_choices(server, llm):
     assert [c["text"] for c in body["choices"]] == [c.text for o in want for c in o.outputs]
 
 
+def test_penalties_and_min_tokens_reach_the_engine(server, llm):
+    body = greedy(20, prompt="Once upon a time", frequency_penalty=0.8, presence_penalty=0.4, min_tokens=20,
+                  ignore_eos=True)
+    status, got = post(server, "/v1/completions", body)
+    want = llm.generate(["Once upon a time"], SamplingParams(temperature=0, max_tokens=20, frequency_penalty=0.8,
+                                                             presence_penalty=0.4, min_tokens=20, ignore_eos=True),
+                        use_tqdm=False)[0].outputs[0].text
+    plain = llm.generate(["Once upon a time"], SamplingParams(temperature=0, max_tokens=20, ignore_eos=True),
+                         use_tqdm=False)[0].outputs[0].text
+    assert status == 200 and got["choices"][0]["text"] == want != plain
+    status, _ = post(server, "/v1/completions", greedy(4, prompt="Hi", presence_penalty=None, frequency_penalty=None))
+    assert status == 200  # OpenAI clients send null for "no penalty"
+
+
 def test_logprobs(server):
     status, body = post(server, "/v1/completions", greedy(6, prompt="Once upon a time", logprobs=2))
     lp = body["choices"][0]["logprobs"]
@@ -131,7 +145,8 @@ def test_logprobs(server):
 @pytest.mark.parametrize("body,status,param,words", [
     (greedy(8, prompt="Hi", temperature=-1), 400, "temperature", "temperature must be >= 0"),
     (greedy(8, prompt="Hi", foo=1), 400, "foo", "unknown field"),
-    (greedy(8, prompt="Hi", presence_penalty=0.5), 400, "presence_penalty", "not supported"),
+    (greedy(8, prompt="Hi", presence_penalty=3.0), 400, "presence_penalty", "must be a number in [-2, 2]"),
+    (greedy(8, prompt="Hi", best_of=2), 400, "best_of", "not supported"),
     (greedy(8, prompt="Hi", n=0), 400, "n", "SamplingParams.n"),
     (greedy(8, prompt="Hi", stream="yes"), 400, "stream", "true or false"),
     (greedy(8), 400, "prompt", "missing field 'prompt'"),

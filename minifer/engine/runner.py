@@ -17,7 +17,7 @@ from minifer.engine.block_manager import BlockManager
 from minifer.engine.scheduler import ScheduledBatch
 from minifer.layers.paged_attention import PagedAttentionMetadata, PagedKVCache
 from minifer.models.llama import LlamaForCausalLM
-from minifer.sampling import SampleResult, sample
+from minifer.sampling import SampleResult, history_tensors, sample
 
 
 class ModelRunner:
@@ -92,11 +92,8 @@ class ModelRunner:
 
     @staticmethod
     def sample(seqs: list, logits: torch.Tensor) -> SampleResult:
-        """Plain sampling, one token per sequence (repetition penalty over each one's tokens so far)."""
-        dev = logits.device
-        seen = None
-        if any(s.params.repetition_penalty != 1 for s in seqs):
-            seen = torch.zeros(len(seqs), logits.shape[-1], dtype=torch.bool, device=dev)
-            for r, s in enumerate(seqs):
-                seen[r, torch.tensor(s.all_token_ids, device=dev)] = True
-        return sample(logits, [s.params for s in seqs], [s.generator for s in seqs], seen)
+        """Plain sampling, one token per sequence (penalties and ``min_tokens`` over each one's tokens so far)."""
+        params = [s.params for s in seqs]
+        history = history_tensors(params, [s.all_token_ids for s in seqs], [s.output_token_ids for s in seqs],
+                                  [s.stop_ids for s in seqs], logits.shape[-1], logits.device)
+        return sample(logits, params, [s.generator for s in seqs], *history)

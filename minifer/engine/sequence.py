@@ -48,6 +48,7 @@ class Sequence:
     _text_so_far: str = ""  # incremental detokenization: the text of output_token_ids[:_read_offset]
     _prefix_offset: int = 0
     _read_offset: int = 0
+    _stop_from: int = 0  # stop strings must end past this many characters (the text from before min_tokens)
 
     def __post_init__(self) -> None:
         if self.params.logprobs is not None:
@@ -88,6 +89,12 @@ class Sequence:
                     lp.decoded_token = tokenizer.decode([t])
             self.logprobs.append(entry)
         p = self.params
+        if len(self.output_token_ids) < p.min_tokens:  # nothing stops it before min_tokens (vLLM's rule)
+            return
+        if p.stop and tokenizer is not None and len(self.output_token_ids) == p.min_tokens > 0:
+            # a stop string counts only if it ends in text from min_tokens on, as in vLLM
+            before = tokenizer.decode(self.output_token_ids[:-1], skip_special_tokens=p.skip_special_tokens)
+            self._stop_from = len(before)
         if token in p.stop_token_ids:
             self._finish("stop", token)
         elif not p.ignore_eos and token in self.eos_token_ids:
@@ -97,9 +104,15 @@ class Sequence:
         elif len(self.output_token_ids) >= self.max_tokens:
             self._finish("length", None)
 
+    @property
+    def stop_ids(self) -> set[int]:
+        """The tokens that would end this sequence: its stop tokens, and EOS unless ``ignore_eos``."""
+        return set(self.params.stop_token_ids) | (set() if self.params.ignore_eos else set(self.eos_token_ids))
+
     def _match_stop_string(self, tokenizer) -> bool:
         text = tokenizer.decode(self.output_token_ids, skip_special_tokens=self.params.skip_special_tokens)
-        hits = [(text.find(s), s) for s in self.params.stop if s in text]
+        hits = [(text.find(s, max(0, self._stop_from - len(s) + 1)), s) for s in self.params.stop]
+        hits = [(pos, s) for pos, s in hits if pos >= 0]
         if not hits:
             return False
         pos, s = min(hits)

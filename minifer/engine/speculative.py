@@ -67,7 +67,8 @@ the last thousand steps (``PROBE_BUDGET``, ``PROBE_DECAY``): time banked while s
 not pay for a run of probes later. A prediction clearly short of the margin gets no probes: its decision is held
 for a few steps instead.
 
-Limits (documented, not hidden): requests with ``repetition_penalty != 1`` decode without speculation;
+Limits (documented, not hidden): requests whose distribution reads their history (a repetition, presence or
+frequency penalty, ``min_tokens``: ``SamplingParams.reads_history``) decode without speculation;
 with adaptive k, a seeded *sampled* request is distributed exactly as without speculation but its exact
 tokens depend on the k chosen each step (timing-based), so set ``"adaptive": False`` for bit-reproducible
 seeded sampling.
@@ -665,7 +666,7 @@ class Speculator:
             self._plain_step(len(seqs))
             return None
         decoding = [i for i, (s, n) in enumerate(zip(seqs, num_new))
-                    if n == 1 and s.num_computed_tokens + 1 == s.num_tokens and s.params.repetition_penalty == 1]
+                    if n == 1 and s.num_computed_tokens + 1 == s.num_tokens and not s.params.reads_history]
         if not decoding:  # a step of prompt chunks only: nothing to speculate on, and not a step to count
             self._step_decodes, self._step_speculated, self._step_probe, self._step_propose_s = 0, False, False, 0.0
             return None

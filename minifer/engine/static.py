@@ -17,7 +17,7 @@ import torch
 from minifer.engine.sequence import Sequence, SequenceStatus
 from minifer.layers.attention import ContiguousKVCache
 from minifer.models.llama import LlamaForCausalLM
-from minifer.sampling import sample
+from minifer.sampling import history_tensors, sample
 
 
 @torch.inference_mode()
@@ -40,27 +40,24 @@ def run_static_batch(model: LlamaForCausalLM, batch: list[Sequence], tokenizer, 
     slots = torch.arange(p, device=device)[None, :]
     valid = slots >= pad
     positions = (slots - pad).clamp(min=0)
-    seen = None
-    if any(s.params.repetition_penalty != 1 for s in batch):
-        seen = torch.zeros(b, cfg.vocab_size, dtype=torch.bool, device=device)
-        rows = torch.arange(b, device=device)[:, None].expand(b, p)
-        seen[rows[valid], ids[valid]] = True  # padding slots hold id 0 too: only real tokens count
 
     cache.begin_step(0, p, valid)
     hidden = model(ids.reshape(-1), positions.reshape(-1), cache)
     logits = model.compute_logits(hidden.view(b, p, -1)[:, -1])
     step = 0
     ones = torch.ones(b, 1, dtype=torch.bool, device=device)
+    params = [s.params for s in batch]
     while True:
-        result = sample(logits, [s.params for s in batch], [s.generator for s in batch], seen)
+        # The penalties and min_tokens read each row's own tokens (the padding is not among them).
+        history = history_tensors(params, [s.all_token_ids for s in batch], [s.output_token_ids for s in batch],
+                                  [s.stop_ids for s in batch], cfg.vocab_size, device)
+        result = sample(logits, params, [s.generator for s in batch], *history)
         for i, s in enumerate(batch):
             if not s.is_finished:
                 s.append_token(result.token_ids[i], result.sampled_logprob[i], result.logprobs[i], tokenizer)
         if all(s.is_finished for s in batch):
             return step
         nxt = torch.tensor(result.token_ids, device=device)
-        if seen is not None:
-            seen[torch.arange(b, device=device), nxt] = True
         cache.begin_step(p + step, 1, ones)
         # Rows that already finished keep stepping (the static-batching waste); their positions may run
         # past the model's limit, so clamp them — their outputs are ignored.

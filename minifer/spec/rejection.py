@@ -165,6 +165,9 @@ def probs_from_logits(logits: torch.Tensor, params: list[SamplingParams],
         raise ValueError(f"got {len(params)} SamplingParams for a batch of {batch}")
     if seen is not None and seen.shape != logits.shape:
         raise ValueError(f"seen must be [batch, positions, vocab] = {list(logits.shape)}, got {list(seen.shape)}")
+    if any(p.presence_penalty or p.frequency_penalty or p.min_tokens for p in params):
+        raise ValueError("a row has a presence or frequency penalty or min_tokens: each drafted position would need "
+                         "its own output history; such requests decode without speculation")
     if seen is None and any(p.repetition_penalty != 1 for p in params):
         raise ValueError("a row has repetition_penalty != 1: pass `seen` ([batch, positions, vocab]: the context "
                          "and the draft tokens before each position), or the penalty would be skipped")
