@@ -2,8 +2,8 @@
 
 Each step turns the model's next-token logits into one token per sequence:
 
-    logits -> min_tokens -> repetition, frequency and presence penalties -> / temperature -> top-k -> top-p
-           -> min-p -> softmax -> draw
+    logits -> logit_bias -> min_tokens -> repetition, frequency and presence penalties -> / temperature
+           -> top-k -> top-p -> min-p -> softmax -> draw
 
 The processors are plain functions on a ``[batch, vocab]`` tensor with one parameter per row, so a batch
 can mix greedy and sampled requests. ``temperature == 0`` means greedy (argmax after the penalty). Every
@@ -41,6 +41,7 @@ class SamplingParams:
     seed: int | None = None
     logprobs: int | None = None
     skip_special_tokens: bool = True
+    logit_bias: dict[int, float] | None = None  # OpenAI's: added to those tokens' logits, in [-100, 100]
 
     def __post_init__(self) -> None:
         def bad(name: str, rule: str) -> ValueError:
@@ -68,6 +69,12 @@ class SamplingParams:
             raise bad("max_tokens", "must be an integer >= 1 (or None for up to max_model_len)")
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             raise bad("min_tokens", f"must be at most max_tokens={self.max_tokens}")
+        if self.logit_bias is not None:
+            if not isinstance(self.logit_bias, dict) or any(
+                    not isinstance(t, int) or isinstance(t, bool) or t < 0 or not isinstance(b, (int, float))
+                    or isinstance(b, bool) or not -100 <= b <= 100 for t, b in self.logit_bias.items()):
+                raise bad("logit_bias", "must map token ids (integers >= 0) to biases in [-100, 100]")
+            self.logit_bias = {t: float(b) for t, b in self.logit_bias.items()} or None
         if self.logprobs is not None and (not isinstance(self.logprobs, int) or self.logprobs < 0):
             raise bad("logprobs", "must be None or an integer >= 0")
         if self.seed is not None and not isinstance(self.seed, int):
@@ -147,6 +154,16 @@ def apply_repetition_penalty(logits: torch.Tensor, seen: torch.Tensor, penalty: 
     return torch.where(seen, penalized, logits)
 
 
+def apply_logit_bias(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """OpenAI's ``logit_bias``: each row's biases added to their tokens' logits (-100 all but bans a token)."""
+    logits = logits.clone()
+    for r, p in enumerate(params):
+        if p.logit_bias:
+            ids = torch.tensor(list(p.logit_bias), dtype=torch.long, device=logits.device)
+            logits[r, ids] += torch.tensor(list(p.logit_bias.values()), dtype=logits.dtype, device=logits.device)
+    return logits
+
+
 def apply_frequency_presence(logits: torch.Tensor, counts: torch.Tensor, frequency: torch.Tensor,
                              presence: torch.Tensor) -> torch.Tensor:
     """OpenAI's penalties on the output so far (``counts``: ``[B, V]`` occurrences of each token in the output,
@@ -188,6 +205,8 @@ def process_logits(logits: torch.Tensor, params: list[SamplingParams], seen: tor
     (bool ``[B, V]``): tokens that may not be drawn now (EOS and stop tokens before ``min_tokens``)."""
     dev = logits.device
     logits = logits.float()
+    if any(p.logit_bias for p in params):
+        logits = apply_logit_bias(logits, params)
     if banned is not None:
         logits = logits.masked_fill(banned, float("-inf"))
     pen = torch.tensor([p.repetition_penalty for p in params], device=dev)

@@ -215,10 +215,10 @@ _SAMPLING_FIELDS = {  # OpenAI's name (and vLLM's extensions) -> SamplingParams 
     "repetition_penalty": "repetition_penalty", "presence_penalty": "presence_penalty",
     "frequency_penalty": "frequency_penalty", "max_tokens": "max_tokens", "min_tokens": "min_tokens", "stop": "stop",
     "stop_token_ids": "stop_token_ids", "ignore_eos": "ignore_eos", "seed": "seed",
-    "skip_special_tokens": "skip_special_tokens",
+    "skip_special_tokens": "skip_special_tokens", "logit_bias": "logit_bias",
 }
 # Fields minifer accepts only with the value that means "off" (clients often send these defaults).
-_NO_OP_FIELDS = {"best_of": (1, None), "echo": (False, None), "logit_bias": (None,), "suffix": (None,), "user": None}
+_NO_OP_FIELDS = {"best_of": (1, None), "echo": (False, None), "suffix": (None,), "user": None}
 
 
 def sampling_params(body: dict[str, Any], *, chat: bool) -> SamplingParams:
@@ -236,6 +236,11 @@ def sampling_params(body: dict[str, Any], *, chat: bool) -> SamplingParams:
     for name in ("presence_penalty", "frequency_penalty", "min_tokens"):  # OpenAI clients send null for "off"
         if kwargs.get(name, 0) is None:
             del kwargs[name]
+    if isinstance(kwargs.get("logit_bias"), dict):  # JSON object keys are strings: OpenAI sends {"50256": -100}
+        try:
+            kwargs["logit_bias"] = {int(t): b for t, b in kwargs["logit_bias"].items()}
+        except ValueError:
+            raise RequestError("logit_bias keys must be token ids", "logit_bias") from None
     if "max_completion_tokens" in body:  # OpenAI's newer name
         kwargs["max_tokens"] = body["max_completion_tokens"]
     kwargs.setdefault("max_tokens", None if chat else 16)

@@ -142,3 +142,38 @@ def test_bad_values_are_refused():
                       ({"min_tokens": 20, "max_tokens": 10}, "min_tokens must be at most max_tokens=10")):
         with pytest.raises(ValueError, match=words.replace("[", r"\[").replace("]", r"\]")):
             SamplingParams(**kw)
+
+
+def test_logit_bias_matches_the_oracle_with_and_without_speculation(target_llm, hf_target, prompts):
+    """A bias of -100 bans a token, +5 promotes one: greedy tokens equal argmax(transformers' logits + bias) token
+    by token, and greedy speculation (whose verification takes the target's argmax) applies the bias too."""
+    plain = target_llm.generate([{"prompt_token_ids": prompts[1]}],
+                                SamplingParams(temperature=0, max_tokens=16, ignore_eos=True), use_tqdm=False)
+    first = plain[0].outputs[0].token_ids[0]
+    bias = {first: -100.0, 42: 5.0}
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, logit_bias=bias)
+    batch = [{"prompt_token_ids": p} for p in prompts]
+    want = []
+    for p in prompts:
+        ids, out = list(p), []
+        for _ in range(16):
+            with torch.no_grad():
+                logits = hf_target(torch.tensor([ids])).logits[0, -1].float()
+            logits[first] -= 100
+            logits[42] += 5
+            out.append(int(logits.argmax()))
+            ids.append(out[-1])
+        want.append(out)
+    got = [o.outputs[0].token_ids for o in target_llm.generate(batch, params, use_tqdm=False)]
+    assert got == want and first not in got[1]
+    spec = minifer.LLM("tinystories-target", dtype="float32", device="cpu", share_weights_with=target_llm,
+                       speculative_config={"method": "ngram", "num_speculative_tokens": 4, "adaptive": False,
+                                           "prompt_lookup_min": 1})
+    assert [o.outputs[0].token_ids for o in spec.generate(batch, params, use_tqdm=False)] == want
+    static = minifer.LLM("tinystories-target", dtype="float32", device="cpu", batching="static",
+                         share_weights_with=target_llm)
+    assert [o.outputs[0].token_ids for o in static.generate(batch, params, use_tqdm=False)] == want
+    with pytest.raises(ValueError, match="logit_bias names token id 99999"):
+        target_llm.generate(["x"], SamplingParams(logit_bias={99999: 1.0}), use_tqdm=False)
+    with pytest.raises(ValueError, match="SamplingParams.logit_bias must map token ids"):
+        SamplingParams(logit_bias={1: 101})

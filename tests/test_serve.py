@@ -131,6 +131,11 @@ def test_penalties_and_min_tokens_reach_the_engine(server, llm):
     assert status == 200 and got["choices"][0]["text"] == want != plain
     status, _ = post(server, "/v1/completions", greedy(4, prompt="Hi", presence_penalty=None, frequency_penalty=None))
     assert status == 200  # OpenAI clients send null for "no penalty"
+    first = llm.generate(["Once upon a time"], SamplingParams(temperature=0, max_tokens=1),
+                         use_tqdm=False)[0].outputs[0].token_ids[0]
+    status, got = post(server, "/v1/completions", greedy(1, prompt="Once upon a time", logit_bias={str(first): -100},
+                                                          logprobs=0))
+    assert status == 200 and got["choices"][0]["text"] != llm.get_tokenizer().decode([first])
 
 
 def test_logprobs(server):
@@ -147,6 +152,8 @@ def test_logprobs(server):
     (greedy(8, prompt="Hi", foo=1), 400, "foo", "unknown field"),
     (greedy(8, prompt="Hi", presence_penalty=3.0), 400, "presence_penalty", "must be a number in [-2, 2]"),
     (greedy(8, prompt="Hi", best_of=2), 400, "best_of", "not supported"),
+    (greedy(8, prompt="Hi", logit_bias={"the": 1}), 400, "logit_bias", "keys must be token ids"),
+    (greedy(8, prompt="Hi", logit_bias={"5": 300}), 400, "logit_bias", "[-100, 100]"),
     (greedy(8, prompt="Hi", n=0), 400, "n", "SamplingParams.n"),
     (greedy(8, prompt="Hi", stream="yes"), 400, "stream", "true or false"),
     (greedy(8), 400, "prompt", "missing field 'prompt'"),

@@ -226,6 +226,10 @@ class LLM:
         if not isinstance(params, SamplingParams):
             raise TypeError(f"sampling params for prompt {i} must be a SamplingParams, got {type(params).__name__}")
         text, ids = self._prompt_ids(i, prompt)
+        vocab = self.model_config.vocab_size
+        for t in params.logit_bias or {}:
+            if t >= vocab:
+                raise ValueError(f"prompt {i}: logit_bias names token id {t}, out of the vocabulary (size {vocab})")
         room = self.max_model_len - len(ids)
         if room < 1:
             raise ValueError(f"prompt {i} has {len(ids)} tokens: it must be shorter than max_model_len="
