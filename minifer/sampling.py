@@ -274,27 +274,32 @@ def token_logprobs(logits: torch.Tensor, tokens: list[int], params: list[Samplin
     return result
 
 
-def history_tensors(params: list[SamplingParams], all_tokens: list[list[int]], outputs: list[list[int]],
-                    stop_ids: list[set[int]], vocab: int, device: torch.device
+def history_tensors(seqs: list, vocab: int, device: torch.device
                     ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
-    """What the history-dependent processors read, built only when a row needs it: ``seen`` (every token so far,
-    for the repetition penalty), ``counts`` (output tokens, for the frequency and presence penalties) and
-    ``banned`` (``stop_ids[i]``, EOS and stop tokens, while row ``i`` has fewer than ``min_tokens`` outputs)."""
-    b = len(params)
+    """What the history-dependent processors read, for sequences (``minifer.engine.sequence.Sequence``), built only
+    when a row needs it: ``seen`` (every token so far, for the repetition penalty), ``counts`` (output tokens, for
+    the frequency and presence penalties) and ``banned`` (the row's EOS and stop tokens while it has fewer than
+    its ``min_tokens`` outputs). Nothing is read or built for rows without them: most steps return three Nones."""
     seen = counts = banned = None
-    if any(p.repetition_penalty != 1 for p in params):
+    if not any(s.params.reads_history for s in seqs):
+        return seen, counts, banned
+    b = len(seqs)
+    if any(s.params.repetition_penalty != 1 for s in seqs):
         seen = torch.zeros(b, vocab, dtype=torch.bool, device=device)
-        for r, toks in enumerate(all_tokens):
-            seen[r, torch.tensor(toks, dtype=torch.long, device=device)] = True
-    if any(p.frequency_penalty or p.presence_penalty for p in params):
+        for r, s in enumerate(seqs):
+            if s.params.repetition_penalty != 1:
+                seen[r, torch.tensor(s.all_token_ids, dtype=torch.long, device=device)] = True
+    if any(s.params.frequency_penalty or s.params.presence_penalty for s in seqs):
         counts = torch.zeros(b, vocab, device=device)
-        for r, out in enumerate(outputs):
-            if out:
+        for r, s in enumerate(seqs):
+            out = s.output_token_ids
+            if out and (s.params.frequency_penalty or s.params.presence_penalty):
                 counts[r].index_add_(0, torch.tensor(out, dtype=torch.long, device=device),
                                      torch.ones(len(out), device=device))
-    rows = [r for r, (p, out) in enumerate(zip(params, outputs)) if len(out) < p.min_tokens and stop_ids[r]]
-    if rows:
-        banned = torch.zeros(b, vocab, dtype=torch.bool, device=device)
-        for r in rows:
-            banned[r, torch.tensor(sorted(stop_ids[r]), dtype=torch.long, device=device)] = True
+    for r, s in enumerate(seqs):
+        if len(s.output_token_ids) < s.min_tokens:
+            ids = sorted(t for t in s.stop_ids if t < vocab)
+            if ids:
+                banned = torch.zeros(b, vocab, dtype=torch.bool, device=device) if banned is None else banned
+                banned[r, torch.tensor(ids, dtype=torch.long, device=device)] = True
     return seen, counts, banned

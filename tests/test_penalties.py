@@ -27,15 +27,22 @@ def test_formula_on_output_counts():
 
 
 def test_history_counts_output_only_and_bans_stop_tokens_before_min_tokens():
-    params = [SamplingParams(frequency_penalty=1.0), SamplingParams(min_tokens=2), SamplingParams(min_tokens=1)]
-    seen, counts, banned = history_tensors(params, [[1, 2, 3, 3], [4, 5], [6, 7]], [[3, 3], [], [7]],
-                                           [{9}, {8, 9}, {9}], 10, torch.device("cpu"))
+    from minifer.engine.sequence import Sequence
+
+    params = [SamplingParams(frequency_penalty=1.0), SamplingParams(min_tokens=2, stop_token_ids=[8]),
+              SamplingParams(min_tokens=1)]
+    seqs = [Sequence(str(i), None, prompt, p, 16, frozenset({9})) for i, (prompt, p) in
+            enumerate(zip([[1, 2], [4, 5], [6]], params))]
+    seqs[0].output_token_ids, seqs[2].output_token_ids = [3, 3], [7]
+    seen, counts, banned = history_tensors(seqs, 10, torch.device("cpu"))
     assert seen is None  # no repetition penalty: not built
     assert counts[0].tolist() == [0, 0, 0, 2, 0, 0, 0, 0, 0, 0] and not counts[1].any()  # prompt tokens don't count
     assert banned[1].nonzero().flatten().tolist() == [8, 9] and not banned[0].any()
     assert not banned[2].any()  # one output already: min_tokens=1 is met
     logits = torch.zeros(3, 10)
     assert process_logits(logits, params, seen, counts, banned)[1, 8] == float("-inf")
+    plain = [Sequence("p", None, [1], SamplingParams(), 16, frozenset({9}))]
+    assert history_tensors(plain, 10, torch.device("cpu")) == (None, None, None)  # nothing built for plain rows
 
 
 def test_sampling_draws_from_the_penalised_distribution():
@@ -98,6 +105,39 @@ def test_static_batching_and_speculation_give_the_same_tokens(target_llm, prompt
     assert [o.outputs[0].token_ids for o in spec.generate(batch, params, use_tqdm=False)] == want
 
 
+def test_penalised_rows_beside_speculating_ones_decode_as_plain(target_llm):
+    """In a batch where plain requests speculate, the penalised and min_tokens ones (never drafted) must still get
+    their own processed distribution: greedy and seeded sampled rows equal the non-speculative engine's."""
+    loop = "The cat sat on the mat. The cat sat on the mat. The cat sat on the mat. The cat"
+    prompts = [loop, loop, "Once upon a time", "Lily and Tom played all day. They were very happy. The end.",
+               "Tom had a red ball"]
+    params = [SamplingParams(temperature=0, max_tokens=40, ignore_eos=True),
+              SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, frequency_penalty=1.5),
+              SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, presence_penalty=2.0),
+              SamplingParams(temperature=0, max_tokens=60, min_tokens=40),
+              SamplingParams(temperature=0.8, seed=3, max_tokens=40, ignore_eos=True, presence_penalty=1.0)]
+    want = [o.outputs[0].token_ids for o in target_llm.generate(prompts, params, use_tqdm=False)]
+    for adaptive in (False, True):
+        spec = minifer.LLM("tinystories-target", dtype="float32", device="cpu", share_weights_with=target_llm,
+                           speculative_config={"method": "ngram", "num_speculative_tokens": 4, "adaptive": adaptive,
+                                               "prompt_lookup_min": 2})
+        got = [o.outputs[0].token_ids for o in spec.generate(prompts, params, use_tqdm=False)]
+        assert got == want, f"adaptive={adaptive}"
+        if not adaptive:
+            assert spec.stats()["spec_num_proposed"] > 0, "nothing speculated: the case tests nothing"
+
+
+def test_min_tokens_beyond_the_context_stops_at_the_context():
+    for batching in ("continuous", "static"):
+        llm = minifer.LLM("tinystories-target", dtype="float32", device="cpu", max_model_len=32, batching=batching)
+        out = llm.generate(["Once upon a time"], SamplingParams(temperature=0, max_tokens=None, min_tokens=100),
+                           use_tqdm=False)[0]
+        assert len(out.prompt_token_ids) + len(out.outputs[0].token_ids) == 32, batching
+        assert out.outputs[0].finish_reason == "length"
+    with pytest.raises(ValueError, match="prompt 0: stop_token_ids has 50000, out of the vocabulary"):
+        llm.generate(["x"], SamplingParams(stop_token_ids=[50000], min_tokens=2), use_tqdm=False)
+
+
 def test_min_tokens_matches_hf_min_new_tokens(target_llm, hf_target):
     """The bundled stories end with EOS; min_tokens pushes it past what greedy would do, as HF's min_new_tokens."""
     tok = target_llm.get_tokenizer()
@@ -133,6 +173,17 @@ def test_stop_strings_and_tokens_wait_for_min_tokens(target_llm):
     text = target_llm.generate(["Once upon a time"], SamplingParams(
         temperature=0, max_tokens=30, ignore_eos=True, stop=[word], min_tokens=30), use_tqdm=False)[0].outputs[0]
     assert text.finish_reason == "length" and len(text.token_ids) == 30
+    # a stop string that comes again after min_tokens still stops the request there, and is cut from the text
+    first = free.text.index(" a ")
+    second = free.text.index(" a ", first + 1)
+    assert len(tokenizer_text(target_llm, free.token_ids[:8])) > first + 3  # the first " a " is before 8 tokens
+    stop = target_llm.generate(["Once upon a time"], SamplingParams(
+        temperature=0, max_tokens=30, ignore_eos=True, stop=[" a "], min_tokens=8), use_tqdm=False)[0].outputs[0]
+    assert stop.finish_reason == "stop" and stop.stop_reason == " a " and stop.text == free.text[:second]
+
+
+def tokenizer_text(llm, ids):
+    return llm.get_tokenizer().decode(ids, skip_special_tokens=True)
 
 
 def test_bad_values_are_refused():

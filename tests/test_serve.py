@@ -120,15 +120,19 @@ def test_n_and_several_prompts_number_their_choices(server, llm):
 
 
 def test_penalties_and_min_tokens_reach_the_engine(server, llm):
-    body = greedy(20, prompt="Once upon a time", frequency_penalty=0.8, presence_penalty=0.4, min_tokens=20,
-                  ignore_eos=True)
+    body = greedy(20, prompt="Once upon a time", frequency_penalty=0.8, presence_penalty=0.4, ignore_eos=True)
     status, got = post(server, "/v1/completions", body)
     want = llm.generate(["Once upon a time"], SamplingParams(temperature=0, max_tokens=20, frequency_penalty=0.8,
-                                                             presence_penalty=0.4, min_tokens=20, ignore_eos=True),
+                                                             presence_penalty=0.4, ignore_eos=True),
                         use_tqdm=False)[0].outputs[0].text
     plain = llm.generate(["Once upon a time"], SamplingParams(temperature=0, max_tokens=20, ignore_eos=True),
                          use_tqdm=False)[0].outputs[0].text
     assert status == 200 and got["choices"][0]["text"] == want != plain
+    ending = "Lily and Tom played all day. They were very happy. The end."  # greedy ends it with EOS at once
+    status, got = post(server, "/v1/completions", greedy(40, prompt=ending, min_tokens=12))
+    want = llm.generate([ending], SamplingParams(temperature=0, max_tokens=40, min_tokens=12), use_tqdm=False)[0]
+    assert status == 200 and got["choices"][0]["text"] == want.outputs[0].text
+    assert got["usage"]["completion_tokens"] == len(want.outputs[0].token_ids) >= 12
     status, _ = post(server, "/v1/completions", greedy(4, prompt="Hi", presence_penalty=None, frequency_penalty=None))
     assert status == 200  # OpenAI clients send null for "no penalty"
     first = llm.generate(["Once upon a time"], SamplingParams(temperature=0, max_tokens=1),

@@ -230,6 +230,9 @@ class LLM:
         for t in params.logit_bias or {}:
             if t >= vocab:
                 raise ValueError(f"prompt {i}: logit_bias names token id {t}, out of the vocabulary (size {vocab})")
+        for t in params.stop_token_ids:
+            if t >= vocab:
+                raise ValueError(f"prompt {i}: stop_token_ids has {t}, out of the vocabulary (size {vocab})")
         room = self.max_model_len - len(ids)
         if room < 1:
             raise ValueError(f"prompt {i} has {len(ids)} tokens: it must be shorter than max_model_len="

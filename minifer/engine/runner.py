@@ -93,7 +93,5 @@ class ModelRunner:
     @staticmethod
     def sample(seqs: list, logits: torch.Tensor) -> SampleResult:
         """Plain sampling, one token per sequence (penalties and ``min_tokens`` over each one's tokens so far)."""
-        params = [s.params for s in seqs]
-        history = history_tensors(params, [s.all_token_ids for s in seqs], [s.output_token_ids for s in seqs],
-                                  [s.stop_ids for s in seqs], logits.shape[-1], logits.device)
-        return sample(logits, params, [s.generator for s in seqs], *history)
+        history = history_tensors(seqs, logits.shape[-1], logits.device)
+        return sample(logits, [s.params for s in seqs], [s.generator for s in seqs], *history)

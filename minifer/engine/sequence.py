@@ -89,9 +89,9 @@ class Sequence:
                     lp.decoded_token = tokenizer.decode([t])
             self.logprobs.append(entry)
         p = self.params
-        if len(self.output_token_ids) < p.min_tokens:  # nothing stops it before min_tokens (vLLM's rule)
+        if len(self.output_token_ids) < self.min_tokens:  # nothing stops it before min_tokens (vLLM's rule)
             return
-        if p.stop and tokenizer is not None and len(self.output_token_ids) == p.min_tokens > 0:
+        if p.stop and tokenizer is not None and len(self.output_token_ids) == self.min_tokens > 0:
             # a stop string counts only if it ends in text from min_tokens on, as in vLLM
             before = tokenizer.decode(self.output_token_ids[:-1], skip_special_tokens=p.skip_special_tokens)
             self._stop_from = len(before)
@@ -103,6 +103,11 @@ class Sequence:
             pass
         elif len(self.output_token_ids) >= self.max_tokens:
             self._finish("length", None)
+
+    @property
+    def min_tokens(self) -> int:
+        """``params.min_tokens``, within the room the context leaves (``max_tokens`` is capped by max_model_len)."""
+        return min(self.params.min_tokens, self.max_tokens)
 
     @property
     def stop_ids(self) -> set[int]:

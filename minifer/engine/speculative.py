@@ -835,8 +835,15 @@ class Speculator:
             offsets.append(offsets[-1] + k + 1)
         vocab = logits.shape[-1]
         emitted: list[list[int]] = [[] for _ in seqs]
-        greedy = [r for r, s in enumerate(seqs) if s.params.greedy]
-        sampled = [r for r, s in enumerate(seqs) if not s.params.greedy]
+        # Rows whose distribution reads their history (penalties, min_tokens) never get drafts: they sample as plain
+        # decoding does, with their own history, even when the rest of the batch speculates.
+        plain = [r for r, s in enumerate(seqs) if s.params.reads_history]
+        if plain:
+            drawn = ModelRunner.sample([seqs[r] for r in plain], logits[[offsets[r] for r in plain]])
+            for r, token in zip(plain, drawn.token_ids):
+                emitted[r] = [token]
+        greedy = [r for r, s in enumerate(seqs) if s.params.greedy and not s.params.reads_history]
+        sampled = [r for r, s in enumerate(seqs) if not s.params.greedy and not s.params.reads_history]
         if greedy:  # the target's argmax at every row, once, then gathered into [rows, max_k + 1]
             index = torch.tensor([[offsets[r] + min(j, ks[r]) for j in range(max_k + 1)] for r in greedy],
                                  device=logits.device)

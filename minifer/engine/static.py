@@ -49,8 +49,7 @@ def run_static_batch(model: LlamaForCausalLM, batch: list[Sequence], tokenizer, 
     params = [s.params for s in batch]
     while True:
         # The penalties and min_tokens read each row's own tokens (the padding is not among them).
-        history = history_tensors(params, [s.all_token_ids for s in batch], [s.output_token_ids for s in batch],
-                                  [s.stop_ids for s in batch], cfg.vocab_size, device)
+        history = history_tensors(batch, cfg.vocab_size, device)
         result = sample(logits, params, [s.generator for s in batch], *history)
         for i, s in enumerate(batch):
             if not s.is_finished:
