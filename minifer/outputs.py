@@ -42,3 +42,6 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool
     metrics: RequestMetrics | None = None
+    # SamplingParams(prompt_logprobs=k): per prompt token, its log-probability given the tokens before it and the
+    # top k candidates (None for the first token, which nothing predicts)
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None

@@ -40,6 +40,7 @@ class SamplingParams:
     ignore_eos: bool = False
     seed: int | None = None
     logprobs: int | None = None
+    prompt_logprobs: int | None = None  # vLLM's: each prompt token's log-probability, with this many top candidates
     skip_special_tokens: bool = True
     logit_bias: dict[int, float] | None = None  # OpenAI's: added to those tokens' logits, in [-100, 100]
 
@@ -77,6 +78,9 @@ class SamplingParams:
             self.logit_bias = {t: float(b) for t, b in self.logit_bias.items()} or None
         if self.logprobs is not None and (not isinstance(self.logprobs, int) or self.logprobs < 0):
             raise bad("logprobs", "must be None or an integer >= 0")
+        if self.prompt_logprobs is not None and (not isinstance(self.prompt_logprobs, int)
+                                                 or isinstance(self.prompt_logprobs, bool) or self.prompt_logprobs < 0):
+            raise bad("prompt_logprobs", "must be None or an integer >= 0")
         if self.seed is not None and not isinstance(self.seed, int):
             raise bad("seed", "must be None or an integer")
         if isinstance(self.stop, str):
@@ -248,6 +252,22 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[
             if not p.greedy:
                 tokens[i] = int(torch.multinomial(probs[i], 1, generator=generators[i]))
     return token_logprobs(logits, tokens, params)
+
+
+def ranked_logprobs(logits: torch.Tensor, tokens: list[int], top: int) -> list[dict[int, Logprob]]:
+    """For row ``i`` of ``logits``: ``tokens[i]``'s log-probability and rank, and the ``top`` most likely candidates
+    (vLLM's prompt_logprobs entries)."""
+    logp = logits.float().log_softmax(dim=-1)
+    index = torch.tensor(tokens, device=logits.device)[:, None]
+    chosen = logp.gather(-1, index)[:, 0]
+    ranks = (logp > chosen[:, None]).sum(-1) + 1
+    entries = [{t: Logprob(lp, r)} for t, lp, r in zip(tokens, chosen.tolist(), ranks.tolist())]
+    if top:
+        values, ids = logp.topk(min(top, logp.shape[-1]), dim=-1)
+        for entry, vs, ts in zip(entries, values.tolist(), ids.tolist()):
+            for r, (lp, t) in enumerate(zip(vs, ts), start=1):
+                entry.setdefault(t, Logprob(lp, r))
+    return entries
 
 
 def token_logprobs(logits: torch.Tensor, tokens: list[int], params: list[SamplingParams]) -> SampleResult:

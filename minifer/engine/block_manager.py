@@ -91,9 +91,9 @@ class BlockManager:
             hashes.append(parent)
         return hashes
 
-    def _lookup_prefix(self, token_ids: list[int]) -> list[int]:
+    def _lookup_prefix(self, token_ids: list[int], use_cache: bool = True) -> list[int]:
         """Block ids of the longest cached prefix of full blocks (verified token by token)."""
-        if not self.enable_prefix_caching:
+        if not self.enable_prefix_caching or not use_cache:
             return []
         bs, hits = self.block_size, []
         for i, h in enumerate(self._full_block_hashes(token_ids)):
@@ -106,22 +106,22 @@ class BlockManager:
             hits.pop()
         return hits
 
-    def can_allocate(self, token_ids: list[int]) -> bool:
-        hits = self._lookup_prefix(token_ids)
+    def can_allocate(self, token_ids: list[int], use_cache: bool = True) -> bool:
+        hits = self._lookup_prefix(token_ids, use_cache)
         reusable_free = sum(1 for b in hits if self.blocks[b].ref_count == 0)
         return self.blocks_needed(len(token_ids)) - len(hits) <= self.num_free_blocks - reusable_free
 
-    def allocate(self, seq_id: object, token_ids: list[int]) -> int:
+    def allocate(self, seq_id: object, token_ids: list[int], use_cache: bool = True) -> int:
         """Give a new sequence blocks for its prompt. Returns how many prompt tokens are already cached
-        (their KV need not be computed). Raises ``MemoryError`` if the blocks are not there: call
-        ``can_allocate`` first."""
+        (their KV need not be computed); ``use_cache=False`` takes no hits (the prompt's logits are wanted).
+        Raises ``MemoryError`` if the blocks are not there: call ``can_allocate`` first."""
         if seq_id in self._seqs:
             raise ValueError(f"sequence {seq_id!r} already has blocks")
         if not token_ids:
             raise ValueError("cannot allocate blocks for an empty sequence")
-        if not self.can_allocate(token_ids):
+        if not self.can_allocate(token_ids, use_cache):
             raise MemoryError(f"not enough free KV blocks for {len(token_ids)} tokens")
-        hits = self._lookup_prefix(token_ids)
+        hits = self._lookup_prefix(token_ids, use_cache)
         self.cache_queries += len(token_ids) // self.block_size
         self.cache_hits += len(hits)
         seq = _SeqBlocks()

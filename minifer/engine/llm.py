@@ -230,6 +230,9 @@ class LLM:
         for t in params.logit_bias or {}:
             if t >= vocab:
                 raise ValueError(f"prompt {i}: logit_bias names token id {t}, out of the vocabulary (size {vocab})")
+        if params.prompt_logprobs is not None and self.engine is None:
+            raise ValueError(f"prompt {i}: prompt_logprobs needs batching='continuous' (the static baseline computes "
+                             "logits for the last prompt token only)")
         for t in params.stop_token_ids:
             if t >= vocab:
                 raise ValueError(f"prompt {i}: stop_token_ids has {t}, out of the vocabulary (size {vocab})")

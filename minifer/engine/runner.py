@@ -17,7 +17,7 @@ from minifer.engine.block_manager import BlockManager
 from minifer.engine.scheduler import ScheduledBatch
 from minifer.layers.paged_attention import PagedAttentionMetadata, PagedKVCache
 from minifer.models.llama import LlamaForCausalLM
-from minifer.sampling import SampleResult, history_tensors, sample
+from minifer.sampling import SampleResult, history_tensors, ranked_logprobs, sample
 
 
 class ModelRunner:
@@ -78,17 +78,37 @@ class ModelRunner:
         logits — those whose prompt is complete — and the logits: one row per such sequence, or
         ``1 + len(drafts[i])`` rows for a speculating one."""
         starts, chunks, num_logits, sampling_rows = [], [], [], []
+        prompt_rows: dict[int, int] = {}  # sequence -> first position whose logits give a prompt log-probability
         for i, (seq, n) in enumerate(zip(batch.seqs, batch.num_new_tokens)):
             start = seq.num_computed_tokens
             draft = drafts[i] if drafts else []
             starts.append(start)
             chunks.append(seq.token_slice(start, start + n) + draft)
             complete = start + n == seq.num_tokens  # prompt complete (or a decode token): sample the next one
-            num_logits.append(1 + len(draft) if complete else 0)
+            rows = 1 + len(draft) if complete else 0
+            if seq.needs_prompt_logprobs:  # position p's logits give prompt token p + 1's log-probability
+                prompt_rows[i] = first = max(start, len(seq.prompt_logprobs) - 1)
+                rows = max(rows, start + n - first + len(draft))
+            num_logits.append(rows)
             if complete:
                 sampling_rows.append(i)
         logits = self.forward([s.request_id for s in batch.seqs], starts, chunks, num_logits)
-        return sampling_rows, logits
+        if not prompt_rows:
+            return sampling_rows, logits
+        keep, at = [], 0  # record the prompt log-probabilities, return only the rows that sample
+        for i, (seq, rows) in enumerate(zip(batch.seqs, num_logits)):
+            if i in prompt_rows:
+                first, prompt = prompt_rows[i], seq.prompt_token_ids
+                upto = min(starts[i] + batch.num_new_tokens[i], len(prompt) - 1)  # positions that predict the prompt
+                if upto > first:
+                    seq.prompt_logprobs.extend(ranked_logprobs(logits[at : at + upto - first],
+                                                               prompt[first + 1 : upto + 1], seq.params.prompt_logprobs))
+                if i in sampling_rows:  # the rows that sample (and verify drafts) come last
+                    keep.extend(range(at + rows - 1 - len(drafts[i] if drafts else []), at + rows))
+            else:
+                keep.extend(range(at, at + rows))
+            at += rows
+        return sampling_rows, logits[keep]
 
     @staticmethod
     def sample(seqs: list, logits: torch.Tensor) -> SampleResult:

@@ -126,12 +126,13 @@ class Scheduler:
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs and not batch.preempted:
             seq = self.waiting[0]
             tokens = seq.all_token_ids
-            if not self.blocks.can_allocate(tokens):
+            use_cache = not seq.needs_prompt_logprobs
+            if not self.blocks.can_allocate(tokens, use_cache):
                 break
             if not self.config.enable_chunked_prefill and len(tokens) > budget:
                 break
             self.waiting.popleft()
-            cached = self.blocks.allocate(seq.request_id, tokens)
+            cached = self.blocks.allocate(seq.request_id, tokens, use_cache)
             seq.num_computed_tokens = cached
             n = min(len(tokens) - cached, budget)
             seq.status = SequenceStatus.RUNNING

@@ -35,6 +35,7 @@ class Sequence:
     index: int = 0  # which completion of its request this is (``SamplingParams.n > 1``: see ``SequenceGroup``)
     output_token_ids: list[int] = field(default_factory=list)
     logprobs: list[dict[int, Logprob]] | None = None
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None  # filled as the prompt is computed
     cumulative_logprob: float = 0.0
     status: SequenceStatus = SequenceStatus.WAITING
     num_computed_tokens: int = 0  # tokens whose KV is in the cache (paged engine)
@@ -53,6 +54,14 @@ class Sequence:
     def __post_init__(self) -> None:
         if self.params.logprobs is not None:
             self.logprobs = []
+        if self.params.prompt_logprobs is not None and self.index == 0:  # a group's first completion reports them
+            self.prompt_logprobs = [None]  # nothing predicts the first token
+
+    @property
+    def needs_prompt_logprobs(self) -> bool:
+        """Whether prompt positions still have to be computed for their log-probabilities: such a prompt takes no
+        prefix-cache hits (a cached token's logits are never computed) until all are recorded."""
+        return self.prompt_logprobs is not None and len(self.prompt_logprobs) < len(self.prompt_token_ids)
 
     @property
     def num_tokens(self) -> int:
@@ -178,8 +187,13 @@ class Sequence:
             cumulative_logprob=self.cumulative_logprob if self.params.logprobs is not None else None,
             logprobs=self.logprobs, finish_reason=self.finish_reason, stop_reason=self.stop_reason,
             new_token_ids=new_ids, delta_text=delta)
+        if self.prompt_logprobs is not None and tokenizer is not None:
+            for entry in self.prompt_logprobs:
+                for t, lp in (entry or {}).items():
+                    if lp.decoded_token is None:
+                        lp.decoded_token = tokenizer.decode([t])
         return RequestOutput(self.request_id, self.prompt, list(self.prompt_token_ids), [completion],
-                             self.is_finished, self.metrics)
+                             self.is_finished, self.metrics, self.prompt_logprobs)
 
 
 @dataclass
@@ -241,7 +255,7 @@ class SequenceGroup:
         first = self.seqs[0]
         completions = sorted((o.outputs[0] for o in outputs), key=lambda c: c.index)
         return RequestOutput(self.request_id, first.prompt, list(first.prompt_token_ids), completions,
-                             self.is_finished, self.metrics())
+                             self.is_finished, self.metrics(), first.prompt_logprobs)
 
     def to_output(self, tokenizer) -> RequestOutput:
         return self.merge([s.to_output(tokenizer) for s in self.seqs])
