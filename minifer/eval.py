@@ -188,6 +188,22 @@ def perplexity(llm_or_model, texts: Sequence[str] | torch.Tensor, *, tokenizer=N
     return score_windows(model, _windows(texts, tok, max_len, max_tokens), batch_size).perplexity
 
 
+def engine_perplexity(llm, texts: Sequence[str] | torch.Tensor, *, max_len: int = 512,
+                      max_tokens: int | None = None) -> float:
+    """The same perplexity through the serving engine: every window is a request with ``prompt_logprobs=0`` and
+    one output token, continuously batched over the paged cache (chunked prefill, quantized weights and KV cache
+    included), and the log-probabilities the engine reports are averaged. This is how evaluation harnesses
+    score a model served by vLLM (lm-evaluation-harness's loglikelihood requests); it should agree with
+    :func:`perplexity` on the same windows up to float rounding, which chapter 05 checks."""
+    from minifer import SamplingParams
+
+    windows = _windows(texts, llm.tokenizer, max_len, max_tokens)
+    outs = llm.generate([{"prompt_token_ids": w.tolist()} for w in windows],
+                        SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=0), use_tqdm=False)
+    logps = [entry[t].logprob for o in outs for entry, t in zip(o.prompt_logprobs[1:], o.prompt_token_ids[1:])]
+    return float(torch.exp(-torch.tensor(logps, dtype=torch.float64).mean()))
+
+
 def greedy_agreement(model_a, model_b, texts: Sequence[str] | torch.Tensor, *, tokenizer=None, max_len: int = 512,
                      max_tokens: int | None = None, batch_size: int = 8) -> float:
     """Teacher-forced greedy agreement of two models (``LLM``s or models) on the same text (module docstring)."""

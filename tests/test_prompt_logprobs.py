@@ -88,3 +88,14 @@ def test_refused_where_it_cannot_work():
     static = minifer.LLM("tinystories-target", dtype="float32", device="cpu", batching="static")
     with pytest.raises(ValueError, match="prompt_logprobs needs batching='continuous'"):
         static.generate(["x"], SamplingParams(prompt_logprobs=1), use_tqdm=False)
+
+
+def test_engine_perplexity_equals_the_harness():
+    """minifer.eval's perplexity, through the serving engine's prompt_logprobs (as harnesses score a served model),
+    in chunked prefills and with int8 weights, equals the harness's own forward over the same windows."""
+    import minifer.eval as ev
+
+    for kw in ({}, {"quantization": "int8", "max_num_batched_tokens": 100}):
+        llm = minifer.LLM("tinystories-target", dtype="float32", device="cpu", **kw)
+        windows = ev.heldout_windows(llm.get_tokenizer(), max_len=128, max_tokens=1024)
+        assert ev.engine_perplexity(llm, windows) == pytest.approx(ev.perplexity(llm, windows), rel=1e-5)
