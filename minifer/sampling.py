@@ -168,6 +168,15 @@ def apply_logit_bias(logits: torch.Tensor, params: list[SamplingParams]) -> torc
     return logits
 
 
+def greedy_argmax(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """The token greedy sampling picks from each row of one request's ``logits``: the argmax after its
+    ``logit_bias``, taken in float32 as :func:`sample` does (in bf16, rounding the biased logits could tie two
+    tokens that float32 tells apart). Speculative decoding's drafts and verification use it."""
+    if params.logit_bias:
+        return apply_logit_bias(logits.float(), [params] * logits.shape[0]).argmax(-1)
+    return logits.argmax(-1)
+
+
 def apply_frequency_presence(logits: torch.Tensor, counts: torch.Tensor, frequency: torch.Tensor,
                              presence: torch.Tensor) -> torch.Tensor:
     """OpenAI's penalties on the output so far (``counts``: ``[B, V]`` occurrences of each token in the output,
@@ -257,16 +266,19 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[
 def ranked_logprobs(logits: torch.Tensor, tokens: list[int], top: int) -> list[dict[int, Logprob]]:
     """For row ``i`` of ``logits``: ``tokens[i]``'s log-probability and rank, and the ``top`` most likely candidates
     (vLLM's prompt_logprobs entries)."""
-    logp = logits.float().log_softmax(dim=-1)
-    index = torch.tensor(tokens, device=logits.device)[:, None]
-    chosen = logp.gather(-1, index)[:, 0]
-    ranks = (logp > chosen[:, None]).sum(-1) + 1
-    entries = [{t: Logprob(lp, r)} for t, lp, r in zip(tokens, chosen.tolist(), ranks.tolist())]
-    if top:
-        values, ids = logp.topk(min(top, logp.shape[-1]), dim=-1)
-        for entry, vs, ts in zip(entries, values.tolist(), ids.tolist()):
-            for r, (lp, t) in enumerate(zip(vs, ts), start=1):
-                entry.setdefault(t, Logprob(lp, r))
+    entries: list[dict[int, Logprob]] = []
+    for at in range(0, len(tokens), 256):  # in slices: a long prompt's [T, V] float copies would be gigabytes
+        logp = logits[at : at + 256].float().log_softmax(dim=-1)
+        index = torch.tensor(tokens[at : at + 256], device=logits.device)[:, None]
+        chosen = logp.gather(-1, index)[:, 0]
+        ranks = (logp > chosen[:, None]).sum(-1) + 1
+        part = [{t: Logprob(lp, r)} for t, lp, r in zip(tokens[at : at + 256], chosen.tolist(), ranks.tolist())]
+        if top:
+            values, ids = logp.topk(min(top, logp.shape[-1]), dim=-1)
+            for entry, vs, ts in zip(part, values.tolist(), ids.tolist()):
+                for r, (lp, t) in enumerate(zip(vs, ts), start=1):
+                    entry.setdefault(t, Logprob(lp, r))
+        entries += part
     return entries
 
 

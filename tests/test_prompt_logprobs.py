@@ -10,6 +10,7 @@ import torch
 
 import minifer
 from minifer import SamplingParams
+from minifer.sampling import sample
 
 STORIES = ["Once upon a time, there was a little girl named Lily. She loved to play outside in the sun.",
            "Tom had a red ball and a blue car. He liked to play with them every day after school.",
@@ -99,3 +100,30 @@ def test_engine_perplexity_equals_the_harness():
         llm = minifer.LLM("tinystories-target", dtype="float32", device="cpu", **kw)
         windows = ev.heldout_windows(llm.get_tokenizer(), max_len=128, max_tokens=1024)
         assert ev.engine_perplexity(llm, windows) == pytest.approx(ev.perplexity(llm, windows), rel=1e-5)
+
+
+def test_limits_and_cache_statistics():
+    llm = minifer.LLM("tinystories-target", dtype="float32", device="cpu", block_size=4)
+    for name in ("logprobs", "prompt_logprobs"):
+        with pytest.raises(ValueError, match=f"prompt 0: {name}=21 is more than max_logprobs=20"):
+            llm.generate(["x"], SamplingParams(**{name: 21}), use_tqdm=False)
+    wide = minifer.LLM("tinystories-target", dtype="float32", device="cpu", max_logprobs=50, share_weights_with=llm)
+    assert len(wide.generate(["Once upon"], SamplingParams(max_tokens=1, prompt_logprobs=30),
+                             use_tqdm=False)[0].prompt_logprobs[2]) >= 30
+    bm = llm.engine.block_manager
+    llm.generate(STORIES[:1], SamplingParams(max_tokens=1, prompt_logprobs=0), use_tqdm=False)
+    assert bm.cache_queries == 0  # it bypassed the cache: no lookup was made, none is counted
+
+
+def test_greedy_speculation_takes_the_biased_argmax_in_float32():
+    """In bf16, adding a bias and rounding back can tie two tokens that float32 tells apart; the argmax that
+    speculative drafts and verification take must be what plain sampling (float32) picks."""
+    from minifer.sampling import greedy_argmax
+
+    logits = torch.tensor([[10.0, 9.9375] + [0.0] * 8], dtype=torch.bfloat16)
+    params = SamplingParams(temperature=0, logit_bias={1: 0.07})
+    rounded = (logits.float() + torch.tensor([0, 0.07] + [0.0] * 8)).to(torch.bfloat16)
+    assert int(rounded.argmax()) == 0  # the trap: rounded back to bf16, the bias ties and the lower id wins
+    assert sample(logits, [params], [None]).token_ids == [1]
+    assert greedy_argmax(logits, params).tolist() == [1]
+    assert greedy_argmax(logits, SamplingParams(temperature=0)).tolist() == [0]

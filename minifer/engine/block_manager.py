@@ -122,7 +122,8 @@ class BlockManager:
         if not self.can_allocate(token_ids, use_cache):
             raise MemoryError(f"not enough free KV blocks for {len(token_ids)} tokens")
         hits = self._lookup_prefix(token_ids, use_cache)
-        self.cache_queries += len(token_ids) // self.block_size
+        if use_cache:  # a prompt that bypasses the cache made no lookup: it is not cache traffic
+            self.cache_queries += len(token_ids) // self.block_size
         self.cache_hits += len(hits)
         seq = _SeqBlocks()
         for bid in hits:

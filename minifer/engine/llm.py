@@ -82,6 +82,8 @@ class LLM:
         quantization: None, ``"int8"``, ``"int4"`` (g128, symmetric) or ``"fp8"``: weight-only, round-to-nearest
             on load (chapter 05; ``minifer.quant``). A folder written by ``save_quantized`` loads quantized
             without it.
+        max_logprobs: the most candidates ``logprobs`` and ``prompt_logprobs`` may ask for (vLLM's limit, 20 by
+            default: every candidate of every token is an object in the output).
         share_weights_with: another ``LLM`` of the same model, dtype, device and quantization whose loaded weights
             (and draft model, when both use the same draft) this one uses instead of loading its own copy: two
             engines to compare in one process (plain vs speculative, chapter 04). Separate copies of the same
@@ -97,7 +99,8 @@ class LLM:
                  max_num_batched_tokens: int = 2048, enable_chunked_prefill: bool = True,
                  speculative_config: dict[str, Any] | None = None, enforce_eager: bool = False,
                  kv_cache_dtype: str = "auto", quantization: str | None = None,
-                 kv_cache_scales: str = "token", share_weights_with: "LLM | None" = None) -> None:
+                 kv_cache_scales: str = "token", share_weights_with: "LLM | None" = None,
+                 max_logprobs: int = 20) -> None:
         check_kv_cache_dtype(kv_cache_dtype, kv_cache_scales)
         if kv_cache_dtype != "auto" and batching != "continuous":
             raise ValueError("kv_cache_dtype applies to the paged cache of batching='continuous'")
@@ -115,6 +118,7 @@ class LLM:
                              f"got {max_model_len}")
         self.max_model_len = max_model_len or limit
         self.max_num_seqs, self.batching, self.seed = max_num_seqs, batching, seed
+        self.max_logprobs = max_logprobs
         self._quantization, self._load_format = quantization, load_format  # what share_weights_with checks
         from minifer.quant.checkpoint import load_model
 
@@ -230,6 +234,11 @@ class LLM:
         for t in params.logit_bias or {}:
             if t >= vocab:
                 raise ValueError(f"prompt {i}: logit_bias names token id {t}, out of the vocabulary (size {vocab})")
+        for name in ("logprobs", "prompt_logprobs"):
+            asked = getattr(params, name)
+            if asked is not None and asked > self.max_logprobs:
+                raise ValueError(f"prompt {i}: {name}={asked} is more than max_logprobs={self.max_logprobs} "
+                                 f"(LLM(max_logprobs=...) raises the limit)")
         if params.prompt_logprobs is not None and self.engine is None:
             raise ValueError(f"prompt {i}: prompt_logprobs needs batching='continuous' (the static baseline computes "
                              "logits for the last prompt token only)")

@@ -49,6 +49,7 @@ class Sequence:
     _text_so_far: str = ""  # incremental detokenization: the text of output_token_ids[:_read_offset]
     _prefix_offset: int = 0
     _read_offset: int = 0
+    _decoded_prompt_logprobs: int = 0  # prompt_logprobs entries whose tokens to_output has decoded
     _stop_from: int = 0  # stop strings must end past this many characters (the text from before min_tokens)
 
     def __post_init__(self) -> None:
@@ -188,10 +189,10 @@ class Sequence:
             logprobs=self.logprobs, finish_reason=self.finish_reason, stop_reason=self.stop_reason,
             new_token_ids=new_ids, delta_text=delta)
         if self.prompt_logprobs is not None and tokenizer is not None:
-            for entry in self.prompt_logprobs:
+            for entry in self.prompt_logprobs[self._decoded_prompt_logprobs :]:  # the entries added since last time
                 for t, lp in (entry or {}).items():
-                    if lp.decoded_token is None:
-                        lp.decoded_token = tokenizer.decode([t])
+                    lp.decoded_token = tokenizer.decode([t])
+            self._decoded_prompt_logprobs = len(self.prompt_logprobs)
         return RequestOutput(self.request_id, self.prompt, list(self.prompt_token_ids), [completion],
                              self.is_finished, self.metrics, self.prompt_logprobs)
 

@@ -92,7 +92,7 @@ from minifer.engine.runner import ModelRunner
 from minifer.engine.sequence import Sequence
 from minifer.layers.paged_attention import PagedKVCache
 from minifer.models.llama import LlamaForCausalLM
-from minifer.sampling import apply_logit_bias
+from minifer.sampling import greedy_argmax
 from minifer.spec.ngram import ngram_match
 from minifer.spec.rejection import one_hot_draft_probs, probs_from_logits, rejection_sample, verify_greedy
 from minifer.spec.theory import expected_tokens_per_forward
@@ -240,8 +240,8 @@ class DraftModelProposer:
             q = probs_from_logits(logits[:, None, :], params)[:, 0]
             for r, i in enumerate(active):
                 seq = seqs[i]
-                if seq.params.greedy:
-                    tok = int(logits[r].argmax())
+                if seq.params.greedy:  # the draft takes the bias too, or it proposes what the target rules out
+                    tok = int(greedy_argmax(logits[r : r + 1], seq.params))
                 else:
                     tok = int(torch.multinomial(q[r], 1, generator=seq.generator))
                     probs[i].append(q[r])
@@ -847,14 +847,12 @@ class Speculator:
         if greedy:  # the target's argmax at every row, once, then gathered into [rows, max_k + 1]
             index = torch.tensor([[offsets[r] + min(j, ks[r]) for j in range(max_k + 1)] for r in greedy],
                                  device=logits.device)
-            biased = logits
-            for r in greedy:  # a logit_bias moves the argmax: apply it first (sampled rows get it in process_logits)
+            top = logits.argmax(-1)
+            for r in greedy:  # a logit_bias moves the argmax (sampled rows get it in process_logits)
                 if seqs[r].params.logit_bias:
-                    biased = biased.clone() if biased is logits else biased
                     rows = slice(offsets[r], offsets[r + 1])
-                    bias = apply_logit_bias(logits[rows].float(), [seqs[r].params] * (ks[r] + 1))
-                    biased[rows] = bias.to(logits.dtype)
-            out = verify_greedy([drafts[r].tokens for r in greedy], biased.argmax(-1)[index])
+                    top[rows] = greedy_argmax(logits[rows], seqs[r].params)
+            out = verify_greedy([drafts[r].tokens for r in greedy], top[index])
             for r, toks in zip(greedy, out):
                 emitted[r] = toks
         if sampled:
