@@ -2,8 +2,8 @@
 
 The online engine (``LLMEngine``: ``add_request`` / ``step`` / ``abort_request``) is what a server needs; this
 module puts it behind the routes that OpenAI clients, ``curl`` and benchmark tools speak, with vLLM's names
-and extensions (``top_k``, ``min_p``, ``ignore_eos``, ...), so a client moves between minifer and ``vllm serve``
-unchanged:
+and extensions (``top_k``, ``min_p``, ``ignore_eos``, ``min_tokens``, ``prompt_logprobs``, ...), so a client moves
+between minifer and ``vllm serve`` unchanged:
 
     GET  /health                  200 when the engine loop is alive
     GET  /v1/models               the one served model
@@ -215,7 +215,7 @@ _SAMPLING_FIELDS = {  # OpenAI's name (and vLLM's extensions) -> SamplingParams 
     "repetition_penalty": "repetition_penalty", "presence_penalty": "presence_penalty",
     "frequency_penalty": "frequency_penalty", "max_tokens": "max_tokens", "min_tokens": "min_tokens", "stop": "stop",
     "stop_token_ids": "stop_token_ids", "ignore_eos": "ignore_eos", "seed": "seed",
-    "skip_special_tokens": "skip_special_tokens", "logit_bias": "logit_bias",
+    "skip_special_tokens": "skip_special_tokens", "logit_bias": "logit_bias", "prompt_logprobs": "prompt_logprobs",
 }
 # Fields minifer accepts only with the value that means "off" (clients often send these defaults).
 _NO_OP_FIELDS = {"best_of": (1, None), "echo": (False, None), "suffix": (None,), "user": None}
@@ -245,6 +245,9 @@ def sampling_params(body: dict[str, Any], *, chat: bool) -> SamplingParams:
         kwargs["max_tokens"] = body["max_completion_tokens"]
     kwargs.setdefault("max_tokens", None if chat else 16)
     logprobs = body.get("logprobs")
+    if chat and body.get("prompt_logprobs") is not None:
+        raise RequestError("prompt_logprobs is not supported on /v1/chat/completions by minifer: use /v1/completions",
+                           "prompt_logprobs")
     if chat and (logprobs or body.get("top_logprobs")):
         raise RequestError("logprobs are not supported on /v1/chat/completions by minifer: use /v1/completions",
                            "logprobs" if logprobs else "top_logprobs")
@@ -307,6 +310,15 @@ def _logprobs_json(c: CompletionOutput, token_ids: list[int], start: int, text_s
     return {"tokens": tokens, "token_logprobs": [e[t].logprob for e, t in zip(entries, token_ids)],
             "top_logprobs": [{(lp.decoded_token or str(tid)): lp.logprob for tid, lp in e.items()} for e in entries],
             "text_offset": offsets}
+
+
+def _prompt_logprobs_json(entries) -> list[dict[str, dict[str, Any]] | None] | None:
+    """vLLM's ``prompt_logprobs`` in a completion choice: per prompt token, None for the first, else each
+    candidate's id (a string, as JSON keys are) -> its logprob, rank and decoded text."""
+    if entries is None:
+        return None
+    return [None if e is None else {str(t): {"logprob": lp.logprob, "rank": lp.rank, "decoded_token": lp.decoded_token}
+                                    for t, lp in e.items()} for e in entries]
 
 
 # --- HTTP -----------------------------------------------------------------------------------------------
@@ -430,9 +442,11 @@ class Handler(BaseHTTPRequestHandler):
     def _respond(self, out: queue.Queue, request_id: str, ids: list[str], n: int, chat: bool) -> None:
         latest: dict[tuple[str, int], CompletionOutput] = {}  # each completion's last report (they end apart)
         prompt_lens: dict[str, int] = {}
+        prompt_logprobs: dict[str, Any] = {}
         try:
             for o in self._events(out, ids):
                 prompt_lens[o.request_id] = len(o.prompt_token_ids)
+                prompt_logprobs[o.request_id] = o.prompt_logprobs
                 for c in o.outputs:
                     latest[o.request_id, c.index] = c
         except ClientGone:
@@ -453,6 +467,8 @@ class Handler(BaseHTTPRequestHandler):
             else:
                 choices.append({"index": idx, "text": c.text, "logprobs": _logprobs_json(c, c.token_ids, 0),
                                 "finish_reason": c.finish_reason})
+                if prompt_logprobs.get(rid) is not None:
+                    choices[-1]["prompt_logprobs"] = _prompt_logprobs_json(prompt_logprobs[rid])
         prompt_tokens = sum(prompt_lens.values())
         completion_tokens = sum(len(c.token_ids) for c in latest.values())
         self._json(HTTPStatus.OK, {
@@ -488,6 +504,8 @@ class Handler(BaseHTTPRequestHandler):
                         choice = {"index": idx, "text": c.delta_text,
                                   "logprobs": _logprobs_json(c, c.new_token_ids, start, text_pos.get(key, 0)),
                                   "finish_reason": c.finish_reason}
+                        if key not in text_pos and o.prompt_logprobs is not None:  # once, in a choice's first chunk
+                            choice["prompt_logprobs"] = _prompt_logprobs_json(o.prompt_logprobs)
                     text_pos[key] = text_pos.get(key, 0) + len(c.delta_text)
                     self._event({**head, "choices": [choice]})
                 if o.finished:

@@ -142,6 +142,26 @@ def test_penalties_and_min_tokens_reach_the_engine(server, llm):
     assert status == 200 and got["choices"][0]["text"] != llm.get_tokenizer().decode([first])
 
 
+def test_prompt_logprobs(server, llm):
+    body = greedy(4, prompt="Once upon a time there was", prompt_logprobs=2)
+    status, got = post(server, "/v1/completions", body)
+    want = llm.generate(["Once upon a time there was"], SamplingParams(temperature=0, max_tokens=4, prompt_logprobs=2),
+                        use_tqdm=False)[0].prompt_logprobs
+    plp = got["choices"][0]["prompt_logprobs"]
+    assert status == 200 and plp[0] is None and len(plp) == len(want)
+    for entry, ref in zip(plp[1:], want[1:]):
+        assert {int(t): (v["logprob"], v["rank"]) for t, v in entry.items()} == \
+            {t: (lp.logprob, lp.rank) for t, lp in ref.items()}
+        assert all(v["decoded_token"] for v in entry.values())
+    status, text = post(server, "/v1/completions", {**body, "stream": True}, raw=True)
+    chunks = [e for e in events(text) if e["choices"]]
+    assert status == 200 and chunks[0]["choices"][0]["prompt_logprobs"] == plp
+    assert all("prompt_logprobs" not in c["choices"][0] for c in chunks[1:])  # sent once
+    status, err = post(server, "/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "hi"}],
+                                                         "prompt_logprobs": 1})
+    assert status == 400 and err["error"]["param"] == "prompt_logprobs"
+
+
 def test_logprobs(server):
     status, body = post(server, "/v1/completions", greedy(6, prompt="Once upon a time", logprobs=2))
     lp = body["choices"][0]["logprobs"]
