@@ -76,7 +76,8 @@ class ModelRunner:
         """Run one step. Sequence ``i`` of the batch computes its next ``num_new_tokens[i]`` tokens plus, when
         speculating, its ``drafts[i]``. Returns the indices (into ``batch.seqs``) of the sequences that get
         logits — those whose prompt is complete — and the logits: one row per such sequence, or
-        ``1 + len(drafts[i])`` rows for a speculating one."""
+        ``1 + len(drafts[i])`` rows for a speculating one. A sequence that asked for ``prompt_logprobs`` gets
+        logits at its prompt positions too; they are turned into its prompt log-probabilities here, not returned."""
         starts, chunks, num_logits, sampling_rows = [], [], [], []
         prompt_rows: dict[int, int] = {}  # sequence -> first position whose logits give a prompt log-probability
         for i, (seq, n) in enumerate(zip(batch.seqs, batch.num_new_tokens)):
