@@ -198,6 +198,10 @@ def engine_perplexity(llm, texts: Sequence[str] | torch.Tensor, *, max_len: int 
     from minifer import SamplingParams
 
     windows = _windows(texts, llm.tokenizer, max_len, max_tokens)
+    if windows.shape[1] + 1 > llm.max_model_len:
+        raise ValueError(f"engine_perplexity sends each window of {windows.shape[1]} tokens as a prompt with one "
+                         f"output token: it needs max_len + 2 <= max_model_len={llm.max_model_len}; use a smaller "
+                         f"max_len")
     outs = llm.generate([{"prompt_token_ids": w.tolist()} for w in windows],
                         SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=0), use_tqdm=False)
     logps = [entry[t].logprob for o in outs for entry, t in zip(o.prompt_logprobs[1:], o.prompt_token_ids[1:])]

@@ -10,7 +10,7 @@ from collections import Counter
 
 import pytest
 
-from minifer import LLM
+from minifer import LLM, SamplingParams
 from minifer.engine.speculative import PROBE_BUDGET, TRIAL_STEPS, CostTable
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
@@ -261,3 +261,13 @@ def test_probes_are_counted_apart_from_speculative_steps(spec):
     assert spec.stats.k_counts[0] == 1 and spec.stats.k_counts[3] == 1
     summary = spec.summary()
     assert summary["spec_probes"] == 1 and summary["spec_steps_speculating"] == 1
+
+
+def test_small_cache_speculator_starts():
+    """The adaptive speculator times forwards at start-up; a 16-block cache of 4 tokens must not refuse to start."""
+    llm = LLM("tinystories-target", dtype="float32", device="cpu", block_size=4, num_kv_blocks=16,
+              speculative_config={"method": "draft_model", "model": "tinystories-draft", "num_speculative_tokens": 4})
+    plain = LLM("tinystories-target", dtype="float32", device="cpu", share_weights_with=llm)
+    greedy = SamplingParams(temperature=0, max_tokens=8)
+    assert (llm.generate(["Once upon a time"], greedy, use_tqdm=False)[0].outputs[0].token_ids
+            == plain.generate(["Once upon a time"], greedy, use_tqdm=False)[0].outputs[0].token_ids)

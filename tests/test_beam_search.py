@@ -313,3 +313,19 @@ def test_notebook_comparison_with_transformers(beam_llm, monkeypatch):
     monkeypatch.setattr(minifer.LLM, "beam_search", first_only)
     assert "2 of 6 finished beams identical" in compare_beam_search_with_transformers(beam_llm, STORY_STARTS[:2],
                                                                                       params)
+
+
+def test_beams_decode_within_the_token_budget_when_they_can(monkeypatch):
+    """With a budget of 8 tokens, two 3-beam searches would need 6 decode rows each: one runs at a time."""
+    llm = minifer.LLM("tinystories-target", dtype="float32", device="cpu", block_size=4, max_num_batched_tokens=8)
+    sizes = []
+    forward = llm.engine.runner.forward
+
+    def counting(ids, starts, chunks, num_logits):
+        sizes.append(sum(map(len, chunks)))
+        return forward(ids, starts, chunks, num_logits)
+
+    monkeypatch.setattr(llm.engine.runner, "forward", counting)
+    out = llm.beam_search(["Once upon a time", "Tom had a ball"], BeamSearchParams(3, 6, ignore_eos=True))
+    assert max(sizes) <= 8 and all(len(o.sequences) == 3 for o in out)
+

@@ -127,3 +127,12 @@ def test_greedy_speculation_takes_the_biased_argmax_in_float32():
     assert sample(logits, [params], [None]).token_ids == [1]
     assert greedy_argmax(logits, params).tolist() == [1]
     assert greedy_argmax(logits, SamplingParams(temperature=0)).tolist() == [0]
+
+
+def test_engine_perplexity_names_a_window_too_long_for_the_context():
+    import minifer.eval as ev
+
+    llm = minifer.LLM("tinystories-target", dtype="float32", device="cpu", max_model_len=128)
+    windows = ev.heldout_windows(llm.get_tokenizer(), max_len=127, max_tokens=254)
+    with pytest.raises(ValueError, match="needs max_len \\+ 2 <= max_model_len=128"):
+        ev.engine_perplexity(llm, windows)

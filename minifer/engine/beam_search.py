@@ -122,8 +122,10 @@ class BeamSearch:
         self.blocks, self.runner, self.cache = engine.block_manager, engine.runner, engine.kv_cache
         self.eos = frozenset() if params.ignore_eos else frozenset(eos_token_ids)
         self.max_model_len = max_model_len
-        # prompts searched side by side: their beams fill a batch of max_num_seqs
-        self.max_active = max(1, max_num_seqs // params.beam_width)
+        # prompts searched side by side: their beams fill a batch of max_num_seqs, within the step's token budget (a
+        # search's beams always decode together, so a beam_width above max_num_batched_tokens still runs, alone)
+        budget = engine.scheduler.config.max_num_batched_tokens
+        self.max_active = max(1, min(max_num_seqs, budget) // params.beam_width)
         self.stats = BeamSearchStats()
         self.active: list[_Search] = []  # the prompts under way (what ``on_step`` callbacks look at)
         self.last_forks: list[tuple[str, str]] = []  # the latest step's forks: (child, parent)

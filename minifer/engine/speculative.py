@@ -388,17 +388,21 @@ class Speculator:
         forward's time depends on the sizes it reads, not on the numbers."""
         def measure(runner: ModelRunner, table: CostTable) -> None:
             blocks, n = runner.blocks, 1
-            while 2 * n <= max_tokens and 2 * n * blocks.blocks_needed(context + 1) <= blocks.num_free_blocks:
+            # a small cache holds a shorter context (down to one token): the timing still has one sequence
+            ctx = min(context, blocks.block_size * blocks.num_free_blocks - 1)
+            if ctx < 1:
+                return  # not even two tokens fit: the table keeps its prior, refreshed by real steps
+            while 2 * n <= max_tokens and 2 * n * blocks.blocks_needed(ctx + 1) <= blocks.num_free_blocks:
                 n *= 2
             ids = [f"__calibrate{i}__" for i in range(n)]
             with ExitStack() as stack:
                 for i, rid in enumerate(ids):  # distinct tokens: no prefix-cache sharing between them
-                    stack.enter_context(blocks.scratch(rid, [i + 1] * (context + 1)))
+                    stack.enter_context(blocks.scratch(rid, [i + 1] * (ctx + 1)))
                 m = 1
                 while m <= n:
-                    runner.forward(ids[:m], [context] * m, [[0]] * m, [1] * m)  # warm-up
+                    runner.forward(ids[:m], [ctx] * m, [[0]] * m, [1] * m)  # warm-up
                     for _ in range(3):
-                        runner.forward(ids[:m], [context] * m, [[0]] * m, [1] * m)
+                        runner.forward(ids[:m], [ctx] * m, [[0]] * m, [1] * m)
                         table.observe(m, runner.last_forward_s)
                     m *= 2
         measure(self.target_runner, self.target_cost)
