@@ -103,6 +103,19 @@ def test_several_eos_ids_match_hf(tmp_path):
     assert stopped > 0, "no beam ended on one of the EOS ids: the case tests nothing"
 
 
+def tokens_per_forward(llm, monkeypatch) -> list[int]:
+    """A list that fills with the number of tokens of every forward ``llm``'s engine runs from now on."""
+    sizes: list[int] = []
+    forward = llm.engine.runner.forward
+
+    def counting(ids, starts, chunks, num_logits):
+        sizes.append(sum(map(len, chunks)))
+        return forward(ids, starts, chunks, num_logits)
+
+    monkeypatch.setattr(llm.engine.runner, "forward", counting)
+    return sizes
+
+
 def test_prefill_keeps_to_the_token_budget(monkeypatch):
     """Long prompts are prefilled in chunks of at most max_num_batched_tokens per step, as the scheduler does,
     and give the same beams; without chunked prefill a prompt over the budget is refused."""
@@ -110,14 +123,7 @@ def test_prefill_keeps_to_the_token_budget(monkeypatch):
     params = BeamSearchParams(3, 12, ignore_eos=True)
     whole = minifer.LLM("tinystories-target", dtype="float32", device="cpu", block_size=4)
     small = minifer.LLM("tinystories-target", dtype="float32", device="cpu", block_size=4, max_num_batched_tokens=32)
-    sizes = []
-    forward = small.engine.runner.forward
-
-    def counting(ids, starts, chunks, num_logits):
-        sizes.append(sum(map(len, chunks)))
-        return forward(ids, starts, chunks, num_logits)
-
-    monkeypatch.setattr(small.engine.runner, "forward", counting)
+    sizes = tokens_per_forward(small, monkeypatch)
     chunked = small.beam_search([{"prompt_token_ids": p} for p in prompts], params)
     assert max(sizes) <= 32 and sum(sizes[:3]) == 96  # the first steps are pure prefill, 32 tokens each
     assert tokens_of(chunked) == tokens_of(whole.beam_search([{"prompt_token_ids": p} for p in prompts], params))
@@ -318,14 +324,7 @@ def test_notebook_comparison_with_transformers(beam_llm, monkeypatch):
 def test_beams_decode_within_the_token_budget_when_they_can(monkeypatch):
     """With a budget of 8 tokens, two 3-beam searches would need 6 decode rows each: one runs at a time."""
     llm = minifer.LLM("tinystories-target", dtype="float32", device="cpu", block_size=4, max_num_batched_tokens=8)
-    sizes = []
-    forward = llm.engine.runner.forward
-
-    def counting(ids, starts, chunks, num_logits):
-        sizes.append(sum(map(len, chunks)))
-        return forward(ids, starts, chunks, num_logits)
-
-    monkeypatch.setattr(llm.engine.runner, "forward", counting)
+    sizes = tokens_per_forward(llm, monkeypatch)
     out = llm.beam_search(["Once upon a time", "Tom had a ball"], BeamSearchParams(3, 6, ignore_eos=True))
     assert max(sizes) <= 8 and all(len(o.sequences) == 3 for o in out)
 
