@@ -38,7 +38,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from minifer.sampling import BeamSearchParams, Logprob
+from minifer.sampling import BeamSearchParams, Logprob, ranked_logprobs
 
 
 @dataclass
@@ -272,8 +272,8 @@ class BeamSearch:
                 continue  # only the top w may finish; the rest of the 2w are there to keep w beams alive
             if not ends and len(next_beams) == w:
                 continue
-            row = logprobs[flat // vocab]
-            entry = {token: Logprob(float(row[token]), int((row > row[token]).sum()) + 1, self._decode(token))}
+            entry = ranked_logprobs(logprobs[flat // vocab : flat // vocab + 1], [token], 0)[0]
+            entry[token].decoded_token = self._decode(token)
             child = _Beam(parent.seq_id, parent.tokens + [token], total, parent.logprobs + [entry])
             if ends:
                 score = self._score(total, out_len)
