@@ -406,3 +406,60 @@ def test_logprobs_zero_gives_the_sampled_token_only(target_llm, hf_target):
 def test_no_logprobs_by_default(target_llm):
     comp = target_llm.generate("Tom", SamplingParams(temperature=0, max_tokens=3), use_tqdm=False)[0].outputs[0]
     assert comp.logprobs is None and comp.cumulative_logprob is None
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(words=st.lists(st.sampled_from(["café", " naïve", " 日本", "語", " 🙂", " über", " the", " cat", ".", " a"]),
+                      min_size=1, max_size=12),
+       data=st.data())
+def test_stop_strings_on_multibyte_text_match_a_full_decode(target_llm, words, data):
+    """Stop strings are matched on the incrementally decoded text, a token at a time. Oracle: decode the
+    whole output after every token; the request must stop at the first token whose full decode contains the
+    stop string, with the text cut before it, even where characters span several byte tokens. With
+    ``min_tokens=k`` the stop string must end past the characters that the first k-1 tokens completed."""
+    from minifer.engine.sequence import Sequence
+
+    tok = target_llm.get_tokenizer()
+    text = "".join(words)
+    ids = tok.encode(text, add_special_tokens=False)
+    start = data.draw(st.integers(0, len(text) - 1))
+    stop = text[start:data.draw(st.integers(start + 1, min(len(text), start + 6)))]
+    k = data.draw(st.integers(0, len(ids)))
+    seq = Sequence("r", None, [1], SamplingParams(max_tokens=len(ids), stop=[stop], ignore_eos=True, min_tokens=k),
+                   len(ids), frozenset())
+    for t in ids:
+        seq.append_token(t, 0.0, None, tok)
+        if seq.is_finished:
+            break
+    # the characters complete before token k: the longest prefix of ids[:k-1] that does not end mid-character
+    before = next(tok.decode(ids[:j]) for j in range(max(k - 1, 0), -1, -1)
+                  if not tok.decode(ids[:j]).endswith("\ufffd"))
+    ends = [m for m in range(max(k, 1), len(ids) + 1)
+            if any(p + len(stop) > len(before) for p in _occurrences(tok.decode(ids[:m]), stop))]
+    if not ends:
+        assert (seq.finish_reason, len(seq.output_token_ids)) == ("length", len(ids))
+        return
+    m = ends[0]
+    full = tok.decode(ids[:m])
+    cut = next(p for p in _occurrences(full, stop) if p + len(stop) > len(before))
+    assert (seq.finish_reason, seq.stop_reason, len(seq.output_token_ids)) == ("stop", stop, m)
+    assert seq.to_output(tok).outputs[0].text == full[:cut]
+
+
+def test_a_stop_string_ending_in_the_character_the_min_tokens_th_token_completes(target_llm):
+    """"é" is two byte tokens; with min_tokens=4 on "café" the fourth token completes it, so the stop string
+    "é" ends in that token's text and stops the request (a decode of the first three tokens ends in U+FFFD,
+    which must not count as a character already written)."""
+    from minifer.engine.sequence import Sequence
+
+    tok = target_llm.get_tokenizer()
+    ids = tok.encode("café", add_special_tokens=False)
+    assert len(ids) == 4 and tok.decode(ids[:3]).endswith("\ufffd")
+    seq = Sequence("r", None, [1], SamplingParams(max_tokens=8, stop=["é"], min_tokens=4), 8, frozenset())
+    for t in ids:
+        seq.append_token(t, 0.0, None, tok)
+    assert (seq.finish_reason, seq.stop_reason, seq.to_output(tok).outputs[0].text) == ("stop", "é", "caf")
+
+
+def _occurrences(text: str, sub: str) -> list[int]:
+    return [i for i in range(len(text) - len(sub) + 1) if text.startswith(sub, i)]

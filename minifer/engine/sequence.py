@@ -50,7 +50,6 @@ class Sequence:
     _prefix_offset: int = 0
     _read_offset: int = 0
     _decoded_prompt_logprobs: int = 0  # prompt_logprobs entries whose tokens to_output has decoded
-    _stop_from: int = 0  # stop strings must end past this many characters (the text from before min_tokens)
 
     def __post_init__(self) -> None:
         if self.params.logprobs is not None:
@@ -99,17 +98,19 @@ class Sequence:
                     lp.decoded_token = tokenizer.decode([t])
             self.logprobs.append(entry)
         p = self.params
+        # With stop strings, the text grows a token at a time (incrementally, a short window per token), and a
+        # stop string is looked for only where it could end in this token's new characters: earlier endings
+        # were looked for at earlier tokens. Checking only from min_tokens on is then vLLM's rule ("a stop
+        # string counts only if it ends in text from the min_tokens-th token on") with no re-decoding.
+        text_before = len(self._text_so_far)
+        text = self._detokenize(tokenizer) if p.stop and tokenizer is not None else None
         if len(self.output_token_ids) < self.min_tokens:  # nothing stops it before min_tokens (vLLM's rule)
             return
-        if p.stop and tokenizer is not None and len(self.output_token_ids) == self.min_tokens > 0:
-            # a stop string counts only if it ends in text from min_tokens on, as in vLLM
-            before = tokenizer.decode(self.output_token_ids[:-1], skip_special_tokens=p.skip_special_tokens)
-            self._stop_from = len(before)
         if token in p.stop_token_ids:
             self._finish("stop", token)
         elif not p.ignore_eos and token in self.eos_token_ids:
             self._finish("stop", None)
-        elif p.stop and tokenizer is not None and self._match_stop_string(tokenizer):
+        elif text is not None and self._match_stop_string(text, text_before):
             pass
         elif len(self.output_token_ids) >= self.max_tokens:
             self._finish("length", None)
@@ -124,9 +125,9 @@ class Sequence:
         """The tokens that would end this sequence: its stop tokens, and EOS unless ``ignore_eos``."""
         return set(self.params.stop_token_ids) | (set() if self.params.ignore_eos else set(self.eos_token_ids))
 
-    def _match_stop_string(self, tokenizer) -> bool:
-        text = tokenizer.decode(self.output_token_ids, skip_special_tokens=self.params.skip_special_tokens)
-        hits = [(text.find(s, max(0, self._stop_from - len(s) + 1)), s) for s in self.params.stop]
+    def _match_stop_string(self, text: str, text_before: int) -> bool:
+        """Finish at the earliest stop string that ends past ``text_before`` characters of ``text``."""
+        hits = [(text.find(s, max(0, text_before - len(s) + 1)), s) for s in self.params.stop]
         hits = [(pos, s) for pos, s in hits if pos >= 0]
         if not hits:
             return False
