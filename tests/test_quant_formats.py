@@ -147,6 +147,8 @@ def test_to_moves_every_field():
     (lambda: quant_linear_reference(torch.randn(2, 32), quantize_int8(torch.randn(4, 64))), "K=64"),
     (lambda: quant_linear_reference(torch.randn(2, 64), quantize_int8(torch.randn(4, 64)), torch.zeros(5)),
      "bias has shape"),
+    (lambda: quantize_int8(torch.tensor([[1.0, float("nan")], [0.5, 0.25]])), r"1 non-finite value\(s\)"),
+    (lambda: quantize_int4(torch.full((2, 64), float("inf")), 32), "128 non-finite"),
 ])
 def test_bad_inputs_raise_clear_errors(call, match):
     with pytest.raises(ValueError, match=match):
@@ -176,12 +178,35 @@ def _tampered(**changes) -> QuantizedWeight:
      "qweight must be torch.float8_e4m3fn"),
     (QuantizedWeight("int8", torch.zeros(4, 8, dtype=torch.int8), torch.ones(4), None, 32, (4, 8)),
      "per-channel format takes no group_size"),
+    # strided views: the kernels index rows by the shape alone and would read the wrong bytes
+    (QuantizedWeight("int8", torch.zeros(4, 16, dtype=torch.int8)[:, :8], torch.ones(4), None, None, (4, 8)),
+     "qweight must be contiguous"),
+    (_tampered(scales=torch.ones(4, 8).t()), "scales must be contiguous"),
+    (_tampered(zeros=torch.zeros(4, 8, dtype=torch.uint8).t()), "zeros must be contiguous"),
+    # a checkpoint's numbers: quantize writes only finite, positive scales and no NaN fp8 code
+    (_tampered(scales=torch.tensor([float("nan")] + [1.0] * 31).view(8, 4)), "scales must be finite and > 0"),
+    (QuantizedWeight("int8", torch.zeros(4, 8, dtype=torch.int8), torch.tensor([1.0, -1, 1, 1]), None, None, (4, 8)),
+     "found 1 that are not"),
+    (QuantizedWeight("fp8", torch.full((4, 8), float("nan")).to(torch.float8_e4m3fn), torch.ones(4), None, None,
+                     (4, 8)), "qweight holds 32 NaN code"),
 ])
 def test_validate_names_the_mismatch(qw, match):
     with pytest.raises(ValueError, match=match):
         qw.validate()
     with pytest.raises(ValueError, match=match):
         dequantize(qw)
+
+
+@pytest.mark.parametrize("fmt", ["int8", "fp8", "int4"])
+def test_rows_too_small_for_a_float32_scale_quantize_to_zeros(fmt):
+    """absmax / 448 of a row near 1e-43 underflows float32 to 0: the scale must not be 0 (codes would be NaN)."""
+    w = torch.randn(3, 64)
+    w[1] = 1e-43 * torch.sign(torch.randn(64))
+    qw = quantize(w, fmt, group_size=32)
+    assert bool((qw.scales > 0).all())
+    out = dequantize(qw)
+    assert torch.isfinite(out).all() and out[1].abs().max() < 1e-42
+    assert torch.allclose(out[[0, 2]], w[[0, 2]], rtol=0.2, atol=0.2)
 
 
 def test_validate_can_skip_the_value_check():

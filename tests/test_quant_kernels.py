@@ -296,6 +296,37 @@ def test_bad_inputs_raise_clear_errors():
         quant_matmul(x, qw)
 
 
+def test_an_outgrown_split_k_counter_buffer_is_never_freed():
+    """A CUDA graph records the counters' address; freeing an outgrown buffer would let another tensor take
+    that memory while the graph's replays still count (and reset) in it."""
+    import gc
+    import weakref
+
+    from minifer.kernels import quant_matmul as qm
+
+    device = torch.device(DEVICE)
+    first = qm._lock_buffer(device, 8)
+    assert qm._lock_buffer(device, first.numel()) is first  # big enough: reused
+    alive = weakref.ref(first)
+    grown = qm._lock_buffer(device, first.numel() + 1)
+    assert grown.numel() > first.numel() and qm._locks[device] is grown
+    del first
+    gc.collect()
+    assert alive() is not None, "the outgrown buffer was freed"
+
+
+def test_strided_weights_and_bias_are_refused():
+    """The kernels index by shape alone: a strided view would be read as if packed, silently wrong."""
+    from minifer.kernels.quant_matmul import quant_matmul
+
+    x, qw, b = _case("int8", True, None, 64, 8, 2, torch.float32)
+    with pytest.raises(ValueError, match="bias must be contiguous"):
+        quant_matmul(x, qw, torch.stack([b, b], 1)[:, 0])
+    qw.qweight = torch.cat([qw.qweight, qw.qweight], 1)[:, :64]
+    with pytest.raises(ValueError, match="qweight must be contiguous"):
+        quant_matmul(x, qw)
+
+
 @pytest.mark.skipif(DEVICE == "cuda", reason="checks the CPU-without-interpreter message")
 def test_cpu_tensors_need_the_interpreter(monkeypatch):
     from minifer.kernels import quant_matmul as qm

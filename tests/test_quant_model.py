@@ -205,6 +205,88 @@ def test_bad_quantization_arguments(target_llm, draft_llm, tmp_path):
         minifer.LLM(str(tmp_path), device="cpu", quantization="int4")
 
 
+@pytest.mark.parametrize("intermediate, match", [
+    (96, None),  # g128 divides neither 96 (hidden size) nor 96 (intermediate): every layer falls back to g32
+    (80, r"largest power of two that does \(16\) is below 32"),  # 80 = 5 x 16
+    (90, r"\(2\) is below 32"),  # would be group 2: 2.5 bytes a weight, more than bf16
+    (91, "int4 packs two codes per byte, so K must be even: model.layers.0.mlp.down_proj has K=91"),
+])
+def test_int4_group_fallback_stops_at_32(tiny_checkpoint, intermediate, match):
+    _, folder = tiny_checkpoint("llama", intermediate_size=intermediate)
+    if match is None:
+        llm = minifer.LLM(str(folder), device="cpu", quantization="int4")
+        groups = {n: v["group_size"] for n, v in llm.model.quantization_config.layers.items()}
+        assert set(groups.values()) == {32}
+        return
+    with pytest.raises(ValueError, match=match):
+        minifer.LLM(str(folder), device="cpu", quantization="int4")
+
+
+@pytest.fixture
+def qwen2_int8(tiny_checkpoint, tmp_path):
+    """A saved int8 checkpoint of the tiny Qwen2 (q/k/v biases, tied embeddings) and its reference logits."""
+    _, folder = tiny_checkpoint("qwen2")
+    llm = minifer.LLM(str(folder), device="cpu", quantization="int8")
+    save_quantized(llm.model, tmp_path, source=folder)
+    ids = torch.arange(30).view(2, 15)
+    return tmp_path, greedy_continuations(llm.model, ids, 6), ids
+
+
+def _edit_config(folder, fn) -> None:
+    cfg = json.loads((folder / "quantization_config.json").read_text())
+    fn(cfg)
+    (folder / "quantization_config.json").write_text(json.dumps(cfg))
+
+
+def test_checkpoint_bias_must_match_the_architecture(qwen2_int8):
+    folder, _, _ = qwen2_int8
+    name = "model.layers.0.self_attn.qkv_proj"
+
+    def drop_bias(cfg):
+        cfg["layers"][name]["bias"] = False
+
+    _rewrite(folder, lambda t: t.pop(f"{name}.bias"))
+    _edit_config(folder, drop_bias)  # consistent with the file, but Qwen2's q/k/v always have biases
+    with pytest.raises(ModelLoadError, match=f"{name} is recorded without a bias, but the architecture's layer has"):
+        load_quantized(folder)
+
+
+def test_checkpoint_entry_errors_name_the_layer(qwen2_int8):
+    folder, _, _ = qwen2_int8
+    bias, kept = "model.layers.0.self_attn.qkv_proj.bias", {}
+    _rewrite(folder, lambda t: kept.update({bias: t[bias]}) or t.update({bias: torch.zeros(7)}))
+    with pytest.raises(ModelLoadError, match=rf"{bias}: .*shape"):
+        load_quantized(folder)
+    _rewrite(folder, lambda t: t.update(kept))
+    name = "model.layers.1.mlp.gate_up_proj"
+    _edit_config(folder, lambda cfg: cfg["layers"][name].pop("bias"))
+    with pytest.raises(ModelLoadError, match=f"entry of {name} must give its shape, group_size and bias"):
+        load_quantized(folder)
+    _edit_config(folder, lambda cfg: cfg["layers"].update({name: {**cfg["layers"]["model.layers.1.mlp.down_proj"],
+                                                                 "shape": cfg["layers"][name]["shape"]}}))
+    load_quantized(folder)  # whole again
+    _edit_config(folder, lambda cfg: cfg["layers"].update({"model.layers.0.input_layernorm": cfg["layers"][name]}))
+    with pytest.raises(ModelLoadError, match="model.layers.0.input_layernorm is a RMSNorm in this architecture"):
+        load_quantized(folder)
+
+
+def test_a_stray_lm_head_does_not_overwrite_tied_embeddings(qwen2_int8):
+    """Tied checkpoints sometimes carry lm_head.weight too; the embedding is the one that counts (as in the
+    plain loader), not a copy written through the tie."""
+    folder, reference, ids = qwen2_int8
+    _rewrite(folder, lambda t: t.update({"lm_head.weight": torch.zeros_like(t["model.embed_tokens.weight"])}))
+    loaded = load_quantized(folder)
+    assert loaded.lm_head.weight is loaded.model.embed_tokens.weight
+    assert loaded.model.embed_tokens.weight.abs().sum() > 0
+    assert torch.equal(greedy_continuations(loaded, ids, 6), reference)
+
+
+def test_static_kv_scales_need_a_tokenizer(tiny_checkpoint):
+    _, folder = tiny_checkpoint("llama")  # saved without a tokenizer
+    with pytest.raises(ValueError, match="has no tokenizer to encode it: use kv_cache_scales='token'"):
+        minifer.LLM(str(folder), device="cpu", kv_cache_dtype="int8", kv_cache_scales="head")
+
+
 # --- GPTQ ----------------------------------------------------------------------------------------------------
 
 

@@ -129,6 +129,9 @@ class LLMEngine:
 
     def _calibrate_kv_scales(self) -> None:
         """Static KV scales: one prefill of ``CALIBRATION_TEXT`` on a scratch sequence, before any request."""
+        if self.tokenizer is None:
+            raise ValueError("kv_cache_scales='head' calibrates the static scales on a text, and this model has no "
+                             "tokenizer to encode it: use kv_cache_scales='token'")
         blocks = self.block_manager
         ids = list(self.tokenizer(CALIBRATION_TEXT)["input_ids"])[: blocks.block_size * blocks.num_free_blocks]
         with blocks.scratch("__kv_calibrate__", ids):

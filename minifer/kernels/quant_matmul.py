@@ -553,14 +553,19 @@ def _tuner(path: str, block_k_cap: int = 0):
 
 
 _locks: dict[torch.device, torch.Tensor] = {}
+_outgrown_locks: list[torch.Tensor] = []  # never freed: a CUDA graph may have recorded their addresses
 
 
 def _lock_buffer(device: torch.device, n: int) -> torch.Tensor:
     """Per-tile arrival counters for split-K, zero between launches (the last program of a tile resets its
-    own). Cached per device and only ever grown. Two launches on different CUDA streams at once would
-    share them: minifer runs its model on one stream."""
+    own). Cached per device and only ever grown. An outgrown buffer is kept, never freed: a CUDA graph
+    captured while it was current replays with its address, and freed memory would be handed to another
+    tensor, whose bytes the graph's counters would then read and reset. Two launches on different CUDA
+    streams at once would share them: minifer runs its model on one stream."""
     buf = _locks.get(device)
     if buf is None or buf.numel() < n:
+        if buf is not None:
+            _outgrown_locks.append(buf)
         buf = torch.zeros(max(n, 1024), dtype=torch.int32, device=device)
         _locks[device] = buf
     return buf
@@ -624,6 +629,8 @@ def _check(x: torch.Tensor, qw: QuantizedWeight, bias: torch.Tensor | None) -> N
     if bias is not None and (tuple(bias.shape) != (n,) or bias.device != x.device):
         raise ValueError(f"quant_matmul: bias must have shape ({n},) on {x.device}, got {tuple(bias.shape)} "
                          f"on {bias.device}")
+    if bias is not None and not bias.is_contiguous():  # the kernels read it as a packed row
+        raise ValueError(f"quant_matmul: bias must be contiguous, got stride {bias.stride()}")
 
 
 @dataclass(frozen=True)

@@ -96,10 +96,19 @@ def load_quantized(path: str | Path, *, dtype: torch.dtype = torch.float32, devi
             linear = model.get_submodule(name)
         except AttributeError:
             raise ModelLoadError(f"{path}: quantized layer {name} does not exist in this architecture") from None
+        if not isinstance(linear, nn.Linear):
+            raise ModelLoadError(f"{path}: quantized layer {name} is a {type(linear).__name__} in this architecture, "
+                                 f"not a linear layer")
+        if not isinstance(spec, dict) or not {"shape", "group_size", "bias"} <= spec.keys():
+            raise ModelLoadError(f"{path}: the quantization_config entry of {name} must give its shape, group_size "
+                                 f"and bias, got {spec!r}")
         shape = (linear.out_features, linear.in_features)
-        if not isinstance(linear, nn.Linear) or list(shape) != list(spec["shape"]):
+        if list(shape) != list(spec["shape"]):
             raise ModelLoadError(f"{path}: {name} is recorded with shape {spec['shape']}, the architecture has "
-                                 f"{type(linear).__name__} {list(shape)}")
+                                 f"{list(shape)}")
+        if bool(spec["bias"]) != (linear.bias is not None):  # Qwen2's q/k/v have biases, Llama's do not
+            raise ModelLoadError(f"{path}: {name} is recorded {'with' if spec['bias'] else 'without'} a bias, but "
+                                 f"the architecture's layer has {'one' if linear.bias is not None else 'none'}")
         missing = [f"{name}.{t}" for t in ("qweight", "scales") + (("zeros",) if not qcfg.symmetric else ())
                    + (("bias",) if spec["bias"] else ()) if f"{name}.{t}" not in tensors]
         if missing:
@@ -113,14 +122,21 @@ def load_quantized(path: str | Path, *, dtype: torch.dtype = torch.float32, devi
         except ValueError as e:
             raise ModelLoadError(f"{path}: tensors of {name} do not match its quantization_config entry: {e}") from e
         bias = tensors.pop(f"{name}.bias", None)
-        set_module(model, name, QuantLinear(qw.to(device), None if bias is None else bias.to(device, dtype)))
+        try:
+            set_module(model, name, QuantLinear(qw.to(device), None if bias is None else bias.to(device, dtype)))
+        except ValueError as e:
+            raise ModelLoadError(f"{path}: {name}.bias: {e}") from e
     _load_rest(model, tensors, path)
     model.quantization_config = qcfg
     return model.eval()
 
 
 def _load_rest(model: nn.Module, tensors: dict[str, torch.Tensor], path: Path) -> None:
-    """Copy the tensors that stayed in full precision, checking that they are exactly the model's parameters."""
+    """Copy the tensors that stayed in full precision, checking that they are exactly the model's parameters.
+    With tied embeddings ``lm_head.weight`` is the embedding itself: a stray copy in the file is ignored, as
+    the plain loader does, instead of overwriting the embedding through the tie."""
+    if model.config.tie_word_embeddings:
+        tensors = {k: t for k, t in tensors.items() if k != "lm_head.weight"}
     try:
         missing, unexpected = model.load_state_dict(tensors, strict=False)
     except RuntimeError as e:  # a shape mismatch, named by torch

@@ -103,12 +103,16 @@ class QuantizedWeight:
                     raise ValueError(f"int4: zero points must be in 0..15, found {int(self.zeros.max())}")
         else:
             if self.group_size is not None or self.zeros is not None:
+                zeros = "set" if self.zeros is not None else None
                 raise ValueError(f"{self.fmt}: per-channel format takes no group_size or zeros "
-                                 f"(got group_size={self.group_size}, zeros={'set' if self.zeros is not None else None})")
+                                 f"(got group_size={self.group_size}, zeros={zeros})")
             _check_tensor(self.fmt, "scales", self.scales, torch.float32, (n,))
         devices = {t.device for t in (self.qweight, self.scales, self.zeros) if t is not None}
         if len(devices) > 1:
-            raise ValueError(f"{self.fmt}: qweight, scales and zeros must be on one device, got {sorted(map(str, devices))}")
+            raise ValueError(f"{self.fmt}: qweight, scales and zeros must be on one device, "
+                             f"got {sorted(map(str, devices))}")
+        if check_values:
+            _check_values(self)
         return self
 
 
@@ -119,6 +123,21 @@ def _check_tensor(fmt: str, name: str, t: torch.Tensor, dtype: torch.dtype, shap
         raise ValueError(f"{fmt}: {name} must be {dtype}, got {t.dtype}")
     if tuple(t.shape) != shape:
         raise ValueError(f"{fmt}: {name} has shape {tuple(t.shape)}, expected {shape} for the weight's shape")
+    if not t.is_contiguous():  # the kernels index rows by the shape alone: a strided view would be misread
+        raise ValueError(f"{fmt}: {name} must be contiguous (row-major), got strides {t.stride()}; "
+                         f"call .contiguous() on it once")
+
+
+def _check_values(qw: QuantizedWeight) -> None:
+    """A checkpoint's numbers, not just its shapes: scales finite and positive (``quantize`` writes no other),
+    fp8 codes not NaN (e4m3fn's only special value)."""
+    bad = int((~torch.isfinite(qw.scales) | (qw.scales <= 0)).sum())
+    if bad:
+        raise ValueError(f"{qw.fmt}: scales must be finite and > 0, found {bad} that are not")
+    if qw.fmt == "fp8":
+        nan = int(torch.isnan(qw.qweight.float()).sum())
+        if nan:
+            raise ValueError(f"fp8: qweight holds {nan} NaN code(s) (bit pattern 0x7f or 0xff)")
 
 
 def _check_group(k: int, group_size: int | None) -> None:
@@ -139,12 +158,17 @@ def _check_weight(w: torch.Tensor) -> torch.Tensor:
         raise ValueError(f"weight dtype {w.dtype} is not supported; expected one of {FLOAT_DTYPES}")
     if w.numel() == 0:
         raise ValueError(f"weight is empty: shape {tuple(w.shape)}")
+    bad = int((~torch.isfinite(w)).sum())
+    if bad:  # a NaN would make its row's scale meaningless and quietly round the rest of the row
+        raise ValueError(f"weight has {bad} non-finite value(s) (NaN or inf) of {w.numel()}: nothing to quantize")
     return w.float()
 
 
 def _safe_scale(span: torch.Tensor, levels: float) -> torch.Tensor:
-    """``span / levels``, with 1 where the span is 0 (an all-zero row or group quantizes to exact zeros)."""
-    return torch.where(span > 0, span / levels, torch.ones_like(span))
+    """``span / levels``, with 1 where that is 0: an all-zero row or group quantizes to exact zeros, and so
+    does one so small (below about 1e-43) that its scale would underflow float32 to 0 and decode as NaN."""
+    s = span / levels
+    return torch.where(s > 0, s, torch.ones_like(s))
 
 
 def quantize_int8(w: torch.Tensor) -> QuantizedWeight:

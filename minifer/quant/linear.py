@@ -14,8 +14,11 @@ the model's dtype, as in GPTQ, AWQ and vLLM's defaults:
 Group sizes. int4 scales groups of ``group_size`` consecutive inputs (``formats.py``), so the group must
 divide K. A power-of-two ``group_size`` that does not divide a layer's K falls back, for that layer only,
 to the largest power of two that does (``gcd``): the bundled target's ``down_proj`` has K = 704 = 11 x 64,
-so "int4 g128" runs it at g64, and the returned ``QuantizationConfig`` lists every layer's group. Any
-other ``group_size`` that does not divide K raises ``ValueError`` naming the layer.
+so "int4 g128" runs it at g64, and the returned ``QuantizationConfig`` lists every layer's group. The
+fallback stops at ``MIN_FALLBACK_GROUP`` (32): a smaller group stores a float32 scale per few codes (group 2
+costs 2.5 bytes a weight, more than bf16) and the GPU's ``tl.dot`` kernels need whole 32-code K-steps. Any
+other ``group_size`` that does not divide K, and an odd K (no two codes to pack), raise ``ValueError`` naming
+the layer.
 
 CPU and GPU. On CUDA (with Triton) ``QuantLinear`` calls the fused dequantize-matmul kernel of
 ``minifer.kernels.quant_matmul``, which reads the packed codes and never materialises the full weight. On
@@ -134,14 +137,25 @@ def decoder_linears(model: nn.Module) -> dict[str, nn.Module]:
             for i, layer in enumerate(model.model.layers) for n in LINEAR_NAMES}
 
 
+MIN_FALLBACK_GROUP = 32
+
+
 def _group_for(name: str, k: int, group_size: int) -> int:
+    if k % 2:
+        raise ValueError(f"int4 packs two codes per byte, so K must be even: {name} has K={k}; quantize it "
+                         f"with int8 or fp8, or keep it in full precision")
     if k % group_size == 0:
         return group_size
-    if group_size & (group_size - 1) == 0 and k % 2 == 0:
-        return math.gcd(k, group_size)
+    fallback = math.gcd(k, group_size)
+    if group_size & (group_size - 1) == 0 and fallback >= MIN_FALLBACK_GROUP:
+        return fallback
+    if group_size & (group_size - 1) == 0:
+        raise ValueError(f"int4 group_size={group_size} does not divide K={k} of {name}, and the largest power of "
+                         f"two that does ({fallback}) is below {MIN_FALLBACK_GROUP}: its scales would cost more "
+                         f"than the 4-bit codes save; use a group size that divides K, or int8 / fp8")
     raise ValueError(f"int4 group_size={group_size} does not divide K={k} of {name}; use a group size that "
                      f"divides every layer's K, or a power of two (a layer it does not divide then uses the "
-                     f"largest power of two that does)")
+                     f"largest power of two that does, down to {MIN_FALLBACK_GROUP})")
 
 
 def check_quantization(method: str, group_size: int = 128, calibration: str | None = None) -> None:
