@@ -18,6 +18,8 @@ is what is measured):
   sizes (Qwen3-0.6B); and the bundled pair's speculative speedup vs batch size, fixed and adaptive k.
 - ``quant_e2e`` (issue 5): Llama-3.1-8B batch-1 decode tokens/s in bf16 and with int8 / int4 / fp8 weights.
   (The per-kernel benchmark is ``python -m minifer.bench.quant_kernels``, which gpu_check.sh also runs.)
+- ``quant_graphs`` (issue 5): the bundled target with int4 / int8 / fp8 weights, 13 requests at once: greedy
+  tokens with CUDA graphs identical to eager, also after the split-K counters' buffer has grown.
 """
 
 from __future__ import annotations
@@ -232,7 +234,44 @@ def section_quant_e2e(args) -> dict:
     return report
 
 
-SECTIONS = {"engine": section_engine, "parity": section_parity, "spec": section_spec, "quant_e2e": section_quant_e2e}
+def section_quant_graphs(args) -> dict:
+    """Batched quantized decode under CUDA graphs against the same model run eagerly, token for token (one
+    process, so both share the autotuner's choices: any difference is the graphs'). Then the split-K counters'
+    buffer is grown, as a launch with more tiles than it holds would grow it, and memory of its old size is
+    filled with ones: the graphs replay with the old buffer's address, which must still be theirs."""
+    from minifer.bench.speculative import story_openings
+    from minifer.kernels import quant_matmul as qm
+
+    few, long = (3, 100) if getattr(args, "smoke", False) else (12, 900)
+    prompts = story_openings(few) + [{"prompt_token_ids": [5 + i % 200 for i in range(long)]}]
+    params = SamplingParams(temperature=0, max_tokens=8 if few == 3 else 24, ignore_eos=True)
+    report: dict = {"meta": metadata(torch.device(args.device or "cuda")), "rows": []}
+    for quant in ("int4", "int8", "fp8"):
+        row: dict = {"quantization": quant}
+        for eager in (True, False):
+            llm = LLM("tinystories-target", device=args.device, quantization=quant, enforce_eager=eager,
+                      max_num_seqs=16)
+            row["eager" if eager else "graphs"] = [o.outputs[0].token_ids
+                                                   for o in llm.generate(prompts, params, use_tqdm=False)]
+            if not eager:
+                row["cuda_graphs"] = llm.engine.runner.graphs is not None
+                junk = []
+                for device, buf in list(qm._locks.items()):
+                    qm._lock_buffer(device, 4 * buf.numel())
+                    junk += [torch.ones_like(buf) for _ in range(4)]  # takes the old memory if it was freed
+                again = [o.outputs[0].token_ids for o in llm.generate(prompts[:few], params, use_tqdm=False)]
+                row["identical_after_growth"] = again == row["eager"][:few]
+                del junk
+            _free(llm)
+        row["identical"] = row.pop("eager") == row.pop("graphs")
+        report["rows"].append(row)
+        print(f"quant graphs {quant}: {row}")
+        _save_partial(args, report)
+    return report
+
+
+SECTIONS = {"engine": section_engine, "parity": section_parity, "spec": section_spec, "quant_e2e": section_quant_e2e,
+            "quant_graphs": section_quant_graphs}
 
 
 def main() -> None:
@@ -244,7 +283,8 @@ def main() -> None:
     ap.add_argument("--min-len", type=int, default=100)
     ap.add_argument("--max-len", type=int, default=1024)
     ap.add_argument("--out", type=Path, default=None)
-    ap.add_argument("--smoke", action="store_true", help="tiny sizes (spec, quant_e2e): checks a section on a CPU")
+    ap.add_argument("--smoke", action="store_true",
+                    help="tiny sizes (spec, quant_e2e, quant_graphs): checks a section on a CPU")
     ap.add_argument("--verify-only", action="store_true", help="spec: the verify-cost table only")
     args = ap.parse_args()
     t = time.perf_counter()

@@ -82,3 +82,14 @@ def test_gpu_check_kernel_test_selections_cover_every_native_test_once():
     assert not selections[0] & selections[1]
     assert selections[0] | selections[1] == everything - aot
     assert all("int4" in t for t in selections[0])
+
+
+def test_quant_graphs_runs_each_format_on_the_cpu(tmp_path):
+    """On the CPU there are no graphs (and the quantized layers take the PyTorch path): the section still
+    runs each format eagerly twice and finds the same tokens, so its plumbing is checked before a GPU has it."""
+    gb = _load()
+    out = tmp_path / "quant_graphs.json"
+    report = gb.section_quant_graphs(argparse.Namespace(device="cpu", out=out, section="quant_graphs", smoke=True))
+    assert [r["quantization"] for r in report["rows"]] == ["int4", "int8", "fp8"]
+    assert all(r["identical"] and r["identical_after_growth"] and not r["cuda_graphs"] for r in report["rows"])
+    assert json.loads(out.read_text())["partial"] is True  # saved after each format
