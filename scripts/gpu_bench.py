@@ -18,8 +18,9 @@ is what is measured):
   sizes (Qwen3-0.6B); and the bundled pair's speculative speedup vs batch size, fixed and adaptive k.
 - ``quant_e2e`` (issue 5): Llama-3.1-8B batch-1 decode tokens/s in bf16 and with int8 / int4 / fp8 weights.
   (The per-kernel benchmark is ``python -m minifer.bench.quant_kernels``, which gpu_check.sh also runs.)
-- ``quant_graphs`` (issue 5): the bundled target with int4 / int8 / fp8 weights, 13 requests at once: greedy
-  tokens with CUDA graphs identical to eager, also after the split-K counters' buffer has grown.
+- ``quant_graphs`` (issue 5): the bundled target with int4 / int8 / fp8 weights, or an int8 / fp8 KV cache, 13
+  requests at once: greedy tokens with CUDA graphs (and the decode kernel reading the 8-bit cache) identical
+  to eager (the PyTorch path), also after the split-K counters' buffer has grown.
 """
 
 from __future__ import annotations
@@ -235,10 +236,13 @@ def section_quant_e2e(args) -> dict:
 
 
 def section_quant_graphs(args) -> dict:
-    """Batched quantized decode under CUDA graphs against the same model run eagerly, token for token (one
-    process, so both share the autotuner's choices: any difference is the graphs'). Then the split-K counters'
-    buffer is grown, as a launch with more tiles than it holds would grow it, and memory of its old size is
-    filled with ones: the graphs replay with the old buffer's address, which must still be theirs."""
+    """Batched decode of the bundled target with quantized weights or an 8-bit KV cache, CUDA graphs against
+    eager, token for token (one process, so both share the autotuner's choices: any difference is the
+    graphs'). With an 8-bit KV cache the eager run takes the PyTorch path (``use_triton = False``: gather,
+    then dequantize), in float32, so the decode kernel's on-the-fly dequantization is checked too. Then the
+    split-K counters' buffer is grown, as a launch with more tiles than it holds would grow it, and memory of
+    its old size is filled with ones: the graphs replay with the old buffer's address, which must still be
+    theirs."""
     from minifer.bench.speculative import story_openings
     from minifer.kernels import quant_matmul as qm
 
@@ -246,11 +250,16 @@ def section_quant_graphs(args) -> dict:
     prompts = story_openings(few) + [{"prompt_token_ids": [5 + i % 200 for i in range(long)]}]
     params = SamplingParams(temperature=0, max_tokens=8 if few == 3 else 24, ignore_eos=True)
     report: dict = {"meta": metadata(torch.device(args.device or "cuda")), "rows": []}
-    for quant in ("int4", "int8", "fp8"):
-        row: dict = {"quantization": quant}
+    variants = {"int4": dict(quantization="int4"), "int8": dict(quantization="int8"), "fp8": dict(quantization="fp8"),
+                "kv int8": dict(kv_cache_dtype="int8", dtype="float32"),
+                "kv fp8": dict(kv_cache_dtype="fp8", dtype="float32"),
+                "kv int8 static": dict(kv_cache_dtype="int8", kv_cache_scales="head", dtype="float32")}
+    for name, kw in variants.items():
+        row: dict = {"variant": name}
         for eager in (True, False):
-            llm = LLM("tinystories-target", device=args.device, quantization=quant, enforce_eager=eager,
-                      max_num_seqs=16)
+            llm = LLM("tinystories-target", device=args.device, enforce_eager=eager, max_num_seqs=16, **kw)
+            if eager and "kv_cache_dtype" in kw:
+                llm.engine.kv_cache.use_triton = False
             row["eager" if eager else "graphs"] = [o.outputs[0].token_ids
                                                    for o in llm.generate(prompts, params, use_tqdm=False)]
             if not eager:
@@ -263,9 +272,12 @@ def section_quant_graphs(args) -> dict:
                 row["identical_after_growth"] = again == row["eager"][:few]
                 del junk
             _free(llm)
-        row["identical"] = row.pop("eager") == row.pop("graphs")
+        eager_ids, graph_ids = row.pop("eager"), row.pop("graphs")
+        row["identical"] = eager_ids == graph_ids
+        row["token_agreement"] = (sum(a == b for x, y in zip(eager_ids, graph_ids) for a, b in zip(x, y))
+                                  / sum(map(len, eager_ids)))
         report["rows"].append(row)
-        print(f"quant graphs {quant}: {row}")
+        print(f"quant graphs {name}: {row}")
         _save_partial(args, report)
     return report
 

@@ -20,21 +20,22 @@ python3 -c "import torch, triton, transformers; print('torch', torch.__version__
 # Issue 5's open measurements first (int4 kernel vs bf16, with every split of the target case; then
 # end-to-end decode), so that a run cut short still brings them back. The quantized-kernel benchmark
 # also fills Triton's on-disk cache that the end-to-end section then reuses, and saves its JSON after every
-# case (the target's first), so a cut-short run keeps them. Budget: about 10 minutes (595 s of limits).
-run 230 quant-kernels python3 -m minifer.bench.quant_kernels --ms 1 16 256 --out "$out/quant_kernels.json"
-run 120 quant-e2e python3 scripts/gpu_bench.py quant_e2e --out "$out/quant_e2e.json"
+# case (the target's first), so a cut-short run keeps them. Budget: under 10 minutes (585 s of limits).
+run 220 quant-kernels python3 -m minifer.bench.quant_kernels --ms 1 16 256 --out "$out/quant_kernels.json"
+run 110 quant-e2e python3 scripts/gpu_bench.py quant_e2e --out "$out/quant_e2e.json"
 # The kernel tests natively (no interpreter; the ahead-of-time compiles are CPU CI's): int4's first, since
 # the int4 tensor-core kernel (and its inline PTX) has never run natively and a run cut short by a limit
 # should have checked it; then the rest, the CUDA-graph decode test among them. --maxfail instead of -x: one
 # failure should not hide the others.
 tests="python3 -m pytest -q --maxfail=10 -p no:cacheprovider"
 MINIFER_QUANT_AUTOTUNE=0 run 45 int4-kernel-tests $tests tests/test_quant_kernels.py -k "int4 and not ahead_of_time"
-MINIFER_QUANT_AUTOTUNE=0 run 35 kernel-tests $tests tests/test_quant_kernels.py tests/test_kernels.py \
+MINIFER_QUANT_AUTOTUNE=0 run 45 kernel-tests $tests tests/test_quant_kernels.py tests/test_kernels.py \
   -k "not int4 and not ahead_of_time"
-# Batched quantized decode with CUDA graphs against eager, and after the split-K counters' buffer grows
-# (an outgrown buffer must stay allocated: the graphs replay with its address). Fixed kernels: no autotuning.
-MINIFER_QUANT_AUTOTUNE=0 run 40 quant-graphs python3 scripts/gpu_bench.py quant_graphs --out "$out/quant_graphs.json"
-run 55 engine python3 scripts/gpu_bench.py engine --out "$out/engine.json"
+# Batched decode with quantized weights or an 8-bit KV cache, CUDA graphs against eager, and again after the
+# split-K counters' buffer grows (an outgrown buffer must stay allocated: the graphs replay with its address).
+# Fixed kernels: no autotuning.
+MINIFER_QUANT_AUTOTUNE=0 run 45 quant-graphs python3 scripts/gpu_bench.py quant_graphs --out "$out/quant_graphs.json"
+run 50 engine python3 scripts/gpu_bench.py engine --out "$out/engine.json"
 run 35 spec python3 scripts/gpu_bench.py spec --out "$out/spec.json"
 run 35 parity python3 scripts/gpu_bench.py parity --out "$out/parity.json"
 grep -E "^=== |tok/s|speedup|split sweep|target|parity|quant graphs|passed|failed|Error" "$log" | tail -60

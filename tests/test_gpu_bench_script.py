@@ -90,6 +90,6 @@ def test_quant_graphs_runs_each_format_on_the_cpu(tmp_path):
     gb = _load()
     out = tmp_path / "quant_graphs.json"
     report = gb.section_quant_graphs(argparse.Namespace(device="cpu", out=out, section="quant_graphs", smoke=True))
-    assert [r["quantization"] for r in report["rows"]] == ["int4", "int8", "fp8"]
+    assert [r["variant"] for r in report["rows"]] == ["int4", "int8", "fp8", "kv int8", "kv fp8", "kv int8 static"]
     assert all(r["identical"] and r["identical_after_growth"] and not r["cuda_graphs"] for r in report["rows"])
     assert json.loads(out.read_text())["partial"] is True  # saved after each format

@@ -50,6 +50,54 @@ def test_paged_decode_matches_reference(b, hq, hkv, d, block_size, max_ctx, dtyp
     assert ((out.float() - ref).norm() / ref.norm()).item() < tol
 
 
+@pytest.mark.parametrize("kv_cache_dtype", ["int8", "fp8"])
+@pytest.mark.parametrize("static", [False, True])
+@pytest.mark.parametrize("fp8_native", [False, True])
+@pytest.mark.parametrize("b,hq,hkv,d,block_size,max_ctx", [(3, 6, 2, 8, 4, 13), (5, 12, 4, 24, 5, 40)])
+def test_paged_decode_reads_an_8bit_cache(kv_cache_dtype, static, fp8_native, b, hq, hkv, d, block_size, max_ctx,
+                                          monkeypatch):
+    """The kernel dequantizes 8-bit codes as it loads them (per token-and-head or static per-head scales;
+    fp8 by the hardware conversion or by its bits); the oracle is the CPU path, which dequantizes as it gathers."""
+    from minifer.kernels import paged_attention as pa
+    from minifer.layers.kv_quant import quantize_kv, static_scale
+    from minifer.layers.paged_attention import paged_attention_reference
+
+    if fp8_native and kv_cache_dtype != "fp8":
+        pytest.skip("only fp8 has a hardware conversion")
+    if DEVICE == "cpu":
+        monkeypatch.setattr(pa, "_fp8_native", lambda device: fp8_native)
+    elif fp8_native != pa._fp8_native(torch.device(DEVICE)):
+        pytest.skip("this GPU decides the fp8 conversion itself")
+    q, kc, vc, tables, ctx, meta = _case(b, hq, hkv, d, block_size, max_ctx, torch.float32, seed=b + d)
+    caches, scales = [], []
+    for c in (kc, vc):
+        head = static_scale(c.abs().amax(dim=(0, 1, 3)) / 2, kv_cache_dtype) if static else None  # saturates some
+        codes, s = quantize_kv(c.reshape(-1, hkv, d), kv_cache_dtype, head)
+        caches.append(codes.view(c.shape))
+        scales.append(s if static else s.view(c.shape[:-1]).contiguous())
+    out = torch.full_like(q, float("nan"))  # poisoned: every element must be written
+    out.copy_(pa.paged_decode_attention(q, *caches, tables, ctx, *scales, kv_cache_dtype))
+    ref = paged_attention_reference(q, *caches, meta, *scales, kv_cache_dtype)
+    assert torch.isfinite(out).all()
+    assert ((out - ref).norm() / ref.norm()).item() < 1e-5
+
+
+def test_paged_decode_names_a_cache_that_does_not_match_its_scales():
+    from minifer.kernels.paged_attention import paged_decode_attention
+
+    q, kc, vc, tables, ctx, _ = _case(2, 6, 2, 8, 4, 9, torch.float32, 0)
+    codes = kc.to(torch.int8)
+    token = torch.ones(kc.shape[:-1], dtype=torch.float16, device=DEVICE)
+    with pytest.raises(ValueError, match="takes no scales"):
+        paged_decode_attention(q, kc, vc, tables, ctx, token, token)
+    with pytest.raises(ValueError, match="kv_cache_dtype='fp8' needs a cache of torch.uint8, got torch.int8"):
+        paged_decode_attention(q, codes, codes, tables, ctx, token, token, "fp8")
+    with pytest.raises(ValueError, match="needs k_scale and v_scale"):
+        paged_decode_attention(q, codes, codes, tables, ctx, token, None, "int8")
+    with pytest.raises(ValueError, match=r"scales must be float16 \(.*\) \(per token and head\) or float32 \(2,\)"):
+        paged_decode_attention(q, codes, codes, tables, ctx, token.float(), token.float(), "int8")
+
+
 def test_paged_decode_rejects_bad_grouping():
     from minifer.kernels.paged_attention import paged_decode_attention
 
@@ -87,17 +135,21 @@ def test_every_kernel_compiles_ahead_of_time_for_sm80_and_sm90():
         assert r["shared_bytes"] <= 100 * 1024, r
 
 
-def test_cuda_graph_decode_path_gives_the_same_tokens():
+@pytest.mark.parametrize("kv_cache_dtype,kv_cache_scales", [("auto", "token"), ("int8", "token"), ("fp8", "token"),
+                                                             ("int8", "head")])
+def test_cuda_graph_decode_path_gives_the_same_tokens(kv_cache_dtype, kv_cache_scales):
     """The CUDA-graph decode path without a GPU: the static buffers, padding to a captured size (rows
     writing the scratch block), the decode-only metadata and the Triton kernels, replayed eagerly under the
-    interpreter; greedy tokens must equal the reference path's. (Capture itself needs a GPU: gpu_check.sh.)"""
+    interpreter; greedy tokens must equal the reference path's, for a 16-bit cache and for 8-bit ones (which
+    the decode kernel dequantizes as it loads). (Capture itself needs a GPU: gpu_check.sh.)"""
     from minifer import LLM, SamplingParams
     from minifer.engine.cuda_graph import DecodeGraphs, EagerReplay
 
     prompts = ["Once upon a time", "Tom had a big red", "The cat"]
     params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
-    want = [o.outputs[0].token_ids for o in LLM("tinystories-target").generate(prompts, params, use_tqdm=False)]
-    llm = LLM("tinystories-target", max_num_seqs=4, block_size=8)
+    kw = dict(kv_cache_dtype=kv_cache_dtype, kv_cache_scales=kv_cache_scales)
+    want = [o.outputs[0].token_ids for o in LLM("tinystories-target", **kw).generate(prompts, params, use_tqdm=False)]
+    llm = LLM("tinystories-target", max_num_seqs=4, block_size=8, **kw)
     runner = llm.engine.runner
     runner.cache.use_triton = True  # the kernels, as on a GPU (here: interpreted on CPU tensors)
     graphs = DecodeGraphs(runner.model, runner.cache, 4, -(-llm.max_model_len // 8))

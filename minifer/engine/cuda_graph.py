@@ -111,8 +111,8 @@ class EagerReplay:
 
     def __init__(self, graphs: DecodeGraphs, b: int) -> None:
         self.graphs, self.b = graphs, b
-        graphs.outputs[b] = torch.empty(b, graphs.model.config.hidden_size, dtype=graphs.cache.k.dtype
-                                        if graphs.cache.kv_cache_dtype == "auto" else torch.float32)
+        graphs.outputs[b] = torch.empty(b, graphs.model.config.hidden_size,
+                                        dtype=graphs.model.model.embed_tokens.weight.dtype)
 
     @torch.inference_mode()
     def replay(self) -> None:

@@ -46,14 +46,29 @@ def kernel_specs() -> list[KernelSpec]:
                         {"k_ptr": "*bf16", "v_ptr": "*bf16", "k_cache_ptr": "*bf16", "v_cache_ptr": "*bf16",
                          "slot_ptr": "*i64", "row": "constexpr", "BLOCK": "constexpr"},
                         {"row": 1024, "BLOCK": 1024})]
-    decode_sig = {"q_ptr": "*bf16", "k_cache_ptr": "*bf16", "v_cache_ptr": "*bf16", "tables_ptr": "*i32",
-                  "ctx_ptr": "*i32", "out_ptr": "*bf16", "scale": "fp32", "table_stride": "i32",
-                  "HKV": "constexpr", "GROUP": "constexpr", "GROUP_P2": "constexpr", "D": "constexpr",
-                  "D_P2": "constexpr", "BLOCK_SIZE": "constexpr", "BS_P2": "constexpr"}
+    def decode_sig(cache: str, scales: str) -> dict[str, str]:
+        return {"q_ptr": "*bf16", "k_cache_ptr": cache, "v_cache_ptr": cache, "tables_ptr": "*i32",
+                "ctx_ptr": "*i32", "out_ptr": "*bf16", "scale": "fp32", "table_stride": "i32",
+                "k_scale_ptr": scales, "v_scale_ptr": scales, "HKV": "constexpr", "GROUP": "constexpr",
+                "GROUP_P2": "constexpr", "D": "constexpr", "D_P2": "constexpr", "BLOCK_SIZE": "constexpr",
+                "BS_P2": "constexpr", "KV": "constexpr", "SCALES": "constexpr", "FP8_NATIVE": "constexpr"}
+
+    def shape(hkv: int, group: int, d: int) -> dict[str, int]:
+        return {"HKV": hkv, "GROUP": group, "GROUP_P2": group, "D": d, "D_P2": d, "BLOCK_SIZE": 16, "BS_P2": 16}
+
     for hkv, group, d in ((2, 4, 32), (8, 2, 128), (8, 4, 128)):
-        specs.append(KernelSpec(f"paged_decode[Hkv={hkv},G={group},D={d},bs=16]", pa.paged_decode_kernel, decode_sig,
-                                {"HKV": hkv, "GROUP": group, "GROUP_P2": group, "D": d, "D_P2": d,
-                                 "BLOCK_SIZE": 16, "BS_P2": 16}))
+        specs.append(KernelSpec(f"paged_decode[Hkv={hkv},G={group},D={d},bs=16]", pa.paged_decode_kernel,
+                                decode_sig("*bf16", "*bf16"), {**shape(hkv, group, d), "KV": pa.KV_FLOAT,
+                                                               "SCALES": pa.SCALES_NONE, "FP8_NATIVE": False}))
+    # the 8-bit caches (Qwen3-0.6B's shape): int8 and fp8 codes with a scale per token and head, int8 with
+    # static per-head scales; fp8 converts in hardware on sm_90, decodes its bits on sm_80
+    for name, kv, scales, scale_type in (("int8", pa.KV_INT8, pa.SCALES_TOKEN, "*fp16"),
+                                         ("fp8", pa.KV_FP8, pa.SCALES_TOKEN, "*fp16"),
+                                         ("int8 static", pa.KV_INT8, pa.SCALES_HEAD, "*fp32")):
+        specs.append(KernelSpec(f"paged_decode[{name},Hkv=8,G=2,D=128,bs=16]", pa.paged_decode_kernel,
+                                decode_sig("*i8", scale_type), {**shape(8, 2, 128), "KV": kv, "SCALES": scales,
+                                                                "FP8_NATIVE": False},
+                                arch_constexprs={90: {"FP8_NATIVE": True}} if kv == pa.KV_FP8 else {}))
     return specs + quant_matmul_specs()
 
 

@@ -10,6 +10,11 @@ tokens at a time and keeping an *online softmax* (running max and sum, as in Fla
 whole context never has to sit in memory at once. All query heads that share the KV head (GQA) are
 processed by the same program, so each K/V block is read once for the whole group — decode is
 bandwidth-bound, and that re-use is the point of grouped-query attention.
+
+An 8-bit cache (``kv_cache_dtype="int8"`` or ``"fp8"``, ``minifer/layers/kv_quant.py``) is read by the same
+kernel: it loads one byte per number and dequantizes in registers (``codes * scale``, the scale per token and
+head, or one static scale per head), so a decode step reads half the bytes of a 16-bit cache. New keys and
+values are quantized and written by PyTorch (a few tokens per step; the same code as the CPU path).
 """
 
 from __future__ import annotations
@@ -17,6 +22,8 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+
+from minifer.kernels.quant_matmul import _fp8_native, _fp8_to_f32
 
 
 @triton.jit
@@ -39,10 +46,34 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
                           BLOCK=triton.next_power_of_2(row))
 
 
+KV_FLOAT, KV_INT8, KV_FP8 = 0, 1, 2  # what the cache holds: the model's floats, int8 codes, fp8 e4m3 bits
+SCALES_NONE, SCALES_TOKEN, SCALES_HEAD = 0, 1, 2  # float16 [blocks, block_size, Hkv] | float32 [Hkv]
+
+
+@triton.jit
+def _load_kv(cache_ptr, scale_ptr, base, slots, kvh, kv_mask, tm, HKV: tl.constexpr, KV: tl.constexpr,
+             SCALES: tl.constexpr, FP8_NATIVE: tl.constexpr):
+    """One block's keys or values ``[BS, D]`` in float32: loaded as stored, dequantized in registers."""
+    x = tl.load(cache_ptr + base, mask=kv_mask, other=0)
+    if KV == 2:
+        f = _fp8_to_f32(x, FP8_NATIVE)
+        if not FP8_NATIVE:
+            f = f * 256.0  # the bit-level decode gives the value times 2^-8
+    else:
+        f = x.to(tl.float32)
+    if SCALES == 1:
+        f = f * tl.load(scale_ptr + slots * HKV + kvh, mask=tm, other=0.0).to(tl.float32)[:, None]
+    elif SCALES == 2:
+        f = f * tl.load(scale_ptr + kvh)
+    return f
+
+
 @triton.jit
 def paged_decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, tables_ptr, ctx_ptr, out_ptr, scale,
-                        table_stride, HKV: tl.constexpr, GROUP: tl.constexpr, GROUP_P2: tl.constexpr,
-                        D: tl.constexpr, D_P2: tl.constexpr, BLOCK_SIZE: tl.constexpr, BS_P2: tl.constexpr):
+                        table_stride, k_scale_ptr, v_scale_ptr, HKV: tl.constexpr, GROUP: tl.constexpr,
+                        GROUP_P2: tl.constexpr, D: tl.constexpr, D_P2: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+                        BS_P2: tl.constexpr, KV: tl.constexpr = 0, SCALES: tl.constexpr = 0,
+                        FP8_NATIVE: tl.constexpr = False):
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     ctx = tl.load(ctx_ptr + b)
@@ -61,10 +92,11 @@ def paged_decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, tables_ptr, ctx_ptr, ou
         block = tl.load(tables_ptr + b * table_stride + i).to(tl.int64)
         pos = i * BLOCK_SIZE + t
         tm = (t < BLOCK_SIZE) & (pos < ctx)
-        base = (block * BLOCK_SIZE + t)[:, None] * (HKV * D) + kvh * D + d[None, :]
+        slots = block * BLOCK_SIZE + t
+        base = slots[:, None] * (HKV * D) + kvh * D + d[None, :]
         kv_mask = tm[:, None] & dm[None, :]
-        k = tl.load(k_cache_ptr + base, mask=kv_mask, other=0.0).to(tl.float32)  # [BS, D]
-        v = tl.load(v_cache_ptr + base, mask=kv_mask, other=0.0).to(tl.float32)
+        k = _load_kv(k_cache_ptr, k_scale_ptr, base, slots, kvh, kv_mask, tm, HKV, KV, SCALES, FP8_NATIVE)  # [BS, D]
+        v = _load_kv(v_cache_ptr, v_scale_ptr, base, slots, kvh, kv_mask, tm, HKV, KV, SCALES, FP8_NATIVE)
         s = tl.sum(q[:, None, :] * k[None, :, :], axis=2) * scale  # [G, BS]
         s = tl.where(tm[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
@@ -79,17 +111,51 @@ def paged_decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, tables_ptr, ctx_ptr, ou
 
 
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                           block_tables: torch.Tensor, context_lens: torch.Tensor) -> torch.Tensor:
+                           block_tables: torch.Tensor, context_lens: torch.Tensor,
+                           k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
+                           kv_cache_dtype: str = "auto") -> torch.Tensor:
     """One query per sequence. ``q``: ``[B, Hq, D]``; caches ``[num_blocks, block_size, Hkv, D]``;
-    ``block_tables``: ``[B, max_blocks]`` int32/int64; ``context_lens``: ``[B]`` (>= 1). Returns ``[B, Hq, D]``."""
+    ``block_tables``: ``[B, max_blocks]`` int32/int64; ``context_lens``: ``[B]`` (>= 1). Returns ``[B, Hq, D]``.
+
+    An 8-bit cache (``kv_cache_dtype`` ``"int8"``: int8 codes, ``"fp8"``: e4m3 bits as uint8) comes with its
+    scales: float16 ``[num_blocks, block_size, Hkv]`` (one per token and head) or float32 ``[Hkv]`` (static)."""
     b, hq, d = q.shape
     _, block_size, hkv, _ = k_cache.shape
     if hq % hkv:
         raise ValueError(f"query heads ({hq}) must be a multiple of KV heads ({hkv})")
+    kv, scales = _cache_format(k_cache, k_scale, v_scale, kv_cache_dtype)
+    if kv == KV_FP8:
+        k_cache, v_cache = k_cache.view(torch.int8), v_cache.view(torch.int8)  # the bit decode wants signed bytes
+    native = kv == KV_FP8 and _fp8_native(k_cache.device)
     group = hq // hkv
     out = torch.empty_like(q)
     paged_decode_kernel[(b, hkv)](
         q.contiguous(), k_cache, v_cache, block_tables, context_lens, out, d ** -0.5, block_tables.stride(0),
+        k_cache if k_scale is None else k_scale, v_cache if v_scale is None else v_scale,  # unread without scales
         HKV=hkv, GROUP=group, GROUP_P2=max(triton.next_power_of_2(group), 1), D=d, D_P2=triton.next_power_of_2(d),
-        BLOCK_SIZE=block_size, BS_P2=triton.next_power_of_2(block_size))
+        BLOCK_SIZE=block_size, BS_P2=triton.next_power_of_2(block_size), KV=kv, SCALES=scales, FP8_NATIVE=native)
     return out
+
+
+def _cache_format(k_cache: torch.Tensor, k_scale: torch.Tensor | None, v_scale: torch.Tensor | None,
+                  kv_cache_dtype: str) -> tuple[int, int]:
+    """The kernel's ``KV`` and ``SCALES`` for a cache and its scales, or a ValueError naming the mismatch."""
+    if kv_cache_dtype == "auto":
+        if k_scale is not None or v_scale is not None:
+            raise ValueError("a 16/32-bit cache (kv_cache_dtype='auto') takes no scales")
+        return KV_FLOAT, SCALES_NONE
+    want = {"int8": torch.int8, "fp8": torch.uint8}.get(kv_cache_dtype)
+    if want is None or k_cache.dtype != want:
+        raise ValueError(f"kv_cache_dtype={kv_cache_dtype!r} needs a cache of {want}, got {k_cache.dtype}")
+    if k_scale is None or v_scale is None or k_scale.shape != v_scale.shape:
+        raise ValueError("an 8-bit cache needs k_scale and v_scale of one shape")
+    if k_scale.shape == k_cache.shape[:-1] and k_scale.dtype == torch.float16:
+        scales = SCALES_TOKEN
+    elif k_scale.shape == k_cache.shape[2:3] and k_scale.dtype == torch.float32:
+        scales = SCALES_HEAD
+    else:
+        raise ValueError(f"scales must be float16 {tuple(k_cache.shape[:-1])} (per token and head) or float32 "
+                         f"({k_cache.shape[2]},) (per head), got {k_scale.dtype} {tuple(k_scale.shape)}")
+    if not (k_scale.is_contiguous() and v_scale.is_contiguous()):
+        raise ValueError("k_scale and v_scale must be contiguous")
+    return (KV_INT8 if kv_cache_dtype == "int8" else KV_FP8), scales

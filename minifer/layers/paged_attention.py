@@ -190,9 +190,8 @@ class PagedKVCache:
         # reference above is the CPU path and the oracle the kernels are tested against.
         from minifer.kernels import HAS_TRITON
 
-        # (The kernels read a 16/32-bit cache; a quantized one takes the reference path, dequantizing as it
-        # gathers.)
-        self.use_triton = HAS_TRITON and torch.device(device).type == "cuda" and kv_cache_dtype == "auto"
+        # An 8-bit cache too: the decode kernel dequantizes as it loads (the reference path, as it gathers).
+        self.use_triton = HAS_TRITON and torch.device(device).type == "cuda"
 
     @staticmethod
     def bytes_per_block(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
@@ -234,27 +233,34 @@ class PagedKVCache:
         if self.use_triton and meta.is_decode:
             from minifer.kernels.paged_attention import paged_decode_attention, store_kv
 
-            store_kv(k, v, self.k[layer], self.v[layer], meta.slot_mapping)
-            return paged_decode_attention(q, self.k[layer], self.v[layer], meta.block_tables, meta.context_lens)
+            if self.kv_cache_dtype == "auto":
+                store_kv(k, v, self.k[layer], self.v[layer], meta.slot_mapping)
+                return paged_decode_attention(q, self.k[layer], self.v[layer], meta.block_tables, meta.context_lens)
+            self._store_quantized(layer, k, v, meta.slot_mapping)
+            return paged_decode_attention(q, self.k[layer], self.v[layer], meta.block_tables, meta.context_lens,
+                                          self.k_scale[layer], self.v_scale[layer], self.kv_cache_dtype)
         if self.calibrating:  # one sequence from position 0: its own keys are all the keys there are
             for scales, x in ((self.k_scale, k), (self.v_scale, v)):
                 scales[layer] = torch.maximum(scales[layer], x.float().abs().amax(dim=(0, 2)))
             out = F.scaled_dot_product_attention(q.transpose(0, 1)[None], k.transpose(0, 1)[None],
                                                  v.transpose(0, 1)[None], is_causal=True, enable_gqa=True)
             return out[0].transpose(0, 1)
-        if self.kv_cache_scales == "head":
-            for cache, scales, x in ((self.k, self.k_scale, k), (self.v, self.v_scale, v)):
-                codes, _ = quantize_kv(x, self.kv_cache_dtype, scales[layer])
-                cache[layer].view(-1, hkv, d).index_copy_(0, meta.slot_mapping, codes)
-            return paged_attention_reference(q, self.k[layer], self.v[layer], meta, self.k_scale[layer],
-                                             self.v_scale[layer], self.kv_cache_dtype)
         if self.kv_cache_dtype != "auto":
-            for cache, scales, x in ((self.k, self.k_scale, k), (self.v, self.v_scale, v)):
-                codes, scale = quantize_kv(x, self.kv_cache_dtype)
-                cache[layer].view(-1, hkv, d).index_copy_(0, meta.slot_mapping, codes)
-                scales[layer].view(-1, hkv).index_copy_(0, meta.slot_mapping, scale)
+            self._store_quantized(layer, k, v, meta.slot_mapping)
             return paged_attention_reference(q, self.k[layer], self.v[layer], meta, self.k_scale[layer],
                                              self.v_scale[layer], self.kv_cache_dtype)
         self.k[layer].view(-1, hkv, d).index_copy_(0, meta.slot_mapping, k)
         self.v[layer].view(-1, hkv, d).index_copy_(0, meta.slot_mapping, v)
         return paged_attention_reference(q, self.k[layer], self.v[layer], meta)
+
+    def _store_quantized(self, layer: int, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+        """Write new keys and values as 8-bit codes: with the static per-head scales, or each (token, head)
+        with its own scale, written beside it."""
+        hkv, d = k.shape[1], k.shape[2]
+        for cache, scales, x in ((self.k, self.k_scale, k), (self.v, self.v_scale, v)):
+            if self.kv_cache_scales == "head":
+                codes, _ = quantize_kv(x, self.kv_cache_dtype, scales[layer])
+            else:
+                codes, scale = quantize_kv(x, self.kv_cache_dtype)
+                scales[layer].view(-1, hkv).index_copy_(0, slot_mapping, scale)
+            cache[layer].view(-1, hkv, d).index_copy_(0, slot_mapping, codes)
