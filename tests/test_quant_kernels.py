@@ -379,6 +379,26 @@ def test_quant_kernels_compile_ahead_of_time_for_sm80_and_sm90():
         "quant_int4_mma[int4,16x128x128]", "sm_90"], per_weight
 
 
+def test_the_all_configs_report_covers_every_autotuning_config():
+    """``aot_report_all_configs.json`` (``python -m minifer.kernels.aot --all-configs``) must hold every distinct
+    config of the GPU's autotuning lists for both GPUs: a list changed without regenerating it fails here.
+    The configs CI compiles (the first of each list) must not spill there either."""
+    from pathlib import Path
+
+    from minifer.kernels.aot import quant_matmul_specs
+
+    report = json.loads((Path(__file__).resolve().parents[1] / "benchmarks" / "results"
+                         / "aot_report_all_configs.json").read_text())
+    rows = {(r["kernel"], r["arch"]): r for r in report["kernels"]}
+    names = [s.name for s in quant_matmul_specs(all_configs=True)]
+    assert len(set(names)) == len(names)
+    assert set(rows) == {(n, arch) for n in names for arch in ("sm_80", "sm_90")}
+    firsts = {s.name.removesuffix("]") for s in quant_matmul_specs()}
+    for (name, arch), r in rows.items():
+        if name.rsplit(",", 1)[0] in firsts:
+            assert not r["spills"], f"{name} on {arch}: the config CI compiles spills here"
+
+
 def test_benchmark_smoke(tmp_path):
     """The GPU benchmark's whole pipeline (correctness check, timers, report, CLI) on tiny shapes."""
     from minifer.bench import quant_kernels as bench

@@ -7,7 +7,8 @@ to launch on the GPU, and this catches it in CPU-only CI. ``nvdisasm`` (bundled 
 SASS, the instructions the GPU runs, and the report counts those of each kernel's main loop, per weight
 it decodes: a decode kernel that must keep up with the memory has a budget of a few (chapter 05).
 
-    python -m minifer.kernels.aot --out runs/aot_report.json
+    python -m minifer.kernels.aot --out runs/aot_report.json                 # every kernel (what CI compiles)
+    python -m minifer.kernels.aot --all-configs --out runs/aot_all.json      # every autotuning config
 """
 
 from __future__ import annotations
@@ -72,14 +73,20 @@ def kernel_specs() -> list[KernelSpec]:
     return specs + quant_matmul_specs()
 
 
-def quant_matmul_specs() -> list[KernelSpec]:
+def quant_matmul_specs(all_configs: bool = False) -> list[KernelSpec]:
     """The fused dequantize-matmul kernels for bf16 activations, at the tile sizes they get on a GPU for a
     Llama-8B-sized layer (K = 4096, int4 groups of 128; and groups of 32, which take quant_gemm_kernel's
     int4 branch). fp8 converts natively on sm_90 and by bit arithmetic on sm_80, which has no e4m3
     conversion. ``weights_per_step`` is what one program reads per main-loop iteration: the report's
-    instructions per weight divide by it."""
+    instructions per weight divide by it.
+
+    By default one spec per kernel and path: the first config of each of the GPU's autotuning lists (what
+    CI compiles and ``aot_report.json`` holds). ``all_configs`` gives every distinct config of those lists
+    instead (the ones that compile differently: ``SPLIT_PER_SM`` is a run-time argument), each named with
+    its warps and stages (``aot_report_all_configs.json``): the autotuner may pick any of them."""
     from minifer.kernels import quant_matmul as qm
 
+    pick = _distinct if all_configs else (lambda configs: configs[:1])
     specs = []
     for fmt, code in (("int8", qm.INT8), ("int4", qm.INT4), ("int4-asym", qm.INT4), ("fp8", qm.FP8)):
         int4 = code == qm.INT4
@@ -92,39 +99,66 @@ def quant_matmul_specs() -> list[KernelSpec]:
                   "FP8_NATIVE": False, "XKIND": qm.X_BF16}
         per_arch = {90: {"FP8_NATIVE": True}} if code == qm.FP8 else {}
         gw = 128 // 8 if int4 else qm.CHUNK_BYTES  # int4 gemv reads W as int32 words, a group is 16 of them
-        gemv_weights = 128 * gw * (8 if int4 else 1)  # BLOCK_N rows x one chunk of GW units
-        specs.append(KernelSpec(f"quant_gemv[{fmt},BN=128,chunks=1]", qm.quant_gemv_kernel,
-                                {**{k: v for k, v in sig.items() if k != "SPLIT_PER_SM"},
-                                 "q_ptr": "*i32" if int4 else "*i8", "magic": "i32", "SPLIT_PER_SM": "i32",
-                                 **{k: "constexpr" for k in (*common, "GW", "GW_P2", "BLOCK_N", "CHUNKS")}},
-                                {**common, "GW": gw, "GW_P2": gw, "BLOCK_N": 128, "CHUNKS": 1}, 4, 2, per_arch,
-                                aligned, gemv_weights))
+
+        def spec(name: str, kernel, signature: dict, tile: dict, cfg, arch: dict, weights: int) -> KernelSpec:
+            suffix = f",w{cfg.num_warps}s{cfg.num_stages}" if all_configs else ""
+            return KernelSpec(f"{name[:-1]}{suffix}]", kernel, signature, tile, cfg.num_warps, cfg.num_stages,
+                              arch, aligned, weights)
+
+        for cfg in pick(qm.GPU_GEMV_CONFIGS):
+            n, c = cfg.kwargs["BLOCK_N"], cfg.kwargs["CHUNKS"]
+            specs.append(spec(f"quant_gemv[{fmt},BN={n},chunks={c}]", qm.quant_gemv_kernel,
+                              {**{k: v for k, v in sig.items() if k != "SPLIT_PER_SM"},
+                               "q_ptr": "*i32" if int4 else "*i8", "magic": "i32", "SPLIT_PER_SM": "i32",
+                               **{k: "constexpr" for k in (*common, "GW", "GW_P2", "BLOCK_N", "CHUNKS")}},
+                              {**common, "GW": gw, "GW_P2": gw, "BLOCK_N": n, "CHUNKS": c}, cfg, per_arch,
+                              n * c * gw * (8 if int4 else 1)))  # BLOCK_N rows x CHUNKS chunks of GW units
         gemm_sig = {**sig, **{k: "constexpr" for k in (*common, "DOT_F32", "BLOCK_M", "BLOCK_N", "BLOCK_K",
                                                         "GROUP_M")}}
-        for path, bm, bn, bk, warps, stages, group_m in (("splitk", 16, 32, 128, 4, 3, 1),
-                                                         ("tiled", 64, 128, 64, 8, 3, 8)):
+        mma_sig = {**sig, "q_ptr": "*i32", "x_ptr": "*bf16",
+                   **{k: "constexpr" for k in (*common, "DOT_F32", "ONE_DOT", "BLOCK_M", "BLOCK_N", "BLOCK_K")}}
+        for path in ("splitk", "tiled"):
             if int4:  # int4 in groups of a multiple of 64 runs its own tensor-core kernel on both paths
-                first = (qm.GPU_INT4_MMA_CONFIGS if path == "splitk" else qm.GPU_INT4_MMA_TILED_CONFIGS)[0]
-                mma = {**common, "DOT_F32": False, "ONE_DOT": False,
-                       **{k: v for k, v in first.kwargs.items() if k != "SPLIT_PER_SM"}}
-                specs.append(KernelSpec(f"quant_int4_mma[{fmt},{mma['BLOCK_M']}x{mma['BLOCK_N']}x{mma['BLOCK_K']}]",
-                                        qm.quant_int4_mma_kernel,
-                                        {**sig, "q_ptr": "*i32", "x_ptr": "*bf16",
-                                         **{k: "constexpr" for k in (*common, "DOT_F32", "ONE_DOT", "BLOCK_M",
-                                                                     "BLOCK_N", "BLOCK_K")}},
-                                        mma, first.num_warps, first.num_stages, {90: {"ONE_DOT": True}}, aligned,
-                                        mma["BLOCK_N"] * mma["BLOCK_K"]))
+                for cfg in pick(qm.GPU_INT4_MMA_CONFIGS if path == "splitk" else qm.GPU_INT4_MMA_TILED_CONFIGS):
+                    t = {k: v for k, v in cfg.kwargs.items() if k != "SPLIT_PER_SM"}
+                    specs.append(spec(f"quant_int4_mma[{fmt},{t['BLOCK_M']}x{t['BLOCK_N']}x{t['BLOCK_K']}]",
+                                      qm.quant_int4_mma_kernel, mma_sig,
+                                      {**common, "DOT_F32": False, "ONE_DOT": False, **t}, cfg,
+                                      {90: {"ONE_DOT": True}}, t["BLOCK_N"] * t["BLOCK_K"]))
                 continue
-            specs.append(KernelSpec(f"quant_gemm[{fmt},{path},{bm}x{bn}x{bk}]", qm.quant_gemm_kernel, gemm_sig,
-                                    {**common, "DOT_F32": False, "BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk,
-                                     "GROUP_M": group_m}, warps, stages, per_arch, aligned, bn * bk))
+            for cfg in pick(qm.GPU_SPLITK_CONFIGS if path == "splitk" else qm.GPU_TILED_CONFIGS):
+                t = {k: v for k, v in cfg.kwargs.items() if k != "SPLIT_PER_SM"}
+                specs.append(spec(f"quant_gemm[{fmt},{path},{t['BLOCK_M']}x{t['BLOCK_N']}x{t['BLOCK_K']}]",
+                                  qm.quant_gemm_kernel, gemm_sig, {**common, "DOT_F32": False, **t}, cfg, per_arch,
+                                  t["BLOCK_N"] * t["BLOCK_K"]))
         if fmt == "int4":  # groups of 32 keep quant_gemm_kernel's int4 branch: K-steps of 32 codes
-            for path, bm, bn, warps, stages, group_m in (("splitk", 16, 32, 4, 3, 1), ("tiled", 64, 128, 8, 3, 8)):
-                specs.append(KernelSpec(f"quant_gemm[int4-g32,{path},{bm}x{bn}x32]", qm.quant_gemm_kernel, gemm_sig,
-                                        {**common, "GROUP": 32, "DOT_F32": False, "BLOCK_M": bm, "BLOCK_N": bn,
-                                         "BLOCK_K": 32, "GROUP_M": group_m}, warps, stages, per_arch, aligned,
-                                        bn * 32))
+            for path in ("splitk", "tiled"):
+                for cfg in _distinct(_with_block_k(pick(qm.GPU_SPLITK_CONFIGS if path == "splitk"
+                                                        else qm.GPU_TILED_CONFIGS), 32)):
+                    t = {k: v for k, v in cfg.kwargs.items() if k != "SPLIT_PER_SM"}
+                    specs.append(spec(f"quant_gemm[int4-g32,{path},{t['BLOCK_M']}x{t['BLOCK_N']}x32]",
+                                      qm.quant_gemm_kernel, gemm_sig, {**common, "GROUP": 32, "DOT_F32": False, **t},
+                                      cfg, per_arch, t["BLOCK_N"] * 32))
     return specs
+
+
+def _distinct(configs: list) -> list:
+    """The configs that compile differently: ``SPLIT_PER_SM`` only changes the launch grid."""
+    seen, out = set(), []
+    for cfg in configs:
+        key = (tuple(sorted((k, v) for k, v in cfg.kwargs.items() if k != "SPLIT_PER_SM")), cfg.num_warps,
+               cfg.num_stages)
+        if key not in seen:
+            seen.add(key)
+            out.append(cfg)
+    return out
+
+
+def _with_block_k(configs: list, block_k: int) -> list:
+    import triton
+
+    return [triton.Config({**c.kwargs, "BLOCK_K": block_k}, num_warps=c.num_warps, num_stages=c.num_stages)
+            for c in configs]
 
 
 def _jit(kernel):
@@ -237,10 +271,13 @@ def main() -> None:
     ap.add_argument("--ccs", type=int, nargs="+", default=[80, 90], help="compute capabilities (default 80 90)")
     ap.add_argument("--only", nargs="+", help="compile only the specs of these names")
     ap.add_argument("--json", action="store_true", help="print the rows as one JSON line instead of a table")
+    ap.add_argument("--all-configs", action="store_true",
+                    help="every distinct config of the quantized kernels' GPU autotuning lists, instead of every kernel")
     args = ap.parse_args()
     import triton
 
-    specs = [s for s in kernel_specs() if args.only is None or s.name in args.only]
+    every = quant_matmul_specs(all_configs=True) if args.all_configs else kernel_specs()
+    specs = [s for s in every if args.only is None or s.name in args.only]
     rows = compile_all(tuple(args.ccs), specs)
     if args.json:
         print(json.dumps(rows))

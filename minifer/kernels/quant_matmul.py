@@ -494,7 +494,9 @@ GPU_INT4_MMA_CONFIGS = [_cfg(w, s, p, BLOCK_M=m, BLOCK_N=n, BLOCK_K=k) for n, m,
                          (64, 8, 128, 4, 4), (128, 16, 64, 4, 4), (128, 8, 128, 4, 5)) for p in (4, 2, 8, 1)]
 # ... and prefill: 32-128 rows of x per tile. With Triton 3.9 the first spills on neither GPU; on sm_90 only
 # int4-asym's 64x256 tile spills (12 bytes), on sm_80 the 128x128 and 64x256 tiles; Triton 3.6 (ptxas 12.8)
-# spills in the same ones and in int4-asym's 128x128x64 on sm_80.
+# spills in the same ones and in int4-asym's 128x128x64 on sm_80. Every config of every list, compiled:
+# benchmarks/results/aot_report_all_configs.json (10 of 202 compiles spill; the autotuner, timing them,
+# is left to pass them over).
 GPU_INT4_MMA_TILED_CONFIGS = [_cfg(w, s, 1, BLOCK_M=m, BLOCK_N=n, BLOCK_K=k) for m, n, k, w, s in
                               ((64, 128, 128, 8, 3), (32, 128, 128, 4, 3), (128, 128, 128, 8, 3),
                                (64, 256, 128, 8, 3), (128, 128, 64, 8, 4), (64, 128, 64, 4, 4))]
