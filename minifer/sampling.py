@@ -14,23 +14,56 @@ whatever else shares its batch.
 from __future__ import annotations
 
 import math
+import warnings
 from dataclasses import dataclass, field
 
 import torch
 
 _EPS_TEMPERATURE = 1e-5
+# vLLM raises a positive temperature below 0.01 to 0.01 (with a warning): dividing logits by less risks inf/NaN.
+MIN_TEMPERATURE = 0.01
+# vLLM only asks for > 0. minifer bounds it so that a penalised logit stays finite in float32: a penalty that
+# rounds to 0 (1e-50) divides by zero, and a NaN in one row fails the step of the whole batch.
+REPETITION_PENALTY_RANGE = (0.01, 100.0)
+_FLOAT32_MAX = torch.finfo(torch.float32).max  # temperatures beyond it are inf in float32: -inf / inf is NaN
+_INT32_MAX = 2**31 - 1  # top_k's bound (any k >= the vocabulary keeps every token)
+_INT64_RANGE = (-(2**63), 2**63 - 1)  # what a seed must fit in (torch.Generator.manual_seed, as vLLM bounds it)
+
+
+def _is_int(x: object) -> bool:
+    """An integer that is not a bool: JSON's true would otherwise pass as 1 (``isinstance(True, int)``)."""
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _is_number(x: object) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+
+def _in(x: object, low: float, high: float) -> bool:
+    """A number (not a bool, not NaN) in ``[low, high]``."""
+    return _is_number(x) and low <= x <= high
+
+
+def _list_of(items: object, ok) -> bool:
+    """None, or a list (or tuple) whose every item passes ``ok``."""
+    return items is None or isinstance(items, (list, tuple)) and all(ok(x) for x in items)
 
 
 @dataclass
 class SamplingParams:
-    """How to sample one request. Defaults are vLLM's (note ``max_tokens=16``)."""
+    """How to sample one request. Defaults are vLLM's (note ``max_tokens=16``).
+
+    Every field is checked here, types included (a bool is not an integer, a string is not a number), so that a
+    value that would fail inside a step is refused up front: a step samples a whole batch, and one bad row would
+    fail every request in it. Two values are adjusted rather than refused, as vLLM does: a temperature in
+    ``(0, 0.01)`` becomes 0.01 (with a warning), and ``stop`` given as one string becomes a list."""
 
     n: int = 1  # completions of the prompt: n sequences that share its KV blocks (``engine/sequence.py``)
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = -1
     min_p: float = 0.0
-    repetition_penalty: float = 1.0
+    repetition_penalty: float = 1.0  # in [0.01, 100]: see REPETITION_PENALTY_RANGE
     presence_penalty: float = 0.0  # OpenAI's: subtracted from the logit of every token already in the output
     frequency_penalty: float = 0.0  # OpenAI's: subtracted once per occurrence in the output
     max_tokens: int | None = 16
@@ -43,54 +76,85 @@ class SamplingParams:
     prompt_logprobs: int | None = None  # vLLM's: each prompt token's log-probability, with this many top candidates
     skip_special_tokens: bool = True
     logit_bias: dict[int, float] | None = None  # OpenAI's: added to those tokens' logits, in [-100, 100]
+    include_stop_str_in_output: bool = False  # vLLM's: keep the matched stop string (or stop token's text)
 
     def __post_init__(self) -> None:
-        def bad(name: str, rule: str) -> ValueError:
-            return ValueError(f"SamplingParams.{name} {rule}, got {getattr(self, name)!r}")
+        self._check_flags()
+        self._check_integers()
+        self._check_numbers()
+        self._check_logit_bias()
+        self._check_stops()
 
-        if not isinstance(self.n, int) or isinstance(self.n, bool) or self.n < 1:
-            raise bad("n", "must be an integer >= 1 (the number of completions to sample for the prompt)")
-        if not isinstance(self.temperature, (int, float)) or math.isnan(self.temperature) or self.temperature < 0:
-            raise bad("temperature", "must be >= 0 (0 means greedy)")
-        if not 0 < self.top_p <= 1:
-            raise bad("top_p", "must be in (0, 1]")
-        if not isinstance(self.top_k, int) or self.top_k < -1:
-            raise bad("top_k", "must be -1 or 0 (disabled) or a positive integer")
-        if not 0 <= self.min_p <= 1:
-            raise bad("min_p", "must be in [0, 1]")
-        if not self.repetition_penalty > 0:
-            raise bad("repetition_penalty", "must be > 0 (1 means no penalty)")
-        for name in ("presence_penalty", "frequency_penalty"):
-            value = getattr(self, name)
-            if not isinstance(value, (int, float)) or isinstance(value, bool) or not -2 <= value <= 2:
-                raise bad(name, "must be a number in [-2, 2] (0 means no penalty)")
-        if not isinstance(self.min_tokens, int) or isinstance(self.min_tokens, bool) or self.min_tokens < 0:
-            raise bad("min_tokens", "must be an integer >= 0")
-        if self.max_tokens is not None and (not isinstance(self.max_tokens, int) or self.max_tokens < 1):
-            raise bad("max_tokens", "must be an integer >= 1 (or None for up to max_model_len)")
+    def _bad(self, name: str, rule: str) -> ValueError:
+        return ValueError(f"SamplingParams.{name} {rule}, got {getattr(self, name)!r}")
+
+    def _check_flags(self) -> None:
+        """True or False only: ``bool("false")`` is True, so a string would silently mean the opposite."""
+        for name in ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output"):
+            if not isinstance(getattr(self, name), bool):
+                raise self._bad(name, "must be true or false")
+
+    def _check_integers(self) -> None:
+        """Integers (never bools) within bounds that the tensors they become can hold."""
+        if not _is_int(self.n) or self.n < 1:
+            raise self._bad("n", "must be an integer >= 1 (the number of completions to sample for the prompt)")
+        if not _is_int(self.top_k) or not -1 <= self.top_k <= _INT32_MAX:
+            raise self._bad("top_k", f"must be -1 or 0 (disabled) or a positive integer up to {_INT32_MAX}")
+        if not _is_int(self.min_tokens) or self.min_tokens < 0:
+            raise self._bad("min_tokens", "must be an integer >= 0")
+        if self.max_tokens is not None and (not _is_int(self.max_tokens) or self.max_tokens < 1):
+            raise self._bad("max_tokens", "must be an integer >= 1 (or None for up to max_model_len)")
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
-            raise bad("min_tokens", f"must be at most max_tokens={self.max_tokens}")
-        if self.logit_bias is not None:
-            if not isinstance(self.logit_bias, dict) or any(
-                    not isinstance(t, int) or isinstance(t, bool) or t < 0 or not isinstance(b, (int, float))
-                    or isinstance(b, bool) or not -100 <= b <= 100 for t, b in self.logit_bias.items()):
-                raise bad("logit_bias", "must map token ids (integers >= 0) to biases in [-100, 100]")
-            self.logit_bias = {t: float(b) for t, b in self.logit_bias.items()} or None
-        if self.logprobs is not None and (not isinstance(self.logprobs, int) or self.logprobs < 0):
-            raise bad("logprobs", "must be None or an integer >= 0")
-        if self.prompt_logprobs is not None and (not isinstance(self.prompt_logprobs, int)
-                                                 or isinstance(self.prompt_logprobs, bool) or self.prompt_logprobs < 0):
-            raise bad("prompt_logprobs", "must be None or an integer >= 0")
-        if self.seed is not None and not isinstance(self.seed, int):
-            raise bad("seed", "must be None or an integer")
+            raise self._bad("min_tokens", f"must be at most max_tokens={self.max_tokens}")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and (not _is_int(value) or value < 0):
+                raise self._bad(name, "must be None or an integer >= 0")
+        if self.seed is not None and (not _is_int(self.seed) or not _INT64_RANGE[0] <= self.seed <= _INT64_RANGE[1]):
+            raise self._bad("seed", "must be None or an integer in [-2**63, 2**63 - 1] (int64)")
+
+    def _check_numbers(self) -> None:
+        """Numbers (never strings or bools) in ranges where every processor stays finite in float32."""
+        if not _is_number(self.temperature):
+            raise self._bad("temperature", "must be a number")
+        if not _in(self.temperature, 0, math.inf):
+            raise self._bad("temperature", "must be >= 0 (0 means greedy)")
+        if self.temperature > _FLOAT32_MAX:
+            raise self._bad("temperature", f"must be finite in float32 (at most {_FLOAT32_MAX:.4g})")
+        if 0 < self.temperature < MIN_TEMPERATURE:
+            warnings.warn(f"temperature {self.temperature} is below {MIN_TEMPERATURE}, where logits / temperature "
+                          f"risk inf or NaN: raised to {MIN_TEMPERATURE}, as vLLM does (0 means greedy)",
+                          stacklevel=4)
+            self.temperature = MIN_TEMPERATURE
+        if not _in(self.top_p, 0, 1) or self.top_p == 0:
+            raise self._bad("top_p", "must be a number in (0, 1]")
+        if not _in(self.min_p, 0, 1):
+            raise self._bad("min_p", "must be a number in [0, 1]")
+        low, high = REPETITION_PENALTY_RANGE
+        if not _in(self.repetition_penalty, low, high):
+            raise self._bad("repetition_penalty", f"must be a number in [{low}, {high:g}] (1 means no penalty)")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not _in(getattr(self, name), -2, 2):
+                raise self._bad(name, "must be a number in [-2, 2] (0 means no penalty)")
+
+    def _check_logit_bias(self) -> None:
+        if self.logit_bias is None:
+            return
+        if not isinstance(self.logit_bias, dict) or any(
+                not _is_int(t) or t < 0 or not _in(b, -100, 100) for t, b in self.logit_bias.items()):
+            raise self._bad("logit_bias", "must map token ids (integers >= 0) to biases in [-100, 100]")
+        self.logit_bias = {t: float(b) for t, b in self.logit_bias.items()} or None
+
+    def _check_stops(self) -> None:
+        """``stop``: a string or a list of them, kept as a list; ``stop_token_ids``: a list of token ids."""
         if isinstance(self.stop, str):
             self.stop = [self.stop]
+        if not _list_of(self.stop, lambda s: isinstance(s, str) and bool(s)):
+            raise self._bad("stop", "must be a non-empty string or a list of non-empty strings")
         self.stop = list(self.stop or [])
-        if any(not isinstance(s, str) or not s for s in self.stop):
-            raise bad("stop", "must be non-empty strings")
+        if not _list_of(self.stop_token_ids, lambda t: _is_int(t) and t >= 0):
+            raise self._bad("stop_token_ids", "must be a list of non-negative integers (token ids)")
         self.stop_token_ids = list(self.stop_token_ids or [])
-        if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
-            raise bad("stop_token_ids", "must be non-negative integers")
 
     @property
     def greedy(self) -> bool:
@@ -231,8 +295,9 @@ def process_logits(logits: torch.Tensor, params: list[SamplingParams], seen: tor
                                           torch.tensor([p.presence_penalty for p in params], device=dev))
     temps = torch.tensor([1.0 if p.greedy else p.temperature for p in params], device=dev)
     logits = logits / temps[:, None]
-    if any(p.top_k > 0 for p in params):
-        logits = apply_top_k(logits, torch.tensor([p.top_k for p in params], device=dev))
+    if any(p.top_k > 0 for p in params):  # k beyond the vocabulary keeps all: never a huge int in a tensor
+        vocab = logits.shape[-1]
+        logits = apply_top_k(logits, torch.tensor([min(p.top_k, vocab) for p in params], device=dev))
     if any(p.top_p < 1 for p in params):
         logits = apply_top_p(logits, torch.tensor([p.top_p for p in params], device=dev))
     if any(p.min_p > 0 for p in params):

@@ -7,7 +7,7 @@ between minifer and ``vllm serve`` unchanged:
 
     GET  /health                  200 when the engine loop is alive
     GET  /v1/models               the one served model
-    POST /v1/completions          prompt (text, token ids, or a list of texts) -> choices, usage; SSE if "stream"
+    POST /v1/completions          prompt (a text, token ids, or a list of either) -> choices, usage; SSE if "stream"
     POST /v1/chat/completions     messages through the tokenizer's chat template (Qwen3 / Llama-3 instruct)
 
 Two threads matter. The engine is not thread-safe, so one thread (``EngineLoop``) owns it: HTTP handlers hand
@@ -20,13 +20,16 @@ steps.
 Failure stays local. A request with a bad field is answered 400 with a message naming the field, before it
 reaches the engine (or by the engine's own validation); a client that disconnects mid-stream has its request
 aborted and its KV blocks freed; an exception inside a step fails the requests in flight with a 500 and the
-loop goes on serving new ones.
+loop goes on serving new ones. Since a step samples the whole batch, one request's bad value would fail every
+request in it: ``SamplingParams`` therefore refuses every value that could break a step (types included), and
+an explicit ``max_tokens`` the context cannot hold is a 400 as in vLLM (the offline ``LLM`` clips it).
 """
 
 from __future__ import annotations
 
 import json
 import queue
+import re
 import select
 import signal
 import socket
@@ -39,7 +42,9 @@ from dataclasses import dataclass
 from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
+from urllib.parse import urlsplit
 
+from minifer.engine.sequence import Sequence, sequences_of
 from minifer.loader import chat_token_ids
 from minifer.outputs import CompletionOutput, RequestOutput
 from minifer.sampling import SamplingParams
@@ -92,17 +97,19 @@ class EngineLoop:
         self._commands.put(None)
         self._thread.join(timeout=30)
 
-    def submit(self, requests: list[tuple[str, Any, SamplingParams]], stream: bool = True) -> queue.Queue:
+    def submit(self, requests: list[tuple[str, Any, SamplingParams]], stream: bool = True,
+               max_tokens_field: str | None = None) -> queue.Queue:
         """Queue engine requests ``(id, prompt, params)``. ``stream=False``: only the outputs in which a completion
         finished are delivered (a plain answer needs nothing else), so its handler thread wakes once per
         completion (and every ``POLL_S`` to check its client) instead of at every step, competing less with the
-        engine thread for the interpreter lock."""
+        engine thread for the interpreter lock. ``max_tokens_field``: the field in which the client set
+        ``max_tokens`` itself (None: a default), which must then fit in the context (``check_room``)."""
         out: queue.Queue = queue.Queue()
         if self._stop.is_set() or not self.alive():
             out.put(RuntimeError("the engine loop has stopped"))
             out.put(_DONE)
         else:
-            self._commands.put(("add", (requests, stream), out))
+            self._commands.put(("add", (requests, stream, max_tokens_field), out))
         return out
 
     def abort(self, request_ids: list[str]) -> None:
@@ -125,7 +132,7 @@ class EngineLoop:
                     cmd = self._commands.get_nowait()
                 except queue.Empty:
                     break
-                if cmd is not None and cmd[0] == "add":  # ("add", (requests, stream), out)
+                if cmd is not None and cmd[0] == "add":  # ("add", (requests, stream, max_tokens_field), out)
                     cmd[2].put(RuntimeError("the engine loop has stopped"))
                     cmd[2].put(_DONE)
 
@@ -154,12 +161,15 @@ class EngineLoop:
                 self._finish(rid)
             return
         assert out is not None
-        items, stream = items
+        items, stream, max_tokens_field = items
         added: list[str] = []
         try:
-            for rid, prompt, params in items:
-                self.engine.add_request(rid, prompt() if callable(prompt) else prompt, params)
+            for i, (rid, prompt, params) in enumerate(items):
+                request = self.engine.add_request(rid, prompt() if callable(prompt) else prompt, params,
+                                                  prompt_index=i)
                 added.append(rid)
+                if max_tokens_field is not None:
+                    check_room(sequences_of(request)[0], max_tokens_field)
         except Exception as e:  # noqa: BLE001 - nothing of this HTTP request runs, the others are untouched
             for rid in added:
                 self.engine.abort_request(rid)
@@ -208,6 +218,18 @@ class EngineLoop:
             route[0].put(_DONE)
 
 
+def check_room(seq: Sequence, field: str) -> None:
+    """Refuse a ``max_tokens`` the client set itself that the context cannot hold after the prompt, with vLLM's
+    400. The offline ``LLM`` clips it instead (``Sequence.max_tokens``: clipped to exactly the room left, so
+    a clipped one tells the room), and a default (16 for completions) is clipped here too, as vLLM does."""
+    asked, room, n = seq.params.max_tokens, seq.max_tokens, len(seq.prompt_token_ids)
+    if asked is not None and asked > room:
+        limit = n + room
+        raise RequestError(f"'max_tokens' or 'max_completion_tokens' is too large: {asked}. This model's maximum "
+                           f"context length is {limit} tokens and your request has {n} input tokens "
+                           f"({asked} > {limit} - {n}).", field)
+
+
 # --- the OpenAI request format -------------------------------------------------------------------------
 
 _SAMPLING_FIELDS = {  # OpenAI's name (and vLLM's extensions) -> SamplingParams field
@@ -216,14 +238,19 @@ _SAMPLING_FIELDS = {  # OpenAI's name (and vLLM's extensions) -> SamplingParams 
     "frequency_penalty": "frequency_penalty", "max_tokens": "max_tokens", "min_tokens": "min_tokens", "stop": "stop",
     "stop_token_ids": "stop_token_ids", "ignore_eos": "ignore_eos", "seed": "seed",
     "skip_special_tokens": "skip_special_tokens", "logit_bias": "logit_bias", "prompt_logprobs": "prompt_logprobs",
+    "include_stop_str_in_output": "include_stop_str_in_output",
 }
 # Fields minifer accepts only with the value that means "off" (clients often send these defaults).
 _NO_OP_FIELDS = {"best_of": (1, None), "echo": (False, None), "suffix": (None,), "user": None}
+_DIGITS = re.compile(r"[0-9]+")  # a token id or a Content-Length (int() also takes " 5", "+5", "5_0" and "-3")
+_HEX = re.compile(rb"[0-9A-Fa-f]+")  # a chunk size (int(x, 16) would also take "-5", "0x5" and "5_0")
+_ROUTES = {"GET": ("/health", "/v1/models"), "POST": ("/v1/completions", "/v1/chat/completions")}
 
 
 def sampling_params(body: dict[str, Any], *, chat: bool) -> SamplingParams:
     """``SamplingParams`` from a request body, with OpenAI's defaults (``max_tokens`` 16 for completions, up to
-    the context for chat). Unknown fields and unsupported values are errors that name the field."""
+    the context for chat). ``null`` means the default, as OpenAI's clients send it for fields they leave unset.
+    Unknown fields and unsupported values are errors that name the field."""
     known = {"model", "prompt", "messages", "stream", "stream_options", "logprobs", "top_logprobs",
              "max_completion_tokens", *_SAMPLING_FIELDS, *_NO_OP_FIELDS}
     unknown = sorted(set(body) - known)
@@ -232,16 +259,10 @@ def sampling_params(body: dict[str, Any], *, chat: bool) -> SamplingParams:
     for name, allowed in _NO_OP_FIELDS.items():
         if name in body and allowed is not None and body[name] not in allowed and body[name] != {}:
             raise RequestError(f"{name}={body[name]!r} is not supported by minifer", name)
-    kwargs = {field: body[name] for name, field in _SAMPLING_FIELDS.items() if name in body}
-    for name in ("presence_penalty", "frequency_penalty", "min_tokens"):  # OpenAI clients send null for "off"
-        if kwargs.get(name, 0) is None:
-            del kwargs[name]
+    kwargs = {field: body[name] for name, field in _SAMPLING_FIELDS.items() if body.get(name) is not None}
     if isinstance(kwargs.get("logit_bias"), dict):  # JSON object keys are strings: OpenAI sends {"50256": -100}
-        try:
-            kwargs["logit_bias"] = {int(t): b for t, b in kwargs["logit_bias"].items()}
-        except ValueError:
-            raise RequestError("logit_bias keys must be token ids", "logit_bias") from None
-    if "max_completion_tokens" in body:  # OpenAI's newer name
+        kwargs["logit_bias"] = {_token_id_key(t): b for t, b in kwargs["logit_bias"].items()}
+    if body.get("max_completion_tokens") is not None:  # OpenAI's newer name; null leaves max_tokens in charge
         kwargs["max_tokens"] = body["max_completion_tokens"]
     kwargs.setdefault("max_tokens", None if chat else 16)
     logprobs = body.get("logprobs")
@@ -260,28 +281,95 @@ def sampling_params(body: dict[str, Any], *, chat: bool) -> SamplingParams:
         raise RequestError(str(e), field) from None
 
 
+def _token_id_key(key: str) -> int:
+    """A ``logit_bias`` key: a token id written in plain decimal digits."""
+    if not _DIGITS.fullmatch(key):
+        raise RequestError(f"logit_bias keys must be token ids (decimal digits), got {key!r}", "logit_bias")
+    return int(key)
+
+
+def max_tokens_field(body: dict[str, Any]) -> str | None:
+    """The field in which the client set ``max_tokens`` (vLLM: ``max_completion_tokens or max_tokens``), or None
+    when it left it to the default: only a limit the client chose is refused when the context cannot hold it."""
+    for name in ("max_completion_tokens", "max_tokens"):
+        if body.get(name) is not None:
+            return name
+    return None
+
+
+def _stream_flags(body: dict[str, Any]) -> tuple[bool, bool]:
+    """``(stream, include_usage)``. As in vLLM, ``stream_options`` is for streams only."""
+    stream = body.get("stream")
+    if stream is None:
+        stream = False
+    if not isinstance(stream, bool):
+        raise RequestError("stream must be true or false", "stream")
+    options = body.get("stream_options")
+    if options is None:
+        return stream, False
+    if not isinstance(options, dict):
+        raise RequestError("stream_options must be an object", "stream_options")
+    if not stream:
+        raise RequestError("stream_options can only be given when stream is true", "stream_options")
+    unknown = sorted(set(options) - {"include_usage", "continuous_usage_stats"})
+    if unknown:
+        raise RequestError(f"unknown field(s) in stream_options: {', '.join(map(repr, unknown))}", "stream_options")
+    if options.get("continuous_usage_stats"):
+        raise RequestError("stream_options.continuous_usage_stats is not supported by minifer", "stream_options")
+    include_usage = options.get("include_usage")
+    if include_usage is not None and not isinstance(include_usage, bool):
+        raise RequestError("stream_options.include_usage must be true or false", "stream_options")
+    return stream, bool(include_usage)
+
+
+def _is_token_ids(p: object) -> bool:
+    return isinstance(p, list) and bool(p) and all(isinstance(t, int) and not isinstance(t, bool) for t in p)
+
+
 def _prompts(body: dict[str, Any]) -> list[Any]:
-    """A completion request's prompts: a text, a list of token ids, or a list of texts (one choice set each)."""
+    """A completion request's prompts, one choice set each: a text, a list of texts, a list of token ids, or a
+    list of lists of token ids (OpenAI's four forms)."""
     if "prompt" not in body:
         raise RequestError("missing field 'prompt'", "prompt")
     p = body["prompt"]
     if isinstance(p, str):
         return [p]
-    if isinstance(p, list) and p and all(isinstance(t, int) and not isinstance(t, bool) for t in p):
+    if _is_token_ids(p):
         return [{"prompt_token_ids": p}]
     if isinstance(p, list) and p and all(isinstance(t, str) for t in p):
         return list(p)
-    raise RequestError("prompt must be a string, a non-empty list of strings, or a non-empty list of token ids",
-                       "prompt")
+    if isinstance(p, list) and p and all(_is_token_ids(ids) for ids in p):
+        return [{"prompt_token_ids": ids} for ids in p]
+    raise RequestError("prompt must be a string, a non-empty list of strings, a non-empty list of token ids, or a "
+                       "non-empty list of non-empty lists of token ids", "prompt")
+
+
+def _message_text(i: int, message: Any) -> str:
+    """A chat message's content as text: a string, or OpenAI's list of parts whose text parts vLLM joins with
+    newlines (minifer's models read text only)."""
+    if not isinstance(message, dict) or not isinstance(message.get("role"), str):
+        raise RequestError(f"messages[{i}] must be an object with a string 'role'", "messages")
+    content = message.get("content")
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise RequestError(f"messages[{i}].content must be a string or a list of content parts", "messages")
+    texts = []
+    for part in content:
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind != "text" or not isinstance(part.get("text"), str):
+            raise RequestError(f"messages[{i}].content: only parts {{'type': 'text', 'text': str}} are supported "
+                               f"by minifer, got {part!r:.80}", "messages")
+        texts.append(part["text"])
+    return "\n".join(texts)
 
 
 def _chat_prompt(body: dict[str, Any], tokenizer):
     """A chat request's prompt, as a function for the engine thread to call (it owns the tokenizer)."""
     messages = body.get("messages")
-    if not isinstance(messages, list) or not messages or not all(
-            isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
-            for m in messages):
+    if not isinstance(messages, list) or not messages:
         raise RequestError("messages must be a non-empty list of {'role': str, 'content': str}", "messages")
+    messages = [{**m, "content": _message_text(i, m)} for i, m in enumerate(messages)]
     if tokenizer is None or not getattr(tokenizer, "chat_template", None):
         raise RequestError("this model's tokenizer has no chat template: use /v1/completions", "messages")
 
@@ -344,21 +432,20 @@ class Handler(BaseHTTPRequestHandler):
 
     # routes
     def do_GET(self) -> None:  # noqa: N802 - http.server's naming
-        if self.path == "/health":
+        path = self._route("GET")
+        if path == "/health":
             ok = self.state.loop.alive()
             self._json(HTTPStatus.OK if ok else HTTPStatus.SERVICE_UNAVAILABLE, {"status": "ok" if ok else "down"})
-        elif self.path == "/v1/models":
+        elif path == "/v1/models":
             model = {"id": self.state.model_name, "object": "model", "created": self.state.created,
                      "owned_by": "minifer"}
             self._json(HTTPStatus.OK, {"object": "list", "data": [model]})
-        else:
-            self._error(RequestError(f"no route {self.path!r}", status=HTTPStatus.NOT_FOUND))
 
     def do_POST(self) -> None:  # noqa: N802
-        if self.path not in ("/v1/completions", "/v1/chat/completions"):
-            self._error(RequestError(f"no route {self.path!r}", status=HTTPStatus.NOT_FOUND))
+        path = self._route("POST")
+        if path is None:
             return
-        chat = self.path == "/v1/chat/completions"
+        chat = path == "/v1/chat/completions"
         try:
             body = self._body()
             if "model" not in body:
@@ -368,41 +455,88 @@ class Handler(BaseHTTPRequestHandler):
                                    f"{self.state.model_name!r}", "model", HTTPStatus.NOT_FOUND)
             params = sampling_params(body, chat=chat)
             prompts = [_chat_prompt(body, self.state.tokenizer)] if chat else _prompts(body)
-            stream = body.get("stream", False)
-            if not isinstance(stream, bool):
-                raise RequestError("stream must be true or false", "stream")
-            options = body.get("stream_options") or {}
-            if not isinstance(options, dict):
-                raise RequestError("stream_options must be an object", "stream_options")
+            stream, include_usage = _stream_flags(body)
         except RequestError as e:
             self._error(e)
             return
         prefix = "chatcmpl-" if chat else "cmpl-"
         request_id = prefix + uuid.uuid4().hex[:24]
         ids = [f"{request_id}-{i}" for i in range(len(prompts))]
-        out = self.state.loop.submit([(rid, p, params) for rid, p in zip(ids, prompts)], stream=stream)
-        include_usage = bool(options.get("include_usage"))
+        out = self.state.loop.submit([(rid, p, params) for rid, p in zip(ids, prompts)], stream=stream,
+                                     max_tokens_field=max_tokens_field(body))
         if stream:
             self._stream(out, request_id, ids, params.n, chat, include_usage)
         else:
             self._respond(out, request_id, ids, params.n, chat)
 
+    def _route(self, method: str) -> str | None:
+        """The request's path without its query string, if ``method`` serves it; else None, answered already:
+        404 for no route, 405 (with ``Allow``) for a route of the other method."""
+        path = urlsplit(self.path).path
+        if path in _ROUTES[method]:
+            return path
+        other = next((m for m, paths in _ROUTES.items() if m != method and path in paths), None)
+        if other is None:
+            self._error(RequestError(f"no route {path!r}", status=HTTPStatus.NOT_FOUND))
+        else:
+            self._error(RequestError(f"{path} accepts {other} only, got {method}",
+                                     status=HTTPStatus.METHOD_NOT_ALLOWED), headers={"Allow": other})
+        return None
+
     # reading
     def _body(self) -> dict[str, Any]:
+        raw = self._read_chunked() if self._chunked() else self._read_sized()
+        if not raw.strip():
+            raise RequestError("the body is empty: send a JSON object")
         try:
-            length = int(self.headers.get("Content-Length", "0"))
-        except ValueError:
-            raise RequestError("the Content-Length header is not a number") from None
-        if not 0 <= length <= MAX_BODY_BYTES:
-            raise RequestError(f"the body must be at most {MAX_BODY_BYTES:,} bytes, got {length:,}",
-                               status=HTTPStatus.REQUEST_ENTITY_TOO_LARGE)
-        try:
-            body = json.loads(self.rfile.read(length) or b"null")
+            body = json.loads(raw)
         except (ValueError, UnicodeDecodeError) as e:
             raise RequestError(f"the body is not valid JSON: {e}") from None
         if not isinstance(body, dict):
             raise RequestError("the body must be a JSON object")
         return body
+
+    def _chunked(self) -> bool:
+        """Whether the body comes as ``Transfer-Encoding: chunked`` (which takes precedence over Content-Length)."""
+        encoding = self.headers.get("Transfer-Encoding")
+        if encoding is None:
+            return False
+        if encoding.strip().lower() != "chunked":
+            raise RequestError(f"Transfer-Encoding {encoding!r} is not supported: send the body with "
+                               "Content-Length or as 'chunked'", status=HTTPStatus.NOT_IMPLEMENTED)
+        return True
+
+    def _read_sized(self) -> bytes:
+        length = self.headers.get("Content-Length", "0").strip()
+        if not _DIGITS.fullmatch(length):
+            raise RequestError(f"the Content-Length header must be a number of bytes (>= 0), got {length!r}")
+        if int(length) > MAX_BODY_BYTES:
+            raise RequestError(f"the body must be at most {MAX_BODY_BYTES:,} bytes, got {int(length):,}",
+                               status=HTTPStatus.REQUEST_ENTITY_TOO_LARGE)
+        return self.rfile.read(int(length))
+
+    def _read_chunked(self) -> bytes:
+        """A chunked body: chunks of ``<hex size>[;extensions]CRLF<data>CRLF``, a last one of size 0,
+        then optional trailer lines and an empty line. At most ``MAX_BODY_BYTES`` in all."""
+        body = bytearray()
+        while True:
+            size_line = self.rfile.readline(1024).split(b";", 1)[0].strip()
+            if not _HEX.fullmatch(size_line):
+                raise RequestError(f"malformed chunked body: chunk size {size_line[:20]!r} is not hexadecimal")
+            size = int(size_line, 16)
+            if len(body) + size > MAX_BODY_BYTES:
+                raise RequestError(f"the body must be at most {MAX_BODY_BYTES:,} bytes",
+                                   status=HTTPStatus.REQUEST_ENTITY_TOO_LARGE)
+            if size == 0:
+                break
+            chunk = self.rfile.read(size)
+            if len(chunk) != size or self.rfile.readline(2) != b"\r\n":
+                raise RequestError("malformed chunked body: a chunk is shorter than its size or lacks its CRLF")
+            body += chunk
+        for _ in range(64):  # trailers, until the empty line that ends the message
+            if self.rfile.readline(1024) in (b"\r\n", b"\n", b""):
+                return bytes(body)
+        raise RequestError("malformed chunked body: too many trailer lines")
 
     def _events(self, out: queue.Queue, ids: list[str]) -> Iterator[RequestOutput]:
         """The engine's outputs for this HTTP request until it is done; raises what the engine reported. While
@@ -543,12 +677,15 @@ class Handler(BaseHTTPRequestHandler):
         self.wfile.write(data)
         self.wfile.flush()
 
-    def _json(self, status: HTTPStatus, payload: dict[str, Any], close: bool = False) -> None:
+    def _json(self, status: HTTPStatus, payload: dict[str, Any], close: bool = False,
+              headers: dict[str, str] | None = None) -> None:
         data = json.dumps(payload).encode()
         try:
             self.send_response(status)
             self.send_header("Content-Type", "application/json")
             self.send_header("Content-Length", str(len(data)))
+            for name, value in (headers or {}).items():
+                self.send_header(name, value)
             if close:
                 self.send_header("Connection", "close")
             self.end_headers()
@@ -556,9 +693,9 @@ class Handler(BaseHTTPRequestHandler):
         except OSError:  # the client left before its answer: nothing to do
             self.close_connection = True
 
-    def _error(self, e: RequestError) -> None:
+    def _error(self, e: RequestError, headers: dict[str, str] | None = None) -> None:
         self.close_connection = True  # the body may not have been read: do not parse its rest as a request
-        self._json(e.status, {"error": _error_body(e)}, close=True)
+        self._json(e.status, {"error": _error_body(e)}, close=True, headers=headers)
 
 
 def sse_events(text: str) -> list[dict[str, Any]]:
@@ -584,7 +721,8 @@ def _usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
 
 def _error_body(e: RequestError) -> dict[str, Any]:
     kind = {HTTPStatus.NOT_FOUND: "NotFoundError", HTTPStatus.INTERNAL_SERVER_ERROR: "InternalServerError",
-            HTTPStatus.REQUEST_ENTITY_TOO_LARGE: "RequestTooLargeError"}
+            HTTPStatus.REQUEST_ENTITY_TOO_LARGE: "RequestTooLargeError",
+            HTTPStatus.METHOD_NOT_ALLOWED: "MethodNotAllowedError", HTTPStatus.NOT_IMPLEMENTED: "NotImplementedError"}
     return {"message": str(e), "type": kind.get(e.status, "BadRequestError"), "param": e.param, "code": int(e.status)}
 
 

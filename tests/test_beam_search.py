@@ -262,7 +262,7 @@ def test_bad_requests_are_refused_naming_the_problem(beam_llm):
     with pytest.raises(TypeError, match="BeamSearchParams"):
         beam_llm.beam_search(["x"], SamplingParams())
     with pytest.raises(ValueError, match="prompt 1"):
-        beam_llm.beam_search(["fine", ""], BeamSearchParams(2, 4))
+        beam_llm.beam_search(["fine", {"prompt_token_ids": []}], BeamSearchParams(2, 4))  # "" is its BOS token
     with pytest.raises(ValueError, match="prompt 0 has 1024 tokens"):
         beam_llm.beam_search([{"prompt_token_ids": [5] * 1024}], BeamSearchParams(2, 4))
     small = minifer.LLM("tinystories-target", dtype="float32", device="cpu", block_size=4, num_kv_blocks=10)

@@ -34,6 +34,40 @@ from minifer import ModelLoadError, SamplingParams, UnsupportedModelError
     (dict(n=0), "n"),
     (dict(n=1.5), "n"),
     (dict(n=True), "n"),
+    # values that used to pass here and then fail inside a step (failing every request of its batch)
+    (dict(logprobs=True), "logprobs"),
+    (dict(prompt_logprobs=True), "prompt_logprobs"),
+    (dict(max_tokens=True), "max_tokens"),
+    (dict(min_tokens=True), "min_tokens"),
+    (dict(top_k=True), "top_k"),
+    (dict(top_k=10**20), "top_k"),
+    (dict(top_k=2**31), "top_k"),
+    (dict(seed=True), "seed"),
+    (dict(seed=2**63), "seed"),
+    (dict(seed=-(2**63) - 1), "seed"),
+    (dict(seed=1.5), "seed"),
+    (dict(stop_token_ids=[True]), "stop_token_ids"),
+    (dict(stop_token_ids=5), "stop_token_ids"),
+    (dict(stop=5), "stop"),
+    (dict(stop={"x": 1}), "stop"),
+    (dict(ignore_eos="false"), "ignore_eos"),
+    (dict(ignore_eos=0), "ignore_eos"),
+    (dict(skip_special_tokens=None), "skip_special_tokens"),
+    (dict(skip_special_tokens="false"), "skip_special_tokens"),
+    (dict(include_stop_str_in_output=1), "include_stop_str_in_output"),
+    (dict(temperature=1e39), "temperature"),
+    (dict(temperature=float("inf")), "temperature"),
+    (dict(temperature="1"), "temperature"),
+    (dict(temperature=True), "temperature"),
+    (dict(repetition_penalty=1e-50), "repetition_penalty"),
+    (dict(repetition_penalty=1e50), "repetition_penalty"),
+    (dict(repetition_penalty=float("inf")), "repetition_penalty"),
+    (dict(repetition_penalty="1.2"), "repetition_penalty"),
+    (dict(top_p="0.5"), "top_p"),
+    (dict(top_p=float("nan")), "top_p"),
+    (dict(min_p="0.1"), "min_p"),
+    (dict(logit_bias={True: 1}), "logit_bias"),
+    (dict(logit_bias={5: float("nan")}), "logit_bias"),
 ])
 def test_bad_sampling_params(kwargs, field):
     with pytest.raises(ValueError, match=rf"SamplingParams\.{field}\b"):
@@ -42,19 +76,77 @@ def test_bad_sampling_params(kwargs, field):
 
 @pytest.mark.parametrize("kwargs", [dict(max_tokens=1), dict(temperature=0), dict(top_p=1.0), dict(top_k=-1),
                                     dict(top_k=0), dict(min_p=0.0), dict(min_p=1.0), dict(max_tokens=None),
-                                    dict(n=1), dict(n=8)])
+                                    dict(n=1), dict(n=8), dict(top_k=2**31 - 1), dict(seed=2**63 - 1),
+                                    dict(seed=-(2**63)), dict(repetition_penalty=0.01), dict(repetition_penalty=100),
+                                    dict(temperature=3e38), dict(stop_token_ids=(1, 2)), dict(stop=("a", "b"))])
 def test_boundary_sampling_params_are_accepted(kwargs):
     SamplingParams(**kwargs)
+
+
+@pytest.mark.parametrize("kwargs", [dict(top_k=2**31 - 1, temperature=1.0), dict(seed=2**63 - 1, n=2),
+                                    dict(repetition_penalty=0.01), dict(repetition_penalty=100, temperature=1.0),
+                                    dict(temperature=3e38, top_k=3), dict(temperature=0.01, logit_bias={5: 100})])
+def test_extreme_accepted_values_run(target_llm, kwargs):
+    """The bounds are where a step still works: each of these generates (and a greedy row next to it is unchanged)."""
+    params = SamplingParams(max_tokens=4, ignore_eos=True, **kwargs)
+    greedy = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    want = target_llm.generate(["Tom"], greedy, use_tqdm=False)[0].outputs[0].token_ids
+    outs = target_llm.generate(["Tom", "Tom"], [params, greedy], use_tqdm=False)
+    assert all(len(c.token_ids) == 4 for c in outs[0].outputs) and outs[1].outputs[0].token_ids == want
 
 
 # --- prompts ----------------------------------------------------------------------------------------
 
 
 def test_empty_prompt(target_llm):
-    with pytest.raises(ValueError, match="prompt 0 is empty"):
-        target_llm.generate("", use_tqdm=False)
+    """"" is a prompt when the tokenizer adds a BOS token (vLLM accepts it); one that tokenizes to nothing is not."""
+    out = target_llm.generate("", SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)[0]
+    assert out.prompt_token_ids == [0] and out.outputs[0].token_ids
+    no_bos = minifer.LLM("tinystories-target", share_weights_with=target_llm)
+    no_bos.tokenizer = lambda text: {"input_ids": []}
+    with pytest.raises(ValueError, match="prompt 0 is empty: it tokenizes to no tokens"):
+        no_bos.generate("", use_tqdm=False)
     with pytest.raises(ValueError, match="prompt 1.*prompt_token_ids.*non-empty"):
         target_llm.generate(["Tom", {"prompt_token_ids": []}], use_tqdm=False)
+
+
+def test_the_online_engine_names_the_prompt_it_is_given(target_llm):
+    engine = minifer.LLM("tinystories-target", share_weights_with=target_llm).engine
+    with pytest.raises(ValueError, match="prompt 0: prompt_token_ids must be"):
+        engine.add_request("a", {"prompt_token_ids": []}, SamplingParams())
+    with pytest.raises(ValueError, match="prompt 2: prompt_token_ids must be"):
+        engine.add_request("b", {"prompt_token_ids": []}, SamplingParams(), prompt_index=2)
+
+
+def test_masking_every_token_until_min_tokens_is_refused(target_llm):
+    every = list(range(target_llm.model_config.vocab_size))
+    with pytest.raises(ValueError, match="prompt 0: stop_token_ids and EOS cover the whole vocabulary.*min_tokens=2"):
+        target_llm.generate("Tom", SamplingParams(temperature=1.0, min_tokens=2, stop_token_ids=every), use_tqdm=False)
+    out = target_llm.generate("Tom", SamplingParams(temperature=1.0, min_tokens=2, max_tokens=3,
+                                                    stop_token_ids=every[1:], ignore_eos=True),
+                              use_tqdm=False)  # EOS (0), ignored, is left to sample
+    assert out[0].outputs[0].token_ids[:2] == [0, 0]
+
+
+def test_a_failed_step_leaves_the_llm_usable(target_llm, monkeypatch):
+    """A step that raises must not leave its requests in the engine for the next ``generate`` to trip over."""
+    llm = minifer.LLM("tinystories-target", share_weights_with=target_llm)
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    want = llm.generate(["Tom", "Lily"], params, use_tqdm=False)
+    real = llm.engine.runner.sample
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("injected sampling fault")
+
+    monkeypatch.setattr(llm.engine.runner, "sample", broken)
+    with pytest.raises(RuntimeError, match="injected sampling fault"):
+        llm.generate(["Tom", "Lily"], params, use_tqdm=False)
+    monkeypatch.setattr(llm.engine.runner, "sample", real)
+    assert not llm.engine.requests
+    got = llm.generate(["Tom", "Lily"], params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
+    stats = llm.stats()
+    assert stats["kv_blocks_free"] == stats["kv_blocks_total"]
 
 
 def test_prompt_longer_than_max_model_len():

@@ -236,6 +236,30 @@ def test_greedy_rows_take_the_argmax_in_a_mixed_batch():
         assert res.token_ids[i] == int(logits[i].argmax())
 
 
+def test_a_temperature_below_0_01_is_raised_to_0_01_as_in_vllm():
+    """Dividing logits by a tiny temperature risks inf/NaN (which would fail the whole batch's step): vLLM raises
+    0 < T < 0.01 to 0.01 with a warning, and so does minifer. 0 stays greedy."""
+    with pytest.warns(UserWarning, match="raised to 0.01"):
+        params = SamplingParams(temperature=1e-30)
+    assert params.temperature == 0.01 and not params.greedy
+    assert SamplingParams(temperature=0).greedy and SamplingParams(temperature=0.01).temperature == 0.01
+    logits = torch.tensor([[1e4, -1e4, 0.0, float("-inf")]])
+    res = sample(logits, [params], [torch.Generator().manual_seed(0)])
+    assert res.token_ids == [0] and math.isfinite(res.sampled_logprob[0])
+
+
+def test_top_k_beyond_the_vocabulary_keeps_every_token():
+    """A top_k larger than the vocabulary means no truncation, and never reaches a tensor as is (not even one set
+    after validation, beyond int64: ``torch.tensor`` would fail the whole batch)."""
+    from minifer.sampling import process_logits
+
+    logits = random_logits(3, 3, 10, 1.0)
+    huge = SamplingParams()
+    huge.top_k = 10**20
+    out = process_logits(logits, [SamplingParams(top_k=2**31 - 1), huge, SamplingParams(top_k=3)], None)
+    assert torch.equal(out[:2], logits[:2]) and int(torch.isfinite(out[2]).sum()) == 3
+
+
 # --- (b) seeded requests ----------------------------------------------------------------------------
 
 
@@ -317,6 +341,65 @@ def test_stop_token_ids(target_llm, greedy_story):
                               use_tqdm=False)[0].outputs[0]
     assert (out.finish_reason, out.stop_reason) == ("stop", stop_id)
     assert out.token_ids == ids[: first + 1]
+
+
+@pytest.mark.parametrize("include", [False, True])
+def test_a_stop_token_is_in_token_ids_but_not_in_the_text(target_llm, greedy_story, include):
+    """vLLM's rule: the token that stopped a request stays in ``token_ids``, its text is not in ``text``
+    (``include_stop_str_in_output=True`` keeps it), for stop_token_ids and for EOS when special tokens are shown."""
+    tok = target_llm.get_tokenizer()
+    ids, _ = greedy_story
+    stop_id = ids[6]
+    out = target_llm.generate("Once upon a time", SamplingParams(
+        temperature=0, max_tokens=48, stop_token_ids=[stop_id], include_stop_str_in_output=include),
+        use_tqdm=False)[0].outputs[0]
+    assert out.token_ids[-1] == stop_id and tok.decode([stop_id]).strip()
+    assert out.text == tok.decode(out.token_ids if include else out.token_ids[:-1])
+    prompt = "Tom and his dog"  # ends with EOS after about ten tokens
+    out = target_llm.generate(prompt, SamplingParams(temperature=0, max_tokens=64, skip_special_tokens=False,
+                                                     include_stop_str_in_output=include),
+                              use_tqdm=False)[0].outputs[0]
+    assert out.token_ids[-1] == tok.eos_token_id and out.finish_reason == "stop"
+    assert out.text.endswith("<|endoftext|>") == include and out.text.strip()
+
+
+def test_include_stop_str_in_output_keeps_the_stop_string(target_llm, greedy_story):
+    _, text = greedy_story
+    stop = text[25:36]
+    out = target_llm.generate("Once upon a time", SamplingParams(temperature=0, max_tokens=48, stop=stop,
+                                                                 include_stop_str_in_output=True),
+                              use_tqdm=False)[0].outputs[0]
+    assert (out.finish_reason, out.stop_reason) == ("stop", stop)
+    assert out.text == text[: text.find(stop) + len(stop)]
+
+
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(data=st.data())
+def test_streamed_deltas_add_up_to_the_final_text(target_llm, greedy_story, data):
+    """Whatever ends a request (a stop string, kept or cut; a stop token; EOS), a stream never sends text that the
+    final text does not contain: the deltas add up to it exactly."""
+    import minifer
+
+    ids, text = greedy_story
+    stop_at = data.draw(st.integers(2, 40))
+    length = data.draw(st.integers(1, 6))
+    params = SamplingParams(temperature=0, max_tokens=48, ignore_eos=data.draw(st.booleans()),
+                            stop=data.draw(st.sampled_from([None, [text[stop_at : stop_at + length]]])),
+                            stop_token_ids=data.draw(st.sampled_from([None, [ids[stop_at // 4]]])),
+                            include_stop_str_in_output=data.draw(st.booleans()),
+                            skip_special_tokens=data.draw(st.booleans()))
+    engine = minifer.LLM("tinystories-target", share_weights_with=target_llm).engine
+    deltas = []
+    for prompt in ("Once upon a time", "Tom and his dog"):
+        engine.add_request(prompt, prompt, params)
+    finals = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            deltas.append((out.request_id, out.outputs[0].delta_text))
+            if out.finished:
+                finals[out.request_id] = out.outputs[0].text
+    for rid, final in finals.items():
+        assert "".join(d for r, d in deltas if r == rid) == final, (rid, params)
 
 
 def test_eos_stops_unless_ignored(target_llm):
@@ -408,10 +491,11 @@ def test_no_logprobs_by_default(target_llm):
     assert comp.logprobs is None and comp.cumulative_logprob is None
 
 
+MULTIBYTE_WORDS = ["café", " naïve", " 日本", "語", " 🙂", " über", " the", " cat", ".", " a"]
+
+
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(words=st.lists(st.sampled_from(["café", " naïve", " 日本", "語", " 🙂", " über", " the", " cat", ".", " a"]),
-                      min_size=1, max_size=12),
-       data=st.data())
+@given(words=st.lists(st.sampled_from(MULTIBYTE_WORDS), min_size=1, max_size=12), data=st.data())
 def test_stop_strings_on_multibyte_text_match_a_full_decode(target_llm, words, data):
     """Stop strings are matched on the incrementally decoded text, a token at a time. Oracle: decode the
     whole output after every token; the request must stop at the first token whose full decode contains the

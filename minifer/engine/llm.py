@@ -208,12 +208,13 @@ class LLM:
 
     def _prompt_ids(self, i: int, prompt: Prompt) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):
-            if not prompt:
-                raise ValueError(f"prompt {i} is empty")
             if self.tokenizer is None:
                 raise ValueError(f"prompt {i} is text but this model has no tokenizer (dummy weights?): "
                                  f"pass {{'prompt_token_ids': [...]}}")
-            return prompt, list(self.tokenizer(prompt)["input_ids"])
+            ids = list(self.tokenizer(prompt)["input_ids"])
+            if not ids:  # "" is a prompt when the tokenizer adds a BOS token (as vLLM accepts it); else nothing is
+                raise ValueError(f"prompt {i} is empty: it tokenizes to no tokens (this tokenizer adds no BOS token)")
+            return prompt, ids
         if isinstance(prompt, dict) and "prompt_token_ids" in prompt:
             ids = prompt["prompt_token_ids"]
             if not isinstance(ids, (list, tuple)) or not ids:
@@ -245,6 +246,7 @@ class LLM:
         for t in params.stop_token_ids:
             if t >= vocab:
                 raise ValueError(f"prompt {i}: stop_token_ids has {t}, out of the vocabulary (size {vocab})")
+        self._check_something_to_sample(i, params)
         room = self.max_model_len - len(ids)
         if room < 1:
             raise ValueError(f"prompt {i} has {len(ids)} tokens: it must be shorter than max_model_len="
@@ -256,12 +258,23 @@ class LLM:
         return Sequence(request_id or str(next(self._counter)), text, ids, params, max_tokens,
                         self.eos_token_ids, generator=gen)
 
+    def _check_something_to_sample(self, i: int, params: SamplingParams) -> None:
+        """Until ``min_tokens``, EOS and the stop tokens are masked out: if that is every token of the vocabulary,
+        a sampled row would be all -inf, a NaN distribution that fails the step of the whole batch."""
+        vocab = self.model_config.vocab_size
+        stops = set(params.stop_token_ids) | (set() if params.ignore_eos else set(self.eos_token_ids))
+        if params.min_tokens and len({t for t in stops if t < vocab}) >= vocab:
+            raise ValueError(f"prompt {i}: stop_token_ids and EOS cover the whole vocabulary, and min_tokens="
+                             f"{params.min_tokens} masks them all: nothing is left to sample")
+
     def generate(self, prompts: Prompt | SequenceT[Prompt],
                  sampling_params: SamplingParams | SequenceT[SamplingParams] | None = None,
                  use_tqdm: bool = True) -> list[RequestOutput]:
         """Generate a completion for every prompt; outputs come back in the order of the prompts.
 
-        All prompts are validated before any work starts, so a bad one raises a ``ValueError`` naming it.
+        All prompts are validated before any work starts, so a bad one raises a ``ValueError`` naming it. A
+        ``max_tokens`` beyond what ``max_model_len`` leaves after a prompt is clipped to that room (finish reason
+        "length"); the server (``minifer.serve``) refuses such an explicit one instead, as vLLM's does.
         """
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
@@ -303,12 +316,20 @@ class LLM:
         engine = self.engine
         for r in requests:
             engine.scheduler.check_fits(sequences_of(r)[0])  # reject before anything runs, as for bad prompts
-        for r in requests:
-            engine.add_sequence(r)
-        while engine.has_unfinished_requests():
-            for out in engine.step():
-                if out.finished and bar is not None:
-                    bar.update(1)
+        added: list[str] = []
+        try:
+            for r in requests:
+                engine.add_sequence(r)
+                added.append(r.request_id)
+            while engine.has_unfinished_requests():
+                for out in engine.step():
+                    if out.finished and bar is not None:
+                        bar.update(1)
+        except BaseException:  # a failed step (or Ctrl-C) must not leave its requests behind for the next call
+            for rid in added:
+                if rid in engine.requests:
+                    engine.abort_request(rid)
+            raise
 
     def beam_search(self, prompts: Prompt | SequenceT[Prompt], params: BeamSearchParams,
                     use_tqdm: bool = False) -> list[BeamSearchOutput]:

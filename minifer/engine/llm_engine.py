@@ -139,14 +139,16 @@ class LLMEngine:
 
     # --- requests ---------------------------------------------------------------------------------------
 
-    def add_request(self, request_id: str, prompt, params, arrival_time: float | None = None
-                    ) -> Sequence | SequenceGroup:
+    def add_request(self, request_id: str, prompt, params, arrival_time: float | None = None,
+                    prompt_index: int = 0) -> Sequence | SequenceGroup:
         """Validate and queue a request. Raises ``ValueError`` (naming the problem) without touching others.
         ``arrival_time`` (``time.perf_counter()`` seconds; default now) is when the request reached the
-        server: a front end that queued it first passes it, so that TTFT counts that wait too."""
+        server: a front end that queued it first passes it, so that TTFT counts that wait too. ``prompt_index``
+        is the prompt's place in its caller's request, for error messages ("prompt 1 is ..."): a server turns
+        one HTTP request with several prompts into several engine requests."""
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
-        seq = self._make_sequence(0, prompt, params, request_id=request_id)
+        seq = self._make_sequence(prompt_index, prompt, params, request_id=request_id)
         if arrival_time is not None:
             seq.metrics.arrival_time = arrival_time
         return self.add_sequence(seq)

@@ -42,7 +42,8 @@ class Sequence:
     num_preemptions: int = 0
     finish_reason: str | None = None
     stop_reason: int | str | None = None
-    text: str | None = None  # set when finished (truncated before a stop string if one matched)
+    text: str | None = None  # set when finished (cut at a stop string if one matched: before it, or after it)
+    stopped_on_token: bool = False  # finished on a stop token or EOS, whose text the final text leaves out
     metrics: RequestMetrics = field(default_factory=lambda: RequestMetrics(time.perf_counter()))
     _reported_tokens: int = 0  # how many output tokens earlier streaming reports covered
     _reported_text: str = ""
@@ -108,8 +109,10 @@ class Sequence:
             return
         if token in p.stop_token_ids:
             self._finish("stop", token)
+            self.stopped_on_token = True
         elif not p.ignore_eos and token in self.eos_token_ids:
             self._finish("stop", None)
+            self.stopped_on_token = True
         elif text is not None and self._match_stop_string(text, text_before):
             pass
         elif len(self.output_token_ids) >= self.max_tokens:
@@ -126,14 +129,15 @@ class Sequence:
         return set(self.params.stop_token_ids) | (set() if self.params.ignore_eos else set(self.eos_token_ids))
 
     def _match_stop_string(self, text: str, text_before: int) -> bool:
-        """Finish at the earliest stop string that ends past ``text_before`` characters of ``text``."""
+        """Finish at the earliest stop string that ends past ``text_before`` characters of ``text``. As in vLLM,
+        the text ends before the stop string, or just after it with ``include_stop_str_in_output``."""
         hits = [(text.find(s, max(0, text_before - len(s) + 1)), s) for s in self.params.stop]
         hits = [(pos, s) for pos, s in hits if pos >= 0]
         if not hits:
             return False
         pos, s = min(hits)
         self._finish("stop", s)
-        self.text = text[:pos]  # vLLM drops the stop string from the output text
+        self.text = text[: pos + len(s)] if self.params.include_stop_str_in_output else text[:pos]
         return True
 
     def _finish(self, reason: str, stop_reason: int | str | None) -> None:
@@ -164,21 +168,31 @@ class Sequence:
             self._prefix_offset, self._read_offset = self._read_offset, len(ids)
         return self._text_so_far
 
+    def _final_text(self, tokenizer) -> str:
+        """The finished text: one full decode, exact by construction. A stop token or EOS that ended the
+        sequence stays in ``token_ids`` but not in the text (vLLM's rule), unless ``include_stop_str_in_output``.
+        A stream never sent that token's text: the token that finishes a sequence is never reported unfinished."""
+        ids = self.output_token_ids
+        if self.stopped_on_token and not self.params.include_stop_str_in_output:
+            ids = ids[:-1]
+        return tokenizer.decode(ids, skip_special_tokens=self.params.skip_special_tokens)
+
     def to_output(self, tokenizer) -> RequestOutput:
         """The request so far; ``new_token_ids`` / ``delta_text`` hold what changed since the last call."""
         text = self.text
         if text is None:
             if tokenizer is None:
                 text = ""
-            elif self.is_finished:  # the final text is always one full decode, exact by construction
-                text = self.text = tokenizer.decode(self.output_token_ids,
-                                                    skip_special_tokens=self.params.skip_special_tokens)
+            elif self.is_finished:
+                text = self.text = self._final_text(tokenizer)
             else:
                 text = self._detokenize(tokenizer)
         stable = text
-        if self.params.stop and not self.is_finished:
+        if self.params.stop and not self.is_finished and not self.params.include_stop_str_in_output:
             # Hold back what could be the start of a stop string: if it completes, the text is cut before it,
             # and a stream must never have sent what the final text does not contain (vLLM does the same).
+            # With include_stop_str_in_output the cut is after the stop string, which ends in characters not
+            # reported yet (only endings past the text already checked count): nothing to hold back.
             hold = max(map(len, self.params.stop)) - 1
             stable = text[: max(len(text) - hold, len(self._reported_text))]
         delta = stable[len(self._reported_text):] if stable.startswith(self._reported_text) else stable
@@ -225,11 +239,12 @@ class SequenceGroup:
         n, seed = seq.params.n, seq.params.seed
         children = []
         for i in range(n):
-            params = replace(seq.params, n=1, seed=None if seed is None else seed + i)
+            child_seed = None if seed is None else _wrap_int64(seed + i)
+            params = replace(seq.params, n=1, seed=child_seed)
             generator = seq.generator
             if seed is not None:
                 device = seq.generator.device if seq.generator is not None else "cpu"
-                generator = torch.Generator(device=device).manual_seed(seed + i)
+                generator = torch.Generator(device=device).manual_seed(child_seed)
             children.append(Sequence(f"{i}_{seq.request_id}", seq.prompt, list(seq.prompt_token_ids), params,
                                      seq.max_tokens, seq.eos_token_ids, generator=generator, index=i,
                                      metrics=RequestMetrics(seq.metrics.arrival_time)))
@@ -261,6 +276,13 @@ class SequenceGroup:
 
     def to_output(self, tokenizer) -> RequestOutput:
         return self.merge([s.to_output(tokenizer) for s in self.seqs])
+
+
+def _wrap_int64(seed: int) -> int:
+    """``seed`` wrapped into int64, the range ``SamplingParams.seed`` accepts (completion i of a request seeded
+    2**63 - 1 would draw from 2**63 + i). ``manual_seed`` reads a seed as an unsigned 64-bit number (-1 is
+    2**64 - 1), so the wrapped seed gives the very same generator."""
+    return (seed + 2**63) % 2**64 - 2**63
 
 
 def sequences_of(request: Sequence | SequenceGroup) -> list[Sequence]:
