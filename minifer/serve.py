@@ -10,6 +10,9 @@ between minifer and ``vllm serve`` unchanged:
     POST /v1/completions          prompt (a text, token ids, or a list of either) -> choices, usage; SSE if "stream"
     POST /v1/chat/completions     messages through the tokenizer's chat template (Qwen3 / Llama-3 instruct)
 
+``echo`` (with ``logprobs``, and ``max_tokens`` 0 to score the prompt alone) returns each prompt's text and
+token log-probabilities before its completion, as evaluation harnesses ask an OpenAI-style server for them.
+
 Two threads matter. The engine is not thread-safe, so one thread (``EngineLoop``) owns it: HTTP handlers hand
 it requests and aborts through a queue, and it applies them between steps, steps while anything is unfinished,
 and puts each output on the queue of the HTTP request that asked for it. The HTTP side is the standard
@@ -27,6 +30,7 @@ an explicit ``max_tokens`` the context cannot hold is a 400 as in vLLM (the offl
 
 from __future__ import annotations
 
+import itertools
 import json
 import queue
 import re
@@ -241,7 +245,7 @@ _SAMPLING_FIELDS = {  # OpenAI's name (and vLLM's extensions) -> SamplingParams 
     "include_stop_str_in_output": "include_stop_str_in_output",
 }
 # Fields minifer accepts only with the value that means "off" (clients often send these defaults).
-_NO_OP_FIELDS = {"best_of": (1, None), "echo": (False, None), "suffix": (None,), "user": None}
+_NO_OP_FIELDS = {"best_of": (1, None), "suffix": (None,), "user": None}
 _DIGITS = re.compile(r"[0-9]+")  # a token id or a Content-Length (int() also takes " 5", "+5", "5_0" and "-3")
 _HEX = re.compile(rb"[0-9A-Fa-f]+")  # a chunk size (int(x, 16) would also take "-5", "0x5" and "5_0")
 _ROUTES = {"GET": ("/health", "/v1/models"), "POST": ("/v1/completions", "/v1/chat/completions")}
@@ -252,7 +256,7 @@ def sampling_params(body: dict[str, Any], *, chat: bool) -> SamplingParams:
     the context for chat). ``null`` means the default, as OpenAI's clients send it for fields they leave unset.
     Unknown fields and unsupported values are errors that name the field."""
     known = {"model", "prompt", "messages", "stream", "stream_options", "logprobs", "top_logprobs",
-             "max_completion_tokens", *_SAMPLING_FIELDS, *_NO_OP_FIELDS}
+             "max_completion_tokens", "echo", *_SAMPLING_FIELDS, *_NO_OP_FIELDS}
     unknown = sorted(set(body) - known)
     if unknown:
         raise RequestError(f"unknown field(s) {', '.join(map(repr, unknown))}", unknown[0])
@@ -274,6 +278,11 @@ def sampling_params(body: dict[str, Any], *, chat: bool) -> SamplingParams:
                            "logprobs" if logprobs else "top_logprobs")
     if not chat and logprobs is not None:
         kwargs["logprobs"] = logprobs
+    echo = echo_mode(body, chat=chat)
+    if echo is not None and echo.prompt_only:
+        kwargs["max_tokens"] = 1  # the engine always generates; the one token is dropped from the answer
+    if echo is not None and logprobs is not None and kwargs.get("prompt_logprobs") is None:
+        kwargs["prompt_logprobs"] = logprobs  # the echoed prompt's logprobs, with as many candidates
     try:
         return SamplingParams(**kwargs)
     except (ValueError, TypeError) as e:
@@ -382,6 +391,57 @@ def _chat_prompt(body: dict[str, Any], tokenizer):
     return encode
 
 
+@dataclass(frozen=True)
+class Echo:
+    """OpenAI's ``echo`` on /v1/completions: each choice's text, and its logprobs when asked for, begin with its
+    prompt's, as scoring harnesses read them (the log-probability of each prompt token given those before it).
+    ``prompt_only``: the client set ``max_tokens`` to 0 to score the prompt alone; the engine generates one token
+    anyway, which the answer leaves out (finish reason "length", no completion tokens, as in vLLM).
+    ``prompt_logprobs``: the client also asked for vLLM's ``prompt_logprobs`` field itself."""
+
+    prompt_only: bool
+    prompt_logprobs: bool
+
+
+def echo_mode(body: dict[str, Any], *, chat: bool) -> Echo | None:
+    """The request's ``Echo``, or None without ``echo``; a clear error where it cannot apply."""
+    echo = body.get("echo")
+    if echo is None or echo is False:
+        field = max_tokens_field(body)
+        if field is not None and body[field] == 0:
+            raise RequestError(f"{field}=0 asks for no completion, which is for echo=true (to score the prompt "
+                               f"alone); otherwise it must be an integer >= 1", field)
+        return None
+    if not isinstance(echo, bool):
+        raise RequestError("echo must be true or false", "echo")
+    if chat:
+        raise RequestError("echo is not supported on /v1/chat/completions by minifer: use /v1/completions", "echo")
+    field = max_tokens_field(body)
+    return Echo(prompt_only=field is not None and body[field] == 0,
+                prompt_logprobs=body.get("prompt_logprobs") is not None)
+
+
+def _echo_logprobs_json(prompt_ids: list[int], entries: list | None, first_token: str) -> dict[str, Any] | None:
+    """The prompt's part of an echoed choice's ``logprobs``: nothing predicts the first token (None, as in
+    OpenAI's and vLLM's answers); each later one from ``prompt_logprobs``, its candidates decoded by the engine
+    thread already. Offsets run from 0, the start of the echoed text."""
+    if entries is None:
+        return None
+    tokens = [first_token] + [e[t].decoded_token or str(t) for e, t in zip(entries[1:], prompt_ids[1:])]
+    return {"tokens": tokens,
+            "token_logprobs": [None] + [e[t].logprob for e, t in zip(entries[1:], prompt_ids[1:])],
+            "top_logprobs": [None] + [{(lp.decoded_token or str(tid)): lp.logprob for tid, lp in e.items()}
+                                      for e in entries[1:]],
+            "text_offset": list(itertools.accumulate((len(t) for t in tokens[:-1]), initial=0))}
+
+
+def _join_logprobs(a: dict[str, Any] | None, b: dict[str, Any] | None) -> dict[str, Any] | None:
+    """Two ``logprobs`` objects one after the other (``b``'s offsets already continue ``a``'s text)."""
+    if a is None or b is None:
+        return a or b
+    return {k: a[k] + b[k] for k in a}
+
+
 def _logprobs_json(c: CompletionOutput, token_ids: list[int], start: int, text_start: int = 0
                    ) -> dict[str, Any] | None:
     """OpenAI's completions ``logprobs`` object for ``token_ids`` (the tokens of ``c`` from index ``start``, whose
@@ -454,6 +514,7 @@ class Handler(BaseHTTPRequestHandler):
                 raise RequestError(f"model {body.get('model')!r} is not served here; this server serves "
                                    f"{self.state.model_name!r}", "model", HTTPStatus.NOT_FOUND)
             params = sampling_params(body, chat=chat)
+            echo = echo_mode(body, chat=chat)
             prompts = [_chat_prompt(body, self.state.tokenizer)] if chat else _prompts(body)
             stream, include_usage = _stream_flags(body)
         except RequestError as e:
@@ -465,9 +526,9 @@ class Handler(BaseHTTPRequestHandler):
         out = self.state.loop.submit([(rid, p, params) for rid, p in zip(ids, prompts)], stream=stream,
                                      max_tokens_field=max_tokens_field(body))
         if stream:
-            self._stream(out, request_id, ids, params.n, chat, include_usage)
+            self._stream(out, request_id, ids, params.n, chat, include_usage, echo)
         else:
-            self._respond(out, request_id, ids, params.n, chat)
+            self._respond(out, request_id, ids, params.n, chat, echo)
 
     def _route(self, method: str) -> str | None:
         """The request's path without its query string, if ``method`` serves it; else None, answered already:
@@ -573,14 +634,13 @@ class Handler(BaseHTTPRequestHandler):
             return True
 
     # writing
-    def _respond(self, out: queue.Queue, request_id: str, ids: list[str], n: int, chat: bool) -> None:
+    def _respond(self, out: queue.Queue, request_id: str, ids: list[str], n: int, chat: bool,
+                 echo: Echo | None = None) -> None:
         latest: dict[tuple[str, int], CompletionOutput] = {}  # each completion's last report (they end apart)
-        prompt_lens: dict[str, int] = {}
-        prompt_logprobs: dict[str, Any] = {}
+        prompts: dict[str, RequestOutput] = {}  # each prompt's last report: its tokens and prompt_logprobs
         try:
             for o in self._events(out, ids):
-                prompt_lens[o.request_id] = len(o.prompt_token_ids)
-                prompt_logprobs[o.request_id] = o.prompt_logprobs
+                prompts[o.request_id] = o
                 for c in o.outputs:
                     latest[o.request_id, c.index] = c
         except ClientGone:
@@ -598,20 +658,48 @@ class Handler(BaseHTTPRequestHandler):
             if chat:
                 choices.append({"index": idx, "message": {"role": "assistant", "content": c.text},
                                 "logprobs": None, "finish_reason": c.finish_reason})
-            else:
-                choices.append({"index": idx, "text": c.text, "logprobs": _logprobs_json(c, c.token_ids, 0),
-                                "finish_reason": c.finish_reason})
-                if prompt_logprobs.get(rid) is not None:
-                    choices[-1]["prompt_logprobs"] = _prompt_logprobs_json(prompt_logprobs[rid])
-        prompt_tokens = sum(prompt_lens.values())
-        completion_tokens = sum(len(c.token_ids) for c in latest.values())
+                continue
+            choice = {"index": idx, "text": c.text, "logprobs": _logprobs_json(c, c.token_ids, 0),
+                      "finish_reason": c.finish_reason}
+            if echo is not None:
+                choice.update(self._echoed(prompts[rid], c, echo))
+                del choice["next_offset"]
+            if prompts[rid].prompt_logprobs is not None and (echo is None or echo.prompt_logprobs):
+                choice["prompt_logprobs"] = _prompt_logprobs_json(prompts[rid].prompt_logprobs)
+            choices.append(choice)
+        prompt_tokens = sum(len(o.prompt_token_ids) for o in prompts.values())
+        completion_tokens = 0 if echo is not None and echo.prompt_only else sum(len(c.token_ids)
+                                                                                 for c in latest.values())
         self._json(HTTPStatus.OK, {
             "id": request_id, "object": "chat.completion" if chat else "text_completion",
             "created": int(time.time()), "model": self.state.model_name, "choices": choices,
             "usage": _usage(prompt_tokens, completion_tokens)})
 
+    def _echoed(self, o: RequestOutput, c: CompletionOutput, echo: Echo, token_ids: list[int] | None = None,
+                text: str | None = None) -> dict[str, Any]:
+        """A completion choice's ``text``, ``logprobs`` and ``finish_reason`` with its prompt echoed in front:
+        of the whole completion, or of ``token_ids`` / ``text`` only (a stream's first chunk). As in vLLM the
+        offsets run over every token's text from 0, prompt then completion, so a prompt's BOS token counts there
+        though the text of a text prompt (echoed as sent) has none. ``next_offset``: where the next chunk's start."""
+        tok = self.state.tokenizer  # a text prompt echoes as sent; token ids decode, BOS included (as in vLLM)
+        prompt = o.prompt if o.prompt is not None else tok.decode(o.prompt_token_ids)
+        token_ids = c.token_ids if token_ids is None else token_ids
+        text = c.text if text is None else text
+        if echo.prompt_only:  # max_tokens=0: the one token the engine generated is not part of the answer
+            token_ids, text = [], ""
+        logprobs, end = None, 0
+        if c.logprobs is not None:
+            logprobs = _echo_logprobs_json(o.prompt_token_ids, o.prompt_logprobs, tok.decode(o.prompt_token_ids[:1]))
+            end = logprobs["text_offset"][-1] + len(logprobs["tokens"][-1])
+            if token_ids:
+                logprobs = _join_logprobs(logprobs, _logprobs_json(c, token_ids, len(c.token_ids) - len(token_ids),
+                                                                   end))
+                end = logprobs["text_offset"][-1] + len(logprobs["tokens"][-1])
+        finish = "length" if echo.prompt_only and c.finish_reason is not None else c.finish_reason
+        return {"text": prompt + text, "logprobs": logprobs, "finish_reason": finish, "next_offset": end}
+
     def _stream(self, out: queue.Queue, request_id: str, ids: list[str], n: int, chat: bool,
-                include_usage: bool) -> None:
+                include_usage: bool, echo: Echo | None = None) -> None:
         """Server-sent events: one ``data: {chunk}`` per completion that advanced, then ``data: [DONE]``. A
         client that goes away has its requests aborted instead of left to run."""
         obj = "chat.completion.chunk" if chat else "text_completion"
@@ -628,7 +716,7 @@ class Handler(BaseHTTPRequestHandler):
                 for c in o.outputs:
                     key = (o.request_id, c.index)
                     idx = _choice_index(ids, o.request_id, n, c.index)
-                    completion_tokens += len(c.new_token_ids)
+                    completion_tokens += 0 if echo is not None and echo.prompt_only else len(c.new_token_ids)
                     if chat:
                         delta = {"content": c.delta_text} if key in text_pos else {"role": "assistant",
                                                                                    "content": c.delta_text}
@@ -638,8 +726,14 @@ class Handler(BaseHTTPRequestHandler):
                         choice = {"index": idx, "text": c.delta_text,
                                   "logprobs": _logprobs_json(c, c.new_token_ids, start, text_pos.get(key, 0)),
                                   "finish_reason": c.finish_reason}
-                        if key not in text_pos and o.prompt_logprobs is not None:  # once, in a choice's first chunk
-                            choice["prompt_logprobs"] = _prompt_logprobs_json(o.prompt_logprobs)
+                        if key not in text_pos and o.prompt_logprobs is not None and (echo is None
+                                                                                      or echo.prompt_logprobs):
+                            choice["prompt_logprobs"] = _prompt_logprobs_json(o.prompt_logprobs)  # once, first
+                        if echo is not None and key not in text_pos:  # the prompt goes out in the first chunk
+                            choice.update(self._echoed(o, c, echo, c.new_token_ids, c.delta_text))
+                            text_pos[key] = choice.pop("next_offset") - len(c.delta_text)
+                        elif echo is not None and echo.prompt_only:
+                            choice.update(text="", logprobs=None, finish_reason=choice["finish_reason"] and "length")
                     text_pos[key] = text_pos.get(key, 0) + len(c.delta_text)
                     self._event({**head, "choices": [choice]})
                 if o.finished:
