@@ -208,6 +208,24 @@ def engine_perplexity(llm, texts: Sequence[str] | torch.Tensor, *, max_len: int 
     return float(torch.exp(-torch.tensor(logps, dtype=torch.float64).mean()))
 
 
+def served_perplexity(base_url: str, model: str, windows: torch.Tensor, timeout: float = 600.0) -> float:
+    """The same perplexity from any OpenAI-compatible server (minifer's ``serve``, or vLLM's): the windows go as
+    one ``/v1/completions`` request, each a prompt of token ids, with ``echo=true, max_tokens=0, logprobs=0``,
+    which returns every prompt token's log-probability given those before it (the first has none). This is how
+    a harness scores a model it reaches only over HTTP (lm-evaluation-harness's ``local-completions``)."""
+    import json
+    import urllib.request
+
+    body = {"model": model, "prompt": windows.tolist(), "max_tokens": 0, "echo": True, "logprobs": 0,
+            "temperature": 0}
+    request = urllib.request.Request(base_url.rstrip("/") + "/v1/completions", json.dumps(body).encode(),
+                                     {"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=timeout) as r:
+        choices = json.loads(r.read())["choices"]
+    logps = [lp for c in choices for lp in c["logprobs"]["token_logprobs"][1:]]
+    return float(torch.exp(-torch.tensor(logps, dtype=torch.float64).mean()))
+
+
 def greedy_agreement(model_a, model_b, texts: Sequence[str] | torch.Tensor, *, tokenizer=None, max_len: int = 512,
                      max_tokens: int | None = None, batch_size: int = 8) -> float:
     """Teacher-forced greedy agreement of two models (``LLM``s or models) on the same text (module docstring)."""

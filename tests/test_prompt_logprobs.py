@@ -102,6 +102,20 @@ def test_engine_perplexity_equals_the_harness():
         assert ev.engine_perplexity(llm, windows) == pytest.approx(ev.perplexity(llm, windows), rel=1e-5)
 
 
+def test_served_perplexity_over_http_equals_the_harness():
+    """The same windows scored over the OpenAI API (echo, max_tokens=0, as a harness reaching a server does),
+    against minifer's own server with int8 weights and chunked prefills."""
+    import minifer.eval as ev
+    from minifer.serve import start_server
+
+    llm = minifer.LLM("tinystories-target", dtype="float32", device="cpu", quantization="int8",
+                      max_num_batched_tokens=100)
+    windows = ev.heldout_windows(llm.get_tokenizer(), max_len=128, max_tokens=512)
+    want = ev.perplexity(llm, windows)
+    with start_server(llm, port=0, model_name="q") as srv:
+        assert ev.served_perplexity(srv.url, "q", windows) == pytest.approx(want, rel=1e-5)
+
+
 def test_limits_and_cache_statistics():
     llm = minifer.LLM("tinystories-target", dtype="float32", device="cpu", block_size=4)
     for name in ("logprobs", "prompt_logprobs"):
