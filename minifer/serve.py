@@ -435,11 +435,49 @@ def _echo_logprobs_json(prompt_ids: list[int], entries: list | None, first_token
             "text_offset": list(itertools.accumulate((len(t) for t in tokens[:-1]), initial=0))}
 
 
+def _echo_prompt(prompt: Any, tokenizer, slot: dict[str, str]):
+    """A completion prompt as a function for the engine thread to call (it owns the tokenizer), which also
+    leaves in ``slot`` what echoing needs decoded: the prompt's ``text`` (a text prompt as sent, token ids
+    decoded, BOS included, as vLLM echoes them) and its ``first`` token's text (the one no logprob covers)."""
+    def encode() -> Any:
+        if tokenizer is None:  # the engine names the problem with a text prompt; token ids echo as numbers
+            ids = prompt["prompt_token_ids"] if isinstance(prompt, dict) else []
+            slot.update(text=prompt if isinstance(prompt, str) else "", first=str(ids[0]) if ids else "")
+            return prompt
+        ids = list(prompt["prompt_token_ids"]) if isinstance(prompt, dict) else list(tokenizer(prompt)["input_ids"])
+        slot.update(text=prompt if isinstance(prompt, str) else tokenizer.decode(ids),
+                    first=tokenizer.decode(ids[:1]))
+        return prompt
+
+    return encode
+
+
 def _join_logprobs(a: dict[str, Any] | None, b: dict[str, Any] | None) -> dict[str, Any] | None:
     """Two ``logprobs`` objects one after the other (``b``'s offsets already continue ``a``'s text)."""
     if a is None or b is None:
         return a or b
     return {k: a[k] + b[k] for k in a}
+
+
+def _echoed(o: RequestOutput, c: CompletionOutput, echo: Echo, decoded: dict[str, str],
+            token_ids: list[int] | None = None, text: str | None = None) -> dict[str, Any]:
+    """A completion choice's ``text``, ``logprobs`` and ``finish_reason`` with its prompt echoed in front: of the
+    whole completion, or of ``token_ids`` / ``text`` only (a stream's first chunk). ``decoded``: the prompt's
+    text and first token, from the engine thread (``_echo_prompt``). As in vLLM, the offsets run over every
+    token's text from 0, prompt then completion, so a prompt's BOS token counts there though the text of a text
+    prompt, echoed as sent, has none."""
+    token_ids = c.token_ids if token_ids is None else token_ids
+    text = c.text if text is None else text
+    if echo.prompt_only:  # max_tokens=0: the one token the engine generated is not part of the answer
+        token_ids, text = [], ""
+    logprobs = None
+    if c.logprobs is not None:
+        logprobs = _echo_logprobs_json(o.prompt_token_ids, o.prompt_logprobs, decoded["first"])
+        if token_ids:
+            end = logprobs["text_offset"][-1] + len(logprobs["tokens"][-1])
+            logprobs = _join_logprobs(logprobs, _logprobs_json(c, token_ids, len(c.token_ids) - len(token_ids), end))
+    finish = "length" if echo.prompt_only and c.finish_reason is not None else c.finish_reason
+    return {"text": decoded["text"] + text, "logprobs": logprobs, "finish_reason": finish}
 
 
 def _logprobs_json(c: CompletionOutput, token_ids: list[int], start: int, text_start: int = 0
@@ -523,12 +561,15 @@ class Handler(BaseHTTPRequestHandler):
         prefix = "chatcmpl-" if chat else "cmpl-"
         request_id = prefix + uuid.uuid4().hex[:24]
         ids = [f"{request_id}-{i}" for i in range(len(prompts))]
+        echoed: dict[str, dict[str, str]] = {rid: {} for rid in ids} if echo is not None else {}
+        if echo is not None:
+            prompts = [_echo_prompt(p, self.state.tokenizer, echoed[rid]) for rid, p in zip(ids, prompts)]
         out = self.state.loop.submit([(rid, p, params) for rid, p in zip(ids, prompts)], stream=stream,
                                      max_tokens_field=max_tokens_field(body))
         if stream:
-            self._stream(out, request_id, ids, params.n, chat, include_usage, echo)
+            self._stream(out, request_id, ids, params.n, chat, include_usage, echo, echoed)
         else:
-            self._respond(out, request_id, ids, params.n, chat, echo)
+            self._respond(out, request_id, ids, params.n, chat, echo, echoed)
 
     def _route(self, method: str) -> str | None:
         """The request's path without its query string, if ``method`` serves it; else None, answered already:
@@ -635,7 +676,7 @@ class Handler(BaseHTTPRequestHandler):
 
     # writing
     def _respond(self, out: queue.Queue, request_id: str, ids: list[str], n: int, chat: bool,
-                 echo: Echo | None = None) -> None:
+                 echo: Echo | None = None, echoed: dict[str, dict[str, str]] | None = None) -> None:
         latest: dict[tuple[str, int], CompletionOutput] = {}  # each completion's last report (they end apart)
         prompts: dict[str, RequestOutput] = {}  # each prompt's last report: its tokens and prompt_logprobs
         try:
@@ -662,8 +703,7 @@ class Handler(BaseHTTPRequestHandler):
             choice = {"index": idx, "text": c.text, "logprobs": _logprobs_json(c, c.token_ids, 0),
                       "finish_reason": c.finish_reason}
             if echo is not None:
-                choice.update(self._echoed(prompts[rid], c, echo))
-                del choice["next_offset"]
+                choice.update(_echoed(prompts[rid], c, echo, echoed[rid]))
             if prompts[rid].prompt_logprobs is not None and (echo is None or echo.prompt_logprobs):
                 choice["prompt_logprobs"] = _prompt_logprobs_json(prompts[rid].prompt_logprobs)
             choices.append(choice)
@@ -675,31 +715,9 @@ class Handler(BaseHTTPRequestHandler):
             "created": int(time.time()), "model": self.state.model_name, "choices": choices,
             "usage": _usage(prompt_tokens, completion_tokens)})
 
-    def _echoed(self, o: RequestOutput, c: CompletionOutput, echo: Echo, token_ids: list[int] | None = None,
-                text: str | None = None) -> dict[str, Any]:
-        """A completion choice's ``text``, ``logprobs`` and ``finish_reason`` with its prompt echoed in front:
-        of the whole completion, or of ``token_ids`` / ``text`` only (a stream's first chunk). As in vLLM the
-        offsets run over every token's text from 0, prompt then completion, so a prompt's BOS token counts there
-        though the text of a text prompt (echoed as sent) has none. ``next_offset``: where the next chunk's start."""
-        tok = self.state.tokenizer  # a text prompt echoes as sent; token ids decode, BOS included (as in vLLM)
-        prompt = o.prompt if o.prompt is not None else tok.decode(o.prompt_token_ids)
-        token_ids = c.token_ids if token_ids is None else token_ids
-        text = c.text if text is None else text
-        if echo.prompt_only:  # max_tokens=0: the one token the engine generated is not part of the answer
-            token_ids, text = [], ""
-        logprobs, end = None, 0
-        if c.logprobs is not None:
-            logprobs = _echo_logprobs_json(o.prompt_token_ids, o.prompt_logprobs, tok.decode(o.prompt_token_ids[:1]))
-            end = logprobs["text_offset"][-1] + len(logprobs["tokens"][-1])
-            if token_ids:
-                logprobs = _join_logprobs(logprobs, _logprobs_json(c, token_ids, len(c.token_ids) - len(token_ids),
-                                                                   end))
-                end = logprobs["text_offset"][-1] + len(logprobs["tokens"][-1])
-        finish = "length" if echo.prompt_only and c.finish_reason is not None else c.finish_reason
-        return {"text": prompt + text, "logprobs": logprobs, "finish_reason": finish, "next_offset": end}
-
     def _stream(self, out: queue.Queue, request_id: str, ids: list[str], n: int, chat: bool,
-                include_usage: bool, echo: Echo | None = None) -> None:
+                include_usage: bool, echo: Echo | None = None,
+                echoed: dict[str, dict[str, str]] | None = None) -> None:
         """Server-sent events: one ``data: {chunk}`` per completion that advanced, then ``data: [DONE]``. A
         client that goes away has its requests aborted instead of left to run."""
         obj = "chat.completion.chunk" if chat else "text_completion"
@@ -730,11 +748,11 @@ class Handler(BaseHTTPRequestHandler):
                                                                                       or echo.prompt_logprobs):
                             choice["prompt_logprobs"] = _prompt_logprobs_json(o.prompt_logprobs)  # once, first
                         if echo is not None and key not in text_pos:  # the prompt goes out in the first chunk
-                            choice.update(self._echoed(o, c, echo, c.new_token_ids, c.delta_text))
-                            text_pos[key] = choice.pop("next_offset") - len(c.delta_text)
+                            choice.update(_echoed(o, c, echo, echoed[o.request_id], c.new_token_ids, c.delta_text))
                         elif echo is not None and echo.prompt_only:
                             choice.update(text="", logprobs=None, finish_reason=choice["finish_reason"] and "length")
-                    text_pos[key] = text_pos.get(key, 0) + len(c.delta_text)
+                    # a chunk's logprob offsets start where the text streamed so far ends (vLLM's streams)
+                    text_pos[key] = text_pos.get(key, 0) + len(c.delta_text if chat else choice["text"])
                     self._event({**head, "choices": [choice]})
                 if o.finished:
                     prompt_tokens += len(o.prompt_token_ids)

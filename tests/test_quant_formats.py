@@ -193,8 +193,10 @@ def _tampered(**changes) -> QuantizedWeight:
 def test_validate_names_the_mismatch(qw, match):
     with pytest.raises(ValueError, match=match):
         qw.validate()
-    with pytest.raises(ValueError, match=match):
-        dequantize(qw)
+    values = ("zero points", "finite", "that are not", "NaN code")  # checked at build and load, not per forward
+    if not any(v in match for v in values):
+        with pytest.raises(ValueError, match=match):
+            dequantize(qw)
 
 
 @pytest.mark.parametrize("fmt", ["int8", "fp8", "int4"])

@@ -66,9 +66,13 @@ def test_max_tokens_0_scores_the_prompt_alone(server, llm):
     assert math.isclose(served, want, abs_tol=1e-4)
 
 
-@pytest.mark.parametrize("max_tokens", [0, 5])
-def test_a_streamed_echo_adds_up_to_the_plain_answer(server, max_tokens):
-    body = {"prompt": [0, 419, 436, 259], "max_tokens": max_tokens, "temperature": 0, "echo": True, "logprobs": 1}
+@pytest.mark.parametrize("max_tokens, stop", [(0, None), (5, None), (24, ["girl", " named"])])
+def test_a_streamed_echo_adds_up_to_the_plain_answer(server, max_tokens, stop):
+    """The stream's text, tokens and logprobs add up to the plain answer's. Its offsets follow vLLM's streams:
+    each chunk's start where the text streamed before it ends; they equal the plain answer's (a running sum of
+    the tokens' texts) where every token's text went out whole, as here without a stop string."""
+    body = {"prompt": [0, 419, 436, 259], "max_tokens": max_tokens, "temperature": 0, "echo": True, "logprobs": 1,
+            "stop": stop}
     _, plain = post(server, body)
     status, text = post(server, {**body, "stream": True}, raw=True)
     chunks = [e["choices"][0] for e in events(text)]
@@ -76,8 +80,16 @@ def test_a_streamed_echo_adds_up_to_the_plain_answer(server, max_tokens):
     want = plain["choices"][0]
     assert "".join(ch["text"] for ch in chunks) == want["text"]
     assert chunks[-1]["finish_reason"] == want["finish_reason"]
-    for key in ("tokens", "token_logprobs", "text_offset"):
+    for key in ("tokens", "token_logprobs"):
         assert sum((ch["logprobs"][key] for ch in chunks if ch["logprobs"]), []) == want["logprobs"][key]
+    for i, ch in enumerate(chunks[1:], 1):
+        if ch["logprobs"] and ch["logprobs"]["tokens"]:
+            assert ch["logprobs"]["text_offset"][0] == len("".join(c["text"] for c in chunks[:i]))
+    if stop is None:
+        assert sum((ch["logprobs"]["text_offset"] for ch in chunks if ch["logprobs"]), []) == \
+            want["logprobs"]["text_offset"]
+    else:
+        assert want["finish_reason"] == "stop"  # the stop string was met, and text was held back for it
 
 
 def test_echo_without_logprobs_and_with_prompt_logprobs(server):

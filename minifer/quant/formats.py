@@ -239,8 +239,10 @@ def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
 
 
 def dequantize(qw: QuantizedWeight, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """The full-precision ``[N, K]`` weight the codes stand for (computed in float32, returned in ``dtype``)."""
-    qw.validate()
+    """The full-precision ``[N, K]`` weight the codes stand for (computed in float32, returned in ``dtype``).
+    Shapes and dtypes are checked on every call; the values were checked once, when the weight was built or
+    loaded (``QuantLinear``, ``load_quantized``): this runs in every CPU forward of a quantized layer."""
+    qw.validate(check_values=False)
     if qw.fmt == "int4":
         q = unpack_int4(qw.qweight).float()
         z = 8.0 if qw.zeros is None else qw.zeros.float().repeat_interleave(qw.group_size, dim=1)
