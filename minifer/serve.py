@@ -12,6 +12,7 @@ between minifer and ``vllm serve`` unchanged:
 
 ``echo`` (with ``logprobs``, and ``max_tokens`` 0 to score the prompt alone) returns each prompt's text and
 token log-probabilities before its completion, as evaluation harnesses ask an OpenAI-style server for them.
+Chat answers carry OpenAI's chat ``logprobs`` (``logprobs: true``, ``top_logprobs: k``).
 
 Two threads matter. The engine is not thread-safe, so one thread (``EngineLoop``) owns it: HTTP handlers hand
 it requests and aborts through a queue, and it applies them between steps, steps while anything is unfinished,
@@ -273,10 +274,11 @@ def sampling_params(body: dict[str, Any], *, chat: bool) -> SamplingParams:
     if chat and body.get("prompt_logprobs") is not None:
         raise RequestError("prompt_logprobs is not supported on /v1/chat/completions by minifer: use /v1/completions",
                            "prompt_logprobs")
-    if chat and (logprobs or body.get("top_logprobs")):
-        raise RequestError("logprobs are not supported on /v1/chat/completions by minifer: use /v1/completions",
-                           "logprobs" if logprobs else "top_logprobs")
-    if not chat and logprobs is not None:
+    if chat:
+        top = _chat_top_logprobs(body)
+        if top is not None:
+            kwargs["logprobs"] = top
+    elif logprobs is not None:
         kwargs["logprobs"] = logprobs
     echo = echo_mode(body, chat=chat)
     if echo is not None and echo.prompt_only:
@@ -288,6 +290,38 @@ def sampling_params(body: dict[str, Any], *, chat: bool) -> SamplingParams:
     except (ValueError, TypeError) as e:
         field = str(e).split()[0].removeprefix("SamplingParams.") if str(e).startswith("SamplingParams.") else None
         raise RequestError(str(e), field) from None
+
+
+def _chat_top_logprobs(body: dict[str, Any]) -> int | None:
+    """Chat's logprobs, OpenAI's way: ``logprobs`` is a bool, ``top_logprobs`` (0-20) how many candidates per
+    token, which needs ``logprobs: true``. Returns the candidates to ask the engine for, or None for none."""
+    logprobs, top = body.get("logprobs"), body.get("top_logprobs")
+    if logprobs is not None and not isinstance(logprobs, bool):
+        raise RequestError("logprobs must be true or false on /v1/chat/completions (top_logprobs says how many)",
+                           "logprobs")
+    if top is not None and (not isinstance(top, int) or isinstance(top, bool) or not 0 <= top <= 20):
+        raise RequestError(f"top_logprobs must be an integer in [0, 20], got {top!r}", "top_logprobs")
+    if top is not None and not logprobs:
+        raise RequestError("top_logprobs needs logprobs: true", "top_logprobs")
+    return (top or 0) if logprobs else None
+
+
+def _chat_logprobs_json(c: CompletionOutput, token_ids: list[int], start: int, top: int) -> dict[str, Any] | None:
+    """OpenAI's chat ``logprobs`` for ``token_ids`` (``c``'s tokens from index ``start``): per token its text,
+    log-probability and UTF-8 bytes, and the ``top`` most likely candidates (the engine also keeps the sampled
+    token when it is not among them; OpenAI's list has only the top ones)."""
+    if c.logprobs is None:
+        return None
+
+    def item(t: int, lp) -> dict[str, Any]:
+        text = lp.decoded_token if lp.decoded_token is not None else str(t)
+        return {"token": text, "logprob": lp.logprob, "bytes": list(text.encode("utf-8"))}
+
+    content = []
+    for entry, t in zip(c.logprobs[start : start + len(token_ids)], token_ids):
+        best = sorted((lp.rank, tid) for tid, lp in entry.items() if lp.rank <= top)
+        content.append({**item(t, entry[t]), "top_logprobs": [item(tid, entry[tid]) for _, tid in best]})
+    return {"content": content}
 
 
 def _token_id_key(key: str) -> int:
@@ -567,9 +601,9 @@ class Handler(BaseHTTPRequestHandler):
         out = self.state.loop.submit([(rid, p, params) for rid, p in zip(ids, prompts)], stream=stream,
                                      max_tokens_field=max_tokens_field(body))
         if stream:
-            self._stream(out, request_id, ids, params.n, chat, include_usage, echo, echoed)
+            self._stream(out, request_id, ids, params.n, chat, include_usage, echo, echoed, params.logprobs or 0)
         else:
-            self._respond(out, request_id, ids, params.n, chat, echo, echoed)
+            self._respond(out, request_id, ids, params.n, chat, echo, echoed, params.logprobs or 0)
 
     def _route(self, method: str) -> str | None:
         """The request's path without its query string, if ``method`` serves it; else None, answered already:
@@ -676,7 +710,8 @@ class Handler(BaseHTTPRequestHandler):
 
     # writing
     def _respond(self, out: queue.Queue, request_id: str, ids: list[str], n: int, chat: bool,
-                 echo: Echo | None = None, echoed: dict[str, dict[str, str]] | None = None) -> None:
+                 echo: Echo | None = None, echoed: dict[str, dict[str, str]] | None = None,
+                 top_logprobs: int = 0) -> None:
         latest: dict[tuple[str, int], CompletionOutput] = {}  # each completion's last report (they end apart)
         prompts: dict[str, RequestOutput] = {}  # each prompt's last report: its tokens and prompt_logprobs
         try:
@@ -698,7 +733,8 @@ class Handler(BaseHTTPRequestHandler):
             idx = _choice_index(ids, rid, n, index)
             if chat:
                 choices.append({"index": idx, "message": {"role": "assistant", "content": c.text},
-                                "logprobs": None, "finish_reason": c.finish_reason})
+                                "logprobs": _chat_logprobs_json(c, c.token_ids, 0, top_logprobs),
+                                "finish_reason": c.finish_reason})
                 continue
             choice = {"index": idx, "text": c.text, "logprobs": _logprobs_json(c, c.token_ids, 0),
                       "finish_reason": c.finish_reason}
@@ -717,7 +753,7 @@ class Handler(BaseHTTPRequestHandler):
 
     def _stream(self, out: queue.Queue, request_id: str, ids: list[str], n: int, chat: bool,
                 include_usage: bool, echo: Echo | None = None,
-                echoed: dict[str, dict[str, str]] | None = None) -> None:
+                echoed: dict[str, dict[str, str]] | None = None, top_logprobs: int = 0) -> None:
         """Server-sent events: one ``data: {chunk}`` per completion that advanced, then ``data: [DONE]``. A
         client that goes away has its requests aborted instead of left to run."""
         obj = "chat.completion.chunk" if chat else "text_completion"
@@ -738,7 +774,9 @@ class Handler(BaseHTTPRequestHandler):
                     if chat:
                         delta = {"content": c.delta_text} if key in text_pos else {"role": "assistant",
                                                                                    "content": c.delta_text}
-                        choice = {"index": idx, "delta": delta, "logprobs": None, "finish_reason": c.finish_reason}
+                        start = len(c.token_ids) - len(c.new_token_ids)
+                        choice = {"index": idx, "delta": delta, "finish_reason": c.finish_reason,
+                                  "logprobs": _chat_logprobs_json(c, c.new_token_ids, start, top_logprobs)}
                     else:
                         start = len(c.token_ids) - len(c.new_token_ids)
                         choice = {"index": idx, "text": c.delta_text,

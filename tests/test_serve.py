@@ -323,6 +323,8 @@ def test_chat_through_a_template():
     messages = [{"role": "user", "content": "Tell me about a cat."}]
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
     want = llm.chat(messages, params)[0].outputs[0].text
+    ranked = llm.chat(messages, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=2))
+    entries, ids = ranked[0].outputs[0].logprobs, ranked[0].outputs[0].token_ids
     with start_server(llm, port=0, model_name=MODEL) as srv:
         body = {"model": MODEL, "messages": messages, "temperature": 0, "max_tokens": 12, "ignore_eos": True}
         status, got = post(srv, "/v1/chat/completions", body)
@@ -334,8 +336,23 @@ def test_chat_through_a_template():
         assert chunks[0]["choices"][0]["delta"]["role"] == "assistant"
         assert all("role" not in c["choices"][0]["delta"] for c in chunks[1:])
         assert "".join(c["choices"][0]["delta"]["content"] for c in chunks) == want
-        status, err = post(srv, "/v1/chat/completions", {**body, "logprobs": True})
-        assert status == 400 and err["error"]["param"] == "logprobs"
+        # OpenAI's chat logprobs: per token its text, logprob and bytes, and the top_logprobs best candidates
+        status, got = post(srv, "/v1/chat/completions", {**body, "logprobs": True, "top_logprobs": 2})
+        content = got["choices"][0]["logprobs"]["content"]
+        assert status == 200 and [c["token"] for c in content] == [e[t].decoded_token for e, t in zip(entries, ids)]
+        assert all(abs(c["logprob"] - e[t].logprob) < 1e-5 for c, e, t in zip(content, entries, ids))
+        assert all(c["bytes"] == list(c["token"].encode()) and len(c["top_logprobs"]) == 2 for c in content)
+        for c in content:  # greedy: each token is its own best candidate, and the list runs best first
+            first, second = c["top_logprobs"]
+            assert first == {k: c[k] for k in ("token", "logprob", "bytes")} and first["logprob"] >= second["logprob"]
+        status, text = post(srv, "/v1/chat/completions", {**body, "logprobs": True, "stream": True}, raw=True)
+        streamed = sum((c["choices"][0]["logprobs"]["content"] for c in events(text)), [])
+        assert [c["token"] for c in streamed] == [c["token"] for c in content]
+        assert all(c["top_logprobs"] == [] for c in streamed)  # top_logprobs omitted: none
+        for bad, field in (({"logprobs": 2}, "logprobs"), ({"top_logprobs": 2}, "top_logprobs"),
+                           ({"logprobs": True, "top_logprobs": 21}, "top_logprobs")):
+            status, err = post(srv, "/v1/chat/completions", {**body, **bad})
+            assert status == 400 and err["error"]["param"] == field
 
 
 def test_a_step_failing_after_tokens_were_appended_leaves_nothing_behind():
