@@ -56,6 +56,9 @@ from minifer.sampling import SamplingParams
 
 _DONE = object()  # an HTTP request's queue gets this once none of its engine requests will report again
 MAX_BODY_BYTES = 16 * 2**20
+# Completions per HTTP request (n times the prompts): the engine thread, which serves every client, creates them
+# all at once, so a request for 100,000 would stall everyone else (offline, LLM.generate has no such limit).
+MAX_COMPLETIONS_PER_REQUEST = 256
 POLL_S = 0.25  # how often a waiting handler checks that its client and the engine loop are still there
 
 
@@ -588,6 +591,10 @@ class Handler(BaseHTTPRequestHandler):
             params = sampling_params(body, chat=chat)
             echo = echo_mode(body, chat=chat)
             prompts = [_chat_prompt(body, self.state.tokenizer)] if chat else _prompts(body)
+            if params.n * len(prompts) > MAX_COMPLETIONS_PER_REQUEST:
+                raise RequestError(f"n={params.n} for {len(prompts)} prompt(s) asks for {params.n * len(prompts)} "
+                                   f"completions; this server makes at most {MAX_COMPLETIONS_PER_REQUEST} per request",
+                                   "n")
             stream, include_usage = _stream_flags(body)
         except RequestError as e:
             self._error(e)

@@ -213,6 +213,15 @@ def test_errors_name_the_prompt_at_fault(server):
     assert status == 400 and err["error"]["message"].startswith("prompt 1 has")
 
 
+def test_a_request_for_more_completions_than_the_server_makes_is_refused(server):
+    from minifer.serve import MAX_COMPLETIONS_PER_REQUEST as most
+
+    status, err = post(server, greedy(2, prompt=["Tom", "Lily"], n=most // 2 + 1))
+    assert status == 400 and err["error"]["param"] == "n" and f"at most {most} per request" in err["error"]["message"]
+    status, got = post(server, greedy(1, prompt=["Tom", "Lily"], n=3))
+    assert status == 200 and len(got["choices"]) == 6
+
+
 # --- 8. HTTP ----------------------------------------------------------------------------------------------------
 
 
