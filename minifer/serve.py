@@ -304,7 +304,7 @@ def _chat_top_logprobs(body: dict[str, Any]) -> int | None:
                            "logprobs")
     if top is not None and (not isinstance(top, int) or isinstance(top, bool) or not 0 <= top <= 20):
         raise RequestError(f"top_logprobs must be an integer in [0, 20], got {top!r}", "top_logprobs")
-    if top is not None and not logprobs:
+    if top and not logprobs:  # 0 asks for nothing, with or without logprobs (as vLLM accepts it)
         raise RequestError("top_logprobs needs logprobs: true", "top_logprobs")
     return (top or 0) if logprobs else None
 
@@ -322,8 +322,8 @@ def _chat_logprobs_json(c: CompletionOutput, token_ids: list[int], start: int, t
 
     content = []
     for entry, t in zip(c.logprobs[start : start + len(token_ids)], token_ids):
-        best = sorted((lp.rank, tid) for tid, lp in entry.items() if lp.rank <= top)
-        content.append({**item(t, entry[t]), "top_logprobs": [item(tid, entry[tid]) for _, tid in best]})
+        best = sorted((lp.rank, -lp.logprob, tid) for tid, lp in entry.items())[:top]  # a tie may add one: k only
+        content.append({**item(t, entry[t]), "top_logprobs": [item(tid, entry[tid]) for *_, tid in best]})
     return {"content": content}
 
 
@@ -482,8 +482,12 @@ def _echo_prompt(prompt: Any, tokenizer, slot: dict[str, str]):
             slot.update(text=prompt if isinstance(prompt, str) else "", first=str(ids[0]) if ids else "")
             return prompt
         ids = list(prompt["prompt_token_ids"]) if isinstance(prompt, dict) else list(tokenizer(prompt)["input_ids"])
-        slot.update(text=prompt if isinstance(prompt, str) else tokenizer.decode(ids),
-                    first=tokenizer.decode(ids[:1]))
+        slot.update(text=prompt if isinstance(prompt, str) else "", first=str(ids[0]) if ids else "")
+        try:
+            slot.update(text=prompt if isinstance(prompt, str) else tokenizer.decode(ids),
+                        first=tokenizer.decode(ids[:1]))
+        except (OverflowError, TypeError, ValueError):  # ids out of range: the engine refuses them, naming them
+            pass
         return prompt
 
     return encode
@@ -767,7 +771,7 @@ class Handler(BaseHTTPRequestHandler):
         created = int(time.time())
         head = {"id": request_id, "object": obj, "created": created, "model": self.state.model_name}
         started = False
-        text_pos: dict[tuple[str, int], int] = {}  # characters streamed so far per completion (logprob offsets)
+        text_pos: dict[tuple[str, int], int] = {}  # per completion seen: where its next token's logprob offset is
         prompt_tokens = completion_tokens = 0
         try:
             for o in self._events(out, ids):
@@ -796,8 +800,10 @@ class Handler(BaseHTTPRequestHandler):
                             choice.update(_echoed(o, c, echo, echoed[o.request_id], c.new_token_ids, c.delta_text))
                         elif echo is not None and echo.prompt_only:
                             choice.update(text="", logprobs=None, finish_reason=choice["finish_reason"] and "length")
-                    # a chunk's logprob offsets start where the text streamed so far ends (vLLM's streams)
-                    text_pos[key] = text_pos.get(key, 0) + len(c.delta_text if chat else choice["text"])
+                    # offsets run over the tokens' texts, as in the plain answer, whatever text a chunk held back
+                    lp = None if chat else choice["logprobs"]
+                    text_pos[key] = lp["text_offset"][-1] + len(lp["tokens"][-1]) if lp and lp["tokens"] else \
+                        text_pos.get(key, 0)
                     self._event({**head, "choices": [choice]})
                 if o.finished:
                     prompt_tokens += len(o.prompt_token_ids)

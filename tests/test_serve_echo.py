@@ -66,30 +66,37 @@ def test_max_tokens_0_scores_the_prompt_alone(server, llm):
     assert math.isclose(served, want, abs_tol=1e-4)
 
 
-@pytest.mark.parametrize("max_tokens, stop", [(0, None), (5, None), (24, ["girl", " named"])])
-def test_a_streamed_echo_adds_up_to_the_plain_answer(server, max_tokens, stop):
-    """The stream's text, tokens and logprobs add up to the plain answer's. Its offsets follow vLLM's streams:
-    each chunk's start where the text streamed before it ends; they equal the plain answer's (a running sum of
-    the tokens' texts) where every token's text went out whole, as here without a stop string."""
-    body = {"prompt": [0, 419, 436, 259], "max_tokens": max_tokens, "temperature": 0, "echo": True, "logprobs": 1,
-            "stop": stop}
+@pytest.mark.parametrize("prompt, max_tokens, stop, echo", [
+    ([0, 419, 436, 259], 0, None, True), ([0, 419, 436, 259], 5, None, True), ([0, 419, 436, 259], 5, None, False),
+    ("Once upon a", 24, ["girl", " named"], True), ("Once upon a", 24, ["girl", " named"], False)])
+def test_a_streamed_answer_adds_up_to_the_plain_one(server, prompt, max_tokens, stop, echo):
+    """The stream's text, tokens, logprobs and offsets add up to the plain answer's: the offsets run over the
+    tokens' texts in both, whatever text a chunk held back for a stop string, and a text prompt echoed as sent
+    (without the BOS token that its logprobs list) changes nothing."""
+    body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "echo": echo, "logprobs": 1, "stop": stop}
     _, plain = post(server, body)
     status, text = post(server, {**body, "stream": True}, raw=True)
     chunks = [e["choices"][0] for e in events(text)]
-    assert status == 200 and chunks[0]["text"].startswith("<|endoftext|>Once upon a")  # token ids decode, BOS too
+    assert status == 200
+    if echo and isinstance(prompt, list):
+        assert chunks[0]["text"].startswith("<|endoftext|>Once upon a")  # token ids decode, BOS too
     want = plain["choices"][0]
     assert "".join(ch["text"] for ch in chunks) == want["text"]
-    assert chunks[-1]["finish_reason"] == want["finish_reason"]
-    for key in ("tokens", "token_logprobs"):
+    assert chunks[-1]["finish_reason"] == want["finish_reason"] == ("stop" if stop else "length")
+    for key in ("tokens", "token_logprobs", "text_offset"):
         assert sum((ch["logprobs"][key] for ch in chunks if ch["logprobs"]), []) == want["logprobs"][key]
-    for i, ch in enumerate(chunks[1:], 1):
-        if ch["logprobs"] and ch["logprobs"]["tokens"]:
-            assert ch["logprobs"]["text_offset"][0] == len("".join(c["text"] for c in chunks[:i]))
-    if stop is None:
-        assert sum((ch["logprobs"]["text_offset"] for ch in chunks if ch["logprobs"]), []) == \
-            want["logprobs"]["text_offset"]
-    else:
-        assert want["finish_reason"] == "stop"  # the stop string was met, and text was held back for it
+
+
+def test_chat_top_logprobs_lists_k_candidates_even_with_ties():
+    """The engine keeps the sampled token beside the k best; a tie with the k-th gives it rank <= k too."""
+    from minifer.outputs import CompletionOutput
+    from minifer.sampling import Logprob
+    from minifer.serve import _chat_logprobs_json
+
+    entry = {5: Logprob(-1.0, 1, "a"), 7: Logprob(-1.0, 1, "b"), 9: Logprob(-1.0, 1, "c")}  # 9 was sampled
+    c = CompletionOutput(0, "c", [9], None, [entry])
+    content = _chat_logprobs_json(c, [9], 0, 2)["content"]
+    assert content[0]["token"] == "c" and len(content[0]["top_logprobs"]) == 2
 
 
 def test_echo_without_logprobs_and_with_prompt_logprobs(server):
@@ -112,3 +119,10 @@ def test_echo_without_logprobs_and_with_prompt_logprobs(server):
 def test_echo_errors_name_the_field(server, path, body, field, words):
     status, got = _post(server, path, {"model": MODEL, **body})
     assert status == 400 and got["error"]["param"] == field and words in got["error"]["message"]
+
+
+@pytest.mark.parametrize("ids", [[-1], [10**12], [2**64]])
+def test_echoed_token_ids_out_of_the_vocabulary_are_the_engines_400(server, ids):
+    for stream in (False, True):
+        status, got = post(server, {"prompt": ids, "echo": True, "max_tokens": 2, "stream": stream})
+        assert status == 400 and "out of the vocabulary" in got["error"]["message"], got
