@@ -416,7 +416,7 @@ def post_json(url: str, body: dict[str, Any], *, stream: bool = False) -> tuple[
         return e.code, json.loads(e.read())
     if not stream:
         return status, json.loads(text)
-    from minifer.serve import sse_events
+    from minifer.openai_protocol import sse_events
 
     return status, sse_events(text)
 

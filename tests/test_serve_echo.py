@@ -91,11 +91,11 @@ def test_chat_top_logprobs_lists_k_candidates_even_with_ties():
     """The engine keeps the sampled token beside the k best; a tie with the k-th gives it rank <= k too."""
     from minifer.outputs import CompletionOutput
     from minifer.sampling import Logprob
-    from minifer.serve import _chat_logprobs_json
+    from minifer.openai_protocol import chat_logprobs_json
 
     entry = {5: Logprob(-1.0, 1, "a"), 7: Logprob(-1.0, 1, "b"), 9: Logprob(-1.0, 1, "c")}  # 9 was sampled
     c = CompletionOutput(0, "c", [9], None, [entry])
-    content = _chat_logprobs_json(c, [9], 0, 2)["content"]
+    content = chat_logprobs_json(c, [9], 0, 2)["content"]
     assert content[0]["token"] == "c" and len(content[0]["top_logprobs"]) == 2
 
 

@@ -38,7 +38,7 @@ from datetime import datetime, timezone
 from typing import Any
 
 from minifer.bench.workloads import Workload, make_workload
-from minifer.serve import sse_events
+from minifer.openai_protocol import sse_events
 
 MODES = ("direct", "http", "http-stream")
 
