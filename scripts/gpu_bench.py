@@ -29,13 +29,13 @@ import argparse
 import json
 import platform
 import random
-import subprocess
 import time
 from pathlib import Path
 
 import torch
 
 from minifer import LLM, SamplingParams
+from minifer.bench.serving import git_commit
 
 
 def _sync(device: torch.device) -> None:
@@ -99,10 +99,7 @@ def offline_throughput(llm: LLM, n: int, lo: int, hi: int, seed: int) -> dict:
 def metadata(device: torch.device) -> dict:
     meta = {"python": platform.python_version(), "torch": torch.__version__, "platform": platform.platform(),
             "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
-    try:
-        meta["git_commit"] = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
-    except OSError:
-        pass
+    meta["git"] = git_commit()  # the commit, whether the tree differed from it, and a fingerprint of the diff
     if device.type == "cuda":
         p = torch.cuda.get_device_properties(device)
         meta.update(gpu=p.name, gpu_memory_gib=round(p.total_memory / 2**30, 1), capability=f"{p.major}.{p.minor}",

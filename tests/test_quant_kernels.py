@@ -421,7 +421,12 @@ def test_benchmark_smoke(tmp_path):
         out = tmp_path / "q.json"
         assert bench.main(["--device", "cpu", "--smoke", "--formats", "int8", "--no-extra-paths", "--out",
                            str(out)]) == 0
-        assert {r["M"] for r in json.loads(out.read_text())["rows"]} == {1, 3, 17}
+        saved = json.loads(out.read_text())
+        assert {r["M"] for r in saved["rows"]} == {1, 3, 17}
+        assert saved["command"].startswith("python -m minifer.bench.quant_kernels --device cpu --smoke")
+        assert saved["timestamp"] and saved["environment"]["git"]["commit"]
+        if saved["environment"]["git"]["dirty"]:  # a tree that differs from its commit is fingerprinted
+            assert len(saved["environment"]["git"]["diff_sha256"]) == 64
     assert res["split_sweeps"] == []  # the sweep runs only for cases among those benchmarked
 
 

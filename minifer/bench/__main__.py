@@ -95,8 +95,8 @@ def _finish(args, result: dict, name: str) -> Path:
 def cmd_throughput(args) -> int:
     from minifer.bench.serving import metadata, throughput_benchmark
 
-    meta = metadata(args.argv)  # the commit and time at the start of the run
     llm = _setup(args)
+    meta = metadata(args.argv)  # the commit and time at the start of the run, after _setup set the threads
     w = _workload(args, llm)
     res = throughput_benchmark(llm, w, modes=args.modes, repeats=args.repeats, max_num_seqs=args.max_num_seqs,
                                hf_batch_size=args.hf_batch_size, warmup=not args.no_warmup,
@@ -123,8 +123,8 @@ def cmd_throughput(args) -> int:
 def cmd_serve(args) -> int:
     from minifer.bench.serving import metadata, serve_benchmark
 
-    meta = metadata(args.argv)
     llm = _setup(args)
+    meta = metadata(args.argv)  # after _setup: the metadata records the thread count the run used
     res = serve_benchmark(llm, lambda rate: _workload(args, llm, rate), args.rate, modes=args.modes,
                           repeats=args.repeats, max_num_seqs=args.max_num_seqs, hf_batch_size=args.hf_batch_size,
                           warmup=not args.no_warmup, progress=not args.no_progress, engine_kw=_engine_kw(args))
@@ -148,8 +148,8 @@ def cmd_bound(args) -> int:
 def cmd_profile(args) -> int:
     from minifer.bench.serving import metadata, profile_modes
 
-    meta = metadata(args.argv)
     llm = _setup(args)
+    meta = metadata(args.argv)  # after _setup: the metadata records the thread count the run used
     w = _workload(args, llm)
     res = profile_modes(llm, w, modes=args.modes, max_num_seqs=args.max_num_seqs, engine_kw=_engine_kw(args),
                         top=args.top)
@@ -180,7 +180,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rate", type=float, nargs="+", required=True, help="requests per second (several: a sweep)")
     _add_workload_args(p, 128)
     _add_engine_args(p, ["static", "continuous"])
-    p.set_defaults(func=cmd_serve, repeats=1)
+    p.set_defaults(func=cmd_serve, repeats=2)  # two rounds at least, the engines' order alternating
 
     p = sub.add_parser("bound", help="the scheduler-step bound against the number of requests")
     p.add_argument("--slots", type=int, default=16)

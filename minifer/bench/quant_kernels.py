@@ -26,10 +26,15 @@ M = 1 and 16 after the gemv loop was software-pipelined). Copy bandwidth 4.2 TB/
 reads a 4096x14336 weight at 3.8 TB/s (31 us). Speed-up over bf16, 4096x14336:
 
     M      int8           int4            fp8
-    1      1.34 (splitk)  1.80 (gemv)     1.49 (splitk)     int4 reads 1.7 TB/s: the 3x target is NOT met
-    16     1.28           0.99            1.48
+    1      1.33 (splitk)  1.80 (gemv)     1.48 (splitk)     int4 reads 1.7 TB/s: the 3x target is NOT met
+    16     1.33 (splitk)  1.04 (splitk)   1.54 (splitk)
     64     0.95 (tiled)   0.63            0.87
     256    0.45           0.26            0.44              tiled dequantize-then-dot loses to cuBLAS
+
+M = 1 and 16 from ``..._decode.json``, the best decode path of each; ``auto`` chose gemv at M = 1 in that run,
+which was the better path for int4 only (int8 1.09x, fp8 1.12x with gemv). M = 64 and 256 from the full sweep.
+Both files predate the int4 tensor-core kernel and today's ``auto``, and record no command line (results written
+since do).
 
 so the weight-only formats pay at decode (M <= 16) and cost at prefill; int4 decode reaches under half
 of its bytes bound. Every case matched ``quant_linear_reference`` (relative error 1.6e-3 to 1.7e-3, the
@@ -45,9 +50,12 @@ import argparse
 import json
 import math
 import os
+import shlex
 import statistics
+import sys
 import time
 from collections.abc import Callable, Sequence
+from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
@@ -344,8 +352,11 @@ def main(argv: list[str] | None = None) -> int:
         kw["sweeps"] = ()
     args.out.parent.mkdir(parents=True, exist_ok=True)
 
-    def save(partial: dict[str, Any]) -> None:
-        args.out.write_text(json.dumps(partial, indent=2))
+    command = shlex.join(["python", "-m", "minifer.bench.quant_kernels", *(sys.argv[1:] if argv is None else argv)])
+    started = datetime.now(timezone.utc).isoformat(timespec="seconds")
+
+    def save(partial: dict[str, Any]) -> None:  # every result says how it was made and when
+        args.out.write_text(json.dumps({"command": command, "timestamp": started, **partial}, indent=2))
 
     result = run(args.device, formats=args.formats, extra_paths=not args.no_extra_paths, progress=True,
                  checkpoint=save, **kw)

@@ -38,6 +38,7 @@ ratio of the two engines' time per step.
 
 from __future__ import annotations
 
+import hashlib
 import heapq
 import json
 import math
@@ -391,13 +392,21 @@ def run_hf(hf_model, workload: Workload, *, batch_size: int = 16, pad_token_id: 
 
 
 def git_commit() -> dict[str, Any]:
+    """The commit a result was measured at, and whether the working tree differed from it (any tracked or new
+    file outside ``benchmarks/results`` and ``runs``). If it did, ``diff_sha256`` fingerprints ``git diff HEAD``:
+    the commit alone would not say what was measured, the fingerprint at least tells two such runs apart."""
     root = Path(__file__).resolve().parents[2]
     try:
         sha = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True, timeout=10)
-        dirty = subprocess.run(["git", "status", "--porcelain", "--", "minifer", "tests"], cwd=root,
-                               capture_output=True, text=True, timeout=10)
+        status = subprocess.run(["git", "status", "--porcelain", "--", ".", ":!benchmarks/results", ":!runs"],
+                                cwd=root, capture_output=True, text=True, timeout=10)
         if sha.returncode == 0:
-            return {"commit": sha.stdout.strip(), "dirty": bool(dirty.stdout.strip())}
+            info: dict[str, Any] = {"commit": sha.stdout.strip(), "dirty": bool(status.stdout.strip())}
+            if info["dirty"]:
+                diff = subprocess.run(["git", "diff", "HEAD", "--", ".", ":!benchmarks/results", ":!runs"],
+                                      cwd=root, capture_output=True, timeout=30)
+                info["diff_sha256"] = hashlib.sha256(diff.stdout).hexdigest()
+            return info
     except (OSError, subprocess.SubprocessError):
         pass
     return {"commit": None, "dirty": None}
