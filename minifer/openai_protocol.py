@@ -86,8 +86,12 @@ def sampling_params(body: dict[str, Any], *, chat: bool) -> SamplingParams:
         top = chat_top_logprobs(body)
         if top is not None:
             kwargs["logprobs"] = top
-    elif logprobs is not None:
-        kwargs["logprobs"] = logprobs
+    else:
+        if body.get("top_logprobs") is not None:  # chat's field; ignoring it would drop what the client asked for
+            raise RequestError("top_logprobs is for /v1/chat/completions; on /v1/completions, logprobs is the number "
+                               "of candidates per token", "top_logprobs")
+        if logprobs is not None:
+            kwargs["logprobs"] = logprobs
     echo = echo_mode(body, chat=chat)
     if echo is not None and echo.prompt_only:
         kwargs["max_tokens"] = 1  # the engine always generates; the one token is dropped from the answer

@@ -115,8 +115,10 @@ def test_echo_without_logprobs_and_with_prompt_logprobs(server):
      "is for echo=true"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "echo": True}, "echo",
      "not supported on /v1/chat/completions"),
+    ("/v1/completions", {"prompt": "Tom", "logprobs": 2, "top_logprobs": 2}, "top_logprobs",
+     "top_logprobs is for /v1/chat/completions"),
 ])
-def test_echo_errors_name_the_field(server, path, body, field, words):
+def test_echo_and_logprobs_errors_name_the_field(server, path, body, field, words):
     status, got = _post(server, path, {"model": MODEL, **body})
     assert status == 400 and got["error"]["param"] == field and words in got["error"]["message"]
 
