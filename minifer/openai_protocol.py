@@ -60,10 +60,11 @@ _NO_OP_FIELDS = {"best_of": (1, None), "suffix": (None,), "user": None}
 DIGITS = re.compile(r"[0-9]+")  # a token id or a Content-Length (int() also takes " 5", "+5", "5_0" and "-3")
 
 
-def sampling_params(body: dict[str, Any], *, chat: bool) -> SamplingParams:
+def sampling_params(body: dict[str, Any], *, chat: bool, echo: Echo | None = None) -> SamplingParams:
     """``SamplingParams`` from a request body, with OpenAI's defaults (``max_tokens`` 16 for completions, up to
     the context for chat). ``null`` means the default, as OpenAI's clients send it for fields they leave unset.
-    Unknown fields and unsupported values are errors that name the field."""
+    Unknown fields and unsupported values are errors that name the field. ``echo`` (``echo_mode``'s answer for the
+    same body) adds what echoing needs: one generated token for ``max_tokens=0``, and the prompt's logprobs."""
     known = {"model", "prompt", "messages", "stream", "stream_options", "logprobs", "top_logprobs",
              "max_completion_tokens", "echo", *_SAMPLING_FIELDS, *_NO_OP_FIELDS}
     unknown = sorted(set(body) - known)
@@ -92,7 +93,6 @@ def sampling_params(body: dict[str, Any], *, chat: bool) -> SamplingParams:
                                "of candidates per token", "top_logprobs")
         if logprobs is not None:
             kwargs["logprobs"] = logprobs
-    echo = echo_mode(body, chat=chat)
     if echo is not None and echo.prompt_only:
         kwargs["max_tokens"] = 1  # the engine always generates; the one token is dropped from the answer
     if echo is not None and logprobs is not None and kwargs.get("prompt_logprobs") is None:
@@ -273,12 +273,8 @@ def _echo_logprobs_json(prompt_ids: list[int], entries: list | None, first_token
     thread already. Offsets run from 0, the start of the echoed text."""
     if entries is None:
         return None
-    tokens = [first_token] + [e[t].decoded_token or str(t) for e, t in zip(entries[1:], prompt_ids[1:])]
-    return {"tokens": tokens,
-            "token_logprobs": [None] + [e[t].logprob for e, t in zip(entries[1:], prompt_ids[1:])],
-            "top_logprobs": [None] + [{(lp.decoded_token or str(tid)): lp.logprob for tid, lp in e.items()}
-                                      for e in entries[1:]],
-            "text_offset": list(itertools.accumulate((len(t) for t in tokens[:-1]), initial=0))}
+    first = {"tokens": [first_token], "token_logprobs": [None], "top_logprobs": [None], "text_offset": [0]}
+    return _join_logprobs(first, _logprobs_object(entries[1:], prompt_ids[1:], len(first_token)))
 
 
 def echo_prompt(prompt: Any, tokenizer, slot: dict[str, str]):
@@ -290,11 +286,14 @@ def echo_prompt(prompt: Any, tokenizer, slot: dict[str, str]):
             ids = prompt["prompt_token_ids"] if isinstance(prompt, dict) else []
             slot.update(text=prompt if isinstance(prompt, str) else "", first=str(ids[0]) if ids else "")
             return prompt
-        ids = list(prompt["prompt_token_ids"]) if isinstance(prompt, dict) else list(tokenizer(prompt)["input_ids"])
-        slot.update(text=prompt if isinstance(prompt, str) else "", first=str(ids[0]) if ids else "")
+        if isinstance(prompt, str):  # tokenized here once: the engine gets the ids, not the text again
+            ids = list(tokenizer(prompt)["input_ids"])
+            slot.update(text=prompt, first=tokenizer.decode(ids[:1]))
+            return {"prompt_token_ids": ids} if ids else prompt  # an empty one: the engine's own error
+        ids = list(prompt["prompt_token_ids"])
+        slot.update(text="", first=str(ids[0]) if ids else "")
         try:
-            slot.update(text=prompt if isinstance(prompt, str) else tokenizer.decode(ids),
-                        first=tokenizer.decode(ids[:1]))
+            slot.update(text=tokenizer.decode(ids), first=tokenizer.decode(ids[:1]))
         except (OverflowError, TypeError, ValueError):  # ids out of range: the engine refuses them, naming them
             pass
         return prompt
@@ -310,7 +309,7 @@ def _join_logprobs(a: dict[str, Any] | None, b: dict[str, Any] | None) -> dict[s
 
 
 def echoed_choice(o: RequestOutput, c: CompletionOutput, echo: Echo, decoded: dict[str, str],
-            token_ids: list[int] | None = None, text: str | None = None) -> dict[str, Any]:
+                  token_ids: list[int] | None = None, text: str | None = None) -> dict[str, Any]:
     """A completion choice's ``text``, ``logprobs`` and ``finish_reason`` with its prompt echoed in front: of the
     whole completion, or of ``token_ids`` / ``text`` only (a stream's first chunk). ``decoded``: the prompt's
     text and first token, from the engine thread (``echo_prompt``). As in vLLM, the offsets run over every
@@ -330,22 +329,22 @@ def echoed_choice(o: RequestOutput, c: CompletionOutput, echo: Echo, decoded: di
     return {"text": decoded["text"] + text, "logprobs": logprobs, "finish_reason": finish}
 
 
-def logprobs_json(c: CompletionOutput, token_ids: list[int], start: int, text_start: int = 0
-                   ) -> dict[str, Any] | None:
+def logprobs_json(c: CompletionOutput, token_ids: list[int], start: int, text_start: int = 0) -> dict[str, Any] | None:
     """OpenAI's completions ``logprobs`` object for ``token_ids`` (the tokens of ``c`` from index ``start``, whose
     text begins at character ``text_start``). The engine thread decoded every candidate already
     (``Logprob.decoded_token``)."""
     if c.logprobs is None:
         return None
-    entries = c.logprobs[start : start + len(token_ids)]
+    return _logprobs_object(c.logprobs[start : start + len(token_ids)], token_ids, text_start)
+
+
+def _logprobs_object(entries: list, token_ids: list[int], text_start: int) -> dict[str, Any]:
+    """The ``logprobs`` lists for tokens and their engine entries; offsets a running sum of the tokens' texts."""
     tokens = [e[t].decoded_token or str(t) for e, t in zip(entries, token_ids)]
-    offsets, at = [], text_start
-    for t in tokens:
-        offsets.append(at)
-        at += len(t)
     return {"tokens": tokens, "token_logprobs": [e[t].logprob for e, t in zip(entries, token_ids)],
             "top_logprobs": [{(lp.decoded_token or str(tid)): lp.logprob for tid, lp in e.items()} for e in entries],
-            "text_offset": offsets}
+            "text_offset": list(itertools.accumulate((len(t) for t in tokens[:-1]), initial=text_start))
+            if tokens else []}
 
 
 def prompt_logprobs_json(entries) -> list[dict[str, dict[str, Any]] | None] | None:

@@ -271,8 +271,8 @@ class Handler(BaseHTTPRequestHandler):
             if body["model"] != self.state.model_name:
                 raise RequestError(f"model {body.get('model')!r} is not served here; this server serves "
                                    f"{self.state.model_name!r}", "model", HTTPStatus.NOT_FOUND)
-            params = sampling_params(body, chat=chat)
             echo = echo_mode(body, chat=chat)
+            params = sampling_params(body, chat=chat, echo=echo)
             prompts = [chat_prompt(body, self.state.tokenizer)] if chat else completion_prompts(body)
             if params.n * len(prompts) > MAX_COMPLETIONS_PER_REQUEST:
                 raise RequestError(f"n={params.n} for {len(prompts)} prompt(s) asks for {params.n * len(prompts)} "

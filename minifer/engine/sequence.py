@@ -103,8 +103,10 @@ class Sequence:
         # stop string is looked for only where it could end in this token's new characters: earlier endings
         # were looked for at earlier tokens. Checking only from min_tokens on is then vLLM's rule ("a stop
         # string counts only if it ends in text from the min_tokens-th token on") with no re-decoding.
-        text_before = len(self._text_so_far)
-        text = self._detokenize(tokenizer) if p.stop and tokenizer is not None else None
+        text = text_before = None
+        if p.stop and tokenizer is not None:
+            text_before = len(self._text_so_far)
+            text = self._detokenize(tokenizer)
         if len(self.output_token_ids) < self.min_tokens:  # nothing stops it before min_tokens (vLLM's rule)
             return
         if token in p.stop_token_ids:
