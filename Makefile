@@ -3,7 +3,7 @@ PY ?= python3
 PIP = $(PY) -m pip install --quiet
 NOTEBOOKS = notebooks solutions
 
-.PHONY: course test install doctor exercises
+.PHONY: course test install doctor exercises results
 
 install:
 	$(PIP) -e ".[course,dev]"
@@ -25,3 +25,8 @@ doctor:
 # Regenerate exercises/ and solutions/ from their single source.
 exercises:
 	$(PY) tools/build_exercises.py
+
+# Re-run every CPU benchmark the chapters cite, at a clean commit, then re-execute the notebooks (hours on
+# 2 cores). One part: make results ONLY="speculative kv_quant"; the list: python3 tools/make_results.py --list
+results: install
+	$(PY) tools/make_results.py $(if $(ONLY),--only $(ONLY),)

@@ -21,7 +21,6 @@ allocator whose free list was shuffled, as a long-running server's can end up). 
 from __future__ import annotations
 
 import argparse
-import json
 import random
 import statistics
 from collections import deque
@@ -33,6 +32,7 @@ import torch
 from minifer.bench.speculative import _engine, median_ci, run_interleaved, story_openings
 from minifer.engine.block_manager import BlockManager
 from minifer.sampling import SamplingParams
+from minifer.bench.provenance import save_result
 
 
 class FifoBlockManager(BlockManager):
@@ -109,7 +109,7 @@ def main(argv: list[str] | None = None) -> None:
     else:
         result = run(args.model, batch=args.batch, rounds=args.rounds, device=args.device)
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=1))
+    save_result(result, args.out)
     for m, r in result["rows"].items():
         lo, hi, cov = r["ci"]
         print(f"{m:15s} speed vs lowest-first {r['speed_vs_lowest_first']:.3f}x [{lo:.3f}, {hi:.3f}] "

@@ -36,7 +36,6 @@ measurements and writes them as JSON with hardware and version metadata.
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
 import random
@@ -53,6 +52,7 @@ from typing import Any
 import torch
 
 from minifer.bench.workloads import BenchRequest, Workload, make_workload
+from minifer.bench.provenance import save_result
 
 # --- Triton -----------------------------------------------------------------------------------------
 
@@ -941,7 +941,7 @@ def main(argv: list[str] | None = None) -> int:
               f"{r['peak_blocks_unshared']} blocks, {r['block_copies']} block copies for {r['forks']} forks")
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(res, indent=1))
+    save_result(res, out)
     print(f"wrote {out}")
     return 0
 

@@ -13,7 +13,6 @@ codes) and with static per-(layer, head) scales calibrated at start-up (``"head"
 from __future__ import annotations
 
 import argparse
-import json
 import random
 from pathlib import Path
 from typing import Any
@@ -26,6 +25,7 @@ from minifer.layers.kv_quant import KV_CACHE_DTYPES
 FORMATS = [("auto", "token")] + [(kv, scales) for scales in ("token", "head") for kv in KV_CACHE_DTYPES[1:]]
 from minifer.layers.paged_attention import PagedKVCache
 from minifer.sampling import SamplingParams
+from minifer.bench.provenance import save_result
 
 BUDGET = 2**30  # bytes
 
@@ -99,7 +99,7 @@ def main(argv: list[str] | None = None) -> None:
     torch.set_num_threads(1)
     result = run(args.model, args.num_prompts)
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=1))
+    save_result(result, args.out)
     for name, rows in result["memory"].items():
         for r in rows:
             print(f"{name:22s} {r['model_dtype']:>8} KV {r['kv_cache_dtype']:>4} {r['kv_cache_scales'] or '':>5}: "

@@ -38,23 +38,19 @@ ratio of the two engines' time per step.
 
 from __future__ import annotations
 
-import hashlib
 import heapq
 import json
 import math
-import shlex
 import statistics
-import subprocess
-import sys
 import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import asdict, dataclass, field
-from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from minifer.bench.provenance import git_commit, metadata, save_result  # noqa: F401 (re-exported)
 from minifer.bench.workloads import BenchRequest, LengthSpec, Workload, make_workload
 from minifer.sampling import SamplingParams
 
@@ -391,37 +387,6 @@ def run_hf(hf_model, workload: Workload, *, batch_size: int = 16, pad_token_id: 
 # --- experiments -----------------------------------------------------------------------------------
 
 
-def git_commit() -> dict[str, Any]:
-    """The commit a result was measured at, and whether the working tree differed from it (any tracked or new
-    file outside ``benchmarks/results`` and ``runs``). If it did, ``diff_sha256`` fingerprints ``git diff HEAD``:
-    the commit alone would not say what was measured, the fingerprint at least tells two such runs apart."""
-    root = Path(__file__).resolve().parents[2]
-    try:
-        sha = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True, timeout=10)
-        status = subprocess.run(["git", "status", "--porcelain", "--", ".", ":!benchmarks/results", ":!runs"],
-                                cwd=root, capture_output=True, text=True, timeout=10)
-        if sha.returncode == 0:
-            info: dict[str, Any] = {"commit": sha.stdout.strip(), "dirty": bool(status.stdout.strip())}
-            if info["dirty"]:
-                diff = subprocess.run(["git", "diff", "HEAD", "--", ".", ":!benchmarks/results", ":!runs"],
-                                      cwd=root, capture_output=True, timeout=30)
-                info["diff_sha256"] = hashlib.sha256(diff.stdout).hexdigest()
-            return info
-    except (OSError, subprocess.SubprocessError):
-        pass
-    return {"commit": None, "dirty": None}
-
-
-def metadata(argv: Sequence[str] | None = None, module: str = "minifer.bench") -> dict[str, Any]:
-    """Hardware, versions, git commit, command line (``python -m MODULE ARGS``) and time of a run (stored in
-    every result)."""
-    from minifer.bench.roofline import environment
-
-    cmd = ["python", "-m", module, *(sys.argv[1:] if argv is None else argv)]
-    return {**environment(), "git": git_commit(), "command": shlex.join(cmd),
-            "timestamp": datetime.now(timezone.utc).isoformat(timespec="seconds")}
-
-
 def _runner(mode: str, llm, hf_model, max_num_seqs: int, hf_batch_size: int, progress: bool, engine_kw: dict):
     if mode == "continuous":
         return lambda w: run_continuous(llm, w, max_num_seqs=max_num_seqs, progress=progress, **engine_kw)
@@ -529,21 +494,6 @@ def serve_benchmark(llm, make: Callable[[float], Workload], rates: Sequence[floa
         out.append({"rate": rate, "workload": w.summary(), "runs": runs,
                     "step_bound": step_bound(w.output_lens, max_num_seqs)})
     return {"kind": "serve", "rates": out}
-
-
-def save_result(result: dict[str, Any], path: str | Path) -> Path:
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(result, indent=1, default=_json_default, allow_nan=True))
-    return path
-
-
-def _json_default(x):
-    if isinstance(x, (set, tuple)):
-        return list(x)
-    if isinstance(x, Path):
-        return str(x)
-    return str(x)
 
 
 def default_results_path(name: str) -> Path:

@@ -35,7 +35,6 @@ in summarisation, retrieval-augmented answers or code edits. Prompt lookup thriv
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import random
 import statistics
@@ -48,6 +47,7 @@ import torch
 
 from minifer.sampling import SamplingParams
 from minifer.spec.theory import expected_tokens_per_forward
+from minifer.bench.provenance import save_result
 
 DRAFT = "tinystories-draft"
 HELDOUT = Path(__file__).resolve().parents[2] / "data" / "tinystories" / "heldout.txt"
@@ -471,7 +471,7 @@ def main(argv: list[str] | None = None) -> None:
     measure = run_bookkeeping if args.bookkeeping else run
     result = measure(args.model, args.draft, args.device, args.smoke, args.repeats)
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=1))
+    save_result(result, args.out)
     if args.bookkeeping:
         for name, rows in result["bookkeeping"].items():
             for r in rows:

@@ -1,0 +1,118 @@
+"""The claims ledger: every number the prose cites agrees with the JSON that holds it, and the check bites.
+
+Stale results (code or weights changed since they were measured) are reported as warnings, not failures:
+a refactor makes every result stale until the next ``make results``, and that is news, not a defect."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import sys
+import warnings
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "tools"))
+import claims  # noqa: E402
+
+from minifer.bench import provenance  # noqa: E402
+
+LEDGER = claims.load()
+
+
+@pytest.mark.parametrize("claim", LEDGER, ids=[c.id for c in LEDGER])
+def test_the_prose_prints_what_the_result_holds(claim):
+    assert claims.check(claim) is None, claims.check(claim)
+
+
+def test_readme_headline_table_is_the_ledgers():
+    readme = (ROOT / "README.md").read_text()
+    assert readme == claims.render_readme(readme, LEDGER), "run: python3 tools/claims.py --headline"
+
+
+def test_stale_results_are_named():
+    report = claims.stale(LEDGER)
+    for name, changed in report.items():
+        warnings.warn(f"stale result {name} (re-run `make results`): {', '.join(changed[:5])}", stacklevel=1)
+    assert set(report) <= {c.result for c in LEDGER}
+
+
+def _claim(**kw):
+    base = dict(id="t", where="README.md", quote="x", result="r.json", field="a.b")
+    return claims.Claim(**{**base, **kw})
+
+
+@pytest.fixture
+def fake(monkeypatch, tmp_path):
+    """A prose text and a result file of our own, so the checks can be shown to fail."""
+    (tmp_path / "r.json").write_text(json.dumps({"kind": "throughput", "a": {"b": 2.8913, "bound": 3.1},
+                                                 "rows": [{"k": 1, "v": 0.5}, {"k": 4, "v": 0.75}]}))
+    (tmp_path / "b.json").write_text(json.dumps({"kind": "bound", "a": {"b": 2.0}}))
+    text = {"value": "continuous batching gives **2.89x** static; the computed bound is 3.10x; 75% at k=4"}
+    monkeypatch.setattr(claims, "RESULTS", tmp_path)
+    monkeypatch.setattr(claims, "prose", lambda where: text["value"])
+    monkeypatch.setattr(claims, "result_data", lambda name: json.loads((tmp_path / name).read_text()))
+    return text
+
+
+def test_a_matching_claim_passes_and_rounding_is_the_printed_digits(fake):
+    assert claims.check(_claim(quote="gives **{2.89}x** static")) is None
+    assert claims.check(_claim(quote="{75}% at k=4", field="rows[k=4].v", scale=100)) is None
+    assert claims.check(_claim(quote="the computed bound is {3.10}x", field="a.bound", kind="computed")) is None
+
+
+def test_a_hand_edited_number_fails(fake):
+    claim = _claim(quote="gives **{2.89}x** static")
+    fake["value"] = fake["value"].replace("2.89x", "2.95x")
+    assert "no longer says" in claims.check(claim)
+    # the ledger edited to match the hand-edited prose: now the JSON disagrees
+    assert "prints 2.95" in claims.check(dataclasses.replace(claim, quote="gives **{2.95}x** static"))
+
+
+def test_a_number_off_by_more_than_its_rounding_fails(fake):
+    fake["value"] = "gives **2.88x** static"
+    problem = claims.check(_claim(quote="gives **{2.88}x** static"))
+    assert problem and "prints 2.88" in problem and "2.8913" in problem
+
+
+def test_a_missing_field_or_file_fails(fake):
+    assert "has no field" in claims.check(_claim(quote="gives **{2.89}x** static", field="a.c"))
+    assert "has no field" in claims.check(_claim(quote="gives **{2.89}x** static", field="rows[k=9].v"))
+    assert "no result file" in claims.check(_claim(quote="gives **{2.89}x** static", result="gone.json"))
+
+
+def test_a_computed_figure_called_measured_fails(fake):
+    fake["value"] += "; bound 2.0x"
+    assert "computed figure" in claims.check(_claim(quote="the computed bound is {3.10}x", field="a.bound"))
+    assert "computed figure" in claims.check(_claim(quote="bound {2.0}x", result="b.json"))
+    # and a computed one whose prose does not say so
+    fake["value"] = "gives **2.89x** static"
+    assert "does not say so" in claims.check(_claim(quote="gives **{2.89}x** static", kind="computed"))
+
+
+def test_a_quote_without_a_marked_number_is_refused(fake):
+    with pytest.raises(ValueError, match="no number in braces"):
+        claims.check(_claim(quote="gives **2.89x** static"))
+
+
+def test_stale_sources_name_a_changed_or_moved_file(tmp_path, monkeypatch):
+    monkeypatch.setattr(provenance, "ROOT", tmp_path)
+    (tmp_path / "a.py").write_text("x = 1\n")
+    (tmp_path / "b.py").write_text("y = 2\n")
+    recorded = {"a.py": provenance._sha(tmp_path / "a.py"), "b.py": provenance._sha(tmp_path / "b.py")}
+    assert provenance.stale_sources(recorded) == []
+    (tmp_path / "a.py").write_text("x = 3\n")
+    (tmp_path / "b.py").unlink()
+    assert provenance.stale_sources(recorded) == ["a.py", "b.py"]
+
+
+def test_a_saved_result_records_the_code_it_ran(tmp_path):
+    import minifer.engine.scheduler  # noqa: F401  (a module the "run" executed)
+
+    path = provenance.save_result({"kind": "t", "metadata": {"git": {}}}, tmp_path / "r.json")
+    code = json.loads(path.read_text())["metadata"]["code"]
+    assert code["minifer/engine/scheduler.py"] == provenance._sha(ROOT / "minifer/engine/scheduler.py")
+    assert "minifer/assets/models/tinystories-target/model.safetensors" in code
+    assert provenance.stale_sources(code) == []

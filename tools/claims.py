@@ -1,0 +1,213 @@
+#!/usr/bin/env python3
+"""The claims ledger: every number the prose states as measured, tied to the JSON field that holds it.
+
+    python3 tools/claims.py              # check every claim; list stale results (exit 1 on a mismatch)
+    python3 tools/claims.py --headline   # rewrite README's headline table from the ledger
+
+``benchmarks/claims.toml`` holds one ``[[claim]]`` per number::
+
+    [[claim]]
+    id = "cb_over_static"
+    where = "README.md"                       # or a notebook: its markdown cells are searched
+    quote = "gives **{2.89}x** the output-token throughput"   # the prose, the number in braces
+    result = "throughput_512.json"            # under benchmarks/results/
+    field = "summary.ratios.continuous/static.median_of_round_ratios"
+    kind = "measured"                         # or "computed": bounds, predictions, simulations
+    scale = 1                                 # 100 when the prose prints a fraction as a percentage
+    tolerance = 0.005                         # optional; default half a unit of the last printed digit
+    headline = "Continuous over static batching"   # optional: a row of README's headline table
+
+A field path is dot-separated keys; ``[3]`` indexes a list and ``[k=4,batch=1]`` picks the list item whose
+fields have those values. ``check`` fails when the quote is not in the prose (someone edited the number by
+hand, or the sentence moved), when the field is missing, when the value and the printed number differ by
+more than the rounding, or when a figure is called measured but comes from a computed result or field.
+Results are not re-measured here: ``stale`` names the results whose recorded code fingerprint no longer
+matches the tree (``minifer.bench.provenance``), for ``make results`` to measure again.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+import tomllib
+from dataclasses import dataclass
+from decimal import Decimal
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+LEDGER = ROOT / "benchmarks" / "claims.toml"
+RESULTS = ROOT / "benchmarks" / "results"
+HEADLINE_START, HEADLINE_END = "<!-- claims:headline:start -->", "<!-- claims:headline:end -->"
+# Results that are computed rather than measured, and field names that hold computed figures.
+COMPUTED_KINDS = {"bound"}
+COMPUTED_SEGMENTS = {"bound", "step_bound", "simulated", "theory", "formula"}
+COMPUTED_PREFIXES = ("predicted", "expected")
+# Words that label a computed figure in the prose around it.
+COMPUTED_WORDS = re.compile(r"comput|bound|predict|expect|model|simulat|theor", re.I)
+NUMBER = re.compile(r"\{([-+]?[\d,]*\.?\d+)\}")
+
+
+@dataclass(frozen=True)
+class Claim:
+    id: str
+    where: str
+    quote: str
+    result: str
+    field: str
+    kind: str = "measured"
+    scale: float = 1.0
+    tolerance: float | None = None
+    headline: str | None = None
+    article: str | None = None  # the article's own figure, for the headline table
+
+    @property
+    def printed(self) -> str:
+        m = NUMBER.search(self.quote)
+        if not m:
+            raise ValueError(f"claim {self.id}: its quote marks no number in braces: {self.quote!r}")
+        return m.group(1)
+
+    @property
+    def text(self) -> str:
+        """The quote as the prose prints it (braces removed)."""
+        return NUMBER.sub(lambda m: m.group(1), self.quote)
+
+    def allowed_error(self) -> float:
+        if self.tolerance is not None:
+            return self.tolerance
+        digits = -Decimal(self.printed.replace(",", "")).as_tuple().exponent
+        return 0.5 * 10.0 ** -digits + 1e-12
+
+
+def load(path: Path = LEDGER) -> list[Claim]:
+    claims = [Claim(**c) for c in tomllib.loads(path.read_text())["claim"]]
+    ids = [c.id for c in claims]
+    dup = {i for i in ids if ids.count(i) > 1}
+    if dup:
+        raise ValueError(f"duplicate claim ids in {path.name}: {sorted(dup)}")
+    return claims
+
+
+def prose(where: str) -> str:
+    """What a reader reads: a notebook's markdown cells, or a markdown file."""
+    path = ROOT / where
+    if path.suffix == ".ipynb":
+        cells = json.loads(path.read_text())["cells"]
+        return "\n\n".join("".join(c["source"]) for c in cells if c["cell_type"] == "markdown")
+    return path.read_text()
+
+
+def lookup(data: Any, field: str) -> Any:
+    """Follow ``a.b[2].c[k=4,batch=1].d`` into parsed JSON; KeyError names the first step that is missing."""
+    node = data
+    for part in re.findall(r"[^.\[\]]+|\[[^\]]*\]", field):
+        if part.startswith("["):
+            inner = part[1:-1]
+            if "=" in inner:
+                want = dict(kv.split("=", 1) for kv in inner.split(","))
+                hits = [x for x in node if all(str(x.get(k)) == v for k, v in want.items())]
+                if len(hits) != 1:
+                    raise KeyError(f"{part} matches {len(hits)} items")
+                node = hits[0]
+            else:
+                node = node[int(inner)]
+        else:
+            if part not in node:
+                raise KeyError(part)
+            node = node[part]
+    return node
+
+
+def result_data(name: str, cache: dict[str, Any] = {}) -> Any:  # noqa: B006 (a per-process cache on purpose)
+    if name not in cache:
+        cache[name] = json.loads((RESULTS / name).read_text())
+    return cache[name]
+
+
+def check(claim: Claim) -> str | None:
+    """None if the claim holds, else what is wrong, in a sentence that names the claim."""
+    text = prose(claim.where)
+    if claim.text not in text:
+        return f"{claim.id}: {claim.where} no longer says {claim.text!r} (edited by hand, or the sentence moved)"
+    try:
+        data = result_data(claim.result)
+        value = lookup(data, claim.field)
+    except FileNotFoundError:
+        return f"{claim.id}: no result file benchmarks/results/{claim.result}"
+    except (KeyError, IndexError, TypeError) as e:
+        return f"{claim.id}: {claim.result} has no field {claim.field} ({e})"
+    if claim.kind == "measured":
+        kind = data.get("kind") if isinstance(data, dict) else None
+        segments = re.findall(r"[^.\[\]]+", claim.field)
+        if (kind in COMPUTED_KINDS or COMPUTED_SEGMENTS.intersection(segments)
+                or segments[-1].startswith(COMPUTED_PREFIXES)):
+            return f"{claim.id}: called measured, but {claim.result}:{claim.field} is a computed figure"
+    elif claim.kind == "computed":
+        if not COMPUTED_WORDS.search(claim.text):
+            return f"{claim.id}: a computed figure whose prose does not say so: {claim.text!r}"
+    else:
+        return f"{claim.id}: kind must be 'measured' or 'computed', not {claim.kind!r}"
+    printed = float(claim.printed.replace(",", ""))
+    got = float(value) * claim.scale
+    if abs(got - printed) > claim.allowed_error():
+        return (f"{claim.id}: {claim.where} prints {claim.printed} but {claim.result}:{claim.field} gives "
+                f"{got:.6g} (allowed error {claim.allowed_error():.3g})")
+    return None
+
+
+def stale(claims: list[Claim]) -> dict[str, list[str]]:
+    """Cited results whose code or weights changed since they were measured: ``{result: [changed files]}``."""
+    sys.path.insert(0, str(ROOT))
+    from minifer.bench.provenance import stale_sources
+
+    out: dict[str, list[str]] = {}
+    for name in sorted({c.result for c in claims}):
+        try:
+            meta = result_data(name).get("metadata", {})
+        except FileNotFoundError:
+            continue
+        code = meta.get("code") if isinstance(meta, dict) else None
+        if code is None:
+            out[name] = ["(recorded before code fingerprints)"]
+        elif changed := stale_sources(code):
+            out[name] = changed
+    return out
+
+
+def headline_table(claims: list[Claim]) -> str:
+    rows = ["| claim | the article | measured here | from |", "|---|---|---|---|"]
+    for c in claims:
+        if c.headline:
+            rows.append(f"| {c.headline} | {c.article or ''} | {c.text.strip('*')} | "
+                        f"[`{c.result}`](benchmarks/results/{c.result}) `{c.field}` |")
+    return "\n".join(rows)
+
+
+def render_readme(readme: str, claims: list[Claim]) -> str:
+    a, b = readme.index(HEADLINE_START) + len(HEADLINE_START), readme.index(HEADLINE_END)
+    return readme[:a] + "\n" + headline_table(claims) + "\n" + readme[b:]
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--headline", action="store_true", help="rewrite README's headline table from the ledger")
+    args = ap.parse_args(argv)
+    claims = load()
+    if args.headline:
+        readme = ROOT / "README.md"
+        readme.write_text(render_readme(readme.read_text(), claims))
+        print("README.md: headline table rewritten")
+    problems = [p for c in claims if (p := check(c))]
+    for p in problems:
+        print("MISMATCH", p)
+    for name, changed in stale(claims).items():
+        print(f"STALE {name}: {', '.join(changed[:6])}{' ...' if len(changed) > 6 else ''}")
+    print(f"{len(claims)} claims, {len(problems)} mismatched")
+    return 1 if problems else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

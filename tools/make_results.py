@@ -1,0 +1,136 @@
+#!/usr/bin/env python3
+"""Regenerate every CPU result the chapters and the README cite, then re-execute the notebooks (`make results`).
+
+    python3 tools/make_results.py                  # everything, in order (hours on 2 cores)
+    python3 tools/make_results.py --only speculative kv_quant
+    python3 tools/make_results.py --list           # the parts, their commands and expected durations
+    python3 tools/make_results.py --only notebooks # re-execute chapters and solutions with stored outputs
+
+Why one command: a number in a chapter is only checkable if anyone can produce it again. Each part is a
+benchmark command from the repository, run at a clean commit (the tool refuses a dirty tree, because the
+result would record a commit that is not what ran); each writes its JSON (and plot) under
+``benchmarks/results/`` with the commit, the command and a fingerprint of the code it executed
+(``minifer.bench.provenance``). The claims ledger (``benchmarks/claims.toml``) then ties every number the
+prose quotes to a field of these files, and its test fails when they disagree.
+
+GPU results (``*_h200*.json``, ``gpu_check``) come from ``scripts/gpu_check.sh`` on a GPU and are not run here.
+The expected durations were measured on a 2-core AMD EPYC (torch 2.13 CPU); a busier machine takes longer.
+"""
+
+from __future__ import annotations
+
+import argparse
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = "benchmarks/results"
+
+
+@dataclass(frozen=True)
+class Part:
+    name: str
+    command: str
+    minutes: int  # expected on the reference machine (see the module docstring)
+    what: str
+
+
+def _bench(args: str) -> str:
+    return f"python -m minifer.bench {args}"
+
+
+PARTS = [
+    Part("bound", _bench(f"bound --out {RESULTS}/bound.json --plot"), 1,
+         "computed: the scheduler-step bound of continuous over static batching (ch03)"),
+    Part("kv_memory", f"python -m minifer.bench.kv_memory --out {RESULTS}/kv_memory.json", 6,
+         "KV memory wasted by contiguous vs paged caches, prefix sharing, parallel sampling (ch02)"),
+    Part("kv_quant", f"python -m minifer.bench.kv_quant --out {RESULTS}/kv_quant.json", 4,
+         "sequences that fit with an 8-bit KV cache, and free-running greedy agreement (ch05)"),
+    Part("throughput", _bench(f"throughput -n 512 --repeats 3 --modes static continuous hf --no-progress "
+                              f"--out {RESULTS}/throughput_512.json --plot"), 35,
+         "offline throughput: static vs continuous batching vs transformers (ch03, README)"),
+    Part("serve_sweep", _bench(f"serve --rate 1 2 4 6 8 -n 96 --no-progress --out {RESULTS}/serve_sweep.json "
+                               "--plot"), 40, "TTFT/TPOT/ITL under Poisson arrivals (ch03)"),
+    Part("profile", _bench(f"profile -n 128 --modes static continuous hf --out {RESULTS}/profile_128.json --plot"),
+         10, "where a step's time goes, per engine (ch03)"),
+    Part("block_order", f"python -m minifer.bench.block_order --out {RESULTS}/block_order.json", 12,
+         "the cost of a shuffled free list (ch04 appendix)"),
+    Part("speculative", f"python -m minifer.bench.speculative --out {RESULTS}/speculative.json --plot --repeats 4",
+         45, "speculative decoding: alpha, tokens per forward, wall speedup by batch size (ch04, README)"),
+    Part("speculative_confirm", f"python -m minifer.bench.speculative --out {RESULTS}/speculative_confirm.json "
+                                "--plot --repeats 4", 45, "an independent replicate of the speculative run"),
+    Part("speculative_bookkeeping", f"python -m minifer.bench.speculative --bookkeeping --repeats 4 "
+                                    f"--out {RESULTS}/speculative_bookkeeping.json", 15,
+         "the speculator's bookkeeping cost (ch04)"),
+    Part("quality", f"python -m minifer.bench.quality --out {RESULTS}/quant_quality.json --plot", 30,
+         "weight quantization: bytes, perplexity, agreement (ch05, README)"),
+    Part("stacking", f"python -m minifer.bench.stacking -n 96 --rounds 3 --out {RESULTS}/stacking.json --plot", 40,
+         "the levers alone and stacked (ch06, README)"),
+    Part("server_overhead", f"python -m minifer.bench.server_overhead --rounds 5 --out {RESULTS}/server_overhead.json "
+                            "--plot", 15, "the HTTP server against the direct engine (ch00)"),
+    Part("notebooks", "python tools/make_results.py --execute-notebooks", 25,
+         "re-execute every chapter and solution notebook, storing outputs"),
+]
+
+
+def dirty_files() -> list[str]:
+    out = subprocess.run(["git", "status", "--porcelain", "--", ".", f":!{RESULTS}", ":!runs"], cwd=ROOT,
+                         capture_output=True, text=True, check=True).stdout
+    return [line[3:] for line in out.splitlines()]
+
+
+def execute_notebooks() -> None:
+    """Chapters, their appendices and the solutions, executed in place (outputs stored for readers)."""
+    books = sorted((ROOT / "notebooks").rglob("*.ipynb")) + sorted((ROOT / "solutions").glob("*.ipynb"))
+    for i, nb in enumerate(books, 1):
+        if ".ipynb_checkpoints" in nb.parts:
+            continue
+        t0 = time.time()
+        print(f"  [{i}/{len(books)}] {nb.relative_to(ROOT)}", flush=True)
+        subprocess.run([sys.executable, "-m", "jupyter", "nbconvert", "--to", "notebook", "--execute", "--inplace",
+                        "--ExecutePreprocessor.timeout=1800", str(nb)], cwd=nb.parent, check=True)
+        print(f"      {time.time() - t0:.0f} s", flush=True)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--only", nargs="+", metavar="NAME", choices=[p.name for p in PARTS],
+                    help="run these parts only, in the order given")
+    ap.add_argument("--list", action="store_true", help="print the parts and exit")
+    ap.add_argument("--allow-dirty", action="store_true",
+                    help="run on a modified tree (the results then record dirty: true; never commit them)")
+    ap.add_argument("--execute-notebooks", action="store_true", help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    if args.execute_notebooks:
+        execute_notebooks()
+        return 0
+    if args.list:
+        for p in PARTS:
+            print(f"{p.name:<24} ~{p.minutes:>3} min  {p.what}\n{'':<24} {p.command}")
+        print(f"total ~{sum(p.minutes for p in PARTS)} min")
+        return 0
+    dirty = dirty_files()
+    if dirty and not args.allow_dirty:
+        print("refusing to run on a modified tree (commit first, so the results record what ran):\n  "
+              + "\n  ".join(dirty), file=sys.stderr)
+        return 2
+    parts = [p for name in args.only for p in PARTS if p.name == name] if args.only else PARTS
+    total = sum(p.minutes for p in parts)
+    done = 0
+    for i, p in enumerate(parts, 1):
+        print(f"[{i}/{len(parts)}] {p.name}: {p.what}\n    {p.command}\n    expected ~{p.minutes} min; "
+              f"{done}/{total} min of the run done", flush=True)
+        t0 = time.time()
+        cmd = p.command.replace("python ", f"{sys.executable} ", 1)
+        subprocess.run(cmd, shell=True, cwd=ROOT, check=True)
+        print(f"    {p.name} took {(time.time() - t0) / 60:.1f} min", flush=True)
+        done += p.minutes
+    print("done: run `python -m pytest tests -k claims` to check the prose against the new numbers")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
