@@ -7,6 +7,8 @@ real checkpoint (bf16 safetensors, tokenizer, 12 layers).
 
 from __future__ import annotations
 
+import math
+
 import json
 import shutil
 
@@ -252,13 +254,21 @@ def test_mixed_batch_at_max_model_len_matches_hf(batching, tiny_checkpoint):
 # --- bf16 smoke -------------------------------------------------------------------------------------
 
 
-def test_bundled_target_bf16_first_greedy_token(target_llm):
+def test_bundled_target_in_bf16_stays_within_bf16_rounding_of_float32(target_llm):
+    """bf16 weights and activations round to 8 significant bits, so their log-probabilities differ from
+    float32's by a few hundredths of a nat (measured up to 0.09 over 12 layers). The bound is on that error,
+    over every position and every token float32 gives at least 0.1%; it does not ask the greedy tokens to
+    agree, since a near-tie between two tokens flips under bf16 depending on the CPU's bf16 kernels."""
+    from conftest import minifer_forward
+
     bf16 = minifer.LLM("tinystories-target", dtype="bfloat16", device="cpu")
     assert bf16.model.lm_head.weight.dtype == torch.bfloat16
-    prompts = ["Once upon a time", "Tom and his dog", "The little bird was sad because"]
-    params = SamplingParams(temperature=0, max_tokens=4)
-    ref = target_llm.generate(prompts, params, use_tqdm=False)
-    got = bf16.generate(prompts, params, use_tqdm=False)
-    for r, g in zip(ref, got):
-        assert g.outputs[0].token_ids[0] == r.outputs[0].token_ids[0], g.prompt
-        assert g.outputs[0].text.strip()
+    tok = target_llm.get_tokenizer()
+    for prompt in ["Once upon a time", "Tom and his dog", "The little bird was sad because"]:
+        ids = tok(prompt)["input_ids"]
+        want = torch.log_softmax(minifer_forward(target_llm, ids), -1)
+        got = torch.log_softmax(minifer_forward(bf16, ids), -1)
+        likely = want > math.log(1e-3)
+        assert (got - want).abs()[likely].max() < 0.25, prompt
+    out = bf16.generate("Once upon a time", SamplingParams(temperature=0, max_tokens=8), use_tqdm=False)
+    assert out[0].outputs[0].text.strip()

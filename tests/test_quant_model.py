@@ -16,7 +16,7 @@ from torch import nn
 
 import minifer
 from minifer import SamplingParams
-from minifer.eval import (generation_agreement, greedy_continuations, heldout_prompts, heldout_windows,
+from minifer.eval import (greedy_continuations, heldout_prompts, heldout_windows,
                           perplexity, score_windows)
 from minifer.loader import ModelLoadError
 from minifer.quant.checkpoint import load_quantized, save_quantized
@@ -73,15 +73,14 @@ def test_quant_linear_keeps_its_storage_through_dtype_casts():
 # --- quantize_model on the bundled target ---------------------------------------------------------------
 
 
-def test_int8_keeps_greedy_outputs_and_perplexity(target_llm, windows, reference):
+def test_int8_keeps_top1_predictions_and_perplexity(target_llm, windows, reference):
     model = copy.deepcopy(target_llm.model)
     cfg = quantize_model(model, "int8")
     assert len(cfg.layers) == 4 * target_llm.model_config.num_hidden_layers
     assert all(isinstance(m, QuantLinear) for m in decoder_linears(model).values())
     assert cfg.kept == ["model.embed_tokens", "lm_head"] and type(model.lm_head) is nn.Linear
-    prompts = heldout_prompts(target_llm.tokenizer, n=4, length=12)
-    # measured: 1.0 (the 4 x 32 greedy tokens are identical)
-    assert generation_agreement(target_llm.model, model, prompts, n_tokens=32) >= 0.9
+    # Teacher-forced top-1 agreement, not free-running: a free-running comparison diverges for good at the
+    # first near-tie that int8's rounding flips, and where that falls depends on the CPU's float32 kernels.
     scores = score_windows(model, windows)
     assert scores.perplexity / reference.perplexity - 1 <= 0.005  # measured -0.01% on these 4096 tokens
     assert scores.agreement(reference) >= 0.99
