@@ -173,7 +173,7 @@ def test_logprobs(server):
 
 @pytest.mark.parametrize("body,status,param,words", [
     (greedy(8, prompt="Hi", temperature=-1), 400, "temperature", "temperature must be >= 0"),
-    (greedy(8, prompt="Hi", foo=1), 400, "foo", "unknown field"),
+    (greedy(8, prompt="Hi", tools=[{"type": "function"}]), 400, "tools", "not supported"),
     (greedy(8, prompt="Hi", presence_penalty=3.0), 400, "presence_penalty", "must be a number in [-2, 2]"),
     (greedy(8, prompt="Hi", best_of=2), 400, "best_of", "not supported"),
     (greedy(8, prompt="Hi", logit_bias={"the": 1}), 400, "logit_bias", "keys must be token ids"),
@@ -182,8 +182,10 @@ def test_logprobs(server):
     (greedy(8, prompt="Hi", stream="yes"), 400, "stream", "true or false"),
     (greedy(8), 400, "prompt", "missing field 'prompt'"),
     (greedy(8, prompt=[]), 400, "prompt", "non-empty"),
-    (greedy(8, prompt=[1, 999999]), 400, None, "out of the vocabulary"),
-    (greedy(8, prompt="word " * 3000), 400, None, "max_model_len"),
+    (greedy(8, prompt=[1, 999999]), 400, "prompt", "out of the vocabulary"),
+    (greedy(8, prompt="word " * 3000), 400, "prompt", "max_model_len"),
+    (greedy(8, prompt="word " * 1100), 400, "prompt", "max_model_len"),  # tokenized, then too long
+    (greedy(8, prompt="Hi", logprobs=21), 400, "logprobs", "max_logprobs"),
     ({"prompt": "Hi"}, 400, "model", "missing field 'model'"),
     ({"model": "gpt-4", "prompt": "Hi"}, 404, "model", "not served here"),
 ])
@@ -479,7 +481,7 @@ from hypothesis import strategies as st  # noqa: E402
 _good = st.fixed_dictionaries({"kind": st.just("good"), "max_tokens": st.integers(1, 12), "n": st.integers(1, 3),
                                "stream": st.booleans(), "words": st.integers(1, 30)})
 _bad = st.fixed_dictionaries({"kind": st.just("bad"), "field": st.sampled_from(
-    [("temperature", -1), ("top_p", 0), ("n", 0), ("max_tokens", 0), ("bogus", 1), ("stop", [""])])})
+    [("temperature", -1), ("top_p", 0), ("n", 0), ("max_tokens", 0), ("logprobs", 50), ("stop", [""])])})
 _leave = st.fixed_dictionaries({"kind": st.just("leave"), "n": st.integers(1, 2)})
 
 
