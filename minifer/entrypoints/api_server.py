@@ -107,12 +107,12 @@ def build_app(state: ServerState, *, allowed_origins=("*",), allowed_methods=("*
                                status=HTTPStatus.UNAUTHORIZED)
 
     # probes
-    @app.get("/health")
+    @app.api_route("/health", methods=["GET", "HEAD"])
     async def health() -> JSONResponse:
         ok = state.loop.alive()
         return JSONResponse({"status": "ok" if ok else "down"}, status_code=200 if ok else 503)
 
-    @app.api_route("/ping", methods=["GET", "POST"])
+    @app.api_route("/ping", methods=["GET", "HEAD", "POST"])
     async def ping() -> JSONResponse:
         return await health()
 

@@ -19,6 +19,8 @@ from http import HTTPStatus
 import h11
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
+LINGER_S = 2.0  # how long a connection answered by the protocol itself may stay half-open for its client to read
+
 
 def error_response(status: HTTPStatus, message: str) -> bytes:
     """A whole HTTP/1.1 response with OpenAI's error body, closing the connection."""
@@ -102,8 +104,17 @@ class TimedH11Protocol(H11Protocol):
             self.transport.close()
 
     def _answer(self, status: HTTPStatus, message: str) -> None:
+        """Answer and end the connection: close our side for writing, drop what the client still sends, and
+        close fully once it has read the answer and closed (or after ``LINGER_S``). Closing at once with unread
+        bytes in the socket would make the kernel reset it, and the client could lose the answer."""
+        self._refused = True  # data_received drops what comes now
+        self._disarm()
         self.transport.write(error_response(status, message))
-        self.transport.close()
+        if self.transport.can_write_eof():
+            self.transport.write_eof()
+            self.loop.call_later(LINGER_S, self.transport.close)
+        else:
+            self.transport.close()
 
 
 def protocol_class(read_timeout: float, max_connections: int) -> type[TimedH11Protocol]:
