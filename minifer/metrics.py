@@ -19,7 +19,12 @@ from __future__ import annotations
 
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Histogram, disable_created_metrics, generate_latest
+from prometheus_client import (
+    CollectorRegistry,
+    Histogram,
+    disable_created_metrics,
+    generate_latest,
+)
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 # vLLM's buckets (vllm/v1/metrics/loggers.py)

@@ -546,3 +546,16 @@ def test_random_concurrent_traffic_loses_nothing(small_server, actions):
     stats = engine.stats()
     assert stats["kv_blocks_free"] == stats["kv_blocks_total"]
     engine.block_manager.check_invariants()
+
+
+def test_server_sweep_streams_every_token_at_each_concurrency():
+    from minifer.bench.server_sweep import sweep
+    from minifer.bench.workloads import make_workload
+
+    llm = LLM("tinystories-draft", max_num_seqs=2)
+    w = make_workload(4, "fixed:6", "fixed:5", seed=1, vocab_size=llm.model_config.vocab_size)
+    rows = sweep(llm, w, [1, 2])["concurrency"]
+    assert [r["concurrency"] for r in rows] == [1, 2] and all(1 <= r["peak_in_flight"] <= r["concurrency"]
+                                                              for r in rows)
+    assert all(r["ttft_s"]["count"] == 4 and r["itl_s"]["count"] == 4 * 4 for r in rows)  # 5 tokens: 4 gaps each
+    assert all(0 < r["ttft_s"]["p50"] and 0 < r["itl_s"]["p50"] for r in rows)

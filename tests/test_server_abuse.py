@@ -63,7 +63,7 @@ def raw_exchange(srv, data: bytes, wait: float = 10 * TIMEOUT) -> tuple[bytes, f
     try:
         while chunk := s.recv(65536):
             out += chunk
-    except socket.timeout:
+    except TimeoutError:
         pytest.fail(f"the server kept the connection open for {wait} s")
     finally:
         s.close()

@@ -8,8 +8,8 @@ import pytest
 
 openai = pytest.importorskip("openai")
 
-from minifer import LLM, SamplingParams  # noqa: E402
-from minifer.serve import resolve_chat_template, start_server  # noqa: E402
+from minifer import LLM, SamplingParams
+from minifer.serve import resolve_chat_template, start_server
 
 KEY = "sk-test-key"
 

@@ -40,8 +40,16 @@ from starlette.requests import ClientDisconnect
 from minifer.entrypoints.engine_loop import DONE, EngineLoop
 from minifer.entrypoints.preprocess import Prepared, Preprocessor
 from minifer.metrics import CONTENT_TYPE, ServerMetrics
-from minifer.openai_protocol import (RequestError, chat_logprobs_json, choice_index, echoed_choice, error_body,
-                                     logprobs_json, prompt_logprobs_json, usage)
+from minifer.openai_protocol import (
+    RequestError,
+    chat_logprobs_json,
+    choice_index,
+    echoed_choice,
+    error_body,
+    logprobs_json,
+    prompt_logprobs_json,
+    usage,
+)
 from minifer.outputs import CompletionOutput, RequestOutput
 
 logger = logging.getLogger("minifer.serve")

@@ -32,7 +32,7 @@ Deliver = Callable[[Any], None]
 class _Route:
     """What the loop knows of one engine request: where its outputs go and the HTTP request it belongs to."""
 
-    __slots__ = ("deliver", "ids", "stream", "request", "arrival", "last_token")
+    __slots__ = ("arrival", "deliver", "ids", "last_token", "request", "stream")
 
     def __init__(self, deliver: Deliver, ids: list[str], stream: bool, request, arrival: float) -> None:
         self.deliver, self.ids, self.stream, self.request, self.arrival = deliver, ids, stream, request, arrival
@@ -59,7 +59,7 @@ class EngineLoop:
         self.peak_in_flight = 0  # most unfinished engine requests at once so far (the batching traffic allowed)
         self.prompt_tokens = self.generation_tokens = 0  # counters for /metrics
 
-    def start(self) -> "EngineLoop":
+    def start(self) -> EngineLoop:
         self.engine.owner = self._thread  # from now on other threads get a clear error if they step it
         self._thread.start()
         return self

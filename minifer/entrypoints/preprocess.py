@@ -35,9 +35,19 @@ from typing import Any
 
 from minifer.engine.sequence import Sequence
 from minifer.loader import chat_token_ids
-from minifer.openai_protocol import (Echo, RequestError, chat_messages, check_room, completion_prompts, echo_mode,
-                                     engine_error_param, ignored_fields, max_tokens_field, sampling_params,
-                                     stream_flags)
+from minifer.openai_protocol import (
+    Echo,
+    RequestError,
+    chat_messages,
+    check_room,
+    completion_prompts,
+    echo_mode,
+    engine_error_param,
+    ignored_fields,
+    max_tokens_field,
+    sampling_params,
+    stream_flags,
+)
 
 # Completions per HTTP request (n times the prompts): the engine thread, which serves every client, creates them
 # all at once, so a request for 100,000 would stall everyone else (offline, LLM.generate has no such limit).
