@@ -112,6 +112,8 @@ def start_server(llm, *, host: str = "127.0.0.1", port: int = 8000, model_name: 
     config = uvicorn.Config(app, http=protocol_class(read_timeout, max_connections), lifespan="off", ws="none",
                             loop="asyncio", log_config=None, log_level=log_level, access_log=access_log,
                             timeout_keep_alive=timeout_keep_alive, timeout_graceful_shutdown=3, backlog=2048)
+    if access_log:  # one line per request at INFO, whatever --uvicorn-log-level quiets
+        logging.getLogger("uvicorn.access").setLevel(logging.INFO)
     server = uvicorn.Server(config)
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, name="minifer-http", daemon=True)
     thread.start()

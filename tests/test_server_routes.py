@@ -120,6 +120,8 @@ def test_command_line_server_with_an_api_key_from_the_environment_and_the_bundle
         assert status == 400 and got["error"]["param"] == "logprobs" and "max_logprobs=3" in got["error"]["message"]
         proc.send_signal(signal.SIGINT)
         assert proc.wait(timeout=30) == 0
+        log = proc.stderr.read()  # uvicorn's access log: a line per request, whatever the log level
+        assert '"POST /v1/chat/completions HTTP/1.1" 401' in log and '"POST /v1/completions HTTP/1.1" 400' in log
     finally:
         if proc.poll() is None:
             proc.kill()

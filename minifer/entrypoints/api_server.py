@@ -273,8 +273,10 @@ class _Events:
         if item is DONE:
             self.done = True
             return None
-        if isinstance(item, Exception):
+        if isinstance(item, RequestError):
             raise item
+        if isinstance(item, Exception):  # the engine failed (a step, or the loop stopped): this request's 500
+            raise RequestError(str(item), status=HTTPStatus.INTERNAL_SERVER_ERROR)
         return item
 
     def close(self) -> None:
@@ -362,9 +364,8 @@ async def stream(prep: Prepared, events: _Events, first: RequestOutput | None) -
             o = await events.next()
         if prep.include_usage:
             yield _event({**head, "choices": [], "usage": usage(prompt_tokens, completion_tokens)})
-    except Exception as e:  # noqa: BLE001 - the status line has gone: report in the stream, as vLLM does
-        err = e if isinstance(e, RequestError) else RequestError(str(e), status=HTTPStatus.INTERNAL_SERVER_ERROR)
-        yield _event({"error": error_body(err)})
+    except RequestError as e:  # the status line has gone: report in the stream, as vLLM does
+        yield _event({"error": error_body(e)})
     finally:
         events.close()  # a no-op once everything finished; else the client left: free its sequences
     yield b"data: [DONE]\n\n"
