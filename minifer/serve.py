@@ -80,6 +80,21 @@ def resolve_chat_template(value: str | None) -> str | None:
     raise ValueError(f"--chat-template {value!r} is neither a file, a template, nor a shipped name ({shipped_names})")
 
 
+def listening_socket(host: str, port: int) -> socket.socket:
+    """A TCP socket listening on ``host:port`` (0: a free port), made with protocol ``IPPROTO_TCP``: asyncio sets
+    ``TCP_NODELAY`` only on accepted sockets whose protocol says TCP, and without it an answer written in two
+    pieces (head, then body) waits for the client's delayed ACK of the first: 40 ms per answer on Linux,
+    measured here as a 48 ms round trip for a one-token completion instead of 2.4 ms (the
+    ``http.server`` code this replaced had the same stall on plain answers: 59 ms). The backlog is deep: 128
+    clients connecting at once overflowed socketserver's default of 5, and Linux reset the connections."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, port))
+    sock.listen(2048)
+    return sock
+
+
 def start_server(llm, *, host: str = "127.0.0.1", port: int = 8000, model_name: str | list[str] | None = None,
                  api_key: str | None = None, chat_template: str | None = None, read_timeout: float = 30.0,
                  timeout_keep_alive: float = 5.0, max_connections: int = 1024, access_log: bool = False,
@@ -108,7 +123,7 @@ def start_server(llm, *, host: str = "127.0.0.1", port: int = 8000, model_name: 
     state = ServerState(loop, pre, metrics, names, llm.max_model_len, api_key, read_timeout)
     app = build_app(state, allowed_origins=allowed_origins, allowed_methods=allowed_methods,
                     allowed_headers=allowed_headers, allow_credentials=allow_credentials)
-    sock = socket.create_server((host, port), backlog=2048)  # 16+ clients connecting at once need a deep queue
+    sock = listening_socket(host, port)
     config = uvicorn.Config(app, http=protocol_class(read_timeout, max_connections), lifespan="off", ws="none",
                             loop="asyncio", log_config=None, log_level=log_level, access_log=access_log,
                             timeout_keep_alive=timeout_keep_alive, timeout_graceful_shutdown=3, backlog=2048)

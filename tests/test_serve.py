@@ -559,3 +559,16 @@ def test_server_sweep_streams_every_token_at_each_concurrency():
                                                               for r in rows)
     assert all(r["ttft_s"]["count"] == 4 and r["itl_s"]["count"] == 4 * 4 for r in rows)  # 5 tokens: 4 gaps each
     assert all(0 < r["ttft_s"]["p50"] and 0 < r["itl_s"]["p50"] for r in rows)
+
+
+def test_accepted_connections_are_tcp_sockets_that_asyncio_sets_nodelay_on():
+    """asyncio sets TCP_NODELAY only on sockets whose ``proto`` is IPPROTO_TCP; without it each plain answer (head,
+    then body) waited 40 ms for the client's delayed ACK."""
+    import socket
+
+    from minifer.serve import listening_socket
+
+    with listening_socket("127.0.0.1", 0) as s, socket.create_connection(s.getsockname()) as client:
+        conn, _ = s.accept()
+        with conn:
+            assert conn.proto == socket.IPPROTO_TCP and client.fileno() >= 0
