@@ -471,6 +471,7 @@ def test_server_overhead_benchmark_runs_every_mode_to_the_same_text():
     assert set(r["throughput_vs_direct"]) == {"http", "http-stream"} and all(
         v > 0 for v in r["throughput_vs_direct"].values())
     assert r["rounds"][0]["http"]["peak_in_flight"] <= 2 and sorted(r["rounds"][0]["order"]) == sorted(MODES)
+    assert all(r["rounds"][0][m]["cpu_seconds"] > 0 for m in MODES) and set(r["cpu_vs_direct"]) == set(MODES[1:])
 
 
 # --- random traffic -------------------------------------------------------------------------------------

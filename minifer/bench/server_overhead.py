@@ -5,6 +5,11 @@ in interleaved rounds, compared by output-token throughput.
 - ``http``: through ``minifer.serve`` with plain JSON answers (one persistent connection per client);
 - ``http-stream``: the same with ``"stream": true``, one server-sent event per token.
 
+Beside the wall-clock throughput, each run records the CPU seconds of the server's process (the engine and,
+through HTTP, the server around it): on a machine shared with other jobs, the wall-clock ratios move with what
+else runs (a server's extra threads can even take CPU back from other jobs, and stream faster than the engine
+alone), while the CPU the server adds for the same tokens does not depend on the neighbours.
+
 ``concurrency`` clients each send their next request as soon as the previous answer is complete (a closed loop,
 like a batch job with that many workers), so the engine holds up to ``concurrency`` requests in every mode and
 the modes differ only in what surrounds it: the handler threads, JSON, sockets, and the Python interpreter lock
@@ -134,9 +139,13 @@ def run_http(llm, workload: Workload, concurrency: int, stream: bool, pool: Proc
 
 
 def run_mode(llm, mode: str, workload: Workload, concurrency: int, pool: ProcessPoolExecutor) -> dict[str, Any]:
+    """One run of ``mode``, with the CPU seconds this process spent on it (the clients run in another)."""
+    cpu = time.process_time()
     if mode == "direct":
-        return run_direct(llm, workload, concurrency)
-    return run_http(llm, workload, concurrency, stream=mode == "http-stream", pool=pool)
+        res = run_direct(llm, workload, concurrency)
+    else:
+        res = run_http(llm, workload, concurrency, stream=mode == "http-stream", pool=pool)
+    return {**res, "cpu_seconds": time.process_time() - cpu}
 
 
 def measure(llm, workload: Workload, *, concurrency: int = 16, rounds: int = 3, seed: int = 0) -> dict[str, Any]:
@@ -163,7 +172,8 @@ def _measure(llm, workload: Workload, concurrency: int, rounds: int, seed: int,
             if reference is None and mode == "direct":
                 reference = res["texts"]
             row[mode] = {"seconds": res["seconds"], "tokens_per_s": out_tokens / res["seconds"],
-                         "peak_in_flight": res.get("peak_in_flight"), "texts": res["texts"]}
+                         "cpu_seconds": res["cpu_seconds"], "peak_in_flight": res.get("peak_in_flight"),
+                         "texts": res["texts"]}
         per_round.append(row)
     reference = reference or per_round[0]["direct"]["texts"]
     same = {m: all(r[m]["texts"] == reference for r in per_round) for m in MODES}
@@ -171,11 +181,14 @@ def _measure(llm, workload: Workload, concurrency: int, rounds: int, seed: int,
         for m in MODES:
             del r[m]["texts"]
     ratios = {m: [r[m]["tokens_per_s"] / r["direct"]["tokens_per_s"] for r in per_round] for m in MODES[1:]}
+    cpu = {m: [r["direct"]["cpu_seconds"] / r[m]["cpu_seconds"] for r in per_round] for m in MODES[1:]}
     return {
         "workload": workload.summary(), "concurrency": concurrency, "rounds": per_round, "same_text": same,
         "tokens_per_s": {m: statistics.median(r[m]["tokens_per_s"] for r in per_round) for m in MODES},
         "throughput_vs_direct": {m: statistics.median(v) for m, v in ratios.items()},
         "throughput_vs_direct_rounds": ratios,
+        # the server process's CPU seconds for the same work, direct's over each mode's (1: the server adds none)
+        "cpu_vs_direct": {m: statistics.median(v) for m, v in cpu.items()}, "cpu_vs_direct_rounds": cpu,
     }
 
 
@@ -251,7 +264,9 @@ def main(argv: list[str] | None = None) -> int:
     result, path = write("server_overhead", args, argv, result, plot)
     for m in MODES:
         extra = f" ({result['throughput_vs_direct'][m]:.3f}x direct)" if m != "direct" else ""
-        print(f"{m:12s} {result['tokens_per_s'][m]:8.1f} output tokens/s{extra}; same text: {result['same_text'][m]}")
+        cpu = f"; CPU {result['cpu_vs_direct'][m]:.3f}x direct's" if m != "direct" else ""
+        print(f"{m:12s} {result['tokens_per_s'][m]:8.1f} output tokens/s{extra}{cpu}; same text: "
+              f"{result['same_text'][m]}")
     print(f"wrote {path}")
     return 0
 
