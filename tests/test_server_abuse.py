@@ -119,6 +119,7 @@ def test_a_huge_text_prompt_is_refused_before_tokenizing_and_does_not_stall_a_st
         attacker.join()
     finally:
         pre.tokenizer.__class__.__call__ = real
+    control += stream_gaps(server, "Tom", 120)  # a control on each side of the loaded run
     assert [s for s, _ in refused] == [400] * 3
     err = refused[0][1]["error"]
     assert err["param"] == "prompt" and "characters" in err["message"] and "max_model_len" in err["message"]
