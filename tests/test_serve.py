@@ -573,3 +573,10 @@ def test_accepted_connections_are_tcp_sockets_that_asyncio_sets_nodelay_on():
         conn, _ = s.accept()
         with conn:
             assert conn.proto == socket.IPPROTO_TCP and client.fileno() >= 0
+
+
+def test_unknown_fields_are_ignored_with_a_warning_as_in_vllm(server, caplog):
+    with caplog.at_level("WARNING", logger="minifer.serve"):
+        status, body = post(server, "/v1/completions", greedy(3, prompt="Tom", foo=1, client_tag="x"))
+    assert status == 200 and body["usage"]["completion_tokens"] <= 3
+    assert any("fields ignored" in r.message and "client_tag, foo" in r.message for r in caplog.records)
