@@ -1,11 +1,11 @@
 """OpenAI's API, as data: a request body becomes ``SamplingParams`` and prompts, engine outputs become choices.
 
-``minifer/serve.py`` is the HTTP server and the engine thread; this module is the format between the two, with
+``minifer.entrypoints`` is the HTTP server and the engine thread; this module is the format between the two, with
 vLLM's extensions, so that a client written for OpenAI or ``vllm serve`` works against minifer unchanged:
 
 - requests: ``sampling_params`` (OpenAI's names and defaults, ``null`` meaning the default, every value checked
   and a bad one refused with a ``RequestError`` naming its field), ``completion_prompts`` (a text, token ids, or
-  a list of either), ``chat_prompt`` (messages through the tokenizer's chat template), ``echo_mode``;
+  a list of either), ``chat_messages`` (each message's content as text, for the chat template), ``echo_mode``;
 - responses: ``logprobs_json`` (completions: tokens, their logprobs, top candidates, text offsets),
   ``chat_logprobs_json`` (chat: per token its text, logprob, bytes and top candidates), ``echoed_choice``
   (a prompt's text and logprobs before its completion), ``prompt_logprobs_json``, ``usage``, ``error_body``;
@@ -22,7 +22,6 @@ from http import HTTPStatus
 from typing import Any
 
 from minifer.engine.sequence import Sequence
-from minifer.loader import chat_token_ids
 from minifer.outputs import CompletionOutput, RequestOutput
 from minifer.sampling import SamplingParams
 
@@ -55,21 +54,36 @@ _SAMPLING_FIELDS = {  # OpenAI's name (and vLLM's extensions) -> SamplingParams 
     "skip_special_tokens": "skip_special_tokens", "logit_bias": "logit_bias", "prompt_logprobs": "prompt_logprobs",
     "include_stop_str_in_output": "include_stop_str_in_output",
 }
-# Fields minifer accepts only with the value that means "off" (clients often send these defaults).
-_NO_OP_FIELDS = {"best_of": (1, None), "suffix": (None,), "user": None}
+# Fields minifer accepts only with the value that means "off" (clients often send these defaults): any other value
+# asks for something minifer does not do (tools, structured output, beam search, ...), and ignoring it would
+# answer a different question than the client asked. None: any value is accepted and has no effect.
+_NO_OP_FIELDS = {"best_of": (1, None), "suffix": (None,), "user": None, "metadata": None, "store": (False, None),
+                 "service_tier": None, "parallel_tool_calls": None, "tools": (None, []),
+                 "tool_choice": (None, "none", "auto"), "functions": (None, []), "function_call": (None, "none", "auto"),
+                 "response_format": (None, {"type": "text"}), "guided_json": (None,), "guided_regex": (None,),
+                 "guided_choice": (None,), "guided_grammar": (None,), "structured_outputs": (None,),
+                 "use_beam_search": (False, None), "length_penalty": (1, 1.0, None), "logits_processors": (None,),
+                 "truncate_prompt_tokens": (None,), "prompt_embeds": (None,), "return_tokens_as_token_ids": (False, None),
+                 "add_special_tokens": (True, None), "continue_final_message": (False, None),
+                 "add_generation_prompt": (True, None), "chat_template": (None,), "chat_template_kwargs": (None,),
+                 "documents": (None,), "priority": (0, None), "request_id": None, "modalities": (None, ["text"]),
+                 "audio": (None,), "prediction": (None,), "reasoning_effort": (None,), "web_search_options": (None,)}
+# Every field a request may carry; others are ignored with a warning, as vLLM does (clients add fields of their own).
+KNOWN_FIELDS = frozenset({"model", "prompt", "messages", "stream", "stream_options", "logprobs", "top_logprobs",
+                          "max_completion_tokens", "echo", *_SAMPLING_FIELDS, *_NO_OP_FIELDS})
+
+
+def ignored_fields(body: dict[str, Any]) -> list[str]:
+    """The fields of ``body`` that minifer does not know, which it ignores (the server logs them)."""
+    return sorted(set(body) - KNOWN_FIELDS)
 DIGITS = re.compile(r"[0-9]+")  # a token id or a Content-Length (int() also takes " 5", "+5", "5_0" and "-3")
 
 
 def sampling_params(body: dict[str, Any], *, chat: bool, echo: Echo | None = None) -> SamplingParams:
     """``SamplingParams`` from a request body, with OpenAI's defaults (``max_tokens`` 16 for completions, up to
     the context for chat). ``null`` means the default, as OpenAI's clients send it for fields they leave unset.
-    Unknown fields and unsupported values are errors that name the field. ``echo`` (``echo_mode``'s answer for the
+    Unsupported values are errors that name the field (unknown fields are ignored: ``ignored_fields``). ``echo`` (``echo_mode``'s answer for the
     same body) adds what echoing needs: one generated token for ``max_tokens=0``, and the prompt's logprobs."""
-    known = {"model", "prompt", "messages", "stream", "stream_options", "logprobs", "top_logprobs",
-             "max_completion_tokens", "echo", *_SAMPLING_FIELDS, *_NO_OP_FIELDS}
-    unknown = sorted(set(body) - known)
-    if unknown:
-        raise RequestError(f"unknown field(s) {', '.join(map(repr, unknown))}", unknown[0])
     for name, allowed in _NO_OP_FIELDS.items():
         if name in body and allowed is not None and body[name] not in allowed and body[name] != {}:
             raise RequestError(f"{name}={body[name]!r} is not supported by minifer", name)
@@ -137,9 +151,11 @@ def chat_logprobs_json(c: CompletionOutput, token_ids: list[int], start: int, to
 
 
 def _token_id_key(key: str) -> int:
-    """A ``logit_bias`` key: a token id written in plain decimal digits."""
-    if not DIGITS.fullmatch(key):
-        raise RequestError(f"logit_bias keys must be token ids (decimal digits), got {key!r}", "logit_bias")
+    """A ``logit_bias`` key: a token id written in plain decimal digits (at most 18: Python's ``int`` refuses
+    strings of more than 4,300 digits with a ``ValueError`` of its own, and no vocabulary comes near 10**18)."""
+    if not DIGITS.fullmatch(key) or len(key) > 18:
+        raise RequestError(f"logit_bias keys must be token ids (at most 18 decimal digits), got {key[:40]!r}",
+                           "logit_bias")
     return int(key)
 
 
@@ -219,22 +235,12 @@ def _message_text(i: int, message: Any) -> str:
     return "\n".join(texts)
 
 
-def chat_prompt(body: dict[str, Any], tokenizer):
-    """A chat request's prompt, as a function for the engine thread to call (it owns the tokenizer)."""
+def chat_messages(body: dict[str, Any]) -> list[dict[str, Any]]:
+    """A chat request's messages, each with its content as text, for the chat template."""
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise RequestError("messages must be a non-empty list of {'role': str, 'content': str}", "messages")
-    messages = [{**m, "content": _message_text(i, m)} for i, m in enumerate(messages)]
-    if tokenizer is None or not getattr(tokenizer, "chat_template", None):
-        raise RequestError("this model's tokenizer has no chat template: use /v1/completions", "messages")
-
-    def encode() -> dict[str, list[int]]:
-        try:
-            return {"prompt_token_ids": chat_token_ids(tokenizer, messages)}
-        except Exception as e:  # noqa: BLE001 - a template that rejects these messages (jinja raises its own)
-            raise RequestError(f"the chat template failed on these messages: {e}", "messages") from None
-
-    return encode
+    return [{**m, "content": _message_text(i, m)} for i, m in enumerate(messages)]
 
 
 @dataclass(frozen=True)
@@ -270,35 +276,11 @@ def echo_mode(body: dict[str, Any], *, chat: bool) -> Echo | None:
 def _echo_logprobs_json(prompt_ids: list[int], entries: list | None, first_token: str) -> dict[str, Any] | None:
     """The prompt's part of an echoed choice's ``logprobs``: nothing predicts the first token (None, as in
     OpenAI's and vLLM's answers); each later one from ``prompt_logprobs``, its candidates decoded by the engine
-    thread already. Offsets run from 0, the start of the echoed text."""
+    already. Offsets run from 0, the start of the echoed text."""
     if entries is None:
         return None
     first = {"tokens": [first_token], "token_logprobs": [None], "top_logprobs": [None], "text_offset": [0]}
     return _join_logprobs(first, _logprobs_object(entries[1:], prompt_ids[1:], len(first_token)))
-
-
-def echo_prompt(prompt: Any, tokenizer, slot: dict[str, str]):
-    """A completion prompt as a function for the engine thread to call (it owns the tokenizer), which also
-    leaves in ``slot`` what echoing needs decoded: the prompt's ``text`` (a text prompt as sent, token ids
-    decoded, BOS included, as vLLM echoes them) and its ``first`` token's text (the one no logprob covers)."""
-    def encode() -> Any:
-        if tokenizer is None:  # the engine names the problem with a text prompt; token ids echo as numbers
-            ids = prompt["prompt_token_ids"] if isinstance(prompt, dict) else []
-            slot.update(text=prompt if isinstance(prompt, str) else "", first=str(ids[0]) if ids else "")
-            return prompt
-        if isinstance(prompt, str):  # tokenized here once: the engine gets the ids, not the text again
-            ids = list(tokenizer(prompt)["input_ids"])
-            slot.update(text=prompt, first=tokenizer.decode(ids[:1]))
-            return {"prompt_token_ids": ids} if ids else prompt  # an empty one: the engine's own error
-        ids = list(prompt["prompt_token_ids"])
-        slot.update(text="", first=str(ids[0]) if ids else "")
-        try:
-            slot.update(text=tokenizer.decode(ids), first=tokenizer.decode(ids[:1]))
-        except (OverflowError, TypeError, ValueError):  # ids out of range: the engine refuses them, naming them
-            pass
-        return prompt
-
-    return encode
 
 
 def _join_logprobs(a: dict[str, Any] | None, b: dict[str, Any] | None) -> dict[str, Any] | None:
@@ -312,7 +294,7 @@ def echoed_choice(o: RequestOutput, c: CompletionOutput, echo: Echo, decoded: di
                   token_ids: list[int] | None = None, text: str | None = None) -> dict[str, Any]:
     """A completion choice's ``text``, ``logprobs`` and ``finish_reason`` with its prompt echoed in front: of the
     whole completion, or of ``token_ids`` / ``text`` only (a stream's first chunk). ``decoded``: the prompt's
-    text and first token, from the engine thread (``echo_prompt``). As in vLLM, the offsets run over every
+    text and first token, decoded on the request side (``minifer.entrypoints.preprocess``). As in vLLM, the offsets run over every
     token's text from 0, prompt then completion, so a prompt's BOS token counts there though the text of a text
     prompt, echoed as sent, has none."""
     token_ids = c.token_ids if token_ids is None else token_ids
@@ -373,8 +355,30 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
             "total_tokens": prompt_tokens + completion_tokens}
 
 
+_ERROR_TYPES = {HTTPStatus.NOT_FOUND: "NotFoundError", HTTPStatus.INTERNAL_SERVER_ERROR: "InternalServerError",
+                HTTPStatus.REQUEST_ENTITY_TOO_LARGE: "RequestTooLargeError", HTTPStatus.UNAUTHORIZED: "AuthenticationError",
+                HTTPStatus.METHOD_NOT_ALLOWED: "MethodNotAllowedError", HTTPStatus.NOT_IMPLEMENTED: "NotImplementedError",
+                HTTPStatus.REQUEST_TIMEOUT: "RequestTimeoutError", HTTPStatus.SERVICE_UNAVAILABLE: "ServiceUnavailableError",
+                HTTPStatus.REQUEST_HEADER_FIELDS_TOO_LARGE: "RequestHeaderFieldsTooLargeError"}
+
+
 def error_body(e: RequestError) -> dict[str, Any]:
-    kind = {HTTPStatus.NOT_FOUND: "NotFoundError", HTTPStatus.INTERNAL_SERVER_ERROR: "InternalServerError",
-            HTTPStatus.REQUEST_ENTITY_TOO_LARGE: "RequestTooLargeError",
-            HTTPStatus.METHOD_NOT_ALLOWED: "MethodNotAllowedError", HTTPStatus.NOT_IMPLEMENTED: "NotImplementedError"}
-    return {"message": str(e), "type": kind.get(e.status, "BadRequestError"), "param": e.param, "code": int(e.status)}
+    """OpenAI's error object: ``{"message", "type", "param", "code"}`` (inside ``{"error": ...}``)."""
+    return {"message": str(e), "type": _ERROR_TYPES.get(e.status, "BadRequestError"), "param": e.param,
+            "code": int(e.status)}
+
+
+# The engine's own validation (``LLM.make_sequence``, the scheduler) words its errors "prompt <i>: <field>...":
+# the field a refusal is about, for OpenAI's ``param``. Anything else it refuses is about the prompt itself.
+_ENGINE_FIELDS = ("logit_bias", "stop_token_ids", "prompt_logprobs", "logprobs", "min_tokens", "max_tokens")
+_PROMPT_PREFIX = re.compile(r"prompt \d+: ")
+
+
+def engine_error_param(message: str, prompt_field: str = "prompt", logprobs_field: str = "logprobs") -> str:
+    """The request field an error of the engine's validation is about (``prompt_field``: "prompt" for
+    completions, "messages" for chat; ``logprobs_field``: the field that asked for the candidates)."""
+    rest = _PROMPT_PREFIX.sub("", message, count=1)
+    for name in _ENGINE_FIELDS:
+        if rest.startswith(name):
+            return logprobs_field if name == "logprobs" else name
+    return prompt_field

@@ -173,7 +173,7 @@ def test_logprobs(server):
 
 @pytest.mark.parametrize("body,status,param,words", [
     (greedy(8, prompt="Hi", temperature=-1), 400, "temperature", "temperature must be >= 0"),
-    (greedy(8, prompt="Hi", foo=1), 400, "foo", "unknown field"),
+    (greedy(8, prompt="Hi", tools=[{"type": "function"}]), 400, "tools", "not supported"),
     (greedy(8, prompt="Hi", presence_penalty=3.0), 400, "presence_penalty", "must be a number in [-2, 2]"),
     (greedy(8, prompt="Hi", best_of=2), 400, "best_of", "not supported"),
     (greedy(8, prompt="Hi", logit_bias={"the": 1}), 400, "logit_bias", "keys must be token ids"),
@@ -182,8 +182,10 @@ def test_logprobs(server):
     (greedy(8, prompt="Hi", stream="yes"), 400, "stream", "true or false"),
     (greedy(8), 400, "prompt", "missing field 'prompt'"),
     (greedy(8, prompt=[]), 400, "prompt", "non-empty"),
-    (greedy(8, prompt=[1, 999999]), 400, None, "out of the vocabulary"),
-    (greedy(8, prompt="word " * 3000), 400, None, "max_model_len"),
+    (greedy(8, prompt=[1, 999999]), 400, "prompt", "out of the vocabulary"),
+    (greedy(8, prompt="word " * 3000), 400, "prompt", "max_model_len"),
+    (greedy(8, prompt="word " * 1100), 400, "prompt", "max_model_len"),  # tokenized, then too long
+    (greedy(8, prompt="Hi", logprobs=21), 400, "logprobs", "max_logprobs"),
     ({"prompt": "Hi"}, 400, "model", "missing field 'model'"),
     ({"model": "gpt-4", "prompt": "Hi"}, 404, "model", "not served here"),
 ])
@@ -469,6 +471,7 @@ def test_server_overhead_benchmark_runs_every_mode_to_the_same_text():
     assert set(r["throughput_vs_direct"]) == {"http", "http-stream"} and all(
         v > 0 for v in r["throughput_vs_direct"].values())
     assert r["rounds"][0]["http"]["peak_in_flight"] <= 2 and sorted(r["rounds"][0]["order"]) == sorted(MODES)
+    assert all(r["rounds"][0][m]["cpu_seconds"] > 0 for m in MODES) and set(r["cpu_vs_direct"]) == set(MODES[1:])
 
 
 # --- random traffic -------------------------------------------------------------------------------------
@@ -479,7 +482,7 @@ from hypothesis import strategies as st  # noqa: E402
 _good = st.fixed_dictionaries({"kind": st.just("good"), "max_tokens": st.integers(1, 12), "n": st.integers(1, 3),
                                "stream": st.booleans(), "words": st.integers(1, 30)})
 _bad = st.fixed_dictionaries({"kind": st.just("bad"), "field": st.sampled_from(
-    [("temperature", -1), ("top_p", 0), ("n", 0), ("max_tokens", 0), ("bogus", 1), ("stop", [""])])})
+    [("temperature", -1), ("top_p", 0), ("n", 0), ("max_tokens", 0), ("logprobs", 50), ("stop", [""])])})
 _leave = st.fixed_dictionaries({"kind": st.just("leave"), "n": st.integers(1, 2)})
 
 
@@ -544,3 +547,36 @@ def test_random_concurrent_traffic_loses_nothing(small_server, actions):
     stats = engine.stats()
     assert stats["kv_blocks_free"] == stats["kv_blocks_total"]
     engine.block_manager.check_invariants()
+
+
+def test_server_sweep_streams_every_token_at_each_concurrency():
+    from minifer.bench.server_sweep import sweep
+    from minifer.bench.workloads import make_workload
+
+    llm = LLM("tinystories-draft", max_num_seqs=2)
+    w = make_workload(4, "fixed:6", "fixed:5", seed=1, vocab_size=llm.model_config.vocab_size)
+    rows = sweep(llm, w, [1, 2])["concurrency"]
+    assert [r["concurrency"] for r in rows] == [1, 2] and all(1 <= r["peak_in_flight"] <= r["concurrency"]
+                                                              for r in rows)
+    assert all(r["ttft_s"]["count"] == 4 and r["itl_s"]["count"] == 4 * 4 for r in rows)  # 5 tokens: 4 gaps each
+    assert all(0 < r["ttft_s"]["p50"] and 0 < r["itl_s"]["p50"] for r in rows)
+
+
+def test_accepted_connections_are_tcp_sockets_that_asyncio_sets_nodelay_on():
+    """asyncio sets TCP_NODELAY only on sockets whose ``proto`` is IPPROTO_TCP; without it each plain answer (head,
+    then body) waited 40 ms for the client's delayed ACK."""
+    import socket
+
+    from minifer.serve import listening_socket
+
+    with listening_socket("127.0.0.1", 0) as s, socket.create_connection(s.getsockname()) as client:
+        conn, _ = s.accept()
+        with conn:
+            assert conn.proto == socket.IPPROTO_TCP and client.fileno() >= 0
+
+
+def test_unknown_fields_are_ignored_with_a_warning_as_in_vllm(server, caplog):
+    with caplog.at_level("WARNING", logger="minifer.serve"):
+        status, body = post(server, "/v1/completions", greedy(3, prompt="Tom", foo=1, client_tag="x"))
+    assert status == 200 and body["usage"]["completion_tokens"] <= 3
+    assert any("fields ignored" in r.message and "client_tag, foo" in r.message for r in caplog.records)

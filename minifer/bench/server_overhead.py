@@ -5,6 +5,11 @@ in interleaved rounds, compared by output-token throughput.
 - ``http``: through ``minifer.serve`` with plain JSON answers (one persistent connection per client);
 - ``http-stream``: the same with ``"stream": true``, one server-sent event per token.
 
+Beside the wall-clock throughput, each run records the CPU seconds of the server's process (the engine and,
+through HTTP, the server around it): on a machine shared with other jobs, the wall-clock ratios move with what
+else runs (a server's extra threads can even take CPU back from other jobs, and stream faster than the engine
+alone), while the CPU the server adds for the same tokens does not depend on the neighbours.
+
 ``concurrency`` clients each send their next request as soon as the previous answer is complete (a closed loop,
 like a batch job with that many workers), so the engine holds up to ``concurrency`` requests in every mode and
 the modes differ only in what surrounds it: the handler threads, JSON, sockets, and the Python interpreter lock
@@ -97,19 +102,25 @@ def run_clients(host: str, port: int, model: str, requests: list[tuple[str, list
                 stream: bool) -> tuple[float, dict[str, str], list[str]]:
     """``concurrency`` client threads share ``requests``; returns the wall time from the first request to the last
     answer, each request's text, and the errors. Runs in the clients' own process."""
+    texts: dict[str, str] = {}
+    errors: list[str] = []
+    seconds = run_threads(requests, concurrency, lambda jobs: _client(host, port, model, jobs, stream, texts, errors))
+    return seconds, texts, errors
+
+
+def run_threads(requests: list, concurrency: int, client) -> float:
+    """``concurrency`` threads each run ``client(jobs)`` on one shared queue of ``requests``; returns the wall time
+    from their start to the last one's end."""
     jobs: queue.Queue = queue.Queue()
     for r in requests:
         jobs.put(r)
-    texts: dict[str, str] = {}
-    errors: list[str] = []
-    clients = [threading.Thread(target=_client, args=(host, port, model, jobs, stream, texts, errors))
-               for _ in range(concurrency)]
+    clients = [threading.Thread(target=client, args=(jobs,)) for _ in range(concurrency)]
     start = time.perf_counter()
     for c in clients:
         c.start()
     for c in clients:
         c.join()
-    return time.perf_counter() - start, texts, errors
+    return time.perf_counter() - start
 
 
 def run_http(llm, workload: Workload, concurrency: int, stream: bool, pool: ProcessPoolExecutor) -> dict[str, Any]:
@@ -128,9 +139,13 @@ def run_http(llm, workload: Workload, concurrency: int, stream: bool, pool: Proc
 
 
 def run_mode(llm, mode: str, workload: Workload, concurrency: int, pool: ProcessPoolExecutor) -> dict[str, Any]:
+    """One run of ``mode``, with the CPU seconds this process spent on it (the clients run in another)."""
+    cpu = time.process_time()
     if mode == "direct":
-        return run_direct(llm, workload, concurrency)
-    return run_http(llm, workload, concurrency, stream=mode == "http-stream", pool=pool)
+        res = run_direct(llm, workload, concurrency)
+    else:
+        res = run_http(llm, workload, concurrency, stream=mode == "http-stream", pool=pool)
+    return {**res, "cpu_seconds": time.process_time() - cpu}
 
 
 def measure(llm, workload: Workload, *, concurrency: int = 16, rounds: int = 3, seed: int = 0) -> dict[str, Any]:
@@ -157,7 +172,8 @@ def _measure(llm, workload: Workload, concurrency: int, rounds: int, seed: int,
             if reference is None and mode == "direct":
                 reference = res["texts"]
             row[mode] = {"seconds": res["seconds"], "tokens_per_s": out_tokens / res["seconds"],
-                         "peak_in_flight": res.get("peak_in_flight"), "texts": res["texts"]}
+                         "cpu_seconds": res["cpu_seconds"], "peak_in_flight": res.get("peak_in_flight"),
+                         "texts": res["texts"]}
         per_round.append(row)
     reference = reference or per_round[0]["direct"]["texts"]
     same = {m: all(r[m]["texts"] == reference for r in per_round) for m in MODES}
@@ -165,11 +181,14 @@ def _measure(llm, workload: Workload, concurrency: int, rounds: int, seed: int,
         for m in MODES:
             del r[m]["texts"]
     ratios = {m: [r[m]["tokens_per_s"] / r["direct"]["tokens_per_s"] for r in per_round] for m in MODES[1:]}
+    cpu = {m: [r["direct"]["cpu_seconds"] / r[m]["cpu_seconds"] for r in per_round] for m in MODES[1:]}
     return {
         "workload": workload.summary(), "concurrency": concurrency, "rounds": per_round, "same_text": same,
         "tokens_per_s": {m: statistics.median(r[m]["tokens_per_s"] for r in per_round) for m in MODES},
         "throughput_vs_direct": {m: statistics.median(v) for m, v in ratios.items()},
         "throughput_vs_direct_rounds": ratios,
+        # the server process's CPU seconds for the same work, direct's over each mode's (1: the server adds none)
+        "cpu_vs_direct": {m: statistics.median(v) for m, v in cpu.items()}, "cpu_vs_direct_rounds": cpu,
     }
 
 
@@ -191,42 +210,64 @@ def plot(result: dict[str, Any]):
     return fig
 
 
-def main(argv: list[str] | None = None) -> int:
-    import torch
+def add_workload_args(ap: argparse.ArgumentParser, name: str) -> None:
+    """The flags this benchmark and ``server_sweep`` share: the model, the workload, the device, the output."""
+    from minifer.bench.serving import default_results_path
 
-    from minifer import LLM
-    from minifer.bench.roofline import default_threads, environment
-    from minifer.bench.serving import default_results_path, git_commit, save_result
-
-    ap = argparse.ArgumentParser(prog="python -m minifer.bench.server_overhead", description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default="tinystories-target")
     ap.add_argument("-n", "--num-requests", type=int, default=64)
     ap.add_argument("--input", default="fixed:16", help="prompt lengths (workload spec)")
     ap.add_argument("--output", default="fixed:64", help="output lengths (workload spec)")
-    ap.add_argument("--concurrency", type=int, default=16, help="clients, and the engine's max_num_seqs")
-    ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--device", default=None)
-    ap.add_argument("--out", default=str(default_results_path("server_overhead.json")))
+    ap.add_argument("--out", default=str(default_results_path(f"{name}.json")))
     ap.add_argument("--plot", action="store_true", help="also write the figure next to the JSON (.png)")
-    args = ap.parse_args(argv)
+
+
+def setup(args: argparse.Namespace, max_num_seqs: int):
+    """The model (on this benchmark's thread count) and the workload the flags ask for."""
+    import torch
+
+    from minifer import LLM
+    from minifer.bench.roofline import default_threads
+
     torch.set_num_threads(default_threads())
-    llm = LLM(args.model, device=args.device, max_num_seqs=args.concurrency)
-    cfg = llm.model_config
-    workload = make_workload(args.num_requests, args.input, args.output, seed=args.seed, vocab_size=cfg.vocab_size,
-                             max_model_len=llm.max_model_len)
-    result = measure(llm, workload, concurrency=args.concurrency, rounds=args.rounds, seed=args.seed)
-    command = shlex.join(["python", "-m", "minifer.bench.server_overhead", *(sys.argv[1:] if argv is None else argv)])
+    llm = LLM(args.model, device=args.device, max_num_seqs=max_num_seqs)
+    workload = make_workload(args.num_requests, args.input, args.output, seed=args.seed,
+                             vocab_size=llm.model_config.vocab_size, max_model_len=llm.max_model_len)
+    return llm, workload
+
+
+def write(kind: str, args: argparse.Namespace, argv: list[str] | None, result: dict[str, Any], plot_fn):
+    """Save ``result`` with its metadata (taken after the thread count is set) and, with ``--plot``, its figure."""
+    from minifer.bench.roofline import environment
+    from minifer.bench.serving import git_commit, save_result
+
+    command = shlex.join(["python", "-m", f"minifer.bench.{kind}", *(sys.argv[1:] if argv is None else argv)])
     stamp = datetime.now(timezone.utc).isoformat(timespec="seconds")
     metadata = {**environment(), "git": git_commit(), "command": command, "timestamp": stamp}
-    result = {"kind": "server_overhead", "metadata": metadata, "model": args.model, **result}
+    result = {"kind": kind, "metadata": metadata, "model": args.model, **result}
+    path = save_result(result, args.out)
+    if args.plot:
+        plot_fn(result).savefig(path.with_suffix(".png"), dpi=110)
+    return result, path
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m minifer.bench.server_overhead", description=__doc__.split("\n\n")[0])
+    add_workload_args(ap, "server_overhead")
+    ap.add_argument("--concurrency", type=int, default=16, help="clients, and the engine's max_num_seqs")
+    ap.add_argument("--rounds", type=int, default=3)
+    args = ap.parse_args(argv)
+    llm, workload = setup(args, args.concurrency)
+    result = measure(llm, workload, concurrency=args.concurrency, rounds=args.rounds, seed=args.seed)
+    result, path = write("server_overhead", args, argv, result, plot)
     for m in MODES:
         extra = f" ({result['throughput_vs_direct'][m]:.3f}x direct)" if m != "direct" else ""
-        print(f"{m:12s} {result['tokens_per_s'][m]:8.1f} output tokens/s{extra}; same text: {result['same_text'][m]}")
-    path = save_result(result, args.out)
+        cpu = f"; CPU {result['cpu_vs_direct'][m]:.3f}x direct's" if m != "direct" else ""
+        print(f"{m:12s} {result['tokens_per_s'][m]:8.1f} output tokens/s{extra}{cpu}; same text: "
+              f"{result['same_text'][m]}")
     print(f"wrote {path}")
-    if args.plot:
-        plot(result).savefig(path.with_suffix(".png"), dpi=110)
     return 0
 
 

@@ -1,0 +1,127 @@
+"""vLLM's extra routes and flags: /version, /ping, /tokenize and /detokenize (equal to the tokenizer),
+/v1/models/{id} and max_model_len, several served names, CORS, the command line's flags (the API key from the
+environment, a bundled model's chat template by default)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import urllib.error
+import urllib.request
+
+import pytest
+
+from minifer import LLM
+from minifer.serve import make_arg_parser, resolve_chat_template, start_server
+
+
+@pytest.fixture(scope="module")
+def server():
+    llm = LLM("tinystories-draft", max_num_seqs=2, max_model_len=128)
+    with start_server(llm, port=0, model_name=["a", "b"], chat_template="tinystories",
+                      allowed_origins=["https://example.org"]) as srv:
+        yield srv
+
+
+def call(url: str, body=None, headers: dict | None = None, method: str | None = None):
+    data = json.dumps(body).encode() if body is not None else None
+    req = urllib.request.Request(url, data, {"Content-Type": "application/json", **(headers or {})}, method=method)
+    try:
+        with urllib.request.urlopen(req, timeout=60) as r:
+            data = r.read()
+            return r.status, r.headers, json.loads(data) if r.headers["Content-Type"] == "application/json" else data
+    except urllib.error.HTTPError as e:
+        return e.code, e.headers, json.loads(e.read())
+
+
+def test_version_and_ping(server):
+    from minifer import __version__
+
+    assert call(server.url + "/version")[2] == {"version": __version__}
+    assert call(server.url + "/ping")[0] == 200 and call(server.url + "/ping", {})[0] == 200
+
+
+def test_models_by_name_with_max_model_len(server):
+    status, _, got = call(server.url + "/v1/models")
+    assert status == 200 and [m["id"] for m in got["data"]] == ["a", "b"]
+    assert all(m["max_model_len"] == 128 and m["root"] == "a" for m in got["data"])
+    assert call(server.url + "/v1/models/b")[2]["id"] == "b"
+    status, _, got = call(server.url + "/v1/models/c")
+    assert status == 404 and got["error"]["param"] == "model"
+    status, _, got = call(server.url + "/v1/completions", {"model": "b", "prompt": "Tom", "max_tokens": 2})
+    assert status == 200 and got["model"] == "b"
+
+
+def test_tokenize_and_detokenize_match_the_tokenizer(server):
+    tok = server.loop.engine.tokenizer
+    status, _, got = call(server.url + "/tokenize", {"model": "a", "prompt": "Once upon a time"})
+    want = list(tok("Once upon a time")["input_ids"])
+    assert status == 200 and got["tokens"] == want and got["count"] == len(want) and got["max_model_len"] == 128
+    _, _, got = call(server.url + "/tokenize", {"prompt": "Once upon a time", "add_special_tokens": False,
+                                                "return_token_strs": True})
+    assert got["tokens"] == want[1:] and len(got["token_strs"]) == len(want) - 1
+    _, _, chat = call(server.url + "/tokenize", {"messages": [{"role": "user", "content": "hi"}]})
+    assert tok.decode(chat["tokens"]) == "<|endoftext|>user: hi\nassistant:"  # the shipped template
+    status, _, got = call(server.url + "/detokenize", {"model": "a", "tokens": want})
+    assert status == 200 and got["prompt"] == tok.decode(want)
+    status, _, got = call(server.url + "/detokenize", {"tokens": [1, 10**9]})
+    assert status == 400 and got["error"]["param"] == "tokens"
+    status, _, got = call(server.url + "/tokenize", {"prompt": "x" * 10**6})
+    assert status == 400 and "characters" in got["error"]["message"]
+
+
+def test_cors_follows_the_allowed_origins(server):
+    headers = {"Origin": "https://example.org", "Access-Control-Request-Method": "POST"}
+    status, h, _ = call(server.url + "/v1/completions", headers=headers, method="OPTIONS")
+    assert status == 200 and h["Access-Control-Allow-Origin"] == "https://example.org"
+    status, h, _ = call(server.url + "/health", headers={"Origin": "https://evil.example"})
+    assert status == 200 and "Access-Control-Allow-Origin" not in h
+
+
+def test_chat_templates_resolve_from_a_name_a_file_or_the_text(tmp_path):
+    shipped = resolve_chat_template("tinystories")
+    assert "add_generation_prompt" in shipped
+    (tmp_path / "t.jinja").write_text("{{ messages[0]['content'] }}")
+    assert resolve_chat_template(str(tmp_path / "t.jinja")) == "{{ messages[0]['content'] }}"
+    assert resolve_chat_template("{{ 'x' }}") == "{{ 'x' }}"
+    with pytest.raises(ValueError, match="neither a file"):
+        resolve_chat_template("no-such-template")
+
+
+def test_the_command_line_takes_vllms_flags():
+    args = make_arg_parser().parse_args([
+        "m", "--served-model-name", "x", "y", "--max-num-seqs", "3", "--max-num-batched-tokens", "64",
+        "--max-logprobs", "5", "--speculative-config", '{"method": "ngram", "num_speculative_tokens": 2}',
+        "--quantization", "int8", "--kv-cache-dtype", "int8", "--chat-template", "tinystories", "--api-key", "k",
+        "--allowed-origins", '["https://a"]', "--no-enable-prefix-caching"])
+    assert args.served_model_name == ["x", "y"] and args.max_num_seqs == 3 and args.max_num_batched_tokens == 64
+    assert args.max_logprobs == 5 and args.speculative_config["num_speculative_tokens"] == 2
+    assert args.allowed_origins == ["https://a"] and args.enable_prefix_caching is False
+
+
+def test_command_line_server_with_an_api_key_from_the_environment_and_the_bundled_template():
+    proc = subprocess.Popen([sys.executable, "-m", "minifer", "serve", "tinystories-draft", "--port", "0",
+                             "--max-num-seqs", "2", "--max-logprobs", "3", "--uvicorn-log-level", "warning"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "PYTHONUNBUFFERED": "1", "MINIFER_API_KEY": "secret"})
+    try:
+        line = proc.stdout.readline()
+        assert line.startswith("serving http://"), (line, proc.stderr.read() if proc.poll() is not None else "")
+        url = line.split()[1].removesuffix("/v1")
+        body = {"model": "tinystories-draft", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3}
+        assert call(url + "/v1/chat/completions", body)[0] == 401
+        status, _, got = call(url + "/v1/chat/completions", body, {"Authorization": "Bearer secret"})
+        assert status == 200 and got["usage"]["completion_tokens"] <= 3
+        status, _, got = call(url + "/v1/completions", {"model": "tinystories-draft", "prompt": "Tom", "logprobs": 4},
+                              {"Authorization": "Bearer secret"})
+        assert status == 400 and got["error"]["param"] == "logprobs" and "max_logprobs=3" in got["error"]["message"]
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(timeout=30) == 0
+        log = proc.stderr.read()  # uvicorn's access log: a line per request, whatever the log level
+        assert '"POST /v1/chat/completions HTTP/1.1" 401' in log and '"POST /v1/completions HTTP/1.1" 400' in log
+    finally:
+        if proc.poll() is None:
+            proc.kill()
