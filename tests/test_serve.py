@@ -76,25 +76,43 @@ def test_completion_equals_generate(server, llm):
     assert status == 200 and by_ids["choices"][0]["text"] == want.outputs[0].text
 
 
-def test_concurrent_requests_share_steps_and_match(server, llm):
+def test_concurrent_requests_share_steps_and_match(server, llm, monkeypatch):
     prompts = [f"Tom saw {w}" for w in ("a dog", "the sea", "a big red ball", "his mom", "a bird", "Lily",
                                          "a cake", "the moon")]
     want = [o.outputs[0].text for o in llm.generate(prompts, SamplingParams(temperature=0, max_tokens=40,
                                                                              ignore_eos=True), use_tqdm=False)]
-    server.loop.peak_in_flight = 0
+    loop = server.loop
+    loop.peak_in_flight = 0
     got: dict[int, str] = {}
+    # The engine's first step waits until every request has been handed to the loop, so that all of them are
+    # in flight together whatever the threads' timing (without the gate, how many overlap is up to the OS).
+    gate, submitted = threading.Event(), []
+    real_submit, real_step = loop.submit, loop.engine.step
+
+    def counting_submit(*args, **kwargs):
+        out = real_submit(*args, **kwargs)
+        submitted.append(1)
+        if len(submitted) == len(prompts):
+            gate.set()
+        return out
+
+    def gated_step(*args, **kwargs):
+        assert gate.wait(timeout=120), "the requests never all reached the engine loop"
+        return real_step(*args, **kwargs)
 
     def one(i: int) -> None:
         status, body = post(server, "/v1/completions", greedy(40, prompt=prompts[i], ignore_eos=True))
         got[i] = body["choices"][0]["text"] if status == 200 else f"HTTP {status}"
 
+    monkeypatch.setattr(loop, "submit", counting_submit)
+    monkeypatch.setattr(loop.engine, "step", gated_step)
     threads = [threading.Thread(target=one, args=(i,)) for i in range(len(prompts))]
     for t in threads:
         t.start()
     for t in threads:
         t.join()
     assert [got[i] for i in range(len(prompts))] == want
-    assert server.loop.peak_in_flight > 1  # they were in the engine together, batched by its scheduler
+    assert loop.peak_in_flight == len(prompts)  # all in the engine together, batched by its scheduler
 
 
 def test_stream_deltas_add_up(server):
@@ -225,8 +243,7 @@ def test_client_that_leaves_mid_stream_is_aborted(server):
     while engine.requests and time.time() < deadline:  # the next write fails and the request is aborted
         time.sleep(0.05)
     assert not engine.requests and server.loop.aborted == aborted + 1  # aborted, not run to its 400 tokens
-    time.sleep(0.3)  # let the loop finish the abort before reading its state from this thread
-    stats = engine.stats()
+    stats = server.loop.stats()  # read on the engine thread, after the commands queued before it
     assert stats["kv_blocks_free"] == stats["kv_blocks_total"]
 
 
@@ -541,10 +558,9 @@ def test_random_concurrent_traffic_loses_nothing(small_server, actions):
     deadline = time.time() + 20
     while engine.requests and time.time() < deadline:
         time.sleep(0.05)
-    time.sleep(0.3)  # the loop's last bookkeeping after its last request
+    stats = small_server.loop.stats()  # on the engine thread: after its last request's bookkeeping
     assert not engine.requests and small_server.loop.alive()
     assert small_server.loop.aborted - aborted == sum(1 for a in actions if a["kind"] == "leave")  # one each
-    stats = engine.stats()
     assert stats["kv_blocks_free"] == stats["kv_blocks_total"]
     engine.block_manager.check_invariants()
 

@@ -101,10 +101,9 @@ def test_a_huge_text_prompt_is_refused_before_tokenizing_and_does_not_stall_a_st
     real = pre.tokenizer.__class__.__call__
 
     def counting(tok, text, *a, **kw):
-        calls.append(len(text))
+        calls.append((len(text), threading.current_thread().name))
         return real(tok, text, *a, **kw)
 
-    control = stream_gaps(server, "Tom", 120)
     refused: list = []
 
     def flood() -> None:
@@ -119,12 +118,15 @@ def test_a_huge_text_prompt_is_refused_before_tokenizing_and_does_not_stall_a_st
         attacker.join()
     finally:
         pre.tokenizer.__class__.__call__ = real
-    control += stream_gaps(server, "Tom", 120)  # a control on each side of the loaded run
     assert [s for s, _ in refused] == [400] * 3
     err = refused[0][1]["error"]
     assert err["param"] == "prompt" and "characters" in err["message"] and "max_model_len" in err["message"]
-    assert all(n <= pre.max_prompt_chars for n in calls)  # the huge prompt never reached the tokenizer
-    assert max(loaded) < max(control) + 0.3, (max(loaded), max(control))  # a few hundred ms at most
+    # Why a stream cannot stall: the huge prompt never reached the tokenizer, and nothing is tokenized on the
+    # engine's thread (which every stream waits on). Checked on the mechanism, not on a stopwatch: the gaps of
+    # a stream depend on the machine's load (minifer.bench.server_sweep measures them).
+    assert calls and all(n <= pre.max_prompt_chars for n, _ in calls)
+    assert "minifer-engine" not in {name for _, name in calls}
+    assert len(loaded) == 120  # 121 events (120 tokens, then [DONE]): the concurrent stream delivered them all
 
 
 def test_a_body_over_the_cap_is_refused_from_its_content_length(server):
@@ -194,7 +196,11 @@ def test_connections_past_the_bound_get_503():
     with start_server(llm, port=0, model_name=MODEL, max_connections=3, read_timeout=30) as srv:
         held = [socket.create_connection(address(srv)) for _ in range(3)]
         try:
-            time.sleep(0.2)  # let the server accept them
+            connections = srv._uvicorn.server_state.connections
+            deadline = time.monotonic() + 30
+            while len(connections) < 3 and time.monotonic() < deadline:  # until the server has accepted them
+                time.sleep(0.01)
+            assert len(connections) == 3
             raw, _ = raw_exchange(srv, b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
             status, err = error_of(raw)
             assert status == 503 and "at most 3 open connections" in err["message"]
