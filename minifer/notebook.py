@@ -126,7 +126,7 @@ def _in_hf_cache(repo_id: str) -> bool:
         return False
 
 
-def choose_models(env: Mapping[str, str] | None = None) -> ModelPair:
+def choose_models(env: Mapping[str, str] | None = None, *, chapter: str | None = None) -> ModelPair:
     """The one setting that switches a notebook between the CPU and the GPU track.
 
     - ``MINIFER_TARGET`` / ``MINIFER_DRAFT`` (bundled names, local folders or hub ids) win when set.
@@ -135,7 +135,8 @@ def choose_models(env: Mapping[str, str] | None = None) -> ModelPair:
     - ``MINIFER_TRACK=gpu`` on a CUDA machine whose Hub is reachable (or which has them cached): Qwen3-1.7B
       with Qwen3-0.6B as draft, the sizes where memory bandwidth, batching and speculation behave as in
       production. Opt-in because it downloads about 4.6 GB (the reason says what, before any download) and
-      needs a GPU of 16 GB (``minifer.gpu_plan``).
+      needs a GPU of 16 GB; with ``chapter`` (``"00"``...) the reason also gives that chapter's planned peak
+      GPU memory (``minifer.gpu_plan``).
     """
     env = os.environ if env is None else env
     cuda = torch.cuda.is_available()
@@ -155,7 +156,12 @@ def choose_models(env: Mapping[str, str] | None = None) -> ModelPair:
         return ModelPair(*BUNDLED_PAIR, "cpu", f"the CPU track; {TRACK_ENV}=gpu for the GPU track, which "
                                                f"{gpu_track_download_note()}")
     if all(_in_hf_cache(r) for r in GPU_PAIR) or hub_reachable():
-        return ModelPair(*GPU_PAIR, device, f"the GPU track ({TRACK_ENV}=gpu): {gpu_track_download_note()}")
+        need = ""
+        if chapter is not None:
+            from minifer.gpu_plan import gpu_track_needs
+
+            need = f"; chapter {chapter} plans {gpu_track_needs()[chapter] / 2**30:.1f} GiB of GPU memory at its peak"
+        return ModelPair(*GPU_PAIR, device, f"the GPU track ({TRACK_ENV}=gpu): {gpu_track_download_note()}{need}")
     return ModelPair(*BUNDLED_PAIR, device, f"{TRACK_ENV}=gpu but no Hub access: the bundled TinyStories pair")
 
 

@@ -40,6 +40,9 @@ def test_the_gpu_track_says_what_it_downloads(fake_cuda):
     pair = choose_models({"MINIFER_TRACK": "gpu"})
     assert (pair.target, pair.draft, pair.device) == (*GPU_PAIR, "cuda")
     assert "downloads Qwen/Qwen3-1.7B (~3.4 GB), Qwen/Qwen3-0.6B (~1.2 GB)" in str(pair), str(pair)
+    assert str(choose_models({"MINIFER_TRACK": "gpu"}, chapter="04")).endswith(
+        "chapter 04 plans 13.5 GiB of GPU memory at its peak)")
+    assert str(choose_models({}, chapter="04")) == str(choose_models({}))  # the CPU track prints what it did
 
 
 def test_the_gpu_track_without_hub_or_gpu_falls_back_and_says_why(fake_cuda, monkeypatch):
