@@ -8,7 +8,7 @@ import pytest
 from minifer.doctor import CPU_INDEX, install_checks, torch_requirement
 
 LAPTOP = dict(torch_version="2.13.0+cpu", cuda_build=None, gpu_capability=None, gpu_memory_bytes=None,
-              system="Linux", track=None, requirement="torch<2.14,>=2.12", have_jupyterlab=True, have_triton=True)
+              system="Linux", track=None, requirement="torch<2.16,>=2.12", have_jupyterlab=True, have_triton=True)
 
 
 def checks(**changes) -> dict[str, tuple[str, str]]:
@@ -29,8 +29,8 @@ def test_a_cuda_build_without_a_gpu_is_warned_with_the_cpu_route():
 
 def test_a_torch_outside_the_tested_range_is_warned():
     assert checks(torch_version="2.9.1")["torch range"][0] == "warn"
-    assert checks(torch_version="2.15.0")["torch range"][0] == "warn"
-    assert checks(torch_version="2.12.1")["torch range"][0] == "ok"
+    assert checks(torch_version="2.16.0")["torch range"][0] == "warn"
+    assert checks(torch_version="2.15.0")["torch range"][0] == "ok"
 
 
 @pytest.mark.parametrize("capability,dtype", [((7, 5), "float16"), ((8, 0), "bfloat16"), ((8, 9), "bfloat16"),
