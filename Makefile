@@ -1,18 +1,37 @@
 # The two commands of the README. Each installs what it needs first, so both work on a fresh clone.
+# Without make (Windows, or a machine without it), README's "Install routes" gives the same steps as commands.
 PY ?= python3
 PIP = $(PY) -m pip install --quiet
 NOTEBOOKS = notebooks solutions
 
-.PHONY: course test install doctor exercises results
+# Where torch comes from when none is installed yet. On Linux PyPI's torch is the CUDA build (several GB of
+# NVIDIA libraries, unused on a laptop), so the default is PyTorch's CPU wheels; macOS and Windows get CPU
+# builds from PyPI anyway. A GPU machine: `make course TORCH_INDEX=https://download.pytorch.org/whl/cu128`,
+# or TORCH_INDEX= (empty) for PyPI's default build. An installed torch in pyproject's range is kept.
+TORCH_INDEX ?= $(if $(filter Linux,$(shell uname -s 2>/dev/null)),https://download.pytorch.org/whl/cpu,)
+TORCH_SPEC := $(shell sed -n 's/^ *"\(torch[<>=!~][^"]*\)",.*/\1/p' pyproject.toml)
+# CI pins every package to what it tested (constraints/ci.txt); a learner's install floats within pyproject's ranges.
+CONSTRAINTS ?=
+PIP_C = $(PIP) $(if $(CONSTRAINTS),-c $(CONSTRAINTS),)
 
-install:
-	$(PIP) -e ".[course,dev]"
+.PHONY: course test install install-course torch doctor exercises constraints wheelhouse results
 
-# Install, then open JupyterLab at chapter 00 (the bundled CPU model runs when no GPU or hub is there).
+# pip reads no index when the installed torch already satisfies the range, so this is a no-op then.
+torch:
+	$(if $(TORCH_INDEX),$(PIP_C) "$(TORCH_SPEC)" --index-url $(TORCH_INDEX),@true)
+
+install-course: torch
+	$(PIP_C) -e ".[course]"
+
+install: torch
+	$(PIP_C) -e ".[course,dev]"
+
+# Install the course's needs only, then open JupyterLab at chapter 00 with the repository as its root, so that
+# exercises/ and solutions/ are in its file browser (the bundled CPU models run when no GPU or hub is there).
 # JupyterLab refuses to start as root unless told; containers often run as root, so say it for them.
 LAB_FLAGS = $(if $(filter 0,$(shell id -u 2>/dev/null)),--allow-root,)
-course: install
-	$(PY) -m jupyter lab $(LAB_FLAGS) notebooks/00_model_and_generation.ipynb
+course: install-course
+	$(PY) -m jupyter lab $(LAB_FLAGS) --ServerApp.root_dir=. notebooks/00_model_and_generation.ipynb
 
 # Install, then run the whole suite: unit tests, then every notebook executed and checked by nbval.
 test: install
@@ -30,3 +49,11 @@ exercises:
 # 2 cores). One part: make results ONLY="speculative kv_quant"; the list: python3 tools/make_results.py --list
 results: install
 	$(PY) tools/make_results.py $(if $(ONLY),--only $(ONLY),)
+
+# Re-pin constraints/ci.txt to this environment (after the suite passed in it).
+constraints:
+	$(PY) tools/pin_constraints.py
+
+# An offline wheelhouse for a room without a network: build once, hand out the folder (README, "Offline").
+wheelhouse:
+	bash scripts/build_wheelhouse.sh wheelhouse

@@ -147,3 +147,21 @@ class ModelConfig:
             return cls.from_dict(json.loads(path.read_text()))
         except json.JSONDecodeError as e:
             raise UnsupportedModelError(f"{path}: not valid JSON ({e})") from e
+
+
+def auto_dtype(device: Any) -> Any:
+    """What ``dtype="auto"`` means on ``device`` (a ``torch.device``).
+
+    - CPU: float32. bfloat16 matmuls there are slow on most laptops and round differently from a GPU's.
+    - A GPU of compute capability 8.0 or newer (A100, L4, H100/H200: Ampere, Ada, Hopper): bfloat16, the
+      dtype Qwen3 and Llama checkpoints are published in, with float32's exponent range.
+    - Older GPUs (T4 is 7.5, V100 7.0): float16. They have no bfloat16 tensor cores or arithmetic, so
+      bfloat16 would be emulated, and Triton compiles its dots for them on the CUDA cores either way.
+      ``torch.cuda.is_bf16_supported()`` is not the test: it answers True on a T4 because torch can emulate it.
+    """
+    import torch
+
+    if device.type != "cuda":
+        return torch.float32
+    major, _ = torch.cuda.get_device_capability(device)
+    return torch.bfloat16 if major >= 8 else torch.float16

@@ -4,9 +4,10 @@ The notebooks teach with prose, a few calls and their results; the code that loa
 and draws lives here (and in ``minifer.bench``) so that it is typed, tested and shared between chapters,
 and a notebook cell stays short enough to read.
 
-One switch chooses the hardware story: ``choose_models()`` returns the bundled TinyStories pair on a CPU
-(or when the Hugging Face Hub cannot be reached) and a real Qwen3 pair on a CUDA GPU; the environment
-variables ``MINIFER_TARGET`` / ``MINIFER_DRAFT`` override either. Every notebook cell works with both.
+One switch chooses the hardware story: ``choose_models()`` returns the bundled TinyStories pair (the CPU
+track, the default everywhere) unless ``MINIFER_TRACK=gpu`` asks for the GPU track, a real Qwen3 pair on a
+CUDA GPU, which downloads a few GB and says so first; ``MINIFER_TARGET`` / ``MINIFER_DRAFT`` override either.
+Every notebook cell works with both.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ if TYPE_CHECKING:  # imported lazily at run time: matplotlib and ipywidgets are 
 
 BUNDLED_PAIR = ("tinystories-target", "tinystories-draft")
 GPU_PAIR = ("Qwen/Qwen3-1.7B", "Qwen/Qwen3-0.6B")
+TRACK_ENV = "MINIFER_TRACK"  # "gpu" opts into the GPU track; anything else (or unset) is the CPU track
 
 # --- which models ------------------------------------------------------------------------------------
 
@@ -50,15 +52,56 @@ class ModelPair:
         return self.device == "cuda"
 
     def load(self, which: str = "target", **kwargs: Any) -> "LLM":
-        """``LLM`` for the target (or ``which="draft"``) on this pair's device; ``kwargs`` go to ``LLM``."""
+        """``LLM`` for the target (or ``which="draft"``) on this pair's device; ``kwargs`` go to ``LLM``.
+
+        On a GPU each engine's KV cache is held to ``minifer.gpu_plan.GPU_KV_CACHE_BYTES`` (at most the
+        blocks a chapter asks for): the engine's own default takes 90% of the free memory, which left
+        nothing for the next model a chapter loads."""
         from minifer import LLM
 
         name = {"target": self.target, "draft": self.draft}[which]
         kwargs.setdefault("device", self.device)
+        if str(kwargs["device"]).startswith("cuda"):
+            kwargs["num_kv_blocks"] = gpu_kv_blocks(name, kwargs)
         return LLM(name, **kwargs)
 
     def __str__(self) -> str:
         return f"target={self.target}  draft={self.draft}  device={self.device}  ({self.reason})"
+
+
+def gpu_kv_blocks(model: str, llm_kwargs: Mapping[str, Any]) -> int:
+    """The KV blocks an engine of ``model`` gets on the GPU track (``minifer.gpu_plan``): what
+    ``GPU_KV_CACHE_BYTES`` holds in the engine's dtype and cache format, at most ``num_kv_blocks`` if given."""
+    from minifer.engine.llm import resolve_dtype
+    from minifer.gpu_plan import GPU_KV_CACHE_BYTES, kv_blocks_within
+    from minifer.loader import load_config, resolve_model
+
+    def config(name: str) -> Any:
+        return load_config(resolve_model(name, need_weights=False))  # config.json only: no weights fetched here
+
+    dtype = resolve_dtype(llm_kwargs.get("dtype", "auto"), torch.device(llm_kwargs.get("device", "cuda")))
+    spec = llm_kwargs.get("speculative_config") or {}
+    draft = config(spec["model"]) if spec.get("method") == "draft_model" and spec.get("model") else None
+    return kv_blocks_within(config(model), GPU_KV_CACHE_BYTES, dtype.itemsize, llm_kwargs.get("block_size", 16),
+                            llm_kwargs.get("kv_cache_dtype", "auto"), llm_kwargs.get("num_kv_blocks"), draft)
+
+
+def gpu_track_download_note(pair: Sequence[str] = GPU_PAIR) -> str:
+    """What the GPU track downloads from the Hugging Face Hub, said before it does: each hub model not yet in
+    the local cache and its weights' size (parameters x 2 bytes, from the shipped config.json)."""
+    from minifer.config import ModelConfig
+    from minifer.loader import SHIPPED_CONFIGS
+
+    parts = []
+    for repo in dict.fromkeys(pair):
+        if repo not in SHIPPED_CONFIGS:
+            continue
+        if _in_hf_cache(repo):
+            parts.append(f"{repo} (cached)")
+        else:
+            gb = ModelConfig.from_file(SHIPPED_CONFIGS[repo]).num_parameters() * 2 / 1e9
+            parts.append(f"{repo} (~{gb:.1f} GB)")
+    return "downloads " + ", ".join(parts) if parts else "nothing to download"
 
 
 def hub_reachable(timeout: float = 2.0) -> bool:
@@ -83,28 +126,43 @@ def _in_hf_cache(repo_id: str) -> bool:
         return False
 
 
-def choose_models(env: Mapping[str, str] | None = None) -> ModelPair:
-    """The one setting that switches a notebook between the CPU and the GPU story.
+def choose_models(env: Mapping[str, str] | None = None, *, chapter: str | None = None) -> ModelPair:
+    """The one setting that switches a notebook between the CPU and the GPU track.
 
     - ``MINIFER_TARGET`` / ``MINIFER_DRAFT`` (bundled names, local folders or hub ids) win when set.
-    - On a CUDA machine whose Hub is reachable (or which has them cached): Qwen3-1.7B with Qwen3-0.6B as
-      draft, the sizes where memory bandwidth, batching and speculation behave as in production.
-    - Otherwise the bundled TinyStories pair (9.5M and 0.66M parameters), which runs in seconds on a
-      laptop CPU and needs no download.
+    - The CPU track is the default, GPU or not: the bundled TinyStories pair (9.5M and 0.66M parameters),
+      which runs in seconds on a laptop CPU, needs no download, and gives the numbers the stored outputs show.
+    - ``MINIFER_TRACK=gpu`` on a CUDA machine whose Hub is reachable (or which has them cached): Qwen3-1.7B
+      with Qwen3-0.6B as draft, the sizes where memory bandwidth, batching and speculation behave as in
+      production. Opt-in because it downloads about 4.6 GB (the reason says what, before any download) and
+      needs a GPU of 16 GB; with ``chapter`` (``"00"``...) the reason also gives that chapter's planned peak
+      GPU memory (``minifer.gpu_plan``).
     """
     env = os.environ if env is None else env
-    device = "cuda" if torch.cuda.is_available() else "cpu"
+    cuda = torch.cuda.is_available()
+    gpu_track = env.get(TRACK_ENV, "").strip().lower() == "gpu"
+    device = "cuda" if cuda and gpu_track else "cpu"
     target, draft = env.get("MINIFER_TARGET"), env.get("MINIFER_DRAFT")
     if target or draft:
         default = BUNDLED_PAIR
         if device == "cuda" and all(_in_hf_cache(r) for r in GPU_PAIR):
             default = GPU_PAIR
-        return ModelPair(target or default[0], draft or default[1], device, "set by MINIFER_TARGET/MINIFER_DRAFT")
-    if device == "cpu":
-        return ModelPair(*BUNDLED_PAIR, device, "no CUDA GPU: the bundled TinyStories pair")
+        pair = (target or default[0], draft or default[1])
+        return ModelPair(*pair, device, f"set by MINIFER_TARGET/MINIFER_DRAFT; {gpu_track_download_note(pair)}")
+    if not cuda:
+        why = f"{TRACK_ENV}=gpu, but " if gpu_track else ""
+        return ModelPair(*BUNDLED_PAIR, "cpu", f"{why}no CUDA GPU: the bundled TinyStories pair")
+    if not gpu_track:
+        return ModelPair(*BUNDLED_PAIR, "cpu", f"the CPU track; {TRACK_ENV}=gpu for the GPU track, which "
+                                               f"{gpu_track_download_note()}")
     if all(_in_hf_cache(r) for r in GPU_PAIR) or hub_reachable():
-        return ModelPair(*GPU_PAIR, device, "CUDA GPU and Hugging Face Hub available")
-    return ModelPair(*BUNDLED_PAIR, device, "CUDA GPU but no Hub access: the bundled TinyStories pair")
+        need = ""
+        if chapter is not None:
+            from minifer.gpu_plan import gpu_track_needs
+
+            need = f"; chapter {chapter} plans {gpu_track_needs()[chapter] / 2**30:.1f} GiB of GPU memory at its peak"
+        return ModelPair(*GPU_PAIR, device, f"the GPU track ({TRACK_ENV}=gpu): {gpu_track_download_note()}{need}")
+    return ModelPair(*BUNDLED_PAIR, device, f"{TRACK_ENV}=gpu but no Hub access: the bundled TinyStories pair")
 
 
 def setup_notebook(threads: int | None = None) -> dict[str, Any]:
@@ -214,29 +272,55 @@ def compare_with_transformers(llm: "LLM", prompts: Sequence[str], max_tokens: in
 
     Both run in float32: in bfloat16 two correct implementations differ by ~1e-2 in the logits (the order
     of additions changes the rounding), which would hide a real bug of that size. When ``llm`` runs in
-    another dtype, a float32 copy of minifer's model is loaded for the comparison."""
+    another dtype, a float32 copy of minifer's model is loaded for the comparison, run, and freed before
+    transformers' model is loaded: one float32 model at a time (``minifer.gpu_plan``: 6.9 GB each for
+    Qwen3-1.7B, which a 16 GB GPU holds only one of beside the chapter's own model)."""
     from transformers import AutoModelForCausalLM
 
-    from minifer import LLM
-
-    ref_llm = llm if llm.dtype == torch.float32 else LLM(llm.model_path, dtype="float32", device=llm.device)
-    hf = AutoModelForCausalLM.from_pretrained(str(llm.model_path), dtype=torch.float32).to(llm.device).eval()
     tok = llm.get_tokenizer()
+    ids = [list(tok(prompt)["input_ids"]) for prompt in prompts]
+    with _float32_copy(llm) as ref_llm:
+        ours = [prompt_logits(ref_llm.model, i).cpu() for i in ids]
+        outs = ref_llm.generate(list(prompts), SamplingParams(temperature=0, max_tokens=max_tokens), use_tqdm=False)
+    hf = AutoModelForCausalLM.from_pretrained(str(llm.model_path), dtype=torch.float32).to(llm.device).eval()
     err = 0.0
     hf_tokens: list[list[int]] = []
-    for prompt in prompts:
-        ids = list(tok(prompt)["input_ids"])
-        ours = prompt_logits(ref_llm.model, ids)
+    for prompt_ids, our_logits in zip(ids, ours):
         with torch.inference_mode():
-            x = torch.tensor([ids], device=llm.device)
-            theirs = hf(x).logits[0].float()
-            err = max(err, float((ours - theirs).abs().max() / theirs.abs().max()))
+            x = torch.tensor([prompt_ids], device=llm.device)
+            theirs = hf(x).logits[0].float().cpu()
+            err = max(err, float((our_logits - theirs).abs().max() / theirs.abs().max()))
             gen = hf.generate(x, attention_mask=torch.ones_like(x), do_sample=False, max_new_tokens=max_tokens,
                               pad_token_id=tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id)
-        hf_tokens.append(gen[0, len(ids):].tolist())
-    outs = ref_llm.generate(list(prompts), SamplingParams(temperature=0, max_tokens=max_tokens), use_tqdm=False)
+        hf_tokens.append(gen[0, len(prompt_ids):].tolist())
     del hf
     return ParityReport(list(prompts), err, [o.outputs[0].token_ids for o in outs], hf_tokens, "float32")
+
+
+class _float32_copy:
+    """``with _float32_copy(llm) as ref:`` ``llm`` itself when it runs in float32, else a float32 copy of its
+    model (KV cache held to the GPU track's budget on a GPU), freed on exit so the next float32 model fits."""
+
+    def __init__(self, llm: "LLM"):
+        self.llm, self.copy = llm, None
+
+    def __enter__(self) -> "LLM":
+        if self.llm.dtype == torch.float32:
+            return self.llm
+        from minifer import LLM
+
+        kw: dict[str, Any] = {"dtype": "float32", "device": self.llm.device}
+        if self.llm.device.type == "cuda":
+            kw["num_kv_blocks"] = gpu_kv_blocks(str(self.llm.model_path), kw)
+        self.copy = LLM(self.llm.model_path, **kw)
+        return self.copy
+
+    def __exit__(self, *exc: Any) -> None:
+        if self.copy is not None:
+            del self.copy
+            self.copy = None
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
 
 
 def compare_beam_search_with_transformers(llm: "LLM", prompts: Sequence[str], params: "BeamSearchParams") -> str:
@@ -246,15 +330,14 @@ def compare_beam_search_with_transformers(llm: "LLM", prompts: Sequence[str], pa
     rank, and how far apart their scores are."""
     from transformers import AutoModelForCausalLM
 
-    from minifer import LLM
-
-    ref_llm = llm if llm.dtype == torch.float32 else LLM(llm.model_path, dtype="float32", device=llm.device)
-    hf = AutoModelForCausalLM.from_pretrained(str(llm.model_path), dtype=torch.float32).to(llm.device).eval()
     tok = llm.get_tokenizer()
-    eos = None if params.ignore_eos else sorted(ref_llm.eos_token_ids)
+    eos = None if params.ignore_eos else sorted(llm.eos_token_ids)
+    with _float32_copy(llm) as ref_llm:  # one float32 model at a time (see compare_with_transformers)
+        beams = ref_llm.beam_search(list(prompts), params)
+    hf = AutoModelForCausalLM.from_pretrained(str(llm.model_path), dtype=torch.float32).to(llm.device).eval()
     same = total = 0
     worst = 0.0
-    for prompt, ours in zip(prompts, ref_llm.beam_search(list(prompts), params)):
+    for prompt, ours in zip(prompts, beams):
         ids = list(tok(prompt)["input_ids"])
         x = torch.tensor([ids], device=llm.device)
         with torch.inference_mode():

@@ -142,7 +142,8 @@ def _plan(path: str, m: int, n: int, k: int, fmt: str, group_size: int, device: 
     """``quant_matmul.plan`` of the call ``quant_matmul`` makes on ``path`` here (its tuner and configs)."""
     from minifer.kernels import quant_matmul as qm
 
-    return qm.plan(path, m, n, k, qm._FMT[fmt], group_size if fmt == "int4" else 0, qm._one_dot(device))
+    return qm.plan(path, m, n, k, qm._FMT[fmt], group_size if fmt == "int4" else 0, qm._one_dot(device),
+                   qm._turing(device))
 
 
 def bench_case(k: int, n: int, m: int, fmt: str, device: torch.device, *, group_size: int = 128,

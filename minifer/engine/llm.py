@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from minifer.config import ModelConfig
+from minifer.config import ModelConfig, auto_dtype
 from minifer.engine.beam_search import BeamSearch, BeamSearchOutput
 from minifer.engine.llm_engine import CacheConfig, LLMEngine
 from minifer.engine.scheduler import SchedulerConfig
@@ -43,11 +43,12 @@ def resolve_device(device: str | torch.device | None) -> torch.device:
 
 
 def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype:
-    """``"auto"``: float32 on CPU (bf16 matmuls are slow and inexact there), bfloat16 on a GPU."""
+    """``"auto"``: float32 on CPU, bfloat16 on a GPU that has it (compute capability 8.0+), float16 on older
+    ones such as the T4 (``minifer.config.auto_dtype`` says why)."""
     if isinstance(dtype, torch.dtype):
         return dtype
     if dtype == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
+        return auto_dtype(device)
     if dtype not in _DTYPES:
         raise ValueError(f"unsupported dtype {dtype!r}: use 'auto', {', '.join(_DTYPES)}")
     return _DTYPES[dtype]
@@ -59,7 +60,8 @@ class LLM:
     Args:
         model: bundled name (``"tinystories-target"``), local HF checkpoint directory, or hub id.
         tokenizer: another folder to take the tokenizer from (default: the model's).
-        dtype: ``"auto"`` (float32 on CPU, bfloat16 on CUDA) or a dtype name.
+        dtype: ``"auto"`` (float32 on CPU, bfloat16 on CUDA from compute capability 8.0, float16 below) or a
+            dtype name.
         device: ``"cpu"``, ``"cuda"`` or None for the best available.
         seed: seeds the draws of requests that carry no seed of their own.
         max_model_len: longest prompt + output (default: the model's ``max_position_embeddings``).

@@ -1,4 +1,5 @@
-"""Compile every Triton kernel ahead of time for sm_80 (A100) and sm_90 (H100/H200) — no GPU needed.
+"""Compile every Triton kernel ahead of time for the GPUs learners have — no GPU needed: sm_75 (T4),
+sm_80 (A100), sm_89 (L4) and sm_90 (H100/H200).
 
 ``triton.compile(ASTSource(...), target=GPUTarget("cuda", cc, 32))`` runs Triton's whole pipeline down to
 PTX and a cubin. ``ptxas -v`` (bundled with Triton) then reports each kernel's registers, spills and
@@ -7,8 +8,14 @@ to launch on the GPU, and this catches it in CPU-only CI. ``nvdisasm`` (bundled 
 SASS, the instructions the GPU runs, and the report counts those of each kernel's main loop, per weight
 it decodes: a decode kernel that must keep up with the memory has a budget of a few (chapter 05).
 
-    python -m minifer.kernels.aot --out runs/aot_report.json                 # every kernel (what CI compiles)
+    python -m minifer.kernels.aot --out runs/aot_report.json                 # every kernel, sm_80 and sm_90
+    python -m minifer.kernels.aot --ccs 75 80 89 90 --out runs/aot_archs.json   # ... for every GPU CI checks
     python -m minifer.kernels.aot --all-configs --out runs/aot_all.json      # every autotuning config
+
+Each architecture is compiled as it runs: below compute capability 8.0 (the T4) in float16, the dtype
+``dtype="auto"`` gives it (no bfloat16 there), with the quantized kernels' Turing configs
+(``quant_matmul.TURING_CONFIGS``: Triton has no tensor-core dot below sm_80, so its dots run on the CUDA
+cores and the large tiles of the other lists spill); fp8 converts in hardware from sm_89, as at run time.
 """
 
 from __future__ import annotations
@@ -39,8 +46,26 @@ class KernelSpec:
     weights_per_step: int = 0  # weights one program reads per main-loop iteration (0: not a weight loop)
 
 
-def kernel_specs() -> list[KernelSpec]:
-    """One spec per kernel and representative configuration (the shapes of the bundled target and Qwen3)."""
+FP8_NATIVE_CCS = (89, 90)  # e4m3 conversions in hardware (quant_matmul._fp8_native: capability >= 8.9)
+TURING = 80  # below this compute capability: float16 activations and the Turing configs
+
+
+def for_arch(spec: KernelSpec, cc: int) -> KernelSpec:
+    """``spec`` as it compiles for ``cc``: below sm_80, in float16 (what ``dtype="auto"`` runs there)."""
+    if cc >= TURING:
+        return spec
+    from dataclasses import replace
+
+    from minifer.kernels.quant_matmul import X_FP16
+
+    signature = {k: "*fp16" if v == "*bf16" else v for k, v in spec.signature.items()}
+    constexprs = {**spec.constexprs, **({"XKIND": X_FP16} if "XKIND" in spec.constexprs else {})}
+    return replace(spec, signature=signature, constexprs=constexprs)
+
+
+def kernel_specs(cc: int = 80) -> list[KernelSpec]:
+    """One spec per kernel and representative configuration (the shapes of the bundled target and Qwen3), as
+    compiled for compute capability ``cc`` (``for_arch``; the quantized kernels' configs of that GPU)."""
     from minifer.kernels import paged_attention as pa
 
     specs = [KernelSpec("store_kv[Hkv=8,D=128]", pa.store_kv_kernel,
@@ -69,11 +94,12 @@ def kernel_specs() -> list[KernelSpec]:
         specs.append(KernelSpec(f"paged_decode[{name},Hkv=8,G=2,D=128,bs=16]", pa.paged_decode_kernel,
                                 decode_sig("*i8", scale_type), {**shape(8, 2, 128), "KV": kv, "SCALES": scales,
                                                                 "FP8_NATIVE": False},
-                                arch_constexprs={90: {"FP8_NATIVE": True}} if kv == pa.KV_FP8 else {}))
-    return specs + quant_matmul_specs()
+                                arch_constexprs={c: {"FP8_NATIVE": True} for c in FP8_NATIVE_CCS}
+                                if kv == pa.KV_FP8 else {}))
+    return [for_arch(s, cc) for s in specs] + quant_matmul_specs(cc=cc)
 
 
-def quant_matmul_specs(all_configs: bool = False) -> list[KernelSpec]:
+def quant_matmul_specs(all_configs: bool = False, cc: int = 80) -> list[KernelSpec]:
     """The fused dequantize-matmul kernels for bf16 activations, at the tile sizes they get on a GPU for a
     Llama-8B-sized layer (K = 4096, int4 groups of 128; and groups of 32, which take quant_gemm_kernel's
     int4 branch). fp8 converts natively on sm_90 and by bit arithmetic on sm_80, which has no e4m3
@@ -83,10 +109,12 @@ def quant_matmul_specs(all_configs: bool = False) -> list[KernelSpec]:
     By default one spec per kernel and path: the first config of each of the GPU's autotuning lists (what
     CI compiles and ``aot_report.json`` holds). ``all_configs`` gives every distinct config of those lists
     instead (the ones that compile differently: ``SPLIT_PER_SM`` is a run-time argument), each named with
-    its warps and stages (``aot_report_all_configs.json``): the autotuner may pick any of them."""
+    its warps and stages (``aot_report_all_configs.json``): the autotuner may pick any of them. ``cc``
+    below 80 takes the Turing lists (``quant_matmul.gpu_configs``) and float16 (``for_arch``)."""
     from minifer.kernels import quant_matmul as qm
 
     pick = _distinct if all_configs else (lambda configs: configs[:1])
+    lists = {path: qm.gpu_configs(path, turing=cc < TURING) for path in qm.CONFIG_PATHS}
     specs = []
     for fmt, code in (("int8", qm.INT8), ("int4", qm.INT4), ("int4-asym", qm.INT4), ("fp8", qm.FP8)):
         int4 = code == qm.INT4
@@ -97,15 +125,15 @@ def quant_matmul_specs(all_configs: bool = False) -> list[KernelSpec]:
         aligned = tuple(a for a in sig if a.endswith("_ptr")) + ("N", "K", "ROW")
         common = {"FMT": code, "GROUP": 128 if int4 else 0, "HAS_ZEROS": fmt == "int4-asym", "HAS_BIAS": True,
                   "FP8_NATIVE": False, "XKIND": qm.X_BF16}
-        per_arch = {90: {"FP8_NATIVE": True}} if code == qm.FP8 else {}
+        per_arch = {c: {"FP8_NATIVE": True} for c in FP8_NATIVE_CCS} if code == qm.FP8 else {}
         gw = 128 // 8 if int4 else qm.CHUNK_BYTES  # int4 gemv reads W as int32 words, a group is 16 of them
 
         def spec(name: str, kernel, signature: dict, tile: dict, cfg, arch: dict, weights: int) -> KernelSpec:
             suffix = f",w{cfg.num_warps}s{cfg.num_stages}" if all_configs else ""
-            return KernelSpec(f"{name[:-1]}{suffix}]", kernel, signature, tile, cfg.num_warps, cfg.num_stages,
-                              arch, aligned, weights)
+            return for_arch(KernelSpec(f"{name[:-1]}{suffix}]", kernel, signature, tile, cfg.num_warps,
+                                       cfg.num_stages, arch, aligned, weights), cc)
 
-        for cfg in pick(qm.GPU_GEMV_CONFIGS):
+        for cfg in pick(lists["gemv"]):
             n, c = cfg.kwargs["BLOCK_N"], cfg.kwargs["CHUNKS"]
             specs.append(spec(f"quant_gemv[{fmt},BN={n},chunks={c}]", qm.quant_gemv_kernel,
                               {**{k: v for k, v in sig.items() if k != "SPLIT_PER_SM"},
@@ -119,22 +147,21 @@ def quant_matmul_specs(all_configs: bool = False) -> list[KernelSpec]:
                    **{k: "constexpr" for k in (*common, "DOT_F32", "ONE_DOT", "BLOCK_M", "BLOCK_N", "BLOCK_K")}}
         for path in ("splitk", "tiled"):
             if int4:  # int4 in groups of a multiple of 64 runs its own tensor-core kernel on both paths
-                for cfg in pick(qm.GPU_INT4_MMA_CONFIGS if path == "splitk" else qm.GPU_INT4_MMA_TILED_CONFIGS):
+                for cfg in pick(lists["int4_mma" if path == "splitk" else "int4_mma_tiled"]):
                     t = {k: v for k, v in cfg.kwargs.items() if k != "SPLIT_PER_SM"}
                     specs.append(spec(f"quant_int4_mma[{fmt},{t['BLOCK_M']}x{t['BLOCK_N']}x{t['BLOCK_K']}]",
                                       qm.quant_int4_mma_kernel, mma_sig,
                                       {**common, "DOT_F32": False, "ONE_DOT": False, **t}, cfg,
                                       {90: {"ONE_DOT": True}}, t["BLOCK_N"] * t["BLOCK_K"]))
                 continue
-            for cfg in pick(qm.GPU_SPLITK_CONFIGS if path == "splitk" else qm.GPU_TILED_CONFIGS):
+            for cfg in pick(lists[path]):
                 t = {k: v for k, v in cfg.kwargs.items() if k != "SPLIT_PER_SM"}
                 specs.append(spec(f"quant_gemm[{fmt},{path},{t['BLOCK_M']}x{t['BLOCK_N']}x{t['BLOCK_K']}]",
                                   qm.quant_gemm_kernel, gemm_sig, {**common, "DOT_F32": False, **t}, cfg, per_arch,
                                   t["BLOCK_N"] * t["BLOCK_K"]))
         if fmt == "int4":  # groups of 32 keep quant_gemm_kernel's int4 branch: K-steps of 32 codes
             for path in ("splitk", "tiled"):
-                for cfg in _distinct(_with_block_k(pick(qm.GPU_SPLITK_CONFIGS if path == "splitk"
-                                                        else qm.GPU_TILED_CONFIGS), 32)):
+                for cfg in _distinct(_with_block_k(pick(lists[path]), 32)):
                     t = {k: v for k, v in cfg.kwargs.items() if k != "SPLIT_PER_SM"}
                     specs.append(spec(f"quant_gemm[int4-g32,{path},{t['BLOCK_M']}x{t['BLOCK_N']}x32]",
                                       qm.quant_gemm_kernel, gemm_sig, {**common, "GROUP": 32, "DOT_F32": False, **t},
@@ -210,38 +237,44 @@ def loop_instructions(cubin: bytes) -> int | None:
     return sum(1 for line in lines[best[0]:best[1] + 1] if re.match(r"\s*/\*[0-9a-f]{4,}\*/\s+\S", line))
 
 
+ALL_CCS = (75, 80, 89, 90)  # T4, A100, L4, H100/H200
+
+
 def compile_all(ccs: tuple[int, ...] = (80, 90), specs: list[KernelSpec] | None = None) -> list[dict]:
-    """Compile ``specs`` (default: every kernel) for each compute capability; one report row per pair.
+    """Compile ``specs`` for each compute capability; one report row per pair. Without ``specs``, every
+    kernel as that architecture runs it (``kernel_specs(cc)``: the names differ where its configs do).
 
     Under the interpreter (``TRITON_INTERPRET=1``, as in CPU-only tests) the compile runs in a fresh
     process without it: once a kernel that calls a ``@triton.jit`` helper (``tl.sum``, ``tl.cdiv``, ...) has
     been interpreted, Triton 3.9 leaves ``triton.language.core`` patched for the interpreter, and compiling
     in that process fails."""
-    specs = kernel_specs() if specs is None else specs
     if os.environ.get("TRITON_INTERPRET") == "1":
-        return _compile_in_subprocess(ccs, [s.name for s in specs])
+        return _compile_in_subprocess(ccs, None if specs is None else [s.name for s in specs])
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
+    if specs is None:
+        pairs = [(spec, cc) for cc in ccs for spec in kernel_specs(cc)]
+    else:
+        pairs = [(for_arch(spec, cc), cc) for spec in specs for cc in ccs]
     rows = []
-    for spec in specs:
-        for cc in ccs:
-            constexprs = {**spec.constexprs, **spec.arch_constexprs.get(cc, {})}
-            names = list(spec.signature)
-            attrs = {(names.index(a),): [["tt.divisibility", 16]] for a in spec.aligned}
-            src = ASTSource(fn=_jit(spec.kernel), signature=spec.signature, constexprs=constexprs, attrs=attrs)
-            compiled = triton.compile(src, target=GPUTarget("cuda", cc, 32),
-                                      options={"num_warps": spec.num_warps, "num_stages": spec.num_stages})
-            usage = _ptxas_usage(compiled.asm["ptx"], cc)
-            loop = loop_instructions(compiled.asm["cubin"]) if spec.weights_per_step else None
-            per_thread = spec.weights_per_step / (32 * spec.num_warps)
-            rows.append({"kernel": spec.name, "arch": f"sm_{cc}", "num_warps": spec.num_warps,
-                         "num_stages": spec.num_stages,
-                         "shared_bytes": int(compiled.metadata.shared), "cubin_bytes": len(compiled.asm["cubin"]),
-                         **usage, "spills": bool(usage["spill_stores"] or usage["spill_loads"]),
-                         "loop_instructions": loop,
-                         "instructions_per_weight": None if loop is None else round(loop / per_thread, 2)})
+    for spec, cc in pairs:
+        constexprs = {**spec.constexprs, **spec.arch_constexprs.get(cc, {})}
+        names = list(spec.signature)
+        attrs = {(names.index(a),): [["tt.divisibility", 16]] for a in spec.aligned}
+        src = ASTSource(fn=_jit(spec.kernel), signature=spec.signature, constexprs=constexprs, attrs=attrs)
+        compiled = triton.compile(src, target=GPUTarget("cuda", cc, 32),
+                                  options={"num_warps": spec.num_warps, "num_stages": spec.num_stages})
+        usage = _ptxas_usage(compiled.asm["ptx"], cc)
+        loop = loop_instructions(compiled.asm["cubin"]) if spec.weights_per_step else None
+        per_thread = spec.weights_per_step / (32 * spec.num_warps)
+        rows.append({"kernel": spec.name, "arch": f"sm_{cc}", "num_warps": spec.num_warps,
+                     "num_stages": spec.num_stages,
+                     "shared_bytes": int(compiled.metadata.shared), "cubin_bytes": len(compiled.asm["cubin"]),
+                     **usage, "spills": bool(usage["spill_stores"] or usage["spill_loads"]),
+                     "loop_instructions": loop,
+                     "instructions_per_weight": None if loop is None else round(loop / per_thread, 2)})
     return rows
 
 
@@ -256,9 +289,10 @@ def ptxas_version(cc: int) -> str:
     return m.group(1) if m else "unknown"
 
 
-def _compile_in_subprocess(ccs: tuple[int, ...], names: list[str]) -> list[dict]:
+def _compile_in_subprocess(ccs: tuple[int, ...], names: list[str] | None) -> list[dict]:
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    cmd = [sys.executable, "-m", "minifer.kernels.aot", "--json", "--ccs", *map(str, ccs), "--only", *names]
+    cmd = [sys.executable, "-m", "minifer.kernels.aot", "--json", "--ccs", *map(str, ccs)]
+    cmd += ["--only", *names] if names is not None else []
     r = subprocess.run(cmd, env=env, capture_output=True, text=True, cwd=Path(__file__).resolve().parents[2])
     if r.returncode:
         raise RuntimeError(f"ahead-of-time compile failed:\n{r.stderr[-4000:]}")
@@ -268,7 +302,8 @@ def _compile_in_subprocess(ccs: tuple[int, ...], names: list[str]) -> list[dict]
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", type=Path, help="write the report as JSON here")
-    ap.add_argument("--ccs", type=int, nargs="+", default=[80, 90], help="compute capabilities (default 80 90)")
+    ap.add_argument("--ccs", type=int, nargs="+", default=[80, 90],
+                    help="compute capabilities (default 80 90; 75 80 89 90 for every GPU CI checks)")
     ap.add_argument("--only", nargs="+", help="compile only the specs of these names")
     ap.add_argument("--json", action="store_true", help="print the rows as one JSON line instead of a table")
     ap.add_argument("--all-configs", action="store_true",
@@ -276,9 +311,11 @@ def main() -> None:
     args = ap.parse_args()
     import triton
 
-    every = quant_matmul_specs(all_configs=True) if args.all_configs else kernel_specs()
-    specs = [s for s in every if args.only is None or s.name in args.only]
-    rows = compile_all(tuple(args.ccs), specs)
+    rows = []
+    for cc in args.ccs:
+        every = quant_matmul_specs(all_configs=True, cc=cc) if args.all_configs else kernel_specs(cc)
+        specs = [s for s in every if args.only is None or s.name in args.only]
+        rows += compile_all((cc,), specs)
     if args.json:
         print(json.dumps(rows))
     else:

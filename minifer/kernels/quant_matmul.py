@@ -503,6 +503,28 @@ GPU_INT4_MMA_TILED_CONFIGS = [_cfg(w, s, 1, BLOCK_M=m, BLOCK_N=n, BLOCK_K=k) for
 GPU_TILED_CONFIGS = [_cfg(w, s, 1, BLOCK_M=m, BLOCK_N=n, BLOCK_K=k, GROUP_M=8) for m, n, k, w, s in
                      ((64, 128, 64, 8, 3), (128, 128, 64, 8, 3), (128, 64, 64, 4, 4), (64, 64, 128, 4, 3),
                       (128, 256, 64, 8, 3), (64, 256, 64, 8, 3))]
+# Turing (sm_75, the T4): Triton has no tensor-core dot below sm_80, so tl.dot runs on the CUDA cores, its
+# operands and accumulator in registers: the tiles above spill there (quant_gemm's 64x128x64 4,124 bytes of
+# spill stores in float16, 16x32x128 212; int4's 64x128x128 1,904). These are the largest that compiled
+# without spills for sm_75 in float16 (benchmarks/results/aot_report_archs.json); gemv's configs are the same.
+TURING_CONFIGS = {
+    "splitk": [_cfg(4, 2, p, BLOCK_M=16, BLOCK_N=32, BLOCK_K=k, GROUP_M=1) for k in (32, 64) for p in (2, 4, 8)],
+    "tiled": [_cfg(4, 2, 1, BLOCK_M=32, BLOCK_N=64, BLOCK_K=32, GROUP_M=8)],
+    "int4_mma": [_cfg(4, 2, p, BLOCK_M=m, BLOCK_N=n, BLOCK_K=64) for m, n in ((8, 64), (16, 64), (16, 128))
+                 for p in (4, 2, 8)],
+    "int4_mma_tiled": [_cfg(4, 2, 1, BLOCK_M=32, BLOCK_N=64, BLOCK_K=64)],
+}
+CONFIG_PATHS = ("gemv", "splitk", "tiled", "int4_mma", "int4_mma_tiled")
+
+
+def gpu_configs(path: str, turing: bool = False) -> list[triton.Config]:
+    """The GPU's autotuning list of ``path`` (one of ``CONFIG_PATHS``): the Turing list below sm_80."""
+    if turing and path in TURING_CONFIGS:
+        return TURING_CONFIGS[path]
+    return {"gemv": GPU_GEMV_CONFIGS, "splitk": GPU_SPLITK_CONFIGS, "tiled": GPU_TILED_CONFIGS,
+            "int4_mma": GPU_INT4_MMA_CONFIGS, "int4_mma_tiled": GPU_INT4_MMA_TILED_CONFIGS}[path]
+
+
 # One config each under the interpreter (it runs every program in numpy: tuning would only cost time) or
 # with MINIFER_QUANT_AUTOTUNE=0 on a GPU (the first config of each list: quick start-up, fixed kernels).
 AUTOTUNE = not INTERPRETING and os.environ.get("MINIFER_QUANT_AUTOTUNE", "1") != "0"
@@ -534,24 +556,27 @@ def _cap_block_k(configs: list[triton.Config], cap: int) -> list[triton.Config]:
 
 
 _KEY = ["M_KEY", "N", "K", "FMT", "GROUP", "XKIND"]
-_tuners: dict[tuple[str, int], tuple[object, list[triton.Config]]] = {}
+_tuners: dict[tuple[str, int, bool], tuple[object, list[triton.Config]]] = {}
 
 
-def _tuner(path: str, block_k_cap: int = 0):
+def _tuner(path: str, block_k_cap: int = 0, turing: bool = False):
     """The autotuned kernel of a path (``"int4_mma"`` / ``"int4_mma_tiled"``: int4's splitk / tiled paths,
-    see ``plan``), and its configs (one tuner per BLOCK_K cap, built on first use)."""
-    if (path, block_k_cap) not in _tuners:
+    see ``plan``), and its configs (one tuner per BLOCK_K cap and config family, built on first use)."""
+    if (path, block_k_cap, turing) not in _tuners:
+        configs = {"gemv": GEMV_CONFIGS, "splitk": SPLITK_CONFIGS, "tiled": TILED_CONFIGS,
+                   "int4_mma": INT4_MMA_CONFIGS, "int4_mma_tiled": INT4_MMA_TILED_CONFIGS}[path]
+        if turing and not INTERPRETING:
+            configs = gpu_configs(path, turing=True)[:None if AUTOTUNE else 1]
         if path == "gemv":
-            kernel, configs = quant_gemv_kernel, GEMV_CONFIGS
+            kernel = quant_gemv_kernel
         elif path in ("int4_mma", "int4_mma_tiled"):
-            configs = INT4_MMA_CONFIGS if path == "int4_mma" else INT4_MMA_TILED_CONFIGS
             kernel, configs = quant_int4_mma_kernel, _cap_block_k(configs, block_k_cap)
         else:
-            kernel, configs = quant_gemm_kernel, SPLITK_CONFIGS if path == "splitk" else TILED_CONFIGS
+            kernel = quant_gemm_kernel
             if block_k_cap:
                 configs = _cap_block_k(configs, block_k_cap)
-        _tuners[path, block_k_cap] = triton.autotune(configs, key=_KEY, do_bench=_bench)(kernel), configs
-    return _tuners[path, block_k_cap]
+        _tuners[path, block_k_cap, turing] = triton.autotune(configs, key=_KEY, do_bench=_bench)(kernel), configs
+    return _tuners[path, block_k_cap, turing]
 
 
 _locks: dict[torch.device, torch.Tensor] = {}
@@ -601,6 +626,12 @@ def _one_dot(device: torch.device) -> bool:
     return device.type != "cuda" or torch.cuda.get_device_capability(device)[0] == 9
 
 
+@functools.lru_cache(maxsize=None)
+def _turing(device: torch.device) -> bool:
+    """A GPU below sm_80 (the T4): no tensor-core dot in Triton there, so the smaller ``TURING_CONFIGS``."""
+    return device.type == "cuda" and torch.cuda.get_device_capability(device) < (8, 0)
+
+
 def choose_split(tiles: int, k_steps: int, sms: int, per_sm: int) -> int:
     """Split K until ``tiles * split`` programs fill ``per_sm`` programs per SM, keeping at least two
     K-steps per split (a split of one step is mostly overhead) and at most ``MAX_SPLIT``.
@@ -637,7 +668,7 @@ def _check(x: torch.Tensor, qw: QuantizedWeight, bias: torch.Tensor | None) -> N
 
 @dataclass(frozen=True)
 class Plan:
-    """How ``quant_matmul`` launches one path: the autotuned kernel (``tuner``: its key in ``_tuners``), the
+    """How ``quant_matmul`` launches one path: the autotuned kernel (``tuner``: its path and BLOCK_K cap), the
     constexprs only that kernel takes, its configs, the row length of W in the units the kernel reads
     (``words``: int32 words of 8 codes, else bytes), whether ``x`` goes in as 32-bit pairs, and per config
     the output tiles and K-steps."""
@@ -653,17 +684,19 @@ class Plan:
     k_steps: Callable[[dict], int]
 
 
-def plan(path: str, m: int, n: int, k: int, fmt: int, group: int, one_dot: bool = True) -> Plan:
+def plan(path: str, m: int, n: int, k: int, fmt: int, group: int, one_dot: bool = True,
+         turing: bool = False) -> Plan:
     """The launch plan of ``path`` (not ``"auto"``) for ``m`` rows, an ``n x k`` weight, format and group.
     int4 on ``splitk`` and ``tiled`` takes ``quant_int4_mma_kernel`` when a K-step of at least 64 codes fits
     in a group (``GROUP % 64 == 0``; each path with its own configs), otherwise ``quant_gemm_kernel``;
-    ``one_dot`` is its ``ONE_DOT`` (``_one_dot``: the GPU's form)."""
+    ``one_dot`` is its ``ONE_DOT`` (``_one_dot``: the GPU's form); ``turing`` takes ``TURING_CONFIGS``
+    (``_turing``: below sm_80)."""
     if path == "gemv":
         row = k // 8 if fmt == INT4 else k
         gw = group // 8 if fmt == INT4 else CHUNK_BYTES
         while row % gw:  # int8/fp8: chunks must tile the row exactly (no mask along a chunk)
             gw //= 2
-        kernel, configs = _tuner("gemv")
+        kernel, configs = _tuner("gemv", 0, turing)
         return Plan(("gemv", 0), kernel, dict(GW=gw, GW_P2=triton.next_power_of_2(gw)), configs, row, fmt == INT4,
                     fmt == INT4, lambda meta: m * triton.cdiv(n, meta["BLOCK_N"]),
                     lambda meta: triton.cdiv(row, gw * meta["CHUNKS"]))
@@ -672,10 +705,10 @@ def plan(path: str, m: int, n: int, k: int, fmt: int, group: int, one_dot: bool 
     k_steps = lambda meta: triton.cdiv(k, meta["BLOCK_K"])  # noqa: E731
     if fmt == INT4 and group % 64 == 0:
         name = "int4_mma" if path == "splitk" else "int4_mma_tiled"
-        kernel, configs = _tuner(name, cap)
+        kernel, configs = _tuner(name, cap, turing)
         return Plan((name, cap), kernel, dict(DOT_F32=INTERPRETING, ONE_DOT=one_dot), configs, k // 8, True, False,
                     tiles, k_steps)
-    kernel, configs = _tuner(path, cap)
+    kernel, configs = _tuner(path, cap, turing)
     return Plan((path, cap), kernel, dict(DOT_F32=INTERPRETING), configs, k // 2 if fmt == INT4 else k, False,
                 fmt == INT4, tiles, k_steps)
 
@@ -782,7 +815,7 @@ def quant_matmul(x: torch.Tensor, qw: QuantizedWeight, bias: torch.Tensor | None
     if fmt == INT4 and chosen != "gemv" and group % 32:
         raise ValueError(f"quant_matmul: path {path!r} needs an int4 group size that is a multiple of 32 "
                          f"(a K-step of tl.dot stays inside one group), got {group}; use path='gemv'")
-    p = plan(chosen, m, n, k, fmt, group, _one_dot(x.device))
+    p = plan(chosen, m, n, k, fmt, group, _one_dot(x.device), _turing(x.device))
     sms = _num_sms(x.device)
 
     def splits(meta) -> int:

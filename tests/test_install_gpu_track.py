@@ -1,0 +1,109 @@
+"""The GPU track is opt-in, says what it downloads, and every chapter's plan fits a 16 GB GPU.
+
+No GPU here: CUDA's presence and capability are monkeypatched, and the memory is arithmetic
+(``minifer.gpu_plan``), not allocations."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+import minifer
+from minifer import gpu_plan, notebook
+from minifer.config import ModelConfig
+from minifer.loader import SHIPPED_CONFIGS
+from minifer.notebook import BUNDLED_PAIR, GPU_PAIR, ModelPair, choose_models
+
+ROOT = Path(__file__).resolve().parents[1]
+TARGET = ModelConfig.from_file(SHIPPED_CONFIGS["Qwen/Qwen3-1.7B"])
+DRAFT = ModelConfig.from_file(SHIPPED_CONFIGS["Qwen/Qwen3-0.6B"])
+
+
+@pytest.fixture
+def fake_cuda(monkeypatch):
+    """A CUDA machine (a T4: compute capability 7.5) whose Hub answers and whose cache is empty."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (7, 5))
+    monkeypatch.setattr(notebook, "hub_reachable", lambda timeout=2.0: True)
+    monkeypatch.setattr(notebook, "_in_hf_cache", lambda repo: False)
+
+
+def test_a_gpu_machine_stays_on_the_cpu_track_unless_asked(fake_cuda):
+    pair = choose_models({})
+    assert (pair.target, pair.draft, pair.device) == (*BUNDLED_PAIR, "cpu")
+    assert "MINIFER_TRACK=gpu" in pair.reason and "Qwen/Qwen3-1.7B (~3.4 GB)" in pair.reason, pair.reason
+
+
+def test_the_gpu_track_says_what_it_downloads(fake_cuda):
+    pair = choose_models({"MINIFER_TRACK": "gpu"})
+    assert (pair.target, pair.draft, pair.device) == (*GPU_PAIR, "cuda")
+    assert "downloads Qwen/Qwen3-1.7B (~3.4 GB), Qwen/Qwen3-0.6B (~1.2 GB)" in str(pair), str(pair)
+    assert str(choose_models({"MINIFER_TRACK": "gpu"}, chapter="04")).endswith(
+        "chapter 04 plans 13.5 GiB of GPU memory at its peak)")
+    assert str(choose_models({}, chapter="04")) == str(choose_models({}))  # the CPU track prints what it did
+
+
+def test_the_gpu_track_without_hub_or_gpu_falls_back_and_says_why(fake_cuda, monkeypatch):
+    monkeypatch.setattr(notebook, "hub_reachable", lambda timeout=2.0: False)
+    pair = choose_models({"MINIFER_TRACK": "GPU"})
+    assert (pair.target, pair.device) == (BUNDLED_PAIR[0], "cuda") and "no Hub access" in pair.reason
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    pair = choose_models({"MINIFER_TRACK": "gpu"})
+    assert pair.device == "cpu" and pair.reason.startswith("MINIFER_TRACK=gpu, but no CUDA GPU")
+
+
+def test_cached_models_are_not_counted_as_downloads(fake_cuda, monkeypatch):
+    monkeypatch.setattr(notebook, "_in_hf_cache", lambda repo: repo == "Qwen/Qwen3-1.7B")
+    assert notebook.gpu_track_download_note() == "downloads Qwen/Qwen3-1.7B (cached), Qwen/Qwen3-0.6B (~1.2 GB)"
+
+
+def test_every_chapter_is_planned():
+    chapters = {p.name[:2] for p in (ROOT / "notebooks").glob("[0-9][0-9]_*.ipynb")}
+    assert chapters == set(gpu_plan.CHAPTERS), "a chapter was added or removed: plan its GPU memory in gpu_plan.CHAPTERS"
+
+
+@pytest.mark.parametrize("chapter", sorted(gpu_plan.CHAPTERS))
+def test_every_chapter_fits_a_16_gb_gpu(chapter):
+    """The GPU pair in float16 (what dtype='auto' picks on a T4), every engine's KV cache at the track's budget,
+    one float32 reference at a time: the chapter's peak within the 15 GiB a T4 shows CUDA."""
+    rows = gpu_plan.chapter_plan(chapter, TARGET, DRAFT, dtype_bytes=2)
+    total = sum(b for _, b in rows)
+    assert total <= gpu_plan.T4_VISIBLE_BYTES, [(w, round(b / 2**30, 2)) for w, b in rows]
+    assert all(b > 0 for _, b in rows)
+
+
+def test_the_old_policy_did_not_fit():
+    """The control: chapter 00 as it was, the engine taking 0.9 x free memory - 2 GiB for its KV cache and then
+    minifer's float32 copy and transformers' float32 model both resident: far over 15 GiB."""
+    weights = gpu_plan.weight_bytes(TARGET, 2)
+    old_kv = int(0.9 * (gpu_plan.T4_VISIBLE_BYTES - weights)) - 2 * 2**30
+    old = weights + old_kv + 2 * TARGET.num_parameters() * 4
+    assert old > gpu_plan.T4_VISIBLE_BYTES + 5 * 2**30
+    assert sum(b for _, b in gpu_plan.chapter_plan("00", TARGET, DRAFT)) < old - 8 * 2**30
+
+
+def test_plan_arithmetic_matches_the_engine():
+    """The plan's block bytes are the cache's own (Qwen3-1.7B: 28 layers x 8 KV heads x 128 x 2 (K, V) x 2 bytes
+    x 16 tokens), quantized weights are smaller than 16-bit ones, and a draft's part shrinks the block count."""
+    assert gpu_plan.kv_block_bytes(TARGET, 2) == 28 * 8 * 128 * 2 * 2 * 16
+    assert gpu_plan.kv_blocks_within(TARGET, 2**30, 2) == 2**30 // (28 * 8 * 128 * 2 * 2 * 16) == 585
+    assert gpu_plan.kv_blocks_within(TARGET, 2**30, 2, requested=12) == 12
+    assert gpu_plan.kv_blocks_within(TARGET, 2**30, 2, draft=DRAFT) == 292
+    w16, w8, w4 = (gpu_plan.weight_bytes(TARGET, 2, q) for q in (None, "int8", "int4"))
+    assert w16 == TARGET.num_parameters() * 2 and w4 < w8 < w16
+    with pytest.raises(ValueError, match="unknown chapter '07'"):
+        gpu_plan.chapter_plan("07", TARGET, DRAFT)
+
+
+def test_pair_load_holds_each_gpu_engine_to_the_budget(fake_cuda, monkeypatch):
+    """On the GPU a chapter's num_kv_blocks=4096 (sized for the bundled model's small blocks) becomes what the
+    budget holds for Qwen3-1.7B; on the CPU the chapter's own number passes through untouched."""
+    seen = []
+    monkeypatch.setattr(minifer, "LLM", lambda name, **kw: seen.append((name, kw)))
+    ModelPair(*GPU_PAIR, "cuda", "test").load("target", num_kv_blocks=4096)
+    ModelPair(*GPU_PAIR, "cuda", "test").load("target", speculative_config={"method": "draft_model",
+                                                                           "model": GPU_PAIR[1]})
+    ModelPair(*BUNDLED_PAIR, "cpu", "test").load("target", num_kv_blocks=4096)
+    assert [kw.get("num_kv_blocks") for _, kw in seen] == [585, 292, 4096]
