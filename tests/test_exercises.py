@@ -1,7 +1,7 @@
 """The exercise mechanism: generated notebooks in sync with their sources, solutions that pass their
 checks, untouched exercises that fail them, and graders that reject the classic mistakes.
 
-The graders in ``minifer.grading`` are the same functions the notebooks' check cells call; here they
+The graders in ``minifer.course.grading`` are the same functions the notebooks' check cells call; here they
 also grade minifer's own implementations (which must pass) and deliberately wrong ones (which must fail).
 """
 
@@ -15,7 +15,7 @@ import nbformat
 import pytest
 import torch
 
-from minifer import grading
+from minifer.course.grading import building_blocks, paging
 from minifer.bench.kv_memory import parallel_sampling_blocks
 from minifer.layers.norm import rms_norm as ref_rms_norm
 from minifer.layers.rotary import apply_rotary as ref_apply_rotary
@@ -247,10 +247,10 @@ def test_check_mode_reports_every_kind_of_staleness(tmp_path, monkeypatch):
 
 
 REFERENCES = [
-    (grading.check_rms_norm, ref_rms_norm, "rms_norm: 7/7 checks passed"),
-    (grading.check_rope_inv_freq, ref_rope_inv_freq, "rope_inv_freq: 4/4 checks passed"),
-    (grading.check_apply_rotary, ref_apply_rotary, "apply_rotary: 6/6 checks passed"),
-    (grading.check_top_p, ref_apply_top_p, "top_p: 6/6 checks passed"),
+    (building_blocks.check_rms_norm, ref_rms_norm, "rms_norm: 7/7 checks passed"),
+    (building_blocks.check_rope_inv_freq, ref_rope_inv_freq, "rope_inv_freq: 4/4 checks passed"),
+    (building_blocks.check_apply_rotary, ref_apply_rotary, "apply_rotary: 6/6 checks passed"),
+    (building_blocks.check_top_p, ref_apply_top_p, "top_p: 6/6 checks passed"),
 ]
 
 
@@ -349,24 +349,24 @@ def _top_p_ascending_without_guard(logits, top_p):  # minifer's version minus "a
 
 
 WRONG = [
-    (grading.check_rms_norm, _rms_no_eps, "eps goes inside"),
-    (grading.check_rms_norm, _rms_eps_outside_sqrt, "eps goes inside"),
-    (grading.check_rms_norm, _rms_global_mean, "check 1/7"),
-    (grading.check_rms_norm, _rms_in_place, "in place"),
-    (grading.check_rms_norm, _rms_no_cast_back, "dtype torch.float32, expected torch.bfloat16"),
-    (grading.check_rms_norm, _rms_all_bf16, "(?s)check 7/7.*half a bfloat16 ulp.*compute the mean of squares"),
-    (grading.check_rms_norm, _rms_weight_before_cast, "(?s)check 7/7.*you multiplied by weight in float32, then cast"),
-    (grading.check_rms_norm, _rms_clamp, "(?s)check 5/7.*not rsqrt\\(clamp\\(mean of squares, min=eps\\)\\)"),
-    (grading.check_rope_inv_freq, _inv_freq_no_factor_two, "check 1/4"),
-    (grading.check_rope_inv_freq, _inv_freq_float64, "dtype torch.float64"),
-    (grading.check_apply_rotary, _rotary_interleaved, "rotate-half layout"),
-    (grading.check_apply_rotary, _rotary_wrong_sign, "check 1/6"),
-    (grading.check_top_p, lambda lg, p: _top_p(lg, p, strict=True), "dropped a token of the nucleus"),
-    (grading.check_top_p, _top_p_ascending_without_guard, "kept no token at all"),
-    (grading.check_top_p, lambda lg, p: _top_p(lg, p, scatter=False), "not the right ones"),
-    (grading.check_top_p, lambda lg, p: _top_p(lg, p, renormalise=True), "original logit"),
-    (grading.check_top_p, lambda lg, p: _top_p(lg, p, in_place=True), "in place"),
-    (grading.check_top_p, lambda lg, p: _top_p(lg, p, one_p=True), "row 1"),
+    (building_blocks.check_rms_norm, _rms_no_eps, "eps goes inside"),
+    (building_blocks.check_rms_norm, _rms_eps_outside_sqrt, "eps goes inside"),
+    (building_blocks.check_rms_norm, _rms_global_mean, "check 1/7"),
+    (building_blocks.check_rms_norm, _rms_in_place, "in place"),
+    (building_blocks.check_rms_norm, _rms_no_cast_back, "dtype torch.float32, expected torch.bfloat16"),
+    (building_blocks.check_rms_norm, _rms_all_bf16, "(?s)check 7/7.*half a bfloat16 ulp.*compute the mean of squares"),
+    (building_blocks.check_rms_norm, _rms_weight_before_cast, "(?s)check 7/7.*you multiplied by weight in float32, then cast"),
+    (building_blocks.check_rms_norm, _rms_clamp, "(?s)check 5/7.*not rsqrt\\(clamp\\(mean of squares, min=eps\\)\\)"),
+    (building_blocks.check_rope_inv_freq, _inv_freq_no_factor_two, "check 1/4"),
+    (building_blocks.check_rope_inv_freq, _inv_freq_float64, "dtype torch.float64"),
+    (building_blocks.check_apply_rotary, _rotary_interleaved, "rotate-half layout"),
+    (building_blocks.check_apply_rotary, _rotary_wrong_sign, "check 1/6"),
+    (building_blocks.check_top_p, lambda lg, p: _top_p(lg, p, strict=True), "dropped a token of the nucleus"),
+    (building_blocks.check_top_p, _top_p_ascending_without_guard, "kept no token at all"),
+    (building_blocks.check_top_p, lambda lg, p: _top_p(lg, p, scatter=False), "not the right ones"),
+    (building_blocks.check_top_p, lambda lg, p: _top_p(lg, p, renormalise=True), "original logit"),
+    (building_blocks.check_top_p, lambda lg, p: _top_p(lg, p, in_place=True), "in place"),
+    (building_blocks.check_top_p, lambda lg, p: _top_p(lg, p, one_p=True), "row 1"),
 ]
 
 
@@ -388,15 +388,15 @@ def test_rms_norm_bf16_check_is_half_an_ulp_on_any_inputs():
             x = (torch.randn(*shape, generator=gen) * scale).bfloat16()
             w = torch.randn(shape[-1], generator=gen).bfloat16()
             for right in (ref_rms_norm, _rms_divide):
-                assert grading._rms_norm_low_precision_problem(right(x, w, 1e-6), x, w, 1e-6) is None, (seed, shape)
+                assert building_blocks._rms_norm_low_precision_problem(right(x, w, 1e-6), x, w, 1e-6) is None, (seed, shape)
             for name, fn in wrong.items():
-                caught[name] += grading._rms_norm_low_precision_problem(fn(x, w, 1e-6), x, w, 1e-6) is not None
+                caught[name] += building_blocks._rms_norm_low_precision_problem(fn(x, w, 1e-6), x, w, 1e-6) is not None
     assert caught == dict.fromkeys(wrong, 150), caught
-    grading.check_rms_norm(_rms_divide)
+    building_blocks.check_rms_norm(_rms_divide)
 
 
 def test_graders_accept_the_alternative_top_p():
-    grading.check_top_p(_top_p)  # descending sort, exclusive cumsum: the solution's approach
+    building_blocks.check_top_p(_top_p)  # descending sort, exclusive cumsum: the solution's approach
 
 
 def test_not_implemented_stub_gets_a_clear_message(capsys):
@@ -404,7 +404,7 @@ def test_not_implemented_stub_gets_a_clear_message(capsys):
         raise NotImplementedError("implement rms_norm")
 
     with pytest.raises(AssertionError, match="not implemented yet"):
-        grading.check_rms_norm(stub)
+        building_blocks.check_rms_norm(stub)
 
 
 def test_an_assert_in_the_learners_code_is_not_a_failed_check():
@@ -415,16 +415,16 @@ def test_an_assert_in_the_learners_code_is_not_a_failed_check():
 
     with pytest.raises(AssertionError, match=r"^rms_norm: check 2/7 \(3-D .*\): your function raised "
                                              r"AssertionError: only 2-D inputs$") as info:
-        grading.check_rms_norm(asserts)
+        building_blocks.check_rms_norm(asserts)
     assert isinstance(info.value.__cause__, AssertionError)
     with pytest.raises(AssertionError, match="^rms_norm: check 1/7 failed"):  # the grader's own expectation
-        grading.check_rms_norm(_rms_global_mean)
+        building_blocks.check_rms_norm(_rms_global_mean)
 
     def bare_assert(table, positions, bs):
         raise AssertionError
 
     with pytest.raises(AssertionError, match=r"check 1/6 .*: your function raised AssertionError$"):
-        grading.check_slot_mapping(bare_assert)
+        paging.check_slot_mapping(bare_assert)
 
 
 def test_a_crash_in_the_learners_code_names_the_check_and_keeps_the_cause():
@@ -432,7 +432,7 @@ def test_a_crash_in_the_learners_code_names_the_check_and_keeps_the_cause():
         return x * cos  # [T, H, D] * [T, D]: a broadcasting error
 
     with pytest.raises(AssertionError, match=r"check 1/6 .*RuntimeError") as info:
-        grading.check_apply_rotary(crashes)
+        building_blocks.check_apply_rotary(crashes)
     assert isinstance(info.value.__cause__, RuntimeError)
 
 
@@ -471,12 +471,12 @@ class _ForkingBlockManager(_BlockManagerAdapter):
 
 
 REFERENCES_02_03 = [
-    (grading.check_slot_mapping, ref_slot_mapping, "slot_mapping: 6/6 checks passed"),
-    (grading.check_paged_attention, _ref_paged_attention, "paged_attention: 8/8 checks passed"),
-    (grading.check_prefix_allocator, _BlockManagerAdapter, "prefix_allocator: 11/11 checks passed"),
-    (grading.check_schedule_step, grading._schedule_with_minifer, "schedule_step: 11/11 checks passed"),
-    (grading.check_parallel_sampling_blocks, parallel_sampling_blocks, "parallel_sampling_blocks: 8/8 checks passed"),
-    (grading.check_forking_allocator, _ForkingBlockManager, "forking_allocator: 9/9 checks passed"),
+    (paging.check_slot_mapping, ref_slot_mapping, "slot_mapping: 6/6 checks passed"),
+    (paging.check_paged_attention, _ref_paged_attention, "paged_attention: 8/8 checks passed"),
+    (paging.check_prefix_allocator, _BlockManagerAdapter, "prefix_allocator: 11/11 checks passed"),
+    (paging.check_schedule_step, paging._schedule_with_minifer, "schedule_step: 11/11 checks passed"),
+    (paging.check_parallel_sampling_blocks, parallel_sampling_blocks, "parallel_sampling_blocks: 8/8 checks passed"),
+    (paging.check_forking_allocator, _ForkingBlockManager, "forking_allocator: 9/9 checks passed"),
 ]
 
 
@@ -488,8 +488,8 @@ def test_02_03_graders_pass_minifers_own_implementation(grader, reference, summa
 
 def test_scheduler_scenarios_match_minifers_scheduler():
     """Every hand-written expected answer is what minifer's Scheduler does on the same state."""
-    for label, kwargs, want, _ in grading.SCHEDULER_SCENARIOS:
-        assert grading._schedule_with_minifer(**kwargs) == want, label
+    for label, kwargs, want, _ in paging.SCHEDULER_SCENARIOS:
+        assert paging._schedule_with_minifer(**kwargs) == want, label
 
 
 def test_the_paged_reference_is_dense_causal_attention():
@@ -511,7 +511,7 @@ def test_the_paged_reference_is_dense_causal_attention():
 
 def test_the_allocator_grader_restores_chain_hash():
     original = _bm.chain_hash
-    grading.check_prefix_allocator(_BlockManagerAdapter)
+    paging.check_prefix_allocator(_BlockManagerAdapter)
     assert _bm.chain_hash is original
 
 
@@ -729,46 +729,46 @@ def _ps_blocks(p, o, n, bs, shared, common=lambda p, bs: (p - 1) // bs, times_n=
 
 
 WRONG_02_03 = [
-    (grading.check_slot_mapping, _slots_swapped, "`//` and `%` are swapped"),
-    (grading.check_slot_mapping, _slots_block_not_scaled, "multiply it by block_size"),
-    (grading.check_slot_mapping, _slots_no_table, "look its block up in the block table"),
-    (grading.check_slot_mapping, lambda t, ps, bs: [t[p // bs] * bs + p % bs + 0.4 for p in ps],
+    (paging.check_slot_mapping, _slots_swapped, "`//` and `%` are swapped"),
+    (paging.check_slot_mapping, _slots_block_not_scaled, "multiply it by block_size"),
+    (paging.check_slot_mapping, _slots_no_table, "look its block up in the block table"),
+    (paging.check_slot_mapping, lambda t, ps, bs: [t[p // bs] * bs + p % bs + 0.4 for p in ps],
      r"slot_mapping: 28\.4 is not a whole number"),
-    (grading.check_paged_attention, lambda *a: _paged(*a, offset=False), "check 2/8"),
-    (grading.check_paged_attention, lambda *a: _paged(*a, interleave=False), "repeat_interleave"),
-    (grading.check_paged_attention, lambda *a: _paged(*a, whole_blocks=True), r"0 \* NaN is NaN"),
-    (grading.check_paged_attention, lambda *a: _paged(*a, scale=False), "check 1/8"),
-    (grading.check_prefix_allocator, _allocator_with(verify=False), "compare the cached block's tokens"),
-    (grading.check_prefix_allocator, _allocator_with(keep_last=False), "drop the last hit"),
-    (grading.check_prefix_allocator, _allocator_with(evict=False), "check 6/11 .*MemoryError"),
-    (grading.check_prefix_allocator, _allocator_with(lru=False), "check 6/11"),
-    (grading.check_prefix_allocator, _allocator_with(tail_first=False), "check 6/11"),
-    (grading.check_prefix_allocator, _allocator_with(stop_at_miss=False), "(?s)check 8/11.*break, not continue"),
-    (grading.check_prefix_allocator, _allocator_with(park_cached=False),
+    (paging.check_paged_attention, lambda *a: _paged(*a, offset=False), "check 2/8"),
+    (paging.check_paged_attention, lambda *a: _paged(*a, interleave=False), "repeat_interleave"),
+    (paging.check_paged_attention, lambda *a: _paged(*a, whole_blocks=True), r"0 \* NaN is NaN"),
+    (paging.check_paged_attention, lambda *a: _paged(*a, scale=False), "check 1/8"),
+    (paging.check_prefix_allocator, _allocator_with(verify=False), "compare the cached block's tokens"),
+    (paging.check_prefix_allocator, _allocator_with(keep_last=False), "drop the last hit"),
+    (paging.check_prefix_allocator, _allocator_with(evict=False), "check 6/11 .*MemoryError"),
+    (paging.check_prefix_allocator, _allocator_with(lru=False), "check 6/11"),
+    (paging.check_prefix_allocator, _allocator_with(tail_first=False), "check 6/11"),
+    (paging.check_prefix_allocator, _allocator_with(stop_at_miss=False), "(?s)check 8/11.*break, not continue"),
+    (paging.check_prefix_allocator, _allocator_with(park_cached=False),
      "(?s)check 5/11.*blocks in `evictable`.*goes to the evictable LRU"),
-    (grading.check_prefix_allocator, _allocator_with(unpark=False), "num_free_blocks is"),
-    (grading.check_prefix_allocator, _allocator_with(uncache_evicted=False), "blocks in the prefix cache"),
-    (grading.check_schedule_step, lambda *a: _schedule(*a, oldest_victim=True), "preempt running\\[-1\\]"),
-    (grading.check_schedule_step, lambda *a: _schedule(*a, admit_after_preemption=True), "admit nobody"),
-    (grading.check_schedule_step, lambda *a: _schedule(*a, skip_ahead=True), "no skipping ahead"),
-    (grading.check_schedule_step, lambda *a: _schedule(*a, chunk_blocks_only=True), "whole prompt"),
-    (grading.check_schedule_step, lambda *a: _schedule(*a, no_chunking=True), "chunked prefill"),
-    (grading.check_schedule_step, lambda *a: _schedule(*a, keep_victim_blocks=True), "add its blocks"),
-    (grading.check_schedule_step, lambda *a: _schedule(*a, in_place=True), "modified the `running`"),
-    (grading.check_parallel_sampling_blocks, lambda *a: _ps_blocks(*a, common=lambda p, bs: p // bs),
+    (paging.check_prefix_allocator, _allocator_with(unpark=False), "num_free_blocks is"),
+    (paging.check_prefix_allocator, _allocator_with(uncache_evicted=False), "blocks in the prefix cache"),
+    (paging.check_schedule_step, lambda *a: _schedule(*a, oldest_victim=True), "preempt running\\[-1\\]"),
+    (paging.check_schedule_step, lambda *a: _schedule(*a, admit_after_preemption=True), "admit nobody"),
+    (paging.check_schedule_step, lambda *a: _schedule(*a, skip_ahead=True), "no skipping ahead"),
+    (paging.check_schedule_step, lambda *a: _schedule(*a, chunk_blocks_only=True), "whole prompt"),
+    (paging.check_schedule_step, lambda *a: _schedule(*a, no_chunking=True), "chunked prefill"),
+    (paging.check_schedule_step, lambda *a: _schedule(*a, keep_victim_blocks=True), "add its blocks"),
+    (paging.check_schedule_step, lambda *a: _schedule(*a, in_place=True), "modified the `running`"),
+    (paging.check_parallel_sampling_blocks, lambda *a: _ps_blocks(*a, common=lambda p, bs: p // bs),
      "never taken from the cache"),
-    (grading.check_parallel_sampling_blocks, lambda *a: _ps_blocks(*a, common=lambda p, bs: -(-p // bs)),
+    (paging.check_parallel_sampling_blocks, lambda *a: _ps_blocks(*a, common=lambda p, bs: -(-p // bs)),
      "partly filled block cannot be shared"),
-    (grading.check_parallel_sampling_blocks, lambda *a: _ps_blocks(*a, common=lambda p, bs: 0),
+    (paging.check_parallel_sampling_blocks, lambda *a: _ps_blocks(*a, common=lambda p, bs: 0),
      "held once, not once per completion"),
-    (grading.check_parallel_sampling_blocks, lambda *a: _ps_blocks(*a, times_n=False), "multiply them by n"),
-    (grading.check_parallel_sampling_blocks, lambda *a: _ps_blocks(*a, honour_shared=False), "no prefix cache"),
-    (grading.check_forking_allocator, _forking_with(add_refs=False), r"(?s)check 1/9.*ref_count"),
-    (grading.check_forking_allocator, _forking_with(own_table=False), r"(?s)check 2/9.*list\(\.\.\.\)"),
-    (grading.check_forking_allocator, _forking_with(own_hashes=False), r"(?s)check 3/9.*copy seq_hashes too"),
-    (grading.check_forking_allocator, _forking_with(copy_private=True), r"(?s)check 4/9.*expected None"),
-    (grading.check_forking_allocator, _forking_with(drop_ref=False), r"(?s)check 3/9.*drop one reference from it"),
-    (grading.check_forking_allocator, _forking_with(replace=False), r"(?s)check 3/9.*table\[index\] = fresh"),
+    (paging.check_parallel_sampling_blocks, lambda *a: _ps_blocks(*a, times_n=False), "multiply them by n"),
+    (paging.check_parallel_sampling_blocks, lambda *a: _ps_blocks(*a, honour_shared=False), "no prefix cache"),
+    (paging.check_forking_allocator, _forking_with(add_refs=False), r"(?s)check 1/9.*ref_count"),
+    (paging.check_forking_allocator, _forking_with(own_table=False), r"(?s)check 2/9.*list\(\.\.\.\)"),
+    (paging.check_forking_allocator, _forking_with(own_hashes=False), r"(?s)check 3/9.*copy seq_hashes too"),
+    (paging.check_forking_allocator, _forking_with(copy_private=True), r"(?s)check 4/9.*expected None"),
+    (paging.check_forking_allocator, _forking_with(drop_ref=False), r"(?s)check 3/9.*drop one reference from it"),
+    (paging.check_forking_allocator, _forking_with(replace=False), r"(?s)check 3/9.*table\[index\] = fresh"),
 ]
 
 
@@ -778,9 +778,9 @@ def test_02_03_graders_reject_classic_mistakes(grader, wrong, match, capsys):
 
 
 def test_02_03_graders_accept_the_correct_variants():
-    grading.check_slot_mapping(lambda t, ps, bs: torch.tensor([t[p // bs] * bs + p % bs for p in ps]))  # a tensor
-    grading.check_paged_attention(_paged)
-    grading.check_prefix_allocator(_Allocator)
-    grading.check_schedule_step(_schedule)
-    grading.check_parallel_sampling_blocks(_ps_blocks)
-    grading.check_forking_allocator(_forking_with())
+    paging.check_slot_mapping(lambda t, ps, bs: torch.tensor([t[p // bs] * bs + p % bs for p in ps]))  # a tensor
+    paging.check_paged_attention(_paged)
+    paging.check_prefix_allocator(_Allocator)
+    paging.check_schedule_step(_schedule)
+    paging.check_parallel_sampling_blocks(_ps_blocks)
+    paging.check_forking_allocator(_forking_with())

@@ -1,4 +1,4 @@
-"""The chapter-06 graders (``minifer.grading_stacking``): minifer's own implementations pass, the classic mistakes
+"""The chapter-06 graders (``minifer.course.grading.stacking``): minifer's own implementations pass, the classic mistakes
 fail with a message that names them. (The generated notebooks are covered by ``tests/test_exercises.py``.)"""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import math
 
 import pytest
 
-from minifer import grading_stacking as gs
+from minifer.course.grading import stacking as gs
 from minifer.bench import stacking as st
 
 

@@ -1,4 +1,4 @@
-"""Chapter 03's notebook helpers (minifer.notebook): the slot timeline against the step counts of
+"""Chapter 03's notebook helpers (minifer.course): the slot timeline against the step counts of
 minifer.bench.serving, and the bookkeeping of the chunked-prefill and max_num_seqs measurements (never
 their speed)."""
 
@@ -10,8 +10,8 @@ import matplotlib
 import pytest
 
 from minifer.bench.serving import continuous_steps, static_steps
-from minifer.notebook import (chunked_prefill_stall, max_num_seqs_sweep, plot_max_num_seqs, plot_slot_timeline,
-                              slot_timeline)
+from minifer.course.ch03_batching import (chunked_prefill_stall, max_num_seqs_sweep, plot_max_num_seqs,
+    plot_slot_timeline, slot_timeline)
 
 matplotlib.use("Agg")
 

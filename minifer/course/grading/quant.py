@@ -1,4 +1,4 @@
-"""Graders for the chapter-05 exercises (quantization), on the machinery of :mod:`minifer.grading`.
+"""Graders for the chapter-05 exercises (quantization), on the machinery of :mod:`minifer.course.grading.base`.
 
 * :func:`check_quantize_int4` grades ``fn(w, group_size, symmetric) -> (packed, scales, zeros)`` against
   :func:`minifer.quant.formats.quantize_int4`: codes, scales and zero points equal minifer's, then a
@@ -31,8 +31,7 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-
-from minifer.grading import Check, _call_unmodified, _emit, _fmt_index, _gen, raised_by_learner, run_checks
+from minifer.course.grading.base import Check, call_unmodified, emit, fmt_index, raised_by_learner, run_checks, seeded
 
 __all__ = ["check_quantize_int4", "check_int4_matmul_kernel", "check_perplexity", "launch_int4_matmul",
            "triton_modules"]
@@ -172,13 +171,13 @@ def check_quantize_int4(fn: Callable[[torch.Tensor, int, bool], Any]) -> None:
     :func:`minifer.quant.formats.quantize_int4` (exact codes and zero points, scales to float rounding)."""
     from minifer.quant.formats import QuantizedWeight, dequantize
 
-    gen = _gen(50)
+    gen = seeded(50)
 
     def compare_all(items: list[tuple[torch.Tensor, int, bool]]) -> Check:
         def run() -> None:
             for w, g, sym in items:
                 try:
-                    _compare_int4(_call_unmodified(fn, w, g, sym), w, g, sym)
+                    _compare_int4(call_unmodified(fn, w, g, sym), w, g, sym)
                 except AssertionError as exc:
                     if raised_by_learner(exc):  # an assert in the learner's own code: run_checks says so
                         raise
@@ -370,7 +369,7 @@ def check_int4_matmul_kernel(kernel_or_wrapper: Any) -> None:
 
     name = "int4_matmul_kernel"
     if not HAS_TRITON:
-        _emit([name, f"  skipped: {TRITON_ERROR}", f"{name}: not checked (no Triton)"])
+        emit([name, f"  skipped: {TRITON_ERROR}", f"{name}: not checked (no Triton)"])
         return
     on_gpu = torch.cuda.is_available()
     if not on_gpu and os.environ.get("TRITON_INTERPRET") != "1":
@@ -424,7 +423,7 @@ def check_int4_matmul_kernel(kernel_or_wrapper: Any) -> None:
                         f"end of a row of x or of the scales (they sit in NaN-filled buffers here)\nhint: K = {k} "
                         f"need not be a multiple of BLOCK_K: mask the last K tile's loads (columns < K) with other=0")
             return (f"{int(again.isnan().sum())} of {got.numel()} outputs were never written (still NaN); first at "
-                    f"{_fmt_index(int(again.isnan().flatten().nonzero()[0]), got.shape)}\nhint: every program "
+                    f"{fmt_index(int(again.isnan().flatten().nonzero()[0]), got.shape)}\nhint: every program "
                     f"stores its [BLOCK_M, BLOCK_N] tile of acc into out (the wrapper's out, not a new tensor)")
         scale = float(want.abs().max())
         bad = (got - want).abs() > 5e-3 * scale
@@ -433,7 +432,7 @@ def check_int4_matmul_kernel(kernel_or_wrapper: Any) -> None:
                     if bool(((got - x @ w_alt.T).abs() <= 5e-3 * scale).all())]
             i = int(bad.flatten().nonzero()[0])
             return (f"{int(bad.sum())} of {bad.numel()} outputs differ from x @ dequantize(W)^T; first at "
-                    f"{_fmt_index(i, got.shape)}: got {float(got.flatten()[i]):.5g}, expected "
+                    f"{fmt_index(i, got.shape)}: got {float(got.flatten()[i]):.5g}, expected "
                     f"{float(want.flatten()[i]):.5g}\nhint: " + (fits[0] if fits else
                     "per K tile: unpack each byte into (b & 0xF) for column 2j and (b >> 4) for 2j + 1, subtract "
                     "the zero point, multiply by the scale of the column's group, and accumulate the even and "
@@ -444,7 +443,7 @@ def check_int4_matmul_kernel(kernel_or_wrapper: Any) -> None:
         def run() -> None:
             from minifer.quant.formats import quant_linear_reference, quantize_int4
 
-            gen = _gen(seed)
+            gen = seeded(seed)
             qw = quantize_int4(torch.randn(n, k, generator=gen), group, symmetric)
             x = torch.randn(m, k, generator=gen)
             want = quant_linear_reference(x, qw)
@@ -482,7 +481,7 @@ class _SyntheticModel:
     score depends on where each window starts (as a real model's does), deterministic and fast."""
 
     def __init__(self, vocab: int, seed: int, max_len: int = 1024, uniform: bool = False) -> None:
-        gen = _gen(seed)
+        gen = seeded(seed)
         self.vocab, self.max_len = vocab, max_len
         self.table = torch.zeros(vocab, vocab) if uniform else torch.randn(vocab, vocab, generator=gen) * 2.0
         self.pos = torch.zeros(max_len, vocab) if uniform else torch.randn(max_len, vocab, generator=gen)
@@ -594,7 +593,7 @@ def check_perplexity(fn: Callable[[Callable[[torch.Tensor], torch.Tensor], torch
                     "perplexity = exp(mean NLL over all n * window predicted tokens)")
 
     def synthetic(length: int, window: int, seed: int, uniform: bool = False) -> Check:
-        gen = _gen(seed)
+        gen = seeded(seed)
         model = _SyntheticModel(37, seed, uniform=uniform)
         ids = torch.randint(0, 37, (length,), generator=gen)
 

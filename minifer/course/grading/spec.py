@@ -1,4 +1,4 @@
-"""Graders for the chapter-04 exercises (speculative decoding), on the machinery of :mod:`minifer.grading`.
+"""Graders for the chapter-04 exercises (speculative decoding), on the machinery of :mod:`minifer.course.grading.base`.
 
 * :func:`check_verify_greedy` grades ``fn(draft_tokens, target_argmax)``, the batched greedy verification,
   against :func:`minifer.spec.rejection.verify_greedy`;
@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from minifer.grading import Check, _as_int_list, _gen, run_checks
+from minifer.course.grading.base import Check, as_int_list, run_checks, seeded
 
 __all__ = ["check_verify_greedy", "check_rejection_sample", "check_ngram_propose", "chi2_pvalue"]
 
@@ -32,7 +32,7 @@ def _as_rows(got: Any, rows: int, what: str) -> list[list[int]]:
         raise AssertionError(f"{what}: expected a list with one list of tokens per row, got {type(got).__name__}")
     if len(got) != rows:
         raise AssertionError(f"{what}: {len(got)} rows returned for a batch of {rows}")
-    return [_as_int_list(r, f"{what} row {i}") for i, r in enumerate(got)]
+    return [as_int_list(r, f"{what} row {i}") for i, r in enumerate(got)]
 
 
 # --- chapter 04: greedy verification -------------------------------------------------------------------
@@ -155,7 +155,7 @@ def check_rejection_sample(fn: Callable[[list[int], torch.Tensor, torch.Tensor, 
         """``fn``'s answer, checked for shape; ``copies``: on copies of the inputs, checked to be unmodified."""
         draft_in, q_in, p_in = (list(draft), q.clone(), p.clone()) if copies else (draft, q, p)
         try:
-            got = _as_int_list(fn(draft_in, q_in, p_in, _gen(seed)), "rejection_sample")
+            got = as_int_list(fn(draft_in, q_in, p_in, seeded(seed)), "rejection_sample")
         except RuntimeError as exc:
             if "multinomial" not in str(exc) and "probability tensor" not in str(exc):
                 raise
@@ -177,7 +177,7 @@ def check_rejection_sample(fn: Callable[[list[int], torch.Tensor, torch.Tensor, 
         def run() -> None:
             for seed in range(5):
                 got = call(draft, q, p, seed)
-                want = want_fixed if want_fixed is not None else _rejection_sample_with_minifer(draft, q, p, _gen(seed))
+                want = want_fixed if want_fixed is not None else _rejection_sample_with_minifer(draft, q, p, seeded(seed))
                 if got != want:
                     raise AssertionError(f"drafts {draft}: got {got}, expected {want}\nhint: {hint}")
         return run
@@ -185,7 +185,7 @@ def check_rejection_sample(fn: Callable[[list[int], torch.Tensor, torch.Tensor, 
     def one_hot(*tokens: int, vocab: int = 6) -> torch.Tensor:
         return torch.nn.functional.one_hot(torch.tensor(tokens), vocab).float()
 
-    gen = _gen(40)
+    gen = seeded(40)
     flat = torch.full((3, 6), 1 / 6)
 
     def agrees_with_minifer() -> None:
@@ -197,7 +197,7 @@ def check_rejection_sample(fn: Callable[[list[int], torch.Tensor, torch.Tensor, 
                 p[:, torch.randperm(vocab, generator=gen)[:4]] = 0
                 p = p / p.sum(-1, keepdim=True)
             draft = [int(torch.multinomial(q[j], 1, generator=gen)) for j in range(k)]
-            want = _rejection_sample_with_minifer(draft, q, p, _gen(seed))
+            want = _rejection_sample_with_minifer(draft, q, p, seeded(seed))
             got = call(draft, q, p, seed)
             if got != want:
                 raise AssertionError(f"seed {seed}, k = {k}, drafts {draft}: got {got}, minifer emits {want}\n"
@@ -206,7 +206,7 @@ def check_rejection_sample(fn: Callable[[list[int], torch.Tensor, torch.Tensor, 
     # Losslessness: many sequences from one context, each with its own generator; p1 and q1 (position 1)
     # depend on the token at position 0, as a model's would.
     vocab, n = 5, 3000
-    g = _gen(41)
+    g = seeded(41)
     p0, q0 = (torch.randn(vocab, generator=g) * 1.5).softmax(-1), (torch.randn(vocab, generator=g) * 4).softmax(-1)
     p1, q1 = (torch.randn(vocab, vocab, generator=g) * 1.5).softmax(-1), (torch.randn(vocab, vocab, generator=g) * 3).softmax(-1)
     p2 = (torch.randn(vocab, generator=g)).softmax(-1)
@@ -276,7 +276,7 @@ def check_ngram_propose(fn: Callable[[list[int], int, int, int], list[int]]) -> 
     def case(tokens: list[int], k: int, hi: int, lo: int, hint: str) -> Check:
         def run() -> None:
             tokens_in = list(tokens)
-            got = _as_int_list(fn(tokens_in, k, hi, lo), "ngram_propose")
+            got = as_int_list(fn(tokens_in, k, hi, lo), "ngram_propose")
             if tokens_in != tokens:
                 raise AssertionError("your function modified token_ids; work on a copy")
             want = ref(tokens, k, hi, lo)

@@ -1,4 +1,4 @@
-"""Graders for the chapter-06 exercises (measure before stacking), on the machinery of :mod:`minifer.grading`.
+"""Graders for the chapter-06 exercises (measure before stacking), on the machinery of :mod:`minifer.course.grading.base`.
 
 * :func:`check_kv_blocks` grades ``fn(memory, weight_bytes, block_bytes)``, the number of KV blocks one memory
   budget leaves after the weights, against :func:`minifer.bench.stacking.split_budget`;
@@ -17,7 +17,7 @@ import random
 from collections.abc import Callable
 from typing import Any
 
-from minifer.grading import Check, run_checks
+from minifer.course.grading.base import Check, run_checks
 
 __all__ = ["check_kv_blocks", "check_lever_analysis"]
 
