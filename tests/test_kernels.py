@@ -62,8 +62,8 @@ def test_paged_decode_reads_an_8bit_cache(kv_cache_dtype, static, fp8_native, b,
     from minifer.layers.paged_attention import paged_attention_reference
 
     if DEVICE == "cpu":
-        monkeypatch.setattr(pa, "_fp8_native", lambda device: fp8_native)
-    elif fp8_native != pa._fp8_native(torch.device(DEVICE)):
+        monkeypatch.setattr(pa, "fp8_native", lambda device: fp8_native)
+    elif fp8_native != pa.fp8_native(torch.device(DEVICE)):
         pytest.skip("this GPU decides the fp8 conversion itself")
     q, kc, vc, tables, ctx, meta = _case(b, hq, hkv, d, block_size, max_ctx, torch.float32, seed=b + d)
     caches, scales = [], []

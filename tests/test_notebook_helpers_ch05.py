@@ -21,7 +21,8 @@ from minifer.course.ch05_quantization import (aot_table, check_quant_kernels, de
     register_limited_warps, roundtrip_errors)
 from minifer.course.common import ModelPair
 from minifer.quant import quantize
-from minifer.quant.linear import quantize_model, weight_bytes
+from minifer.quant.linear import weight_bytes
+from minifer.quant.model import quantize_model
 
 matplotlib.use("Agg")
 

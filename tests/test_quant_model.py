@@ -19,10 +19,12 @@ from minifer import SamplingParams
 from minifer.eval import (generation_agreement, greedy_continuations, heldout_prompts, heldout_windows,
                           perplexity, score_windows)
 from minifer.loader import ModelLoadError
-from minifer.quant.checkpoint import load_quantized, save_quantized
+from minifer.loader.quantized import load_quantized, save_quantized
 from minifer.quant.formats import dequantize, quantize
-from minifer.quant.gptq import calibration_data, gptq_quantize_weight, output_error
-from minifer.quant.linear import QuantLinear, decoder_linears, quantize_model, weight_bytes
+from minifer.eval import calibration_data
+from minifer.quant.gptq import gptq_quantize_weight, output_error
+from minifer.quant.linear import QuantLinear, decoder_linears, weight_bytes
+from minifer.quant.model import quantize_model
 
 
 @pytest.fixture(scope="module")

@@ -51,7 +51,7 @@ import minifer
 from minifer.eval import causal_forward, heldout_windows, perplexity as minifer_perplexity, stdlib_windows
 from minifer.course.grading.quant import triton_modules
 from minifer.quant import dequantize, quantize, quantize_int4
-from minifer.quant.linear import quantize_model
+from minifer.quant.model import quantize_model
 
 torch.set_num_threads(1)
 transformers.utils.logging.set_verbosity_error()  # no tokenizer warnings in the outputs

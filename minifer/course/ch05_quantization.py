@@ -49,13 +49,13 @@ def decode_weight_bytes(cfg: Any, fmt: str, group_size: int = 128, symmetric: bo
     embedding), the norms and one embedding row. int4 groups that do not divide a layer's K fall back as in
     ``quantize_model`` (the largest power of two that divides it)."""
     from minifer.bench.roofline import layer_matmul_params, weight_bytes
-    from minifer.quant.linear import _group_for
+    from minifer.quant.model import group_for
 
     shapes = decoder_linear_shapes(cfg)
     layers = cfg.num_hidden_layers
     params = layers * sum(n * k for n, k in shapes.values())
     assert params == layers * layer_matmul_params(cfg)
-    lin = layers * sum(quantized_linear_bytes(n, k, fmt, _group_for(name, k, group_size) if fmt == "int4"
+    lin = layers * sum(quantized_linear_bytes(n, k, fmt, group_for(name, k, group_size) if fmt == "int4"
                                               else group_size, symmetric) for name, (n, k) in shapes.items())
     embedding_row = 0 if cfg.tie_word_embeddings else 2 * cfg.hidden_size
     rest = weight_bytes(cfg, 2) - 2 * params + embedding_row

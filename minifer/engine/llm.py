@@ -120,13 +120,15 @@ class LLM:
         self.max_num_seqs, self.batching, self.seed = max_num_seqs, batching, seed
         self.max_logprobs = max_logprobs
         self._quantization, self._load_format = quantization, load_format  # what share_weights_with checks
-        from minifer.quant.checkpoint import load_model
+        from minifer.kernels import quant_kernel_for
+        from minifer.loader.quantized import load_model
 
         if share_weights_with is not None:
             self.model = self._shared_model(share_weights_with, quantization, load_format)
         else:
-            self.model = load_model(self.model_path, quantization, load_format=load_format, dtype=self.dtype,
-                                    device=self.device, max_positions=limit, seed=seed)
+            self.model = load_model(self.model_path, quantization, load_format=load_format,
+                                    quant_kernel=quant_kernel_for(self.device), dtype=self.dtype, device=self.device,
+                                    max_positions=limit, seed=seed)
         self.quantization_config = getattr(self.model, "quantization_config", None)
         tok_path = resolve_model(tokenizer) if tokenizer is not None else self.model_path
         self.tokenizer = load_tokenizer(tok_path)

@@ -53,13 +53,17 @@ import os
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import triton
 import triton.language as tl
 
 from minifer.kernels import INTERPRETING
-from minifer.quant.formats import QuantizedWeight
+from minifer.kernels.fp8 import fp8_native, fp8_to_f32
+
+if TYPE_CHECKING:  # the weights' format (minifer.quant.formats); the kernels need only its fields at run time
+    from minifer.quant.formats import QuantizedWeight
 
 INT8, INT4, FP8 = 0, 1, 2
 _FMT = {"int8": INT8, "int4": INT4, "fp8": FP8}
@@ -102,18 +106,6 @@ def _code_to_f32(word, z, magic, POS: tl.constexpr):
     float32, exactly — one logic op (``magic`` is 2^23's bits, passed at run time so that it stays in a
     register rather than being rebuilt before every op)."""
     return ((word & (0xF << POS)) | magic).to(tl.float32, bitcast=True) - (8388608.0 + z * (1 << POS))
-
-
-@triton.jit
-def _fp8_to_f32(b, NATIVE: tl.constexpr):
-    """fp8 e4m3fn bits (as int8) -> float32. NATIVE (sm_89+): the hardware conversion, exact. Otherwise the
-    value times 2^-8: sign to bit 15, exponent and mantissa to bits 13..7 of a float16 (callers fold the
-    256 into the scale)."""
-    if NATIVE:
-        f = b.to(tl.float8e4nv, bitcast=True).to(tl.float32)
-    else:
-        f = ((b.to(tl.int32) << 7) & 0xBF80).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
-    return f
 
 
 @triton.jit
@@ -242,7 +234,7 @@ def quant_gemv_kernel(x_ptr, q_ptr, s_ptr, z_ptr, bias_ptr, out_ptr, part_ptr, l
             if FMT == 0:
                 w = _int8_to_f32(b.to(tl.int32))
             else:
-                w = _fp8_to_f32(b, FP8_NATIVE)
+                w = fp8_to_f32(b, FP8_NATIVE)
             acc += w * x0.to(tl.float32)[None, :, :]
         b, x0, x1, x2, x3, sc, zp = nb, nx0, nx1, nx2, nx3, nsc, nzp
     y = tl.sum(tl.sum(acc, axis=2), axis=1)
@@ -319,7 +311,7 @@ def quant_gemm_kernel(x_ptr, q_ptr, s_ptr, z_ptr, bias_ptr, out_ptr, part_ptr, l
             if FMT == 0:
                 w = _int8_to_f32(b.to(tl.int32))
             else:
-                w = _fp8_to_f32(b, FP8_NATIVE)
+                w = fp8_to_f32(b, FP8_NATIVE)
             xt = tl.load(x_ptr + rm[:, None] * ROW + k[None, :], mask=m_mask[:, None] & k_mask[None, :], other=0.0)
             acc = tl.dot(xt.to(xdt), w.to(xdt), acc, input_precision="ieee")
         s = tl.load(s_ptr + rn, mask=n_mask, other=0.0)
@@ -586,12 +578,6 @@ def _num_sms(device: torch.device) -> int:
 
 
 @functools.lru_cache(maxsize=None)
-def _fp8_native(device: torch.device) -> bool:
-    """sm_89+ converts e4m3 in hardware; sm_80 (and the interpreter, by default) decode the bits."""
-    return device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 9)
-
-
-@functools.lru_cache(maxsize=None)
 def _one_dot(device: torch.device) -> bool:
     """``quant_int4_mma_kernel``'s form: one dot per K-step where the MMA is ``wgmma`` (sm_90, H100/H200;
     ``aot.py``'s configurations with Triton 3.9 count 2.36 instructions per weight against 2.81 for one dot
@@ -806,6 +792,6 @@ def quant_matmul(x: torch.Tensor, qw: QuantizedWeight, bias: torch.Tensor | None
     p.kernel[lambda meta: (p.tiles(meta), splits(meta))](
         xk, q, qw.scales, z, bias if bias is not None else qw.scales, out, part, locks, m, n, k,
         p.row, _m_key(m), *((MAGIC,) if chosen == "gemv" else ()), FMT=fmt, GROUP=group,
-        HAS_ZEROS=qw.zeros is not None, HAS_BIAS=bias is not None, FP8_NATIVE=_fp8_native(x.device),
+        HAS_ZEROS=qw.zeros is not None, HAS_BIAS=bias is not None, FP8_NATIVE=fp8_native(x.device),
         XKIND=_XKIND[x.dtype], **p.extra)
     return out

@@ -22,7 +22,7 @@ import torch
 from minifer.config import ModelConfig, UnsupportedModelError
 from minifer.models.llama import LlamaForCausalLM
 
-ASSETS = Path(__file__).resolve().parent / "assets"
+ASSETS = Path(__file__).resolve().parents[1] / "assets"
 BUNDLED_MODELS = {"tinystories-target": ASSETS / "models" / "tinystories-target",
                   "tinystories-draft": ASSETS / "models" / "tinystories-draft"}
 SHIPPED_CONFIGS = {p.stem.replace("--", "/"): p for p in sorted((ASSETS / "configs").glob("*.json"))}

@@ -37,7 +37,8 @@ from torch import nn
 
 from minifer.loader import ModelLoadError, build_model, read_checkpoint
 from minifer.quant.formats import QuantizedWeight
-from minifer.quant.linear import QuantizationConfig, QuantLinear, check_quantization, quantize_model, set_module
+from minifer.quant.linear import QuantKernel, QuantLinear, set_module, set_quant_kernel
+from minifer.quant.model import QuantizationConfig, check_quantization, quantize_model
 
 CONFIG_FILE = "quantization_config.json"
 WEIGHTS_FILE = "model.safetensors"
@@ -148,10 +149,12 @@ def _load_rest(model: nn.Module, tensors: dict[str, torch.Tensor], path: Path) -
                              f"unexpected {unexpected[:4]})")
 
 
-def load_model(path: Path, quantization: str | None = None, *, load_format: str = "auto", **build_kw) -> nn.Module:
+def load_model(path: Path, quantization: str | None = None, *, load_format: str = "auto",
+               quant_kernel: QuantKernel | None = None, **build_kw) -> nn.Module:
     """What ``LLM`` calls: a folder written by ``save_quantized`` loads as saved (``quantization``, if given,
     must name its format); any other checkpoint loads with ``build_model`` and, when ``quantization`` is
-    given, is quantized by round-to-nearest (``quantize_model``)."""
+    given, is quantized by round-to-nearest (``quantize_model``). Quantized layers multiply through
+    ``quant_kernel`` (``QuantKernel``; the PyTorch reference when None)."""
     if quantization is not None:
         check_quantization(quantization)
     if load_format != "dummy" and is_quantized_checkpoint(path):
@@ -160,8 +163,10 @@ def load_model(path: Path, quantization: str | None = None, *, load_format: str 
         saved = model.quantization_config.format
         if quantization not in (None, saved):
             raise ValueError(f"quantization={quantization!r}, but {path} holds a {saved} checkpoint")
+        if quant_kernel is not None:
+            set_quant_kernel(model, quant_kernel)
         return model
     model = build_model(path, load_format=load_format, **build_kw)
     if quantization is not None:
-        quantize_model(model, quantization)
+        quantize_model(model, quantization, kernel=quant_kernel)
     return model
