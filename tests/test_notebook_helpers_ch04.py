@@ -8,7 +8,7 @@ import matplotlib
 import pytest
 
 import minifer
-from minifer.engine.speculative import CostTable
+from minifer.engine.cost_table import CostTable
 from minifer.course.ch04_speculative import (adaptive_k_table, plot_adaptive_k, plot_rejection_toy, plot_verify_cost,
     rejection_toy, speculative_step, speedup_explorer, speedup_grid, time_engines, verify_cost_rounds)
 from minifer.spec.theory import expected_speedup, optimal_k
@@ -87,15 +87,15 @@ def test_speculative_step_is_greedy_verification():
 
 def test_adaptive_k_table_reads_the_rule():
     llm = _spec_llm(adaptive=True, k=4)
-    spec = llm.engine.speculator
+    spec = llm.engine.speculator.adaptive
     target, draft = CostTable(), CostTable()
     for n in (1, 2, 4, 8, 16, 32, 64, 128, 256):
         target.observe(n, 0.01 * max(1.0, n / 8))  # flat up to 8 tokens, then proportional (compute-bound)
         draft.observe(n, 0.001 * max(1.0, n / 8))
     spec.target_cost, spec.draft_cost = target, draft
-    spec._plain_choices, spec.probe_every = 31, 32  # the next plain choice would be a k = 1 probe
+    spec.plain_choices, spec.probe_every = 31, 32  # the next plain choice would be a k = 1 probe
     rows = adaptive_k_table(spec, [1, 2, 4, 8, 16, 32, 64])
-    assert (spec._plain_choices, spec.probe_every) == (31, 32)  # left as it was
+    assert (spec.plain_choices, spec.probe_every) == (31, 32)  # left as it was
     alpha = spec.alpha_estimate()
     for r in rows:
         rates = {k: spec.predicted_rate(r["batch"], k, alpha) for k in range(5)}

@@ -12,7 +12,8 @@ from scipy import stats as scipy_stats
 
 from conftest import minifer_forward
 from minifer import LLM, SamplingParams
-from minifer.engine.speculative import CostTable, SpeculativeConfig
+from minifer.engine.cost_table import CostTable
+from minifer.engine.speculative import SpeculativeConfig
 from minifer.sampling import process_logits
 
 GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
@@ -199,14 +200,14 @@ def test_cost_table_is_robust_to_spikes_and_monotone():
 
 def test_adaptive_turns_speculation_off_when_verification_is_not_cheap():
     llm = LLM("tinystories-target", speculative_config=DRAFT)
-    spec = llm.engine.speculator
+    spec = llm.engine.speculator.adaptive
     spec.target_cost.samples.clear()
     spec.draft_cost.samples.clear()
     for n in (1, 2, 4, 8, 16, 32, 64, 128, 256, 512):
         spec.target_cost.observe(n, 0.010 if n <= 8 else 0.010 * n / 8)  # flat up to 8 tokens, then linear
         spec.draft_cost.observe(n, 0.001 if n <= 8 else 0.001 * n / 8)
     assert spec.choose_k(1) == (spec.choose_k(1)[0], False) and spec.choose_k(1)[0] >= 3  # batch 1: speculate deeply
-    spec._plain_choices = 0
+    spec.plain_choices = 0
     choices = [spec.choose_k(64) for _ in range(64)]  # loaded: plain decoding, with a rare one-sequence probe
     assert choices.count((0, False)) >= 62 and all(probe for k, probe in choices if k)
 

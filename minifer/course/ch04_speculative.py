@@ -151,15 +151,16 @@ def time_engines(engines: Mapping[str, "LLM"], prompts: Sequence[Any], batch_siz
 
 def adaptive_k_table(speculator: Any, batch_sizes: Sequence[int]) -> list[dict[str, Any]]:
     """What the engine's adaptive rule picks for ``b`` decoding sequences, at its current acceptance
-    estimate and measured cost tables: ``Speculator.choose_k(b)`` itself, with its periodic probe
+    estimate and measured cost tables (``speculator``: the engine's ``AdaptiveK``, ``llm.engine.speculator.adaptive``):
+    ``AdaptiveK.choose_k(b)`` itself, with its periodic probe
     held off while the table is made (so the rows show the rule, and the engine's probe counter is left as
     it was). Per row: the chosen k, the predicted speedup over plain decoding of that k and of the largest
     k, and the target's measured time for ``b`` and ``b (k_max + 1)`` tokens."""
     k_max = speculator.cfg.num_speculative_tokens
     alpha = speculator.alpha_estimate()
-    saved = speculator.probe_every, speculator._plain_choices, speculator._plain_hold
+    saved = speculator.probe_every, speculator.plain_choices, speculator.plain_hold
     speculator.probe_every = 2**62
-    speculator._plain_hold = {}  # every row predicted afresh, not a decision held from the engine's last steps
+    speculator.plain_hold = {}  # every row predicted afresh, not a decision held from the engine's last steps
     try:
         rows = []
         for b in batch_sizes:
@@ -173,14 +174,14 @@ def adaptive_k_table(speculator: Any, batch_sizes: Sequence[int]) -> list[dict[s
                          "target_ms_verify": 1e3 * speculator.target_cost(b * (k_max + 1))})
         return rows
     finally:
-        speculator.probe_every, speculator._plain_choices, speculator._plain_hold = saved
+        speculator.probe_every, speculator.plain_choices, speculator.plain_hold = saved
 
 
 def plot_adaptive_k(speculator: Any, rows: Sequence[Mapping[str, Any]]) -> "Figure":
-    """Left: the speculator's measured cost tables (target and, for a draft model, draft forward time
-    against the tokens in the forward, ``CostTable.curve()``), with the line of a cost proportional to the
-    tokens. Right: the k that ``choose_k`` picks at each batch size and the predicted speedups (rows of
-    :func:`adaptive_k_table`)."""
+    """``speculator``: the engine's ``AdaptiveK``. Left: its measured cost tables (target and, for a draft model,
+    draft forward time against the tokens in the forward, ``CostTable.curve()``), with the line of a cost
+    proportional to the tokens. Right: the k that ``choose_k`` picks at each batch size and the predicted speedups
+    (rows of :func:`adaptive_k_table`)."""
     import matplotlib.pyplot as plt
 
     fig, (a, b) = plt.subplots(1, 2, figsize=(11, 3.8))

@@ -259,10 +259,11 @@ class LLMEngine:
         now = time.perf_counter()
         for seq in batch.seqs:
             seq.metrics.first_scheduled_time = seq.metrics.first_scheduled_time or now
-        drafts = None
+        drafts = plan = None
         if spec is not None:
             budget = self.scheduler.config.max_num_batched_tokens - sum(batch.num_new_tokens)
-            drafts = spec.propose(batch.seqs, batch.num_new_tokens, budget, self._num_waiting())
+            plan = spec.propose(batch.seqs, batch.num_new_tokens, budget, self._num_waiting())
+            drafts = plan.drafts
         rows, logits = self.runner.execute(batch, drafts)
         for seq, n in zip(batch.seqs, batch.num_new_tokens):
             seq.num_computed_tokens += n
@@ -271,19 +272,8 @@ class LLMEngine:
             result = self.runner.sample(sampled, logits)
             emitted = [[(t, lp, e)] for t, lp, e in zip(result.token_ids, result.sampled_logprob, result.logprobs)]
         else:
-            verified = spec.verify(sampled, logits)
-            # one call for every emitted token of the batch (a log-softmax per sequence would cost more than
-            # the verification itself at large batches)
-            r = token_logprobs(torch.cat([rows for _, rows in verified]), [t for toks, _ in verified for t in toks],
-                               [seq.params for seq, (toks, _) in zip(sampled, verified) for _ in toks])
-            entries = list(zip(r.token_ids, r.sampled_logprob, r.logprobs))
-            emitted, at = [], 0
-            for toks, _ in verified:
-                emitted.append(entries[at : at + len(toks)])
-                at += len(toks)
+            emitted = self._verified_entries(sampled, spec.verify(plan, sampled, logits))
         pure_decode = all(n == 1 for n in batch.num_new_tokens)
-        if spec is not None:
-            spec.observe_step(sum(len(c) for c in drafts or []) + sum(batch.num_new_tokens), pure_decode)
         outputs = []
         for seq, tokens in zip(sampled, emitted):
             for j, (token, logprob, entry) in enumerate(tokens):
@@ -304,10 +294,26 @@ class LLMEngine:
                 if spec is not None:
                     spec.release(seq.request_id)
                 self._retire(seq)
-        if spec is not None and pure_decode:
+        if spec is not None:
             # the whole step, scheduling and bookkeeping included: fewer, longer steps save those too
-            spec.observe_realized(sum(len(t) for t in emitted), time.perf_counter() - start)
+            spec.observe(plan, sum(len(c) for c in drafts or []) + sum(batch.num_new_tokens),
+                         self.runner.last_forward_s, pure_decode, sum(len(t) for t in emitted),
+                         time.perf_counter() - start)
         return outputs
+
+    @staticmethod
+    def _verified_entries(sampled: list[Sequence], verified: list[tuple[list[int], torch.Tensor]]) -> list[list[tuple]]:
+        """Per sequence, (token, logprob, logprobs entry) of each token its verification emitted: one call for every
+        emitted token of the batch (a log-softmax per sequence would cost more than the verification itself at large
+        batches)."""
+        r = token_logprobs(torch.cat([rows for _, rows in verified]), [t for toks, _ in verified for t in toks],
+                           [seq.params for seq, (toks, _) in zip(sampled, verified) for _ in toks])
+        entries = list(zip(r.token_ids, r.sampled_logprob, r.logprobs))
+        emitted, at = [], 0
+        for toks, _ in verified:
+            emitted.append(entries[at : at + len(toks)])
+            at += len(toks)
+        return emitted
 
     def _num_waiting(self) -> int:
         """Sequences waiting for a slot: the scheduler's queue plus siblings held until their prompt is computed."""

@@ -1,4 +1,5 @@
-"""Graders for the chapter-06 exercises (measure before stacking), on the machinery of :mod:`minifer.course.grading.base`.
+"""Graders for the chapter-06 exercises (measure before stacking), on the machinery of
+:mod:`minifer.course.grading.base`.
 
 * :func:`check_kv_blocks` grades ``fn(memory, weight_bytes, block_bytes)``, the number of KV blocks one memory
   budget leaves after the weights, against :func:`minifer.bench.stacking.split_budget`;
