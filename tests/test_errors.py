@@ -133,15 +133,15 @@ def test_a_failed_step_leaves_the_llm_usable(target_llm, monkeypatch):
     llm = minifer.LLM("tinystories-target", share_weights_with=target_llm)
     params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
     want = llm.generate(["Tom", "Lily"], params, use_tqdm=False)
-    real = llm.engine.runner.sample
+    real = llm.engine.sampler
 
     def broken(*args, **kwargs):
         raise RuntimeError("injected sampling fault")
 
-    monkeypatch.setattr(llm.engine.runner, "sample", broken)
+    monkeypatch.setattr(llm.engine, "sampler", broken)  # the engine's sampler seam
     with pytest.raises(RuntimeError, match="injected sampling fault"):
         llm.generate(["Tom", "Lily"], params, use_tqdm=False)
-    monkeypatch.setattr(llm.engine.runner, "sample", real)
+    monkeypatch.setattr(llm.engine, "sampler", real)
     assert not llm.engine.requests
     got = llm.generate(["Tom", "Lily"], params, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]

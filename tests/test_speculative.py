@@ -148,14 +148,19 @@ def test_sampled_distribution_equals_the_targets(target_llm, params):
     assert llm.stats()["spec_num_accepted"] > 0
 
 
-def test_the_chi_squared_test_catches_a_lossy_sampler(target_llm, monkeypatch):
+def test_the_chi_squared_test_catches_a_lossy_sampler(target_llm):
     """A sampler that accepts every draft token (so emits the *draft's* distribution) must fail the same
     test: otherwise the test above could not fail."""
-    import minifer.engine.speculative as spec_mod
+    from minifer.spec.rejection import RejectionVerifier
 
-    monkeypatch.setattr(spec_mod, "rejection_sample", lambda drafts, q, p, gens: [list(d) + [0] for d in drafts])
+    class AcceptsEverything(RejectionVerifier):  # handed in through the engine's verifier seam
+        @staticmethod
+        def sample(drafts, q, p, gens):
+            return [list(d) + [0] for d in drafts]
+
     llm = LLM("tinystories-target", max_num_seqs=64, speculative_config={**DRAFT, "num_speculative_tokens": 3,
-                                                                          "adaptive": False})
+                                                                          "adaptive": False},
+              verifier=AcceptsEverything())
     p = _second_token_test(llm, target_llm, PROMPT, SamplingParams(temperature=1.0), n=1200)
     assert p < 0.01
 

@@ -38,13 +38,14 @@ import torch
 
 from minifer.engine.adaptive_k import AdaptiveK, Decision, DecodeBatch, StepRecord
 from minifer.engine.adaptive_ngram import NgramAdaptiveK
-from minifer.engine.block_manager import BlockManager
+from minifer.engine.block_manager import KVBlockAllocator
 from minifer.engine.proposers import Draft, DraftModelProposer, DraftProposer, NgramProposer
 from minifer.engine.runner import ModelRunner
 from minifer.engine.sequence import Sequence
 from minifer.models.llama import LlamaForCausalLM
 from minifer.sampling import greedy_argmax
-from minifer.spec.rejection import probs_from_logits, rejection_sample, verify_greedy
+from minifer.sampling import Sampler
+from minifer.spec.rejection import RejectionVerifier, Verifier, probs_from_logits
 
 METHODS = ("draft_model", "ngram")
 MAX_SPECULATIVE_TOKENS = 16
@@ -131,11 +132,16 @@ class SpecStep:
 
 class Speculator:
     """Proposes drafts for the decoding sequences of a step, then verifies the target's logits and rolls back what
-    they rejected. ``proposer``: a ``DraftProposer``; ``adaptive``: the adaptive-k controller (None: fixed k)."""
+    they rejected. ``proposer``: a ``DraftProposer``; ``adaptive``: the adaptive-k controller (None: fixed k);
+    ``verifier``: a ``Verifier`` (``RejectionVerifier`` by default); ``sampler``: how rows that may not speculate
+    sample (a ``Sampler``, ``ModelRunner.sample`` by default)."""
 
-    def __init__(self, cfg: SpeculativeConfig, proposer: DraftProposer, target_blocks: BlockManager, vocab_size: int,
-                 adaptive: AdaptiveK | None = None) -> None:
+    def __init__(self, cfg: SpeculativeConfig, proposer: DraftProposer, target_blocks: KVBlockAllocator,
+                 vocab_size: int, adaptive: AdaptiveK | None = None, verifier: Verifier | None = None,
+                 sampler: Sampler | None = None) -> None:
         self.cfg, self.proposer, self.adaptive = cfg, proposer, adaptive
+        self.verifier: Verifier = verifier or RejectionVerifier()
+        self.sampler: Sampler = sampler or ModelRunner.sample
         self.target_blocks, self.vocab_size = target_blocks, vocab_size
         self.stats = SpecStats()
         self.k_in_use = cfg.num_speculative_tokens
@@ -250,7 +256,7 @@ class Speculator:
         # decoding does, with their own history, even when the rest of the batch speculates.
         plain = [r for r, s in enumerate(seqs) if s.params.reads_history]
         if plain:
-            drawn = ModelRunner.sample([seqs[r] for r in plain], logits[[offsets[r] for r in plain]])
+            drawn = self.sampler([seqs[r] for r in plain], logits[[offsets[r] for r in plain]])
             for r, token in zip(plain, drawn.token_ids):
                 emitted[r] = [token]
         greedy = [r for r, s in enumerate(seqs) if s.params.greedy and not s.params.reads_history]
@@ -263,7 +269,7 @@ class Speculator:
                 if seqs[r].params.logit_bias:
                     rows = slice(offsets[r], offsets[r + 1])
                     top[rows] = greedy_argmax(logits[rows], seqs[r].params)
-            out = verify_greedy([drafts[r].tokens for r in greedy], top[index])
+            out = self.verifier.greedy([drafts[r].tokens for r in greedy], top[index])
             for r, toks in zip(greedy, out):
                 emitted[r] = toks
         if sampled:
@@ -275,7 +281,7 @@ class Speculator:
             for j, r in enumerate(sampled):
                 if ks[r]:
                     q[j, : ks[r]] = drafts[r].probs
-            out = rejection_sample([drafts[r].tokens for r in sampled], q, p, [seqs[r].generator for r in sampled])
+            out = self.verifier.sample([drafts[r].tokens for r in sampled], q, p, [seqs[r].generator for r in sampled])
             for r, toks in zip(sampled, out):
                 emitted[r] = toks
         for r, toks in enumerate(emitted):
@@ -324,19 +330,21 @@ class Speculator:
 
 
 def build_speculator(cfg: SpeculativeConfig, draft_model: LlamaForCausalLM | None, target_runner: ModelRunner,
-                     target_blocks: BlockManager, vocab_size: int, num_blocks: int, block_size: int) -> Speculator:
-    """The proposer ``cfg`` asks for, wired to the target's runner; calibrated now when adaptive."""
-    draft_runner = None
-    if cfg.method == "draft_model":
+                     target_blocks: KVBlockAllocator, vocab_size: int, num_blocks: int, block_size: int, *,
+                     proposer: DraftProposer | None = None, verifier: Verifier | None = None,
+                     sampler: Sampler | None = None) -> Speculator:
+    """The proposer ``cfg`` asks for (or ``proposer``, handed in), wired to the target's runner; calibrated now when
+    adaptive."""
+    if proposer is None and cfg.method == "draft_model":
         if draft_model is None:
             raise ValueError("method 'draft_model' needs the draft model")
         proposer = DraftModelProposer(draft_model, num_blocks, block_size)
-        draft_runner = proposer.runner
-    else:
+    elif proposer is None:
         proposer = NgramProposer(cfg)
+    draft_runner = getattr(proposer, "runner", None)  # a draft model's: its forwards are timed too
     adaptive = None
     if cfg.adaptive:
-        controller = NgramAdaptiveK if cfg.method == "ngram" else AdaptiveK
-        adaptive = controller(cfg, target_runner, draft_runner, proposer.cost if draft_runner is not None else None)
+        controller = NgramAdaptiveK if isinstance(proposer, NgramProposer) else AdaptiveK
+        adaptive = controller(cfg, target_runner, draft_runner, getattr(proposer, "cost", None))
         adaptive.calibrate()
-    return Speculator(cfg, proposer, target_blocks, vocab_size, adaptive)
+    return Speculator(cfg, proposer, target_blocks, vocab_size, adaptive, verifier, sampler)
