@@ -43,7 +43,7 @@ A cell header may add ``exercise-only`` or ``solution-only`` after ``# %%`` / ``
 Everything before the first ``# %%`` is a note for authors and is not copied. A code cell whose first
 line is ``# NBVAL_CHECK_OUTPUT`` is a check cell: it must print a deterministic report (graders in
 ``minifer.course.grading``), the solution must pass it and the untouched exercise must fail it
-(``tests/test_exercises.py``).
+(``tests/course/test_exercises.py``).
 
 The output is deterministic: cell ids are ``cell-<index in the source>``, notebook metadata is fixed, no
 timings are recorded, and a solutions notebook whose source did not change is not re-executed.

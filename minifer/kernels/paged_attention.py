@@ -1,6 +1,6 @@
 """Paged-attention kernels in Triton: write new K/V into their cache slots, and decode attention.
 
-Both follow the reference in ``minifer/layers/paged_attention.py``; ``tests/test_kernels.py`` checks
+Both follow the reference in ``minifer/layers/paged_attention.py``; ``tests/kernels/test_kernels.py`` checks
 them against it under the interpreter on random and odd shapes, and ``aot.py`` compiles them for sm_80
 and sm_90.
 

@@ -4,7 +4,7 @@ The weights never exist in full precision in memory: each program loads its tile
 into numbers in registers and multiplies them at once. That is the whole point — decode is bound by the
 bytes of weights it reads (chapter 01), and a 4-bit weight is a quarter of the bytes of a bf16 one. The
 formats are ``minifer/quant/formats.py``; ``quant_linear_reference`` there is the oracle these kernels
-are tested against (``tests/test_quant_kernels.py``, under the interpreter on CPU).
+are tested against (``tests/kernels/test_quant_kernels.py``, under the interpreter on CPU).
 
 Three kernels, three paths (``quant_matmul(..., path=)``):
 

@@ -20,7 +20,7 @@ Adding a grader for a new exercise:
 * draw inputs from a local ``torch.Generator`` (see :func:`seeded`), never the global RNG, so a check is
   reproducible and leaves the learner's random state alone;
 * keep it quick (well under a second on CPU) and make it fail on the likely mistakes, with a test of
-  each in ``tests/test_exercises.py``.
+  each in ``tests/course/test_exercises.py``.
 """
 
 from __future__ import annotations

@@ -577,7 +577,7 @@ def _r(name: str, num_tokens: int, num_computed: int = 0, num_blocks: int = 0) -
     return StepRequest(name, num_tokens, num_computed, num_blocks)
 
 
-# (label, kwargs of schedule_step, expected (scheduled, preempted), hint). tests/test_exercises.py checks every
+# (label, kwargs of schedule_step, expected (scheduled, preempted), hint). tests/course/test_exercises.py checks every
 # expected answer against minifer's Scheduler on the same state.
 SCHEDULER_SCENARIOS: list[tuple[str, dict[str, Any], tuple[list[tuple[str, int]], list[str]], str]] = [
     ("decodes: each running request gets 1 token, oldest first",

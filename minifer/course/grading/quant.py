@@ -16,7 +16,7 @@
   ``tinystories-target`` against :func:`minifer.eval.perplexity`.
 
 Reports list pass/fail lines only: no measured errors or timings, so a notebook stores the same report on
-every machine. Each grader takes a few seconds on one CPU core; ``tests/test_exercises_quant.py`` checks
+every machine. Each grader takes a few seconds on one CPU core; ``tests/course/test_exercises_quant.py`` checks
 that minifer's implementations pass and the classic mistakes fail.
 """
 

@@ -10,7 +10,7 @@
 * :func:`check_ngram_propose` grades ``fn(token_ids, k, prompt_lookup_max, prompt_lookup_min)`` against
   :func:`minifer.spec.ngram.ngram_propose`.
 
-Each takes well under two seconds on a CPU; the tests (``tests/test_exercises_spec.py``) check that
+Each takes well under two seconds on a CPU; the tests (``tests/course/test_exercises_spec.py``) check that
 minifer's own implementations pass and the classic mistakes fail.
 """
 

@@ -7,7 +7,7 @@
   overlap, added last), against :func:`minifer.bench.stacking.lever_analysis`, with hints that name the classic
   mistakes (the wrong baseline for "alone", "added last" read as "added first", the overlap upside down).
 
-Both take well under a second; ``tests/test_exercises_stacking.py`` checks that minifer's own implementations pass
+Both take well under a second; ``tests/course/test_exercises_stacking.py`` checks that minifer's own implementations pass
 and the classic mistakes fail.
 """
 

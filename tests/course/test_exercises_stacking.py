@@ -1,5 +1,5 @@
 """The chapter-06 graders (``minifer.course.grading.stacking``): minifer's own implementations pass, the classic mistakes
-fail with a message that names them. (The generated notebooks are covered by ``tests/test_exercises.py``.)"""
+fail with a message that names them. (The generated notebooks are covered by ``tests/course/test_exercises.py``.)"""
 
 from __future__ import annotations
 

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "gpu_bench.py"
+SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "gpu_bench.py"
 
 
 def _load():
@@ -76,7 +76,7 @@ def test_gpu_check_kernel_test_selections_cover_every_native_test_once():
     for words in runs:
         files = [w for w in words if w.startswith("tests/")]
         selections.append(_collected(files, words[words.index("-k") + 1]))
-    everything = _collected(["tests/test_quant_kernels.py", "tests/test_kernels.py"], "")
+    everything = _collected(["tests/kernels/test_quant_kernels.py", "tests/kernels/test_kernels.py"], "")
     aot = {t for t in everything if re.search(r"ahead_of_time", t)}
     assert selections[0] and selections[1] and aot
     assert not selections[0] & selections[1]

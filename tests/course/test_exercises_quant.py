@@ -2,7 +2,7 @@
 mistakes fail with a message that names them, and untouched stubs say "not implemented yet".
 
 The Triton kernels here run under the interpreter on CPU (the root conftest sets ``TRITON_INTERPRET=1``
-before triton is imported). The generated notebooks themselves are covered by ``tests/test_exercises.py``,
+before triton is imported). The generated notebooks themselves are covered by ``tests/course/test_exercises.py``,
 which discovers every exercise source."""
 
 from __future__ import annotations

@@ -26,7 +26,7 @@ from minifer.quant.model import quantize_model
 
 matplotlib.use("Agg")
 
-RESULTS = Path(__file__).resolve().parents[1] / "benchmarks" / "results"
+RESULTS = Path(__file__).resolve().parents[2] / "benchmarks" / "results"
 
 
 @pytest.mark.parametrize("n,k,fmt,g,sym", [(37, 96, "int8", None, True), (37, 96, "fp8", None, True),

@@ -387,7 +387,7 @@ def test_the_all_configs_report_covers_every_autotuning_config():
 
     from minifer.kernels.aot import quant_matmul_specs
 
-    report = json.loads((Path(__file__).resolve().parents[1] / "benchmarks" / "results"
+    report = json.loads((Path(__file__).resolve().parents[2] / "benchmarks" / "results"
                          / "aot_report_all_configs.json").read_text())
     rows = {(r["kernel"], r["arch"]): r for r in report["kernels"]}
     names = [s.name for s in quant_matmul_specs(all_configs=True)]

@@ -1,6 +1,6 @@
 """The engine's seams (``LLMEngine``'s docstring lists them): each takes another implementation through ``LLM``, the
 engine calls it, and handing in a wrapper around the reference changes nothing in the output. The lossy verifier
-of ``tests/test_speculative.py`` goes through the same seam."""
+of ``tests/spec/test_speculative.py`` goes through the same seam."""
 
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """The chapter-04 graders (``minifer.course.grading.spec``): minifer's own implementations pass, the classic
 mistakes fail with a message that names them, and the chi-squared helper agrees with scipy.
 
-(The generated notebooks themselves are covered by ``tests/test_exercises.py``, which discovers every
+(The generated notebooks themselves are covered by ``tests/course/test_exercises.py``, which discovers every
 exercise source.)"""
 
 from __future__ import annotations

@@ -22,7 +22,7 @@ from minifer.layers.rotary import apply_rotary as ref_apply_rotary
 from minifer.layers.rotary import rope_inv_freq as ref_rope_inv_freq
 from minifer.sampling import apply_top_p as ref_apply_top_p
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "tools"))
 import build_exercises as bx  # noqa: E402
 
