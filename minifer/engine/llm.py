@@ -62,6 +62,17 @@ def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype
     return _DTYPES[dtype]
 
 
+def _seams(batching: str, spec: SpeculativeConfig | None, **given: Any) -> dict[str, Any]:
+    """The engine seams the caller handed in (``LLMEngine`` builds the others), after checking that they can apply."""
+    seams = {name: value for name, value in given.items() if value is not None}
+    if seams and batching != "continuous":
+        raise ValueError(f"{', '.join(seams)} plug into the continuous engine: use batching='continuous'")
+    if spec is None and ("proposer" in seams or "verifier" in seams):
+        raise ValueError("proposer and verifier are parts of speculative decoding: pass a speculative_config too "
+                         "(its num_speculative_tokens is the k the proposer is asked for)")
+    return seams
+
+
 class LLM:
     """A model, its tokenizer, and a generation loop.
 
@@ -136,15 +147,10 @@ class LLM:
         self.max_num_seqs, self.batching, self.seed = max_num_seqs, batching, seed
         self.max_logprobs = max_logprobs
         self._quantization, self._load_format = quantization, load_format  # what share_weights_with checks
-        from minifer.kernels import quant_kernel_for
-        from minifer.loader.quantized import load_model
-
         if share_weights_with is not None:
             self.model = self._shared_model(share_weights_with, quantization, load_format)
         else:
-            self.model = load_model(self.model_path, quantization, load_format=load_format,
-                                    quant_kernel=quant_kernel or quant_kernel_for(self.device), dtype=self.dtype,
-                                    device=self.device, max_positions=limit, seed=seed)
+            self.model = self._load_model(quantization, load_format, quant_kernel, limit, seed)
         self.quantization_config = getattr(self.model, "quantization_config", None)
         tok_path = resolve_model(tokenizer) if tokenizer is not None else self.model_path
         self.tokenizer = load_tokenizer(tok_path)
@@ -160,14 +166,8 @@ class LLM:
                 and share_weights_with._draft_source == self._draft_source):
             spec.model = share_weights_with.draft_model  # the same draft, already loaded
         self.draft_model = self._load_draft(spec) if spec is not None and spec.method == "draft_model" else None
-        seams = {name: value for name, value in (("block_allocator", block_allocator), ("scheduler", scheduler),
-                                                  ("sampler", sampler), ("proposer", proposer), ("verifier", verifier))
-                 if value is not None}
-        if seams and batching != "continuous":
-            raise ValueError(f"{', '.join(seams)} plug into the continuous engine: use batching='continuous'")
-        if spec is None and (proposer is not None or verifier is not None):
-            raise ValueError("proposer and verifier are parts of speculative decoding: pass a speculative_config too "
-                             "(its num_speculative_tokens is the k the proposer is asked for)")
+        seams = _seams(batching, spec, block_allocator=block_allocator, scheduler=scheduler, sampler=sampler,
+                       proposer=proposer, verifier=verifier)
         if batching == "continuous":
             self.engine = LLMEngine(
                 self.model, self.tokenizer, self.make_sequence,
@@ -175,6 +175,17 @@ class LLM:
                             kv_cache_dtype, kv_cache_scales),
                 SchedulerConfig(max_num_seqs, max_num_batched_tokens, enable_chunked_prefill), spec, self.draft_model,
                 cuda_graphs=not enforce_eager, max_model_len=self.max_model_len, **seams)
+
+    def _load_model(self, quantization: str | None, load_format: str, quant_kernel: QuantKernel | None,
+                    max_positions: int, seed: int) -> torch.nn.Module:
+        """The target's weights (quantized as asked), its quantized layers on ``quant_kernel`` or the device's
+        default (``kernels.quant_kernel_for``: the Triton kernel on CUDA, the reference elsewhere)."""
+        from minifer.kernels import quant_kernel_for
+        from minifer.loader.quantized import load_model
+
+        return load_model(self.model_path, quantization, load_format=load_format,
+                          quant_kernel=quant_kernel or quant_kernel_for(self.device), dtype=self.dtype,
+                          device=self.device, max_positions=max_positions, seed=seed)
 
     def _shared_model(self, other: "LLM", quantization: str | None, load_format: str) -> torch.nn.Module:
         """``other``'s loaded model, after checking it is the model this engine was asked for."""
