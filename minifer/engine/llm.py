@@ -32,6 +32,7 @@ if TYPE_CHECKING:
     from minifer.engine.block_manager import KVBlockAllocator
     from minifer.engine.proposers import DraftProposer
     from minifer.engine.scheduler import SchedulerPolicy
+    from minifer.layers.paged_attention import PagedAttentionBackend
     from minifer.quant.linear import QuantKernel
     from minifer.sampling import Sampler
     from minifer.spec.rejection import Verifier
@@ -106,8 +107,8 @@ class LLM:
             default: every candidate of every token is an object in the output).
         quant_kernel: what quantized layers multiply through (``QuantKernel``, ``minifer.quant.linear``); by default
             the Triton kernel on a CUDA GPU, the PyTorch reference elsewhere (``kernels.quant_kernel_for``).
-        block_allocator, scheduler, sampler, proposer, verifier: the engine's seams (``LLMEngine`` lists their
-            contracts); None builds the reference implementation a chapter shows.
+        block_allocator, scheduler, sampler, proposer, verifier, attention_backend: the engine's seams
+            (``LLMEngine`` lists their contracts); None builds the reference implementation a chapter shows.
         share_weights_with: another ``LLM`` of the same model, dtype, device and quantization whose loaded weights
             (and draft model, when both use the same draft) this one uses instead of loading its own copy: two
             engines to compare in one process (plain vs speculative, chapter 04). Separate copies of the same
@@ -127,7 +128,8 @@ class LLM:
                  max_logprobs: int = 20, quant_kernel: QuantKernel | None = None,
                  block_allocator: Callable[..., KVBlockAllocator] | None = None,
                  scheduler: Callable[..., SchedulerPolicy] | None = None, sampler: Sampler | None = None,
-                 proposer: DraftProposer | None = None, verifier: Verifier | None = None) -> None:
+                 proposer: DraftProposer | None = None, verifier: Verifier | None = None,
+                 attention_backend: Callable[..., PagedAttentionBackend] | None = None) -> None:
         check_kv_cache_dtype(kv_cache_dtype, kv_cache_scales)
         if kv_cache_dtype != "auto" and batching != "continuous":
             raise ValueError("kv_cache_dtype applies to the paged cache of batching='continuous'")
@@ -152,8 +154,7 @@ class LLM:
         else:
             self.model = self._load_model(quantization, load_format, quant_kernel, limit, seed)
         self.quantization_config = getattr(self.model, "quantization_config", None)
-        tok_path = resolve_model(tokenizer) if tokenizer is not None else self.model_path
-        self.tokenizer = load_tokenizer(tok_path)
+        self.tokenizer = load_tokenizer(resolve_model(tokenizer) if tokenizer is not None else self.model_path)
         self.eos_token_ids = frozenset(self._eos_ids())
         self._generator = torch.Generator(device=self.device).manual_seed(seed)
         self._counter = itertools.count()
@@ -167,7 +168,7 @@ class LLM:
             spec.model = share_weights_with.draft_model  # the same draft, already loaded
         self.draft_model = self._load_draft(spec) if spec is not None and spec.method == "draft_model" else None
         seams = _seams(batching, spec, block_allocator=block_allocator, scheduler=scheduler, sampler=sampler,
-                       proposer=proposer, verifier=verifier)
+                       proposer=proposer, verifier=verifier, attention_backend=attention_backend)
         if batching == "continuous":
             self.engine = LLMEngine(
                 self.model, self.tokenizer, self.make_sequence,

@@ -29,7 +29,7 @@ from minifer.engine.proposers import DraftProposer
 from minifer.engine.sequence import Sequence, SequenceGroup, SequenceStatus, sequences_of
 from minifer.engine.speculative import SpeculativeConfig, Speculator, build_speculator
 from minifer.layers.kv_quant import CALIBRATION_TEXT
-from minifer.layers.paged_attention import PagedKVCache
+from minifer.layers.paged_attention import PagedAttentionBackend, PagedKVCache
 from minifer.models.llama import LlamaForCausalLM
 from minifer.outputs import RequestOutput
 from minifer.sampling import Sampler, token_logprobs
@@ -93,8 +93,9 @@ class LLMEngine:
     ``block_allocator(num_blocks, block_size, enable_prefix_caching)``: ``BlockManager``), ``scheduler``
     (``SchedulerPolicy``, built as ``scheduler(scheduler_config, allocator)``: ``Scheduler``), ``sampler``
     (``Sampler``: ``ModelRunner.sample``), and for speculation ``proposer`` (``DraftProposer``: the one
-    ``speculative_config`` names) and ``verifier`` (``Verifier``: ``RejectionVerifier``). The model's attention
-    backend (``AttentionBackend``) and a quantized layer's kernel (``QuantKernel``) are the model's own seams."""
+    ``speculative_config`` names) and ``verifier`` (``Verifier``: ``RejectionVerifier``), and the paged attention
+    backend the model attends through (``PagedAttentionBackend``, built like ``PagedKVCache``, the default). A
+    quantized layer's kernel (``QuantKernel``) is the model's own seam (``LLM``'s ``quant_kernel``)."""
 
     def __init__(self, model: LlamaForCausalLM, tokenizer, make_sequence, cache_config: CacheConfig,
                  scheduler_config: SchedulerConfig, speculative_config: SpeculativeConfig | None = None,
@@ -103,16 +104,17 @@ class LLMEngine:
                  block_allocator: Callable[[int, int, bool], KVBlockAllocator] = BlockManager,
                  scheduler: Callable[[SchedulerConfig, KVBlockAllocator], SchedulerPolicy] = Scheduler,
                  sampler: Sampler | None = None, proposer: DraftProposer | None = None,
-                 verifier: Verifier | None = None) -> None:
+                 verifier: Verifier | None = None,
+                 attention_backend: Callable[..., PagedAttentionBackend] = PagedKVCache) -> None:
         cfg, device = model.config, model.lm_head.weight.device
         dtype = model.lm_head.weight.dtype
         num_blocks = cache_config.num_blocks(kv_block_bytes(model, cache_config, draft_model), device)
         self.tokenizer = tokenizer
         self._make_sequence = make_sequence
         self.block_manager = block_allocator(num_blocks, cache_config.block_size, cache_config.enable_prefix_caching)
-        self.kv_cache = PagedKVCache(cfg.num_hidden_layers, num_blocks, cache_config.block_size,
-                                     cfg.num_key_value_heads, cfg.head_dim, dtype, device,
-                                     cache_config.kv_cache_dtype, cache_config.kv_cache_scales)
+        self.kv_cache: PagedAttentionBackend = attention_backend(
+            cfg.num_hidden_layers, num_blocks, cache_config.block_size, cfg.num_key_value_heads, cfg.head_dim, dtype,
+            device, cache_config.kv_cache_dtype, cache_config.kv_cache_scales)
         self.scheduler = scheduler(scheduler_config, self.block_manager)
         self.runner = ModelRunner(model, self.kv_cache, self.block_manager)
         self.sampler: Sampler = sampler or ModelRunner.sample

@@ -102,3 +102,19 @@ def test_seams_that_cannot_apply_are_refused(reference):
         LLM("tinystories-target", share_weights_with=reference[0], verifier=RejectionVerifier())
     with pytest.raises(ValueError, match="sampler plug into the continuous engine"):
         LLM("tinystories-target", share_weights_with=reference[0], batching="static", sampler=ModelRunner.sample)
+
+
+def test_an_attention_backend_handed_in_is_the_one_the_model_attends_through(reference):
+    from minifer.layers.paged_attention import PagedKVCache
+
+    calls = []
+
+    class CountingBackend(PagedKVCache):
+        def attend(self, layer, q, k, v):
+            calls.append(layer)
+            return super().attend(layer, q, k, v)
+
+    llm = LLM("tinystories-target", share_weights_with=reference[0], attention_backend=CountingBackend)
+    assert isinstance(llm.engine.kv_cache, CountingBackend)
+    assert _tokens(llm) == reference[1]
+    assert set(calls) == set(range(llm.model_config.num_hidden_layers))
