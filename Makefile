@@ -35,6 +35,7 @@ course: install-course
 
 # Install, then run the whole suite: unit tests, then every notebook executed and checked by nbval.
 test: install
+	$(PY) -c "import sys; from importlinter.cli import lint_imports; sys.exit(lint_imports())"  # the import contracts (pyproject.toml)
 	$(PY) -m pytest -n 2 --dist loadfile tests
 	$(PY) -m pytest -n 2 --dist loadfile --nbval-lax --nbval-sanitize-with tests/nbval_sanitize.cfg -p no:randomly $(NOTEBOOKS)
 

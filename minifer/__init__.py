@@ -2,17 +2,47 @@
 
 The public names match vLLM's (``LLM``, ``SamplingParams``, ``RequestOutput``) so code written against
 minifer moves to vLLM unchanged.
+
+They are imported on first use (PEP 562's module ``__getattr__``): ``import minifer`` alone loads neither torch
+nor transformers, so ``python -m minifer doctor``, the server's argument parsing and a tool that needs one
+submodule start fast.
 """
 
-from minifer.config import ModelConfig, UnsupportedModelError
-from minifer.engine.beam_search import BeamSearchOutput, BeamSearchSequence
-from minifer.engine.llm import LLM
-from minifer.loader import BUNDLED_MODELS, ModelLoadError
-from minifer.outputs import CompletionOutput, RequestOutput
-from minifer.sampling import BeamSearchParams, Logprob, SamplingParams
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING
 
 __version__ = "0.1.0"
 
-__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "Logprob", "BeamSearchParams",
-           "BeamSearchOutput", "BeamSearchSequence", "ModelConfig",
-           "UnsupportedModelError", "ModelLoadError", "BUNDLED_MODELS", "__version__"]
+_EXPORTS = {
+    "LLM": "minifer.engine.llm",
+    "SamplingParams": "minifer.sampling", "BeamSearchParams": "minifer.sampling", "Logprob": "minifer.sampling",
+    "RequestOutput": "minifer.outputs", "CompletionOutput": "minifer.outputs",
+    "BeamSearchOutput": "minifer.engine.beam_search", "BeamSearchSequence": "minifer.engine.beam_search",
+    "ModelConfig": "minifer.config", "UnsupportedModelError": "minifer.config",
+    "ModelLoadError": "minifer.loader", "BUNDLED_MODELS": "minifer.loader",
+}
+
+__all__ = [*_EXPORTS, "__version__"]
+
+if TYPE_CHECKING:
+    from minifer.config import ModelConfig, UnsupportedModelError
+    from minifer.engine.beam_search import BeamSearchOutput, BeamSearchSequence
+    from minifer.engine.llm import LLM
+    from minifer.loader import BUNDLED_MODELS, ModelLoadError
+    from minifer.outputs import CompletionOutput, RequestOutput
+    from minifer.sampling import BeamSearchParams, Logprob, SamplingParams
+
+
+def __getattr__(name: str):
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'minifer' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value  # imported once: later look-ups do not come back here
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *_EXPORTS])

@@ -142,7 +142,7 @@ def install_checks(torch_version: str, cuda_build: str | None, gpu_capability: t
                                                 "kernels for (sm_75, sm_80, sm_89, sm_90): they will JIT-compile "
                                                 "but nobody has checked them for spills there"))
         if gpu_memory_bytes is not None:
-            from minifer.gpu_plan import GPU_TRACK_NEEDS_BYTES
+            from minifer.course.gpu_plan import GPU_TRACK_NEEDS_BYTES
 
             gb = gpu_memory_bytes / 2**30
             need = GPU_TRACK_NEEDS_BYTES / 2**30
@@ -155,7 +155,7 @@ def install_checks(torch_version: str, cuda_build: str | None, gpu_capability: t
         rows.append(("triton", "ok", f"no wheels for {system}: the Triton cells skip and say why; the CPU path runs"))
     rows.append(("course extra", "ok" if have_jupyterlab else "warn",
                  "jupyterlab installed" if have_jupyterlab else 'jupyterlab missing: pip install -e ".[course]"'))
-    from minifer.notebook import GPU_PAIR, TRACK_ENV, gpu_track_download_note
+    from minifer.course.common import GPU_PAIR, TRACK_ENV, gpu_track_download_note
 
     if (track or "cpu").lower() == "gpu":
         if gpu_capability is None:

@@ -41,7 +41,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from minifer.layers.attention import ContiguousKVCache
+from minifer.layers.attention import ContiguousKVCache, causal_backend
 
 DATA = Path(__file__).resolve().parents[1] / "data" / "tinystories"
 HELDOUT, TRAIN = DATA / "heldout.txt", DATA / "train.txt"
@@ -86,6 +86,23 @@ def token_stream(tokenizer, texts: Sequence[str]) -> torch.Tensor:
     return torch.tensor(ids, dtype=torch.long)
 
 
+def calibration_data(tokenizer, num_sequences: int = 32, seq_len: int = 512, seed: int = 0,
+                     path: str | Path = TRAIN) -> torch.Tensor:
+    """``[num_sequences, seq_len]`` token ids: stories of ``path`` (the training split) in a seeded random
+    order, framed as in training (``<eot> s1 <eot> s2 ...``) and cut into consecutive windows."""
+    stories = read_stories(path)
+    order = torch.randperm(len(stories), generator=torch.Generator().manual_seed(seed)).tolist()
+    need, picked, have = num_sequences * seq_len, [], 0
+    for i in order:
+        picked.append(stories[i])
+        have += len(stories[i]) // 4  # stories run ~3.7 characters a token: tokenize once there are enough
+        if have >= need:
+            stream = token_stream(tokenizer, picked)
+            if len(stream) >= need:
+                return stream[:need].view(num_sequences, seq_len)
+    raise ValueError(f"{path} holds fewer than {need} tokens")
+
+
 def token_windows(stream: torch.Tensor, max_len: int = 512, max_tokens: int | None = None) -> torch.Tensor:
     """Non-overlapping windows ``[n, max_len + 1]`` of a stream; with ``max_tokens``, ``ceil(max_tokens /
     max_len)`` of them spread evenly from the first to the last."""
@@ -107,16 +124,6 @@ def stdlib_windows(tokenizer, max_len: int = 512, max_tokens: int | None = None,
 
 
 # --- forward passes -----------------------------------------------------------------------------------
-
-
-def causal_backend(model: nn.Module, batch: int, seq_len: int) -> tuple[ContiguousKVCache, torch.Tensor]:
-    """An attention backend for ``batch`` full sequences of ``seq_len`` tokens (plain causal attention) and
-    the positions ``[batch * seq_len]`` of their packed tokens."""
-    cfg, w = model.config, model.lm_head.weight
-    cache = ContiguousKVCache(cfg.num_hidden_layers, batch, cfg.num_key_value_heads, seq_len, cfg.head_dim,
-                              w.dtype, w.device)
-    cache.begin_step(0, seq_len, torch.ones(batch, seq_len, dtype=torch.bool, device=w.device))
-    return cache, torch.arange(seq_len, device=w.device).repeat(batch)
 
 
 def causal_forward(model: nn.Module, ids: torch.Tensor) -> torch.Tensor:

@@ -16,6 +16,7 @@ from __future__ import annotations
 import math
 import warnings
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 
@@ -310,6 +311,19 @@ class SampleResult:
     token_ids: list[int]
     logprobs: list[dict[int, Logprob] | None] = field(default_factory=list)
     sampled_logprob: list[float] = field(default_factory=list)
+
+
+class Sampler(Protocol):
+    """The seam between the engine and the code that draws each sequence's next token (chapter 00); the reference
+    is ``ModelRunner.sample`` (penalties and ``min_tokens`` over each sequence's tokens so far, then :func:`sample`).
+
+    ``sampler(seqs, logits)``: ``logits`` ``[len(seqs), vocab]``, one row per sequence, in order; returns a
+    ``SampleResult`` with one token id per sequence, drawn with ``seq.generator`` as ``seq.params`` asks (greedy:
+    the argmax, after the logit bias), and, when ``seq.params.logprobs`` asks, the model's log-probabilities of
+    the chosen and the top candidates (``sampled_logprob``, ``logprobs``; vLLM reports those of the model's
+    distribution, before penalties, temperature and truncation)."""
+
+    def __call__(self, seqs: list, logits: torch.Tensor) -> SampleResult: ...
 
 
 def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None],

@@ -227,7 +227,7 @@ def section_quant_e2e(args) -> dict:
         row["speedup_vs_bf16"] = row["decode_tokens_per_s"] / base
     measured = report["rows"][2]["speedup_vs_bf16"]
     # Speed only: dummy weights have no reference tokens; the kernels' outputs are checked by the kernel
-    # benchmark (rel_err per case) and tests/test_quant_kernels.py on the same GPU.
+    # benchmark (rel_err per case) and tests/kernels/test_quant_kernels.py on the same GPU.
     report["target"] = {"int4_min_speedup": 1.8, "measured": measured, "met": measured >= 1.8}
     return report
 

@@ -28,8 +28,8 @@ run 110 quant-e2e python3 scripts/gpu_bench.py quant_e2e --out "$out/quant_e2e.j
 # should have checked it; then the rest, the CUDA-graph decode test among them. --maxfail instead of -x: one
 # failure should not hide the others.
 tests="python3 -m pytest -q --maxfail=10 -p no:cacheprovider"
-MINIFER_QUANT_AUTOTUNE=0 run 45 int4-kernel-tests $tests tests/test_quant_kernels.py -k "int4 and not ahead_of_time"
-MINIFER_QUANT_AUTOTUNE=0 run 45 kernel-tests $tests tests/test_quant_kernels.py tests/test_kernels.py \
+MINIFER_QUANT_AUTOTUNE=0 run 45 int4-kernel-tests $tests tests/kernels/test_quant_kernels.py -k "int4 and not ahead_of_time"
+MINIFER_QUANT_AUTOTUNE=0 run 45 kernel-tests $tests tests/kernels/test_quant_kernels.py tests/kernels/test_kernels.py \
   -k "not int4 and not ahead_of_time"
 # Batched decode with quantized weights or an 8-bit KV cache, CUDA graphs against eager, and again after the
 # split-K counters' buffer grows (an outgrown buffer must stay allocated: the graphs replay with its address).

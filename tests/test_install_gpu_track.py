@@ -1,7 +1,7 @@
 """The GPU track is opt-in, says what it downloads, and every chapter's plan fits a 16 GB GPU.
 
 No GPU here: CUDA's presence and capability are monkeypatched, and the memory is arithmetic
-(``minifer.gpu_plan``), not allocations."""
+(``minifer.course.gpu_plan``), not allocations."""
 
 from __future__ import annotations
 
@@ -11,10 +11,10 @@ import pytest
 import torch
 
 import minifer
-from minifer import gpu_plan, notebook
+from minifer.course import common as notebook, gpu_plan
 from minifer.config import ModelConfig
 from minifer.loader import SHIPPED_CONFIGS
-from minifer.notebook import BUNDLED_PAIR, GPU_PAIR, ModelPair, choose_models
+from minifer.course.common import BUNDLED_PAIR, GPU_PAIR, ModelPair, choose_models
 
 ROOT = Path(__file__).resolve().parents[1]
 TARGET = ModelConfig.from_file(SHIPPED_CONFIGS["Qwen/Qwen3-1.7B"])

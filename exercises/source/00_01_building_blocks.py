@@ -61,7 +61,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 # %%
 # NBVAL_CHECK_OUTPUT
-from minifer.grading import check_rms_norm
+from minifer.course.grading.building_blocks import check_rms_norm
 
 check_rms_norm(rms_norm)
 
@@ -96,7 +96,7 @@ def rope_inv_freq(head_dim: int, theta: float) -> torch.Tensor:
 
 # %%
 # NBVAL_CHECK_OUTPUT
-from minifer.grading import check_rope_inv_freq
+from minifer.course.grading.building_blocks import check_rope_inv_freq
 
 check_rope_inv_freq(rope_inv_freq)
 
@@ -141,7 +141,7 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
 
 # %%
 # NBVAL_CHECK_OUTPUT
-from minifer.grading import check_apply_rotary
+from minifer.course.grading.building_blocks import check_apply_rotary
 
 check_apply_rotary(apply_rotary)
 
@@ -186,7 +186,7 @@ def top_p_mask(logits: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
 
 # %%
 # NBVAL_CHECK_OUTPUT
-from minifer.grading import check_top_p
+from minifer.course.grading.building_blocks import check_top_p
 
 check_top_p(top_p_mask)
 

@@ -80,7 +80,7 @@ def slot_mapping(block_table: list[int], positions: list[int], block_size: int) 
 
 # %%
 # NBVAL_CHECK_OUTPUT
-from minifer.grading import check_slot_mapping
+from minifer.course.grading.paging import check_slot_mapping
 
 check_slot_mapping(slot_mapping)
 
@@ -140,7 +140,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
 
 # %%
 # NBVAL_CHECK_OUTPUT
-from minifer.grading import check_paged_attention
+from minifer.course.grading.paging import check_paged_attention
 
 check_paged_attention(paged_attention)
 
@@ -349,7 +349,7 @@ demo_prefix_cache(PrefixCachingAllocator)
 
 # %%
 # NBVAL_CHECK_OUTPUT
-from minifer.grading import check_prefix_allocator
+from minifer.course.grading.paging import check_prefix_allocator
 
 check_prefix_allocator(PrefixCachingAllocator)
 
@@ -381,7 +381,7 @@ def parallel_sampling_blocks(prompt_len: int, output_len: int, n: int, block_siz
 
 # %%
 # NBVAL_CHECK_OUTPUT
-from minifer.grading import check_parallel_sampling_blocks
+from minifer.course.grading.paging import check_parallel_sampling_blocks
 
 check_parallel_sampling_blocks(parallel_sampling_blocks)
 
@@ -439,7 +439,7 @@ class ForkingAllocator(PrefixCachingAllocator):
 
 # %%
 # NBVAL_CHECK_OUTPUT
-from minifer.grading import check_forking_allocator
+from minifer.course.grading.paging import check_forking_allocator
 
 check_forking_allocator(ForkingAllocator)
 
@@ -538,7 +538,7 @@ def schedule_step(running: list[Request], waiting: list[Request], free_blocks: i
 
 # %%
 # NBVAL_CHECK_OUTPUT
-from minifer.grading import check_schedule_step
+from minifer.course.grading.paging import check_schedule_step
 
 check_schedule_step(schedule_step)
 

@@ -94,7 +94,7 @@ def verify_greedy(draft_tokens: list[list[int]], target_argmax: torch.Tensor) ->
 
 # %%
 # NBVAL_CHECK_OUTPUT
-from minifer.grading_spec import check_verify_greedy
+from minifer.course.grading.spec import check_verify_greedy
 
 check_verify_greedy(verify_greedy)
 
@@ -164,7 +164,7 @@ def rejection_sample(draft_tokens: list[int], q: torch.Tensor, p: torch.Tensor,
 
 # %%
 # NBVAL_CHECK_OUTPUT
-from minifer.grading_spec import check_rejection_sample
+from minifer.course.grading.spec import check_rejection_sample
 
 check_rejection_sample(rejection_sample)
 
@@ -239,7 +239,7 @@ def ngram_propose(token_ids: list[int], k: int, prompt_lookup_max: int, prompt_l
 
 # %%
 # NBVAL_CHECK_OUTPUT
-from minifer.grading_spec import check_ngram_propose
+from minifer.course.grading.spec import check_ngram_propose
 
 check_ngram_propose(ngram_propose)
 

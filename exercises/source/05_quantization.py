@@ -49,9 +49,9 @@ import transformers
 
 import minifer
 from minifer.eval import causal_forward, heldout_windows, perplexity as minifer_perplexity, stdlib_windows
-from minifer.grading_quant import triton_modules
+from minifer.course.grading.quant import triton_modules
 from minifer.quant import dequantize, quantize, quantize_int4
-from minifer.quant.linear import quantize_model
+from minifer.quant.model import quantize_model
 
 torch.set_num_threads(1)
 transformers.utils.logging.set_verbosity_error()  # no tokenizer warnings in the outputs
@@ -129,7 +129,7 @@ def quantize_int4_groupwise(w: torch.Tensor, group_size: int, symmetric: bool):
 
 # %%
 # NBVAL_CHECK_OUTPUT
-from minifer.grading_quant import check_quantize_int4
+from minifer.course.grading.quant import check_quantize_int4
 
 check_quantize_int4(quantize_int4_groupwise)
 
@@ -275,7 +275,7 @@ def int4_matmul(x, packed, scales, zeros, group_size, out, BLOCK_M=16, BLOCK_N=1
 
 # %%
 # NBVAL_CHECK_OUTPUT
-from minifer.grading_quant import check_int4_matmul_kernel
+from minifer.course.grading.quant import check_int4_matmul_kernel
 
 check_int4_matmul_kernel(int4_matmul)
 
@@ -333,7 +333,7 @@ def perplexity(model_fn, token_ids: torch.Tensor, window: int) -> float:
 
 # %%
 # NBVAL_CHECK_OUTPUT
-from minifer.grading_quant import check_perplexity
+from minifer.course.grading.quant import check_perplexity
 
 check_perplexity(perplexity)
 

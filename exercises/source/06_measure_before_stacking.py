@@ -67,7 +67,7 @@ def kv_blocks(memory: int, weight_bytes: int, block_bytes: int) -> int:
 
 # %%
 # NBVAL_CHECK_OUTPUT
-from minifer.grading_stacking import check_kv_blocks
+from minifer.course.grading.stacking import check_kv_blocks
 
 check_kv_blocks(kv_blocks)
 
@@ -146,7 +146,7 @@ def lever_analysis(gain: dict[frozenset, float]) -> dict:
 
 # %%
 # NBVAL_CHECK_OUTPUT
-from minifer.grading_stacking import check_lever_analysis
+from minifer.course.grading.stacking import check_lever_analysis
 
 check_lever_analysis(lever_analysis)
 

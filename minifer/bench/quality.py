@@ -43,7 +43,9 @@ import torch
 
 from minifer.eval import (STDLIB_FILES, WindowScores, greedy_continuations, heldout_prompts, heldout_windows,
                           prefix_agreement, score_windows, stdlib_windows)
-from minifer.quant.linear import decoder_linears, quantize_model, weight_bytes
+from minifer.kernels import quant_kernel_for
+from minifer.quant.linear import decoder_linears, weight_bytes
+from minifer.quant.model import quantize_model
 
 
 @dataclass(frozen=True)
@@ -73,7 +75,8 @@ def build_variant(base: torch.nn.Module, v: Variant, calib: torch.Tensor | None)
             for lin in decoder_linears(model).values():
                 lin.weight.copy_(lin.weight.to(torch.bfloat16).float())
         return model, {"note": "decoder linear weights rounded to bf16, computed in float32; bytes = 2 / param"}
-    cfg = quantize_model(model, v.fmt, v.group_size or 128, v.symmetric, v.calibration, calib)
+    cfg = quantize_model(model, v.fmt, v.group_size or 128, v.symmetric, v.calibration, calib,
+                         kernel=quant_kernel_for(model.lm_head.weight.device))
     return model, cfg.to_dict()
 
 
@@ -96,7 +99,7 @@ def _bytes(model: torch.nn.Module, v: Variant) -> dict[str, Any]:
 def run_quality(llm, variants=VARIANTS, *, heldout_tokens: int = 50_000, code_tokens: int = 12_000,
                 max_len: int = 512, calib_sequences: int = 32, calib_len: int = 512, prompts: int = 32,
                 prompt_len: int = 12, gen_tokens: int = 32, batch_size: int = 8, log=print) -> dict[str, Any]:
-    from minifer.quant.gptq import calibration_data
+    from minifer.eval import calibration_data
 
     tok, base = llm.tokenizer, llm.model
     if tok is None:

@@ -294,7 +294,7 @@ def verify_cost(llm, batch_sizes: list[int], ks: list[int], context: int = 256, 
     return rows
 
 
-SPECULATOR_CALLS = ("propose", "observe_step", "observe_realized", "release")  # what LLMEngine.step calls
+SPECULATOR_CALLS = ("propose", "observe", "release")  # what LLMEngine.step calls besides verify and rollback
 
 
 def bookkeeping(model: str, spec: dict, prompts: list, batch_sizes: list[int], max_tokens: int, rounds: int = 4,

@@ -23,6 +23,68 @@ from collections import OrderedDict
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from typing import Protocol
+
+
+class KVBlockAllocator(Protocol):
+    """The seam between the engine and whatever hands out KV-cache blocks (chapter 02); ``BlockManager`` below is
+    the reference, with prefix caching and copy-on-write. The engine builds one per cache (``LLMEngine``'s
+    ``block_allocator``: a callable ``(num_blocks, block_size, enable_prefix_caching)``, ``BlockManager`` itself
+    by default).
+
+    A sequence (any hashable id) owns a *block table*, its block ids in order: token ``t`` lives in block
+    ``block_table(seq)[t // block_size]`` at offset ``t % block_size``, a block in ``range(num_blocks)``.
+    ``allocate(seq, token_ids)`` creates the table for a new sequence's tokens and returns how many leading tokens
+    the prefix cache already holds (a multiple of ``block_size``, less than ``len(token_ids)``; 0 without
+    caching); ``can_allocate`` says whether the free blocks allow it. ``append_slots(seq, n)`` grows the table to
+    hold ``n`` tokens in all (``can_append`` first says whether it can), ``truncate(seq, n)`` shrinks it to ``n``,
+    ``free(seq)`` releases it. ``register_computed(seq, token_ids)``: the table's full blocks now hold these
+    computed tokens (a cache may hand them to later sequences with the same prefix). ``fork(parent, child)``
+    shares the parent's blocks with a new child; ``copy_on_write(seq, position)`` gives a sequence about to write
+    at ``position`` a block of its own if that block is shared, returning ``(source, destination)`` block ids
+    whose contents the caller copies (None when nothing moved). ``scratch(seq, token_ids)`` is a context manager
+    holding a temporary sequence. ``blocks_needed(n)``: blocks that ``n`` tokens take. A block is in two tables
+    only when shared (fork or prefix cache), and is handed out again only once no table holds it.
+    ``num_free_blocks`` counts blocks a new table may take; ``num_cached_blocks``, ``cache_queries`` and
+    ``cache_hits`` (in blocks) are statistics."""
+
+    block_size: int
+    num_blocks: int
+    enable_prefix_caching: bool
+    cache_queries: int
+    cache_hits: int
+
+    @property
+    def num_free_blocks(self) -> int: ...
+
+    @property
+    def num_cached_blocks(self) -> int: ...
+
+    def blocks_needed(self, num_tokens: int) -> int: ...
+
+    def block_table(self, seq_id: object) -> list[int]: ...
+
+    def has_seq(self, seq_id: object) -> bool: ...
+
+    def can_allocate(self, token_ids: list[int], use_cache: bool = True) -> bool: ...
+
+    def allocate(self, seq_id: object, token_ids: list[int], use_cache: bool = True) -> int: ...
+
+    def can_append(self, seq_id: object, num_tokens: int) -> bool: ...
+
+    def append_slots(self, seq_id: object, num_tokens: int) -> None: ...
+
+    def truncate(self, seq_id: object, num_tokens: int) -> None: ...
+
+    def register_computed(self, seq_id: object, token_ids: list[int]) -> None: ...
+
+    def fork(self, parent_id: object, child_id: object) -> None: ...
+
+    def copy_on_write(self, seq_id: object, position: int) -> tuple[int, int] | None: ...
+
+    def free(self, seq_id: object) -> None: ...
+
+    def scratch(self, seq_id: object, token_ids: list[int]): ...
 
 
 @dataclass

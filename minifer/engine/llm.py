@@ -9,9 +9,10 @@
 from __future__ import annotations
 
 import itertools
+from collections.abc import Callable
 from collections.abc import Sequence as SequenceT
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -26,6 +27,15 @@ from minifer.engine.static import generate_static
 from minifer.loader import build_model, chat_token_ids, load_config, load_tokenizer, resolve_model
 from minifer.outputs import RequestOutput
 from minifer.sampling import BeamSearchParams, SamplingParams
+
+if TYPE_CHECKING:
+    from minifer.engine.block_manager import KVBlockAllocator
+    from minifer.engine.proposers import DraftProposer
+    from minifer.engine.scheduler import SchedulerPolicy
+    from minifer.layers.paged_attention import PagedAttentionBackend
+    from minifer.quant.linear import QuantKernel
+    from minifer.sampling import Sampler
+    from minifer.spec.rejection import Verifier
 
 _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
            "float16": torch.float16, "fp16": torch.float16, "half": torch.float16}
@@ -52,6 +62,17 @@ def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype
     if dtype not in _DTYPES:
         raise ValueError(f"unsupported dtype {dtype!r}: use 'auto', {', '.join(_DTYPES)}")
     return _DTYPES[dtype]
+
+
+def _seams(batching: str, spec: SpeculativeConfig | None, **given: Any) -> dict[str, Any]:
+    """The engine seams the caller handed in (``LLMEngine`` builds the others), after checking that they can apply."""
+    seams = {name: value for name, value in given.items() if value is not None}
+    if seams and batching != "continuous":
+        raise ValueError(f"{', '.join(seams)} plug into the continuous engine: use batching='continuous'")
+    if spec is None and ("proposer" in seams or "verifier" in seams):
+        raise ValueError("proposer and verifier are parts of speculative decoding: pass a speculative_config too "
+                         "(its num_speculative_tokens is the k the proposer is asked for)")
+    return seams
 
 
 class LLM:
@@ -86,6 +107,10 @@ class LLM:
             without it.
         max_logprobs: the most candidates ``logprobs`` and ``prompt_logprobs`` may ask for (vLLM's limit, 20 by
             default: every candidate of every token is an object in the output).
+        quant_kernel: what quantized layers multiply through (``QuantKernel``, ``minifer.quant.linear``); by default
+            the Triton kernel on a CUDA GPU, the PyTorch reference elsewhere (``kernels.quant_kernel_for``).
+        block_allocator, scheduler, sampler, proposer, verifier, attention_backend: the engine's seams
+            (``LLMEngine`` lists their contracts); None builds the reference implementation a chapter shows.
         share_weights_with: another ``LLM`` of the same model, dtype, device and quantization whose loaded weights
             (and draft model, when both use the same draft) this one uses instead of loading its own copy: two
             engines to compare in one process (plain vs speculative, chapter 04). Separate copies of the same
@@ -102,7 +127,11 @@ class LLM:
                  speculative_config: dict[str, Any] | None = None, enforce_eager: bool = False,
                  kv_cache_dtype: str = "auto", quantization: str | None = None,
                  kv_cache_scales: str = "token", share_weights_with: "LLM | None" = None,
-                 max_logprobs: int = 20) -> None:
+                 max_logprobs: int = 20, quant_kernel: QuantKernel | None = None,
+                 block_allocator: Callable[..., KVBlockAllocator] | None = None,
+                 scheduler: Callable[..., SchedulerPolicy] | None = None, sampler: Sampler | None = None,
+                 proposer: DraftProposer | None = None, verifier: Verifier | None = None,
+                 attention_backend: Callable[..., PagedAttentionBackend] | None = None) -> None:
         check_kv_cache_dtype(kv_cache_dtype, kv_cache_scales)
         if kv_cache_dtype != "auto" and batching != "continuous":
             raise ValueError("kv_cache_dtype applies to the paged cache of batching='continuous'")
@@ -122,16 +151,12 @@ class LLM:
         self.max_num_seqs, self.batching, self.seed = max_num_seqs, batching, seed
         self.max_logprobs = max_logprobs
         self._quantization, self._load_format = quantization, load_format  # what share_weights_with checks
-        from minifer.quant.checkpoint import load_model
-
         if share_weights_with is not None:
             self.model = self._shared_model(share_weights_with, quantization, load_format)
         else:
-            self.model = load_model(self.model_path, quantization, load_format=load_format, dtype=self.dtype,
-                                    device=self.device, max_positions=limit, seed=seed)
+            self.model = self._load_model(quantization, load_format, quant_kernel, limit, seed)
         self.quantization_config = getattr(self.model, "quantization_config", None)
-        tok_path = resolve_model(tokenizer) if tokenizer is not None else self.model_path
-        self.tokenizer = load_tokenizer(tok_path)
+        self.tokenizer = load_tokenizer(resolve_model(tokenizer) if tokenizer is not None else self.model_path)
         self.eos_token_ids = frozenset(self._eos_ids())
         self._generator = torch.Generator(device=self.device).manual_seed(seed)
         self._counter = itertools.count()
@@ -144,13 +169,26 @@ class LLM:
                 and share_weights_with._draft_source == self._draft_source):
             spec.model = share_weights_with.draft_model  # the same draft, already loaded
         self.draft_model = self._load_draft(spec) if spec is not None and spec.method == "draft_model" else None
+        seams = _seams(batching, spec, block_allocator=block_allocator, scheduler=scheduler, sampler=sampler,
+                       proposer=proposer, verifier=verifier, attention_backend=attention_backend)
         if batching == "continuous":
             self.engine = LLMEngine(
                 self.model, self.tokenizer, self.make_sequence,
                 CacheConfig(block_size, num_kv_blocks, kv_cache_memory, gpu_memory_utilization, enable_prefix_caching,
                             kv_cache_dtype, kv_cache_scales),
                 SchedulerConfig(max_num_seqs, max_num_batched_tokens, enable_chunked_prefill), spec, self.draft_model,
-                cuda_graphs=not enforce_eager, max_model_len=self.max_model_len)
+                cuda_graphs=not enforce_eager, max_model_len=self.max_model_len, **seams)
+
+    def _load_model(self, quantization: str | None, load_format: str, quant_kernel: QuantKernel | None,
+                    max_positions: int, seed: int) -> torch.nn.Module:
+        """The target's weights (quantized as asked), its quantized layers on ``quant_kernel`` or the device's
+        default (``kernels.quant_kernel_for``: the Triton kernel on CUDA, the reference elsewhere)."""
+        from minifer.kernels import quant_kernel_for
+        from minifer.loader.quantized import load_model
+
+        return load_model(self.model_path, quantization, load_format=load_format,
+                          quant_kernel=quant_kernel or quant_kernel_for(self.device), dtype=self.dtype,
+                          device=self.device, max_positions=max_positions, seed=seed)
 
     def _shared_model(self, other: "LLM", quantization: str | None, load_format: str) -> torch.nn.Module:
         """``other``'s loaded model, after checking it is the model this engine was asked for."""

@@ -17,21 +17,23 @@ from __future__ import annotations
 import threading
 import time
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
 
-from minifer.engine.block_manager import BlockManager
+from minifer.engine.block_manager import BlockManager, KVBlockAllocator
 from minifer.engine.runner import ModelRunner
-from minifer.engine.scheduler import Scheduler, SchedulerConfig
+from minifer.engine.scheduler import Scheduler, SchedulerConfig, SchedulerPolicy
+from minifer.engine.proposers import DraftProposer
 from minifer.engine.sequence import Sequence, SequenceGroup, SequenceStatus, sequences_of
 from minifer.engine.speculative import SpeculativeConfig, Speculator, build_speculator
 from minifer.layers.kv_quant import CALIBRATION_TEXT
-from minifer.layers.paged_attention import PagedKVCache
+from minifer.layers.paged_attention import PagedAttentionBackend, PagedKVCache
 from minifer.models.llama import LlamaForCausalLM
 from minifer.outputs import RequestOutput
-from minifer.sampling import token_logprobs
+from minifer.sampling import Sampler, token_logprobs
+from minifer.spec.rejection import Verifier
 
 
 @dataclass
@@ -86,21 +88,36 @@ def kv_block_bytes(model: LlamaForCausalLM, cache_config: CacheConfig,
 
 
 class LLMEngine:
+    """The seams a chapter teaches are arguments, each a ``typing.Protocol`` whose docstring is its contract, with
+    the reference implementation as the default: ``block_allocator`` (``KVBlockAllocator``, built as
+    ``block_allocator(num_blocks, block_size, enable_prefix_caching)``: ``BlockManager``), ``scheduler``
+    (``SchedulerPolicy``, built as ``scheduler(scheduler_config, allocator)``: ``Scheduler``), ``sampler``
+    (``Sampler``: ``ModelRunner.sample``), and for speculation ``proposer`` (``DraftProposer``: the one
+    ``speculative_config`` names) and ``verifier`` (``Verifier``: ``RejectionVerifier``), and the paged attention
+    backend the model attends through (``PagedAttentionBackend``, built like ``PagedKVCache``, the default). A
+    quantized layer's kernel (``QuantKernel``) is the model's own seam (``LLM``'s ``quant_kernel``)."""
+
     def __init__(self, model: LlamaForCausalLM, tokenizer, make_sequence, cache_config: CacheConfig,
                  scheduler_config: SchedulerConfig, speculative_config: SpeculativeConfig | None = None,
                  draft_model: LlamaForCausalLM | None = None, cuda_graphs: bool = False,
-                 max_model_len: int | None = None) -> None:
+                 max_model_len: int | None = None, *,
+                 block_allocator: Callable[[int, int, bool], KVBlockAllocator] = BlockManager,
+                 scheduler: Callable[[SchedulerConfig, KVBlockAllocator], SchedulerPolicy] = Scheduler,
+                 sampler: Sampler | None = None, proposer: DraftProposer | None = None,
+                 verifier: Verifier | None = None,
+                 attention_backend: Callable[..., PagedAttentionBackend] = PagedKVCache) -> None:
         cfg, device = model.config, model.lm_head.weight.device
         dtype = model.lm_head.weight.dtype
         num_blocks = cache_config.num_blocks(kv_block_bytes(model, cache_config, draft_model), device)
         self.tokenizer = tokenizer
         self._make_sequence = make_sequence
-        self.block_manager = BlockManager(num_blocks, cache_config.block_size, cache_config.enable_prefix_caching)
-        self.kv_cache = PagedKVCache(cfg.num_hidden_layers, num_blocks, cache_config.block_size,
-                                     cfg.num_key_value_heads, cfg.head_dim, dtype, device,
-                                     cache_config.kv_cache_dtype, cache_config.kv_cache_scales)
-        self.scheduler = Scheduler(scheduler_config, self.block_manager)
+        self.block_manager = block_allocator(num_blocks, cache_config.block_size, cache_config.enable_prefix_caching)
+        self.kv_cache: PagedAttentionBackend = attention_backend(
+            cfg.num_hidden_layers, num_blocks, cache_config.block_size, cfg.num_key_value_heads, cfg.head_dim, dtype,
+            device, cache_config.kv_cache_dtype, cache_config.kv_cache_scales)
+        self.scheduler = scheduler(scheduler_config, self.block_manager)
         self.runner = ModelRunner(model, self.kv_cache, self.block_manager)
+        self.sampler: Sampler = sampler or ModelRunner.sample
         if self.kv_cache.kv_cache_scales == "head":
             self._calibrate_kv_scales()
         self.owner: threading.Thread | None = None  # the one thread allowed to drive the engine (a server's loop)
@@ -117,7 +134,8 @@ class LLMEngine:
         self.speculator: Speculator | None = None
         if speculative_config is not None:
             self.speculator = build_speculator(speculative_config, draft_model, self.runner, self.block_manager,
-                                               cfg.vocab_size, num_blocks, cache_config.block_size)
+                                               cfg.vocab_size, num_blocks, cache_config.block_size, proposer=proposer,
+                                               verifier=verifier, sampler=self.sampler)
 
     @classmethod
     def from_llm(cls, llm, cache_config: CacheConfig | None = None,
@@ -259,31 +277,21 @@ class LLMEngine:
         now = time.perf_counter()
         for seq in batch.seqs:
             seq.metrics.first_scheduled_time = seq.metrics.first_scheduled_time or now
-        drafts = None
+        drafts = plan = None
         if spec is not None:
             budget = self.scheduler.config.max_num_batched_tokens - sum(batch.num_new_tokens)
-            drafts = spec.propose(batch.seqs, batch.num_new_tokens, budget, self._num_waiting())
+            plan = spec.propose(batch.seqs, batch.num_new_tokens, budget, self._num_waiting())
+            drafts = plan.drafts
         rows, logits = self.runner.execute(batch, drafts)
         for seq, n in zip(batch.seqs, batch.num_new_tokens):
             seq.num_computed_tokens += n
         sampled = [batch.seqs[i] for i in rows]
         if drafts is None:
-            result = self.runner.sample(sampled, logits)
+            result = self.sampler(sampled, logits)
             emitted = [[(t, lp, e)] for t, lp, e in zip(result.token_ids, result.sampled_logprob, result.logprobs)]
         else:
-            verified = spec.verify(sampled, logits)
-            # one call for every emitted token of the batch (a log-softmax per sequence would cost more than
-            # the verification itself at large batches)
-            r = token_logprobs(torch.cat([rows for _, rows in verified]), [t for toks, _ in verified for t in toks],
-                               [seq.params for seq, (toks, _) in zip(sampled, verified) for _ in toks])
-            entries = list(zip(r.token_ids, r.sampled_logprob, r.logprobs))
-            emitted, at = [], 0
-            for toks, _ in verified:
-                emitted.append(entries[at : at + len(toks)])
-                at += len(toks)
+            emitted = self._verified_entries(sampled, spec.verify(plan, sampled, logits))
         pure_decode = all(n == 1 for n in batch.num_new_tokens)
-        if spec is not None:
-            spec.observe_step(sum(len(c) for c in drafts or []) + sum(batch.num_new_tokens), pure_decode)
         outputs = []
         for seq, tokens in zip(sampled, emitted):
             for j, (token, logprob, entry) in enumerate(tokens):
@@ -304,10 +312,26 @@ class LLMEngine:
                 if spec is not None:
                     spec.release(seq.request_id)
                 self._retire(seq)
-        if spec is not None and pure_decode:
+        if spec is not None:
             # the whole step, scheduling and bookkeeping included: fewer, longer steps save those too
-            spec.observe_realized(sum(len(t) for t in emitted), time.perf_counter() - start)
+            spec.observe(plan, sum(len(c) for c in drafts or []) + sum(batch.num_new_tokens),
+                         self.runner.last_forward_s, pure_decode, sum(len(t) for t in emitted),
+                         time.perf_counter() - start)
         return outputs
+
+    @staticmethod
+    def _verified_entries(sampled: list[Sequence], verified: list[tuple[list[int], torch.Tensor]]) -> list[list[tuple]]:
+        """Per sequence, (token, logprob, logprobs entry) of each token its verification emitted: one call for every
+        emitted token of the batch (a log-softmax per sequence would cost more than the verification itself at large
+        batches)."""
+        r = token_logprobs(torch.cat([rows for _, rows in verified]), [t for toks, _ in verified for t in toks],
+                           [seq.params for seq, (toks, _) in zip(sampled, verified) for _ in toks])
+        entries = list(zip(r.token_ids, r.sampled_logprob, r.logprobs))
+        emitted, at = [], 0
+        for toks, _ in verified:
+            emitted.append(entries[at : at + len(toks)])
+            at += len(toks)
+        return emitted
 
     def _num_waiting(self) -> int:
         """Sequences waiting for a slot: the scheduler's queue plus siblings held until their prompt is computed."""

@@ -13,7 +13,7 @@ import time
 
 import torch
 
-from minifer.engine.block_manager import BlockManager
+from minifer.engine.block_manager import KVBlockAllocator
 from minifer.engine.scheduler import ScheduledBatch
 from minifer.layers.paged_attention import PagedAttentionMetadata, PagedKVCache
 from minifer.models.llama import LlamaForCausalLM
@@ -21,7 +21,7 @@ from minifer.sampling import SampleResult, history_tensors, ranked_logprobs, sam
 
 
 class ModelRunner:
-    def __init__(self, model: LlamaForCausalLM, cache: PagedKVCache, blocks: BlockManager) -> None:
+    def __init__(self, model: LlamaForCausalLM, cache: PagedKVCache, blocks: KVBlockAllocator) -> None:
         self.model, self.cache, self.blocks = model, cache, blocks
         self.device = model.lm_head.weight.device
         self.last_forward_s = 0.0  # wall time of the latest forward (the adaptive speculation reads it)

@@ -18,8 +18,9 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
+from typing import Any, Protocol
 
-from minifer.engine.block_manager import BlockManager
+from minifer.engine.block_manager import KVBlockAllocator
 from minifer.engine.sequence import Sequence, SequenceStatus
 
 
@@ -46,8 +47,43 @@ class ScheduledBatch:
         return len(self.seqs)
 
 
+class SchedulerPolicy(Protocol):
+    """The seam between the engine and the policy that decides who runs each step (chapter 03); ``Scheduler`` below is
+    the reference (first come first served, chunked prefill, preemption by recomputation). The engine builds one
+    (``LLMEngine``'s ``scheduler``: a callable ``(SchedulerConfig, KVBlockAllocator)``, ``Scheduler`` by default).
+
+    ``add(seq)`` queues a new sequence, ``add_front(seqs)`` queues sequences ahead of the others (siblings of a
+    request whose prompt is computed). ``schedule()`` returns the step's ``ScheduledBatch``: the sequences that run,
+    how many new tokens each brings (at most ``config.max_num_batched_tokens`` in all, at most
+    ``config.max_num_seqs`` sequences), with their KV slots already reserved in the allocator, and the sequences it
+    preempted (their blocks freed, to be recomputed later). ``finish(seq)`` and ``abort(seq)`` take a sequence out and
+    free its blocks. ``check_fits(seq)`` raises ``ValueError`` for a request that could never be scheduled.
+    ``running``, ``waiting`` and ``num_preemptions`` are read for statistics; ``has_unfinished()`` says whether any
+    sequence is still queued or running. Every admitted sequence must eventually be scheduled: a step that schedules
+    nothing while sequences wait makes the engine raise."""
+
+    config: SchedulerConfig
+    waiting: Any
+    running: list[Sequence]
+    num_preemptions: int
+
+    def check_fits(self, seq: Sequence) -> None: ...
+
+    def add(self, seq: Sequence) -> None: ...
+
+    def add_front(self, seqs: list[Sequence]) -> None: ...
+
+    def has_unfinished(self) -> bool: ...
+
+    def abort(self, seq: Sequence) -> None: ...
+
+    def finish(self, seq: Sequence) -> None: ...
+
+    def schedule(self) -> ScheduledBatch: ...
+
+
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, blocks: BlockManager) -> None:
+    def __init__(self, config: SchedulerConfig, blocks: KVBlockAllocator) -> None:
         self.config, self.blocks = config, blocks
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []

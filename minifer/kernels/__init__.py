@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import os
 
+import torch
+
 try:
     import triton  # noqa: F401
 
@@ -20,3 +22,15 @@ except ImportError as e:  # macOS, or a minimal install
     TRITON_ERROR = f"Triton is not installed ({e}); it publishes Linux wheels only, so the CPU path is used"
 
 INTERPRETING = os.environ.get("TRITON_INTERPRET") == "1"
+
+
+
+def quant_kernel_for(device: torch.device | str):
+    """The kernel ``QuantLinear`` should multiply through on ``device`` (its ``QuantKernel`` seam,
+    ``minifer.quant.linear``): the fused Triton dequantize-matmul (``quant_matmul.py``) on a CUDA GPU when Triton is
+    installed; None elsewhere, which leaves the layer on its PyTorch reference (``quant_linear_reference``)."""
+    if torch.device(device).type == "cuda" and HAS_TRITON:
+        from minifer.kernels.quant_matmul import quant_matmul
+
+        return quant_matmul
+    return None

@@ -1,6 +1,6 @@
 """Paged-attention kernels in Triton: write new K/V into their cache slots, and decode attention.
 
-Both follow the reference in ``minifer/layers/paged_attention.py``; ``tests/test_kernels.py`` checks
+Both follow the reference in ``minifer/layers/paged_attention.py``; ``tests/kernels/test_kernels.py`` checks
 them against it under the interpreter on random and odd shapes, and ``aot.py`` compiles them for sm_80
 and sm_90.
 
@@ -23,7 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
-from minifer.kernels.quant_matmul import _fp8_native, _fp8_to_f32
+from minifer.kernels.fp8 import fp8_native, fp8_to_f32
 
 
 @triton.jit
@@ -56,7 +56,7 @@ def _load_kv(cache_ptr, scale_ptr, base, slots, kvh, kv_mask, tm, HKV: tl.conste
     """One block's keys or values ``[BS, D]`` in float32: loaded as stored, dequantized in registers."""
     x = tl.load(cache_ptr + base, mask=kv_mask, other=0)
     if KV == 2:
-        f = _fp8_to_f32(x, FP8_NATIVE)
+        f = fp8_to_f32(x, FP8_NATIVE)
         if not FP8_NATIVE:
             f = f * 256.0  # the bit-level decode gives the value times 2^-8
     else:
@@ -126,7 +126,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     kv, scales = _cache_format(k_cache, k_scale, v_scale, kv_cache_dtype)
     if kv == KV_FP8:
         k_cache, v_cache = k_cache.view(torch.int8), v_cache.view(torch.int8)  # the bit decode wants signed bytes
-    native = kv == KV_FP8 and _fp8_native(k_cache.device)
+    native = kv == KV_FP8 and fp8_native(k_cache.device)
     group = hq // hkv
     out = torch.empty_like(q)
     paged_decode_kernel[(b, hkv)](

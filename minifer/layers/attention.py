@@ -68,3 +68,13 @@ class ContiguousKVCache:
         qb = q.view(b, t, hq, d).transpose(1, 2)
         out = F.scaled_dot_product_attention(qb, keys, values, attn_mask=self._mask, enable_gqa=True)
         return out.transpose(1, 2).reshape(b * t, hq, d)
+
+
+def causal_backend(model: torch.nn.Module, batch: int, seq_len: int) -> tuple[ContiguousKVCache, torch.Tensor]:
+    """An attention backend for ``batch`` full sequences of ``seq_len`` tokens (plain causal attention) and
+    the positions ``[batch * seq_len]`` of their packed tokens."""
+    cfg, w = model.config, model.lm_head.weight
+    cache = ContiguousKVCache(cfg.num_hidden_layers, batch, cfg.num_key_value_heads, seq_len, cfg.head_dim,
+                              w.dtype, w.device)
+    cache.begin_step(0, seq_len, torch.ones(batch, seq_len, dtype=torch.bool, device=w.device))
+    return cache, torch.arange(seq_len, device=w.device).repeat(batch)

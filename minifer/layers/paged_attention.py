@@ -12,10 +12,14 @@ every key of every sequence (gathered through the block tables) with the causal 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
+
+from minifer.layers.attention import AttentionBackend
 
 from minifer.layers.kv_quant import (bytes_per_value, check_kv_cache_dtype, code_dtype, dequantize_kv, quantize_kv,
                                      static_scale)
@@ -150,6 +154,31 @@ def paged_attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: t
             return out
         packed[g.out_index] = out
     return packed
+
+
+class PagedAttentionBackend(AttentionBackend, Protocol):
+    """The engine's attention backend over a paged KV cache (chapter 02); ``PagedKVCache`` below is the reference.
+    The engine builds one (``LLMEngine``'s ``attention_backend``) as ``backend(num_layers, num_blocks, block_size,
+    num_kv_heads, head_dim, dtype, device, kv_cache_dtype, kv_cache_scales)``, sized in memory as ``PagedKVCache``.
+
+    Before each forward the runner sets ``meta`` (a ``PagedAttentionMetadata``: every new token's slot
+    ``block * block_size + offset``, every sequence's block table and context length), and clears it after;
+    ``attend(layer, q, k, v)`` writes the step's keys and values into their slots and returns, for every new query,
+    attention over its sequence's cached tokens up to its own position. Two blocks past ``num_blocks`` are the
+    backend's own: padding rows write to ``scratch_slot`` (in block ``scratch_block``), and masked reads gather
+    from ``null_slot``, which stays zero. ``calibrate_scales(run)`` runs ``run()`` once to set static 8-bit scales;
+    ``use_triton`` says decode steps run the Triton kernels (and may be captured in CUDA graphs)."""
+
+    block_size: int
+    meta: PagedAttentionMetadata | None
+    scratch_block: int
+    scratch_slot: int
+    null_slot: int
+    kv_cache_dtype: str
+    kv_cache_scales: str
+    use_triton: bool
+
+    def calibrate_scales(self, run_prefill: Callable[[], object]) -> None: ...
 
 
 class PagedKVCache:

@@ -34,41 +34,23 @@ groups"): the stored layout stays contiguous groups along K, and kernels need no
 Calibration, layer by layer. Hooks record the inputs of a decoder layer's four linears while the layer runs
 on the calibration activations; each linear is quantized with its ``H``; the layer is then run again,
 quantized, to produce the inputs of the next layer. Every layer thus compensates for the errors of the
-layers before it. Calibration text comes from the *training* split (``calibration_data``), never from the
+layers before it. Calibration text comes from the *training* split (``minifer.eval.calibration_data``), never from the
 held-out text the result is judged on.
 """
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
 
-from minifer.eval import TRAIN, causal_backend, read_stories, token_stream
+from minifer.layers.attention import causal_backend
 from minifer.quant.formats import FP8_MAX, QuantizedWeight, dequantize, pack_int4, quantize
 from minifer.quant.linear import LINEAR_NAMES, QuantLinear, set_module
 
 
 DAMP = 0.1  # times the mean of diag(H), added to its diagonal
-
-
-def calibration_data(tokenizer, num_sequences: int = 32, seq_len: int = 512, seed: int = 0,
-                     path: str | Path = TRAIN) -> torch.Tensor:
-    """``[num_sequences, seq_len]`` token ids: stories of ``path`` (the training split) in a seeded random
-    order, framed as in training (``<eot> s1 <eot> s2 ...``) and cut into consecutive windows."""
-    stories = read_stories(path)
-    order = torch.randperm(len(stories), generator=torch.Generator().manual_seed(seed)).tolist()
-    need, picked, have = num_sequences * seq_len, [], 0
-    for i in order:
-        picked.append(stories[i])
-        have += len(stories[i]) // 4  # stories run ~3.7 characters a token: tokenize once there are enough
-        if have >= need:
-            stream = token_stream(tokenizer, picked)
-            if len(stream) >= need:
-                return stream[:need].view(num_sequences, seq_len)
-    raise ValueError(f"{path} holds fewer than {need} tokens")
 
 
 class _Grid:

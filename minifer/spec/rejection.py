@@ -27,12 +27,14 @@ never read.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Protocol
 
 import torch
 
 from minifer.sampling import SamplingParams, process_logits
 
-__all__ = ["verify_greedy", "rejection_sample", "probs_from_logits", "one_hot_draft_probs"]
+__all__ = ["verify_greedy", "rejection_sample", "probs_from_logits", "one_hot_draft_probs", "Verifier",
+           "RejectionVerifier"]
 
 
 def _check_drafts(draft_tokens: Sequence[Sequence[int]], batch: int, positions: int, name: str,
@@ -196,3 +198,28 @@ def one_hot_draft_probs(draft_tokens: list[list[int]], vocab_size: int,
         if d:
             q[i, torch.arange(len(d)), torch.tensor(list(d), dtype=torch.long)] = 1.0
     return q
+
+
+class Verifier(Protocol):
+    """The seam between speculative decoding and the rule that keeps or rejects draft tokens (chapter 04);
+    ``RejectionVerifier`` (this module's :func:`verify_greedy` and :func:`rejection_sample`) is the reference.
+
+    ``greedy(draft_tokens, target_argmax)``: ragged drafts (``k_i`` tokens in row ``i``) and the target's greedy
+    token after each prefix, ``[B, max_k + 1]``; returns per row the longest agreeing prefix of the draft and then the
+    target's own token (1 to ``k_i + 1`` tokens: exactly what greedy decoding would emit). ``sample(draft_tokens,
+    draft_probs, target_probs, generators)``: ``q`` ``[B, max_k, V]``, ``p`` ``[B, max_k + 1, V]``, one generator
+    per row; returns per row 1 to ``k_i + 1`` tokens distributed exactly as sampling from ``p`` token by token would
+    be (lossless). A verifier that breaks either promise changes the engine's output; the tests' chi-squared check
+    catches a lossy one."""
+
+    def greedy(self, draft_tokens: list[list[int]], target_argmax: torch.Tensor) -> list[list[int]]: ...
+
+    def sample(self, draft_tokens: list[list[int]], draft_probs: torch.Tensor, target_probs: torch.Tensor,
+               generators: list[torch.Generator | None]) -> list[list[int]]: ...
+
+
+class RejectionVerifier:
+    """The reference ``Verifier``: greedy agreement and Leviathan et al.'s modified rejection sampling."""
+
+    greedy = staticmethod(verify_greedy)
+    sample = staticmethod(rejection_sample)

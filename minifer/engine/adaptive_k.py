@@ -1,0 +1,414 @@
+"""Adaptive k: how many tokens to speculate this step, decided from measured costs (``"adaptive": True``, the default).
+
+The controller meets the speculator (``speculative.py``) through two calls: ``decide(batch, waiting)`` returns the
+step's ``Decision`` (k, a probe, or held plain decoding; for n-gram drafts, which drafts to verify), and
+``observe(record)`` takes the ``StepRecord`` of the step once it ran (its drafts' acceptance, its forward's and its
+whole time). Nothing else passes between them. A fixed-k engine (``"adaptive": False``) has no controller.
+
+Speculation costs the draft's steps and a wider verify
+forward; it pays only while that wider forward is nearly free, i.e. at low concurrency. Each step, for the
+``B`` sequences decoding, the engine picks the ``k`` in ``0..num_speculative_tokens`` that maximises the
+predicted tokens per second
+
+    B * (1 + h * (E(alpha, k) - 1)) / (T(B * (1 + h * k)) + t_draft(B, k))
+    E = (1 - alpha^(k+1)) / (1 - alpha)
+
+where ``h`` is the measured fraction of sequences that get drafts at all (1 for a draft model), ``alpha`` the
+measured per-token acceptance (over roughly the last 200 verifications) and ``T(n)`` the predicted time of a whole
+engine step whose target forward covers ``n`` tokens: the forward's time from a table (by powers of two,
+interpolated) filled at start-up by a short calibration shaped like decode steps and refreshed by every pure-decode
+step, times the measured ratio of whole steps to their forwards (larger for speculative steps: verification,
+rollback and more tokens to append). ``k = 0`` (plain decoding) wins unless the prediction beats it by a margin
+(10%, more in closed batches, see below), so under load, when ``T`` grows with the tokens, speculation turns itself
+off instead of becoming the 1.4-1.8x slowdown that fixed-k speculation shows at high QPS. A clear plain decision is
+reused for the next few steps at the same batch size (``PLAIN_HOLD``), and such steps keep only a light bookkeeping
+(``plain_step``): the predictions and timings of every step would otherwise cost about 1% at 16-64 sequences, and
+plain decoding should cost the same in an adaptive engine as in a plain one.
+
+N-gram drafts are looked up before deciding: ``adaptive_ngram.py``.
+
+The model can be wrong (a cost table from a calibration, acceptance that differs between requests), so measurement
+has the last word: per batch-size bucket the engine keeps the measured speedup of each recent speculative step (its
+tokens per second over a plain step's at the same batch size, counting the tokens such a step emits on average at
+the measured acceptance, so that one step's luck does not decide a trial; it mixes in a few plain steps to know
+those) and stops speculating in a bucket where, after a trial of 8 steps, the mean speedup does not clear the margin
+(or after 4 that lose outright). It tries again after 32, 64, ... 1024 plain steps. Why a margin rather than 1, and
+why a growing one when nothing is waiting: speculation speeds sequences up unevenly, so the batch ends in a ragged
+tail of a few slow sequences stepping at a small, inefficient batch size, and a batch takes as long as its slowest
+sequence; a step's own speedup does not see that. Measured with the bundled pair on the CPU, draft-model steps about
+1.4x faster per step at 8 sequences finished batches about 1.2x sooner, while steps about 1.3x faster at 16
+sequences finished them no sooner at all: the more sequences, the further the slowest lags the mean, so with nothing
+waiting the margin grows with the batch (``margin_for``). (A GPU's flatter cost keeps the per-step gains of small
+batches far above the margin.)
+
+Staying informed costs too: when plain decoding wins but not by much (the best prediction within 10% of the
+margin), now and then one sequence speculates anyway (a *probe*), so a stale acceptance or draft cost cannot
+switch speculation off for good. A draft-model probe first catches the draft up on every token it skipped,
+which at 32 sequences can cost a third of a step, so probes are rationed to 0.2% of the decode time of roughly
+the last thousand steps (``PROBE_BUDGET``, ``PROBE_DECAY``): time banked while speculating at small batches must
+not pay for a run of probes later. A prediction clearly short of the margin gets no probes: its decision is held
+for a few steps instead.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections import Counter, deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from minifer.engine.cost_table import CostTable, calibrate_decode
+from minifer.engine.proposers import Draft
+from minifer.engine.runner import ModelRunner
+from minifer.engine.sequence import Sequence
+from minifer.spec.theory import expected_tokens_per_forward
+
+if TYPE_CHECKING:
+    from minifer.engine.speculative import SpeculativeConfig
+
+TRIAL_STEPS = 8  # speculative steps measured at a batch size before measurement may overrule the model
+PROBE_BUDGET = 0.002  # probes may cost at most this fraction of the decode time (see AdaptiveK.probe_due)
+PROBE_DECAY = 0.999  # per pure-decode step: the budget covers roughly the last thousand steps, not all history
+ALPHA_DECAY = 0.995  # per verified sequence: the acceptance estimate follows roughly the last 200 verifications
+TAIL_GROWTH = 0.02  # closed batches: the margin grows by 1 + TAIL_GROWTH * log2(b)^2 (see AdaptiveK.margin_for)
+PLAIN_HOLD = 15  # steps that reuse a clear "plain" decision at the same batch size (see AdaptiveK.plain_step)
+LIGHT_EVERY = 8  # of the held plain steps, every LIGHT_EVERY-th refreshes the timings (see AdaptiveK.plain_step)
+
+
+@dataclass
+class DecodeBatch:
+    """The decoding rows of a step, as the controller sees them."""
+
+    seqs: list[Sequence]
+    rows: list[int]  # indices into seqs of the sequences that decode this step (one new token, no history reads)
+    lag: float = 1.0  # tokens per sequence a draft model has not read yet
+    lookup: Callable[[Sequence, int], tuple[list[int], int]] | None = None  # n-gram: (draft, match length) of a row
+
+
+@dataclass
+class Decision:
+    """What a step does: ``k`` drafts per decoding sequence (0: plain decoding). A ``probe`` is plain decoding in
+    which one sequence speculates to keep the estimates current; a ``light`` step is a held plain decision, whose
+    timings only every ``LIGHT_EVERY``-th time refresh the tables. ``drafts``: for n-gram speculation, the drafts to
+    verify (by row: tokens and the length of the match that found them), looked up before deciding."""
+
+    k: int
+    probe: bool = False
+    light: bool = False
+    drafts: dict[int, tuple[list[int], int]] | None = None
+
+
+@dataclass
+class StepRecord:
+    """One step as the controller observes it: filled by the speculator (what it decided and proposed, each verified
+    sequence's acceptance) and by the engine (the forward's tokens and time, the whole step's tokens and time)."""
+
+    decodes: int = 0  # decoding sequences (0: a step of prompt chunks only: nothing to learn from its time)
+    k: int = 0  # drafts per sequence; a probe counts 0
+    probe: bool = False
+    light: bool = False
+    propose_s: float = 0.0  # seconds spent finding drafts (left out of a plain step's time)
+    draft_s: float | None = None  # seconds the drafts took to make, when some were made
+    expected: float | None = None  # a speculative step's tokens at the estimated acceptance (see observe)
+    asked: int = 0  # sequences asked for drafts (not in probes), and those that got at least one
+    got: int = 0
+    acceptances: list[tuple[int, bool, int]] = field(default_factory=list)  # (accepted, rejected, match length)
+    forward_tokens: int = 0
+    forward_s: float = 0.0
+    pure_decode: bool = False
+    emitted: int = 0
+    seconds: float = 0.0
+
+    @property
+    def speculated(self) -> bool:
+        return self.k > 0
+
+
+class AdaptiveK:
+    """The adaptive-k controller: cost tables, acceptance estimates, held decisions, probes and measured trials."""
+
+    def __init__(self, cfg: SpeculativeConfig, target_runner: ModelRunner, draft_runner: ModelRunner | None = None,
+                 draft_cost: CostTable | None = None) -> None:
+        self.cfg, self.target_runner, self.draft_runner = cfg, target_runner, draft_runner
+        self.target_cost = CostTable()
+        self.draft_cost = draft_cost if draft_cost is not None else CostTable()
+        self.probe_every = 32  # see choose_k
+        self.plain_choices = self.last_probe = 0  # plain choices so far, and at the last probe
+        # decode-step seconds so far, and what probes added to them (the budget of probe_due)
+        self.decode_s = self.probe_extra_s = 0.0
+        self._observed = 0  # pure-decode steps observed (the step-factor medians refresh every 8th)
+        self.plain_hold: dict[int, int] = {}  # per batch size: steps left that reuse a clear plain decision
+        self._light_steps = 0  # see plain_step
+        # the measurement that has the last word on k: per batch-size bucket, each recent speculative step's
+        # tokens per second over plain decoding's at its batch size (plain_step_s: whole plain steps by size)
+        self.realized: dict[int, deque[float]] = {}
+        self.plain_step_s: dict[int, float] = {}
+        self._plain_window: dict[int, deque[float]] = {}  # the recent plain step times behind plain_step_s
+        self.spec_choices = 0
+        self._overruled: Counter[int] = Counter()  # per bucket: steps the measurement overruled in a row
+        self._retry_after: dict[int, int] = {}  # per bucket: overruled steps before speculating anyway
+        self._asked = self._got = 0  # sequences asked for drafts, and those that got at least one
+        self.alpha_prior, self.alpha_weight = 0.6, 8.0  # a prior worth 8 tested tokens until data arrives
+        self._recent_alpha = (0.0, 0.0)  # accepted and tested draft tokens, decayed (see alpha_estimate)
+        self.calibrated = False
+        self.last_draft_s = 0.0
+        # whole step / target forward, for plain and for speculative steps (see step_time): recent ratios, and
+        # their median, refreshed once per step (the predictions read it many times per step)
+        self.step_factor: dict[bool, deque[float]] = {False: deque(maxlen=32), True: deque(maxlen=32)}
+        self._factor = {False: 1.0, True: 1.0}
+        self.match_seen: Counter[int] = Counter()  # n-gram lookups by the match length they found (0: none)
+        # n-gram drafts by the length of the match that found them: accepted tokens and rejections
+        self.match_accepted: Counter[int] = Counter()
+        self.match_rejections: Counter[int] = Counter()
+
+    # --- the interface -------------------------------------------------------------------------------
+
+    def decide(self, batch: DecodeBatch, waiting: int = 1) -> Decision:
+        """This step's decision for ``batch``; ``waiting``: requests queued for a slot (see ``margin_for``):
+        ``choose_k`` picks one k for every decoding sequence (``adaptive_ngram.py`` looks up n-gram drafts first)."""
+        k, probe = self.choose_k(len(batch.rows), batch.lag, waiting)
+        return Decision(k, probe)
+
+    def held_step(self, num_decodes: int) -> Decision | None:
+        """A held plain decision at this batch size (``PLAIN_HOLD``), used up by one step; None if there is none."""
+        return self.plain_step() if self.held(num_decodes) else None
+
+    def plain_step(self) -> Decision:
+        """A step that does not speculate because a decision was held (or lookups could not pay): only every
+        ``LIGHT_EVERY``-th such step refreshes the cost table and the plain step time. A plain step of an adaptive
+        engine should cost what a plain engine's does: the full bookkeeping of every step added about 1% at 16-64
+        sequences here, the light one 0.1-0.2% (25-45 us of a 15-55 ms step, the decisions between holds included:
+        ``python -m minifer.bench.speculative --bookkeeping``)."""
+        self._light_steps += 1
+        return Decision(0, light=self._light_steps % LIGHT_EVERY != 0)
+
+    def observe(self, r: StepRecord) -> None:
+        """Learn from a step that ran: the acceptance of its verified drafts, how often asked sequences got drafts,
+        and, for a pure decode/verify step (a prompt chunk in the batch would make the step look slower than its
+        token count says), the cost table and the measured speedup (``observe_realized``)."""
+        for accepted, rejected, match_len in r.acceptances:
+            self.observe_acceptance(accepted, rejected)
+            if match_len:
+                self.match_accepted[match_len] += accepted
+                self.match_rejections[match_len] += rejected
+        self._asked += r.asked
+        self._got += r.got
+        if r.draft_s is not None:
+            self.last_draft_s = r.draft_s
+        if r.pure_decode and not r.light:
+            self.target_cost.observe(r.forward_tokens, r.forward_s)
+        if r.pure_decode:
+            self.observe_realized(r)
+
+    def observe_realized(self, r: StepRecord) -> None:
+        """The tokens a whole pure-decode step emitted and its wall time, by batch-size bucket and by whether
+        it speculated: the measurement that overrules the cost model (see ``choose_k``). A speculative step counts
+        the tokens it emits on average at the measured acceptance (``expected_emitted``) rather than its own."""
+        b, seconds = r.decodes, r.seconds
+        if seconds <= 0 or not b:
+            return
+        # a sliding window: decode time banked long ago (say, while speculating at small batches, when no probe
+        # was needed) must not pay for a run of probes later, at a rate far above the budget
+        self.decode_s = self.decode_s * PROBE_DECAY + seconds
+        self.probe_extra_s *= PROBE_DECAY
+        if r.light:  # see plain_step
+            return
+        if r.probe:  # what the probe added to a plain step (all of it while plain is unmeasured)
+            self.probe_extra_s += max(0.0, seconds - self.plain_estimate(b))
+            return  # neither a plain step nor a speculative one: it measures nothing else
+        forward = self.target_cost(r.forward_tokens)
+        self.step_factor[r.speculated].append(max(seconds - r.propose_s, forward) / forward)
+        self._observed += 1
+        if self._observed % 8 == 0 or self._observed < 32:  # the ratio drifts slowly: medians now and then
+            for kind in (False, True):
+                seen = self.step_factor[kind] or self.step_factor[False]  # speculative unmeasured yet: as plain
+                self._factor[kind] = statistics.median(seen) if len(seen) >= 4 else 1.0
+        if not r.speculated:  # plain decoding would not have looked for drafts: leave that time out
+            plain = max(seconds - r.propose_s, 1e-9)
+            # the median of the last few: a neighbour's spike only ever adds time, and an inflated plain time would
+            # overrate every speculative step measured against it and underrate what probes cost
+            window = self._plain_window.setdefault(b, deque(maxlen=9))
+            window.append(plain)
+            self.plain_step_s[b] = statistics.median(window)
+            return
+        if self.plain_step_s:
+            # counted at the expected tokens, not the emitted ones: acceptance is measured over every verified
+            # token (alpha_estimate), while one step's luck (1 to k + 1 tokens per sequence) would make an 8-step
+            # trial's verdict a coin toss at small batches; what the trial has to measure is the step's cost
+            tokens = r.emitted if r.expected is None else r.expected
+            self.realized.setdefault(b.bit_length(), deque(maxlen=64)).append(
+                tokens * self.plain_estimate(b) / (b * seconds))
+
+    # --- choosing k ----------------------------------------------------------------------------------
+
+    def calibrate(self) -> None:
+        """Time the target's (and the draft's) forwards once, at start-up (``cost_table.calibrate_decode``)."""
+        calibrate_decode(self.target_runner, self.target_cost)
+        if self.draft_runner is not None:
+            calibrate_decode(self.draft_runner, self.draft_cost)
+        self.calibrated = True
+
+    def step_time(self, num_tokens: int, speculative: bool) -> float:
+        """Predicted seconds of a whole engine step whose target forward covers ``num_tokens`` tokens, drafting
+        excluded: the forward from the cost table times the measured ratio of whole steps to their forwards.
+        The ratio is larger for speculative steps (verification, rollback, more tokens to append and
+        detokenize); a model of forwards alone overrates speculation wherever its gain is small."""
+        return self.target_cost(num_tokens) * self._factor[speculative]
+
+    def alpha_estimate(self) -> float:
+        """The acceptance the predictions use: recent verifications (``ALPHA_DECAY``), not all history as in
+        ``stats``: a server's workload changes, and the rule must follow it. A prior worth 8 tested tokens."""
+        acc, tried = self._recent_alpha
+        return (acc + self.alpha_prior * self.alpha_weight) / (tried + self.alpha_weight)
+
+    def observe_acceptance(self, accepted: int, rejected: bool) -> None:
+        """One verified sequence: ``accepted`` draft tokens, then a rejection or not (``alpha_estimate``)."""
+        acc, tried = self._recent_alpha
+        self._recent_alpha = (acc * ALPHA_DECAY + accepted, tried * ALPHA_DECAY + accepted + rejected)
+
+    def expected_emitted(self, b: int, drafts: list[Draft]) -> float:
+        """Tokens a step of ``b`` decodes with these drafts emits on average at the estimated acceptance: what
+        the measured speedup of a speculative step counts (see ``observe_realized``)."""
+        gain = 0.0
+        for d in drafts:
+            if d.tokens:
+                alpha = self.alpha_for_match(d.match_len) if d.match_len else self.alpha_estimate()
+                gain += expected_tokens_per_forward(min(alpha, 0.999), len(d.tokens)) - 1
+        return b + gain
+
+    def predicted_rate(self, b: int, k: int, alpha: float, lag: float = 1.0) -> float:
+        """Predicted tokens per second of a step of ``b`` decodes with ``k`` drafts each. ``lag``: tokens per
+        sequence the draft has not seen yet. Its first forward catches up on them: 1-2 after a speculative step,
+        more after plain steps. That catch-up is the price of switching speculation back on, paid once for the
+        steps that follow, so it is spread over a trial's worth of them (``TRIAL_STEPS``). Charged in full to one
+        step, it grew with every plain step and, at 8 sequences here, kept speculation off for good where it
+        was worth 1.25x."""
+        # Only a fraction `hit` of the sequences asked for drafts get any (n-gram lookup finds no match for
+        # the others; a draft model always proposes): they alone add verify tokens and gain tokens.
+        hit = (self._got + 4) / (self._asked + 4)  # a prior of 4 hits in 4 until measured
+        t = self.step_time(max(b, round(b + hit * b * k)), k > 0)
+        if k:
+            if self.draft_runner is not None:
+                steady = self.draft_cost(max(1, round(b * min(lag, 2.0))))  # the first forward of a steady state
+                catch_up = max(0.0, self.draft_cost(max(1, round(b * lag))) - steady) / TRIAL_STEPS
+                t += steady + catch_up + (k - 1) * self.draft_cost(b)
+            else:
+                t += self.last_draft_s
+        return b * (1 + hit * (expected_tokens_per_forward(min(alpha, 0.999), k) - 1)) / t
+
+    def margin_for(self, num_decodes: int, waiting: int) -> float:
+        """How much faster than plain decoding a step must be predicted (and measured) to be to speculate.
+
+        ``cfg.margin`` (10%) covers the noise of the timings and what the measuring plain steps cost. When nothing
+        is waiting for a slot, a step's speedup also overrates the batch's: the batch ends with its slowest
+        sequence, in a ragged tail of steps at small, inefficient batch sizes, and the more sequences, the further
+        the slowest lags the mean. Measured with the bundled pair on the CPU, the batch's speedup was about 0.95x
+        the steps' at 4 sequences, 0.86x at 8 and 0.74x at 16, so the margin grows as
+        ``1 + TAIL_GROWTH * log2(b) ** 2``: 1.1 at one sequence, about 1.3 at 8, 1.45 at 16, 1.9 at 64. With
+        requests waiting, a finished sequence's slot is refilled at once: there is no tail, and 10% holds."""
+        m = self.cfg.margin
+        if not waiting:
+            m *= 1 + TAIL_GROWTH * math.log2(num_decodes) ** 2
+        return m
+
+    def choose_k(self, num_decodes: int, lag: float = 1.0, waiting: int = 1) -> tuple[int, bool]:
+        """The k for this step (see the module docstring), and whether it is a *probe*: when plain decoding
+        wins but not by much, every ``probe_every``-th such step lets one sequence speculate anyway, so the
+        draft's cost and the acceptance rate keep being measured (a stale estimate must not switch
+        speculation off for good), at the price of a few extra tokens in one step."""
+        k_max = self.cfg.num_speculative_tokens
+        if not self.cfg.adaptive or num_decodes == 0:
+            return k_max, False
+        if not self.calibrated:
+            self.calibrate()
+        if self.held(num_decodes):
+            return 0, False
+        margin = self.margin_for(num_decodes, waiting)
+        alpha = self.alpha_estimate()
+        base = self.predicted_rate(num_decodes, 0, alpha)
+        rates = {k: self.predicted_rate(num_decodes, k, alpha, lag) for k in range(1, k_max + 1)}
+        best = max(rates, key=rates.get)
+        if rates[best] > base * margin:
+            return (best if self.measured_allows(num_decodes, margin) else 0), False
+        self.plain_choices += 1
+        if rates[best] < 0.9 * base * margin:  # clearly short: the next few steps need no new prediction
+            self.plain_hold[num_decodes] = PLAIN_HOLD
+        elif self.probe_due():  # short of the margin, but not by much: worth keeping the estimates current
+            self.last_probe = self.plain_choices
+            return best, True
+        return 0, False
+
+    def held(self, num_decodes: int) -> bool:
+        """Is a clear plain decision at this batch size still held (``PLAIN_HOLD``)? Uses up one held step."""
+        if not self.plain_hold.get(num_decodes):
+            return False
+        self.plain_hold[num_decodes] -= 1
+        self.plain_choices += 1
+        return True
+
+    def probe_due(self) -> bool:
+        """A probe may run: ``probe_every`` plain choices since the last one, and probes have added at most
+        ``PROBE_BUDGET`` (0.2%) to the decode time of roughly the last thousand steps (``PROBE_DECAY``). A
+        draft-model probe first catches the draft up on every token it skipped, so at a large batch one probe
+        can cost a third of a step; the budget keeps the price of staying informed below what a measurement
+        can see."""
+        return (self.plain_choices - self.last_probe >= self.probe_every
+                and self.probe_extra_s <= PROBE_BUDGET * self.decode_s)
+
+    def measured_allows(self, num_decodes: int, margin: float | None = None) -> bool:
+        """The cost model says speculate; do the measured steps of this batch size agree? Keep a few plain
+        steps in the mix (every 8th until the batch size has a plain time, then every 32nd) and speculate
+        only while the measured speculative steps beat them by the margin (``_beats``; a trial stops after 4
+        steps that lose outright). Once overruled, try again after 32, 64, ... (at most 1024) plain steps,
+        with a fresh trial of 8 speculative steps: a batch size where speculation loses then costs little,
+        and one where it starts to win (acceptance rose, an unlucky first trial) is found again. ``margin``: this
+        step's (``margin_for``), ``cfg.margin`` by default."""
+        margin = self.cfg.margin if margin is None else margin
+        bucket = num_decodes.bit_length()
+        on = self.realized.get(bucket, ())
+        self.spec_choices += 1
+        if self.spec_choices % (8 if num_decodes not in self.plain_step_s else 32) == 0:
+            return False  # a plain step now and then keeps the reference current
+        # a trial ends early when its first steps already lose outright
+        lost = (len(on) >= TRIAL_STEPS and not _beats(on, margin)) or (len(on) >= 4 and not _beats(on, 1.0))
+        if bucket not in self.realized and any(self._overruled[smaller] for smaller in range(1, bucket)):
+            # never tried here, and speculation is losing at a smaller batch size: that speaks for this one too
+            # (more sequences only make the verify forward dearer), so it waits for a retry as if it had lost
+            lost = True
+        if lost:
+            self._overruled[bucket] += 1
+            retry = self._retry_after.setdefault(bucket, 32)
+            if self._overruled[bucket] < retry:
+                return False
+            self._overruled[bucket] = 0
+            self._retry_after[bucket] = min(2 * retry, 1024)
+            # a fresh trial, this bucket's own from now on: old steps must not outvote what is true now
+            self.realized.setdefault(bucket, deque(maxlen=64)).clear()
+            return True
+        self._overruled[bucket] = 0
+        self._retry_after.pop(bucket, None)
+        return True
+
+    def alpha_for_match(self, n: int) -> float:
+        """Acceptance of n-gram drafts found by an ``n``-token match: measured per ``n``, pulled toward the
+        overall estimate while few are measured (a prior worth 8 tested tokens)."""
+        acc, tried = self.match_accepted[n], self.match_accepted[n] + self.match_rejections[n]
+        return (acc + self.alpha_estimate() * self.alpha_weight) / (tried + self.alpha_weight)
+
+    def plain_estimate(self, b: int) -> float:
+        """Seconds of a whole plain step of ``b`` decodes: measured at ``b``, or scaled from the nearest batch
+        size measured by the cost table's ratio; 0 before any plain step is measured."""
+        if not self.plain_step_s:
+            return 0.0
+        near = min(self.plain_step_s, key=lambda n: abs(n - b))
+        return self.plain_step_s[near] * self.target_cost(b) / self.target_cost(near)
+
+
+def _beats(speedups, margin: float) -> bool:
+    """Did the recent speculative steps beat plain decoding by ``margin``? ``speedups``: each step's tokens per
+    second over plain decoding's at its batch size. Why a margin and not just 1 (the module docstring has the
+    measurements): a step's speedup overrates the batch's, which ends with its slowest sequence, and the plain
+    steps that measure it cost something too."""
+    return statistics.fmean(speedups) > margin

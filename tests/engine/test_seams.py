@@ -1,0 +1,120 @@
+"""The engine's seams (``LLMEngine``'s docstring lists them): each takes another implementation through ``LLM``, the
+engine calls it, and handing in a wrapper around the reference changes nothing in the output. The lossy verifier
+of ``tests/spec/test_speculative.py`` goes through the same seam."""
+
+from __future__ import annotations
+
+import pytest
+
+from minifer import LLM, SamplingParams
+from minifer.engine.block_manager import BlockManager
+from minifer.engine.proposers import NgramProposer
+from minifer.engine.runner import ModelRunner
+from minifer.engine.scheduler import Scheduler
+from minifer.quant.formats import quant_linear_reference
+from minifer.spec.rejection import RejectionVerifier
+
+PROMPTS = ["Once upon a time", "The little dog"]
+GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+
+
+def _tokens(llm: LLM) -> list[list[int]]:
+    return [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)]
+
+
+@pytest.fixture(scope="module")
+def reference():
+    llm = LLM("tinystories-target")
+    return llm, _tokens(llm)
+
+
+def test_a_block_allocator_and_a_scheduler_handed_in_are_the_ones_used(reference):
+    built = []
+
+    class CountingAllocator(BlockManager):
+        def allocate(self, seq_id, token_ids, use_cache=True):
+            built.append(("allocate", seq_id))
+            return super().allocate(seq_id, token_ids, use_cache)
+
+    class CountingScheduler(Scheduler):
+        def schedule(self):
+            built.append(("schedule",))
+            return super().schedule()
+
+    llm = LLM("tinystories-target", share_weights_with=reference[0], block_allocator=CountingAllocator,
+              scheduler=CountingScheduler)
+    assert isinstance(llm.engine.block_manager, CountingAllocator)
+    assert isinstance(llm.engine.scheduler, CountingScheduler)
+    assert _tokens(llm) == reference[1]
+    assert any(c[0] == "allocate" for c in built) and any(c[0] == "schedule" for c in built)
+
+
+def test_a_sampler_handed_in_draws_every_token(reference):
+    calls = []
+
+    def sampler(seqs, logits):
+        calls.append(len(seqs))
+        return ModelRunner.sample(seqs, logits)
+
+    llm = LLM("tinystories-target", share_weights_with=reference[0], sampler=sampler)
+    assert _tokens(llm) == reference[1]
+    assert sum(calls) == len(PROMPTS) * GREEDY.max_tokens  # one call per step, one token per sequence
+
+
+def test_a_proposer_and_a_verifier_handed_in_speculate(reference):
+    proposed, verified = [], []
+
+    class Proposer(NgramProposer):
+        def propose(self, seqs, ks, vocab_size):
+            proposed.append(sum(ks))
+            return super().propose(seqs, ks, vocab_size)
+
+    class Verifier(RejectionVerifier):
+        def greedy(self, draft_tokens, target_argmax):
+            verified.append(len(draft_tokens))
+            return super().greedy(draft_tokens, target_argmax)
+
+    spec = {"method": "ngram", "num_speculative_tokens": 3, "adaptive": False}
+    proposer = Proposer(LLM("tinystories-target", share_weights_with=reference[0],
+                            speculative_config=spec).engine.speculator.cfg)
+    llm = LLM("tinystories-target", share_weights_with=reference[0], speculative_config=spec, proposer=proposer,
+              verifier=Verifier())
+    assert llm.engine.speculator.proposer is proposer
+    assert _tokens(llm) == reference[1]  # greedy speculation emits what plain decoding does
+    assert proposed and verified
+
+
+def test_a_quant_kernel_handed_in_runs_every_quantized_layer(reference):
+    calls = []
+
+    def kernel(x, qw, bias):
+        calls.append(qw.shape)
+        return quant_linear_reference(x, qw, bias)
+
+    llm = LLM("tinystories-target", quantization="int8", quant_kernel=kernel)
+    llm.generate(PROMPTS[:1], SamplingParams(temperature=0, max_tokens=2), use_tqdm=False)
+    layers = llm.model_config.num_hidden_layers
+    assert len(calls) >= 4 * layers and len(set(calls)) == 4  # qkv, o, gate_up, down in every layer
+
+
+def test_seams_that_cannot_apply_are_refused(reference):
+    with pytest.raises(ValueError, match="proposer and verifier are parts of speculative decoding"):
+        LLM("tinystories-target", share_weights_with=reference[0], verifier=RejectionVerifier())
+    with pytest.raises(ValueError, match="sampler plug into the continuous engine"):
+        LLM("tinystories-target", share_weights_with=reference[0], batching="static", sampler=ModelRunner.sample)
+
+
+def test_an_attention_backend_handed_in_is_the_one_the_model_attends_through(reference):
+    from minifer.layers.paged_attention import PagedKVCache
+
+    calls = []
+
+    class CountingBackend(PagedKVCache):
+        def attend(self, layer, q, k, v):
+            calls.append(layer)
+            return super().attend(layer, q, k, v)
+
+    llm = LLM("tinystories-target", share_weights_with=reference[0], attention_backend=CountingBackend)
+    assert isinstance(llm.engine.kv_cache, CountingBackend)
+    assert _tokens(llm) == reference[1]
+    assert set(calls) == set(range(llm.model_config.num_hidden_layers))
