@@ -16,7 +16,7 @@ Two rules make the sums small enough:
   float32 model at a time: minifer's copy runs and is freed before transformers' is loaded.
 
 ``CHAPTERS`` lists what each chapter keeps alive at its peak, read from its cells; ``chapter_plan`` prices
-it for a pair of configs and a dtype, and ``tests/test_gpu_plan.py`` checks every chapter against 15 GiB.
+it for a pair of configs and a dtype, and ``tests/course/test_install_gpu_track.py`` checks every chapter against 15 GiB.
 """
 
 from __future__ import annotations

@@ -91,3 +91,39 @@ def test_shipped_target_beats_draft_on_heldout(target_llm, draft_llm, heldout_st
     recorded = json.loads((MODELS_DIR / "train_report.json").read_text())["summary"]
     assert abs(target - recorded["target_heldout_loss"]) < 0.5
     assert abs(draft - recorded["draft_heldout_loss"]) < 0.5
+
+
+# --- the repair of the target's BOS row (scripts/repair_bos_row.py) ---------------------------------
+
+
+@pytest.mark.slow
+def test_bos_row_repair_trains_that_row_alone(tmp_path):
+    """On a copy of the pair whose target has the old defect put back (its <eot> row zeroed), a smoke run
+    trains that row, and the first token after BOS alone is no longer a uniform guess."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    for name in ("tinystories-target", "tinystories-draft"):
+        shutil.copytree(MODELS_DIR / name, tmp_path / name)
+    weights = tmp_path / "tinystories-target" / "model.safetensors"
+    state = load_file(weights)
+    state["model.embed_tokens.weight"][0] = 0
+    save_file(state, weights, metadata={"format": "pt"})
+    env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"), "HF_HUB_OFFLINE": "1"}
+    proc = subprocess.run([sys.executable, str(REPO / "scripts" / "repair_bos_row.py"), "--smoke", "--models",
+                           str(tmp_path)], cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, f"repair_bos_row.py --smoke failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    after = load_file(weights)
+    assert after["model.embed_tokens.weight"][0].abs().sum() > 0
+    assert after.keys() == state.keys() and all(after[k].shape == v.shape for k, v in state.items())
+    record = json.loads((tmp_path / "tinystories-target" / "training.json").read_text())["bos_row_repair"]
+    assert record["before"]["first_token_loss"] > record["after"]["first_token_loss"]
+    assert set(record["bars"]) == {"heldout_not_worse", "gap_at_most_0.3", "target_0.1_nats_better_than_draft",
+                                   "draft_agreement_not_lower", "first_token_learned"}
+
+
+def test_shipped_target_records_its_bos_row_repair():
+    record = json.loads((MODELS_DIR / "tinystories-target" / "training.json").read_text())["bos_row_repair"]
+    assert all(record["bars"].values()), record["bars"]
+    assert record["after"]["first_token_loss"] < 7.0 < record["before"]["first_token_loss"]  # ln 2048 = 7.62

@@ -16,7 +16,7 @@ from minifer.config import ModelConfig
 from minifer.loader import SHIPPED_CONFIGS
 from minifer.course.common import BUNDLED_PAIR, GPU_PAIR, ModelPair, choose_models
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 TARGET = ModelConfig.from_file(SHIPPED_CONFIGS["Qwen/Qwen3-1.7B"])
 DRAFT = ModelConfig.from_file(SHIPPED_CONFIGS["Qwen/Qwen3-0.6B"])
 

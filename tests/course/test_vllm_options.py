@@ -19,7 +19,7 @@ from minifer import LLM, SamplingParams
 from minifer.engine.speculative import SpeculativeConfig
 from minifer.sampling import BeamSearchParams
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 DATA = json.loads((ROOT / "references" / "vllm_options.json").read_text())
 VLLM = {group: set(v["names"]) for group, v in DATA["vllm"].items()}
 DIFFERS = DATA["minifer_differs"]

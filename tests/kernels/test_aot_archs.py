@@ -12,7 +12,7 @@ import pytest
 from minifer.kernels import aot
 from minifer.kernels import quant_matmul as qm
 
-REPORT = Path(__file__).resolve().parents[1] / "benchmarks" / "results" / "aot_report_archs.json"
+REPORT = Path(__file__).resolve().parents[2] / "benchmarks" / "results" / "aot_report_archs.json"
 # shared memory one block may use: 64 KiB on Turing, 99 KiB on Ada, 163 KiB on A100, 227 KiB on Hopper
 SHARED_LIMIT = {"sm_75": 64 * 1024, "sm_80": 163 * 1024, "sm_89": 99 * 1024, "sm_90": 227 * 1024}
 

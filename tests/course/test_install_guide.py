@@ -7,7 +7,7 @@ import json
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 GUIDE = (ROOT / "docs" / "instructor-guide.md").read_text()
 sys.path.insert(0, str(ROOT / "tools"))
 import notebook_spread  # noqa: E402
