@@ -156,7 +156,10 @@ def make_model(shape: Shape, tok, seq_len: int):
         tie_word_embeddings=shape.tie_word_embeddings,
         bos_token_id=eot,
         eos_token_id=eot,
-        pad_token_id=eot,
+        # No pad token: with pad_token_id = <eot>, nn.Embedding(padding_idx=<eot>) would never train the
+        # embedding of the token that starts every prompt (BOS), leaving it at zero. Training windows are cut
+        # from one continuous stream, so no batch holds padding and the loss has nothing to mask.
+        pad_token_id=None,
         attention_bias=False,
         mlp_bias=False,
     )
