@@ -14,11 +14,15 @@
     field = "summary.ratios.continuous/static.median_of_round_ratios"
     kind = "measured"                         # or "computed": bounds, predictions, simulations
     scale = 1                                 # 100 when the prose prints a fraction as a percentage
+    offset = 0                                # optional: added before scaling (-1 with scale -100: "4% slower")
     tolerance = 0.005                         # optional; default half a unit of the last printed digit
     headline = "Continuous over static batching"   # optional: a row of README's headline table
 
 A field path is dot-separated keys; ``[3]`` indexes a list and ``[k=4,batch=1]`` picks the list item whose
-fields have those values. ``check`` fails when the quote is not in the prose (someone edited the number by
+fields have those values; a key or a value that holds ``.``, ``,``, ``=`` or brackets is quoted:
+``kernels[kernel="quant_gemv[int4,BN=128,chunks=1]",arch=sm_90]`` or ``rows."continuous/static".x``.
+``offset`` (default 0) is added to the value before ``scale``: ``offset = -1, scale = -100`` prints a speed ratio
+of 0.962 as "4% slower". ``check`` fails when the quote is not in the prose (someone edited the number by
 hand, or the sentence moved), when the field is missing, when the value and the printed number differ by
 more than the rounding, or when a figure is called measured but comes from a computed result or field.
 Results are not re-measured here: ``stale`` names the results whose recorded code fingerprint no longer
@@ -59,6 +63,7 @@ class Claim:
     field: str
     kind: str = "measured"
     scale: float = 1.0
+    offset: float = 0.0
     tolerance: float | None = None
     headline: str | None = None
     article: str | None = None  # the article's own figure, for the headline table
@@ -100,24 +105,62 @@ def prose(where: str) -> str:
     return path.read_text()
 
 
-def lookup(data: Any, field: str) -> Any:
-    """Follow ``a.b[2].c[k=4,batch=1].d`` into parsed JSON; KeyError names the first step that is missing."""
-    node = data
-    for part in re.findall(r"[^.\[\]]+|\[[^\]]*\]", field):
-        if part.startswith("["):
-            inner = part[1:-1]
-            if "=" in inner:
-                want = dict(kv.split("=", 1) for kv in inner.split(","))
-                hits = [x for x in node if all(str(x.get(k)) == v for k, v in want.items())]
-                if len(hits) != 1:
-                    raise KeyError(f"{part} matches {len(hits)} items")
-                node = hits[0]
-            else:
-                node = node[int(inner)]
+_STEP = re.compile(r'"(?P<quoted>[^"]*)"|(?P<key>[^.\[\]"]+)|\[(?P<sel>(?:"[^"]*"|[^\]"])*)\]|(?P<dot>\.)')
+_PAIR = re.compile(r'\s*(?P<k>"[^"]*"|[^=,"]+)=(?P<v>"[^"]*"|[^,"]*)\s*(?:,|$)')
+
+
+def _unquote(text: str) -> str:
+    return text[1:-1] if len(text) >= 2 and text[0] == text[-1] == '"' else text.strip()
+
+
+def _steps(field: str) -> list[tuple[str, Any]]:
+    """``a."b.c"[2][k="x,y",n=1]`` -> [("key", "a"), ("key", "b.c"), ("index", 2), ("select", {...})]."""
+    steps: list[tuple[str, Any]] = []
+    pos = 0
+    while pos < len(field):
+        m = _STEP.match(field, pos)
+        if not m or m.end() == pos:
+            raise KeyError(f"cannot parse the field path {field!r} at {field[pos:]!r}")
+        pos = m.end()
+        if m.group("dot"):
+            continue
+        if m.group("quoted") is not None:
+            steps.append(("key", m.group("quoted")))
+        elif m.group("key") is not None:
+            steps.append(("key", m.group("key")))
         else:
-            if part not in node:
-                raise KeyError(part)
-            node = node[part]
+            inner = m.group("sel")
+            if "=" not in inner:
+                steps.append(("index", int(inner)))
+                continue
+            want, at = {}, 0
+            while at < len(inner):
+                pm = _PAIR.match(inner, at)
+                if not pm or pm.end() == at:
+                    raise KeyError(f"cannot parse the selector [{inner}]")
+                want[_unquote(pm.group("k"))] = _unquote(pm.group("v"))
+                at = pm.end()
+            steps.append(("select", want))
+    return steps
+
+
+def lookup(data: Any, field: str) -> Any:
+    """Follow ``a.b[2].c[k=4,batch=1].d`` into parsed JSON; KeyError names the first step that is missing.
+
+    Quotes protect keys and selector values that contain ``. , = [ ]``: ``k[name="int4 [g128], sym"].v``."""
+    node = data
+    for kind, arg in _steps(field):
+        if kind == "select":
+            hits = [x for x in node if all(str(x.get(k)) == v for k, v in arg.items())]
+            if len(hits) != 1:
+                raise KeyError(f"{arg} matches {len(hits)} items")
+            node = hits[0]
+        elif kind == "index":
+            node = node[arg]
+        else:
+            if arg not in node:
+                raise KeyError(arg)
+            node = node[arg]
     return node
 
 
@@ -141,7 +184,7 @@ def check(claim: Claim) -> str | None:
         return f"{claim.id}: {claim.result} has no field {claim.field} ({e})"
     if claim.kind == "measured":
         kind = data.get("kind") if isinstance(data, dict) else None
-        segments = re.findall(r"[^.\[\]]+", claim.field)
+        segments = [arg for kind, arg in _steps(claim.field) if kind == "key"]
         if (kind in COMPUTED_KINDS or COMPUTED_SEGMENTS.intersection(segments)
                 or segments[-1].startswith(COMPUTED_PREFIXES)):
             return f"{claim.id}: called measured, but {claim.result}:{claim.field} is a computed figure"
@@ -151,7 +194,7 @@ def check(claim: Claim) -> str | None:
     else:
         return f"{claim.id}: kind must be 'measured' or 'computed', not {claim.kind!r}"
     printed = float(claim.printed.replace(",", ""))
-    got = float(value) * claim.scale
+    got = (float(value) + claim.offset) * claim.scale
     if abs(got - printed) > claim.allowed_error():
         return (f"{claim.id}: {claim.where} prints {claim.printed} but {claim.result}:{claim.field} gives "
                 f"{got:.6g} (allowed error {claim.allowed_error():.3g})")

@@ -92,6 +92,27 @@ def test_a_computed_figure_called_measured_fails(fake):
     assert "does not say so" in claims.check(_claim(quote="gives **{2.89}x** static", kind="computed"))
 
 
+def test_quoted_keys_and_selector_values_may_hold_brackets_commas_and_dots(fake):
+    data = {"kernels": [{"kernel": "gemv[int4,BN=128]", "arch": "sm_80", "ipw": 5.59},
+                        {"kernel": "gemv[int4,BN=128]", "arch": "sm_90", "ipw": 4.6},
+                        {"kernel": "mma[int4,64x128]", "arch": "sm_90", "ipw": 3.83}],
+            "a.b": {"c": 7}}
+    assert claims.lookup(data, 'kernels[kernel="gemv[int4,BN=128]",arch=sm_90].ipw') == 4.6
+    assert claims.lookup(data, 'kernels[arch=sm_90, kernel="mma[int4,64x128]"].ipw') == 3.83
+    assert claims.lookup(data, '"a.b".c') == 7
+    assert claims.lookup(data, "kernels[2].ipw") == 3.83
+    with pytest.raises(KeyError, match="matches 2 items"):
+        claims.lookup(data, 'kernels[kernel="gemv[int4,BN=128]"].ipw')
+
+
+def test_an_offset_turns_a_ratio_into_a_percentage_change(fake):
+    # rows[k=4].v = 0.75: "25% slower" is (0.75 - 1) * -100
+    fake["value"] = "the shuffled list decodes 25% slower"
+    assert claims.check(_claim(quote="decodes {25}% slower", field="rows[k=4].v", offset=-1, scale=-100)) is None
+    assert "prints 25" in claims.check(_claim(quote="decodes {25}% slower", field="rows[k=1].v", offset=-1,
+                                              scale=-100))
+
+
 def test_a_quote_without_a_marked_number_is_refused(fake):
     with pytest.raises(ValueError, match="no number in braces"):
         claims.check(_claim(quote="gives **2.89x** static"))
