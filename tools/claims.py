@@ -20,7 +20,8 @@
 
 A field path is dot-separated keys; ``[3]`` indexes a list and ``[k=4,batch=1]`` picks the list item whose
 fields have those values; a key or a value that holds ``.``, ``,``, ``=`` or brackets is quoted:
-``kernels[kernel="quant_gemv[int4,BN=128,chunks=1]",arch=sm_90]`` or ``rows."continuous/static".x``.
+``kernels[kernel="quant_gemv[int4,BN=128,chunks=1]",arch=sm_90]`` or ``rows."continuous/static".x``;
+a final ``#`` counts the items of a list or dict (``kernels.#``: how many compiles a report holds).
 ``offset`` (default 0) is added to the value before ``scale``: ``offset = -1, scale = -100`` prints a speed ratio
 of 0.962 as "4% slower". ``check`` fails when the quote is not in the prose (someone edited the number by
 hand, or the sentence moved), when the field is missing, when the value and the printed number differ by
@@ -105,7 +106,7 @@ def prose(where: str) -> str:
     return path.read_text()
 
 
-_STEP = re.compile(r'"(?P<quoted>[^"]*)"|(?P<key>[^.\[\]"]+)|\[(?P<sel>(?:"[^"]*"|[^\]"])*)\]|(?P<dot>\.)')
+_STEP = re.compile(r'(?P<count>\#)(?=$|[.\[])|"(?P<quoted>[^"]*)"|(?P<key>[^.\[\]"]+)|\[(?P<sel>(?:"[^"]*"|[^\]"])*)\]|(?P<dot>\.)')
 _PAIR = re.compile(r'\s*(?P<k>"[^"]*"|[^=,"]+)=(?P<v>"[^"]*"|[^,"]*)\s*(?:,|$)')
 
 
@@ -124,7 +125,9 @@ def _steps(field: str) -> list[tuple[str, Any]]:
         pos = m.end()
         if m.group("dot"):
             continue
-        if m.group("quoted") is not None:
+        if m.group("count"):
+            steps.append(("count", None))
+        elif m.group("quoted") is not None:
             steps.append(("key", m.group("quoted")))
         elif m.group("key") is not None:
             steps.append(("key", m.group("key")))
@@ -157,6 +160,8 @@ def lookup(data: Any, field: str) -> Any:
             node = hits[0]
         elif kind == "index":
             node = node[arg]
+        elif kind == "count":
+            node = len(node)
         else:
             if arg not in node:
                 raise KeyError(arg)

@@ -101,6 +101,7 @@ def test_quoted_keys_and_selector_values_may_hold_brackets_commas_and_dots(fake)
     assert claims.lookup(data, 'kernels[arch=sm_90, kernel="mma[int4,64x128]"].ipw') == 3.83
     assert claims.lookup(data, '"a.b".c') == 7
     assert claims.lookup(data, "kernels[2].ipw") == 3.83
+    assert claims.lookup(data, "kernels.#") == 3 and claims.lookup(data, '"a.b".#') == 1
     with pytest.raises(KeyError, match="matches 2 items"):
         claims.lookup(data, 'kernels[kernel="gemv[int4,BN=128]"].ipw')
 
