@@ -48,7 +48,7 @@ RESULTS = ROOT / "benchmarks" / "results"
 HEADLINE_START, HEADLINE_END = "<!-- claims:headline:start -->", "<!-- claims:headline:end -->"
 # Results that are computed rather than measured, and field names that hold computed figures.
 COMPUTED_KINDS = {"bound"}
-COMPUTED_SEGMENTS = {"bound", "step_bound", "simulated", "theory", "formula"}
+COMPUTED_SEGMENTS = {"bound", "step_bound", "simulated", "theory", "formula", "same_memory", "block_size_tradeoff"}
 COMPUTED_PREFIXES = ("predicted", "expected")
 # Words that label a computed figure in the prose around it.
 COMPUTED_WORDS = re.compile(r"comput|bound|predict|expect|model|simulat|theor", re.I)
