@@ -14,7 +14,8 @@ result would record a commit that is not what ran); each writes its JSON (and pl
 prose quotes to a field of these files, and its test fails when they disagree.
 
 GPU results (``*_h200*.json``, ``gpu_check``) come from ``scripts/gpu_check.sh`` on a GPU and are not run here.
-The expected durations were measured on a 2-core AMD EPYC (torch 2.13 CPU); a busier machine takes longer.
+The expected durations marked measured were timed by a `make results` run on a 2-core AMD EPYC (torch 2.13 CPU,
+2026-12-01); the others are estimates until a run times them. A busier machine takes longer.
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ class Part:
     command: str
     minutes: int  # expected on the reference machine (see the module docstring)
     what: str
+    measured: bool = False  # the minutes were timed by a `make results` run, not estimated
 
 
 def _bench(args: str) -> str:
@@ -44,14 +46,14 @@ def _bench(args: str) -> str:
 
 PARTS = [
     Part("bound", _bench(f"bound --out {RESULTS}/bound.json --plot"), 1,
-         "computed: the scheduler-step bound of continuous over static batching (ch03)"),
+         "computed: the scheduler-step bound of continuous over static batching (ch03)", measured=True),
     Part("kv_memory", f"python -m minifer.bench.kv_memory --out {RESULTS}/kv_memory.json", 6,
          "KV memory wasted by contiguous vs paged caches, prefix sharing, parallel sampling (ch02)"),
-    Part("kv_quant", f"python -m minifer.bench.kv_quant --out {RESULTS}/kv_quant.json", 4,
-         "sequences that fit with an 8-bit KV cache, and free-running greedy agreement (ch05)"),
+    Part("kv_quant", f"python -m minifer.bench.kv_quant --out {RESULTS}/kv_quant.json", 1,
+         "sequences that fit with an 8-bit KV cache, and free-running greedy agreement (ch05)", measured=True),
     Part("throughput", _bench(f"throughput -n 512 --repeats 3 --modes static continuous hf --no-progress "
-                              f"--out {RESULTS}/throughput_512.json --plot"), 35,
-         "offline throughput: static vs continuous batching vs transformers (ch03, README)"),
+                              f"--out {RESULTS}/throughput_512.json --plot"), 9,
+         "offline throughput: static vs continuous batching vs transformers (ch03, README)", measured=True),
     Part("serve_sweep", _bench(f"serve --rate 1 2 4 6 8 -n 96 --no-progress --out {RESULTS}/serve_sweep.json "
                                "--plot"), 40, "TTFT/TPOT/ITL under Poisson arrivals (ch03)"),
     Part("profile", _bench(f"profile -n 128 --modes static continuous hf --out {RESULTS}/profile_128.json --plot"),
@@ -65,12 +67,14 @@ PARTS = [
     Part("speculative_bookkeeping", f"python -m minifer.bench.speculative --bookkeeping --repeats 4 "
                                     f"--out {RESULTS}/speculative_bookkeeping.json", 15,
          "the speculator's bookkeeping cost (ch04)"),
-    Part("quality", f"python -m minifer.bench.quality --out {RESULTS}/quant_quality.json --plot", 30,
-         "weight quantization: bytes, perplexity, agreement (ch05, README)"),
-    Part("stacking", f"python -m minifer.bench.stacking -n 96 --rounds 3 --out {RESULTS}/stacking.json --plot", 40,
-         "the levers alone and stacked (ch06, README)"),
+    Part("quality", f"python -m minifer.bench.quality --out {RESULTS}/quant_quality.json --plot", 5,
+         "weight quantization: bytes, perplexity, agreement (ch05, README)", measured=True),
+    Part("stacking", f"python -m minifer.bench.stacking -n 96 --rounds 3 --out {RESULTS}/stacking.json --plot", 3,
+         "the levers alone and stacked (ch06, README)", measured=True),
     Part("server_overhead", f"python -m minifer.bench.server_overhead --rounds 5 --out {RESULTS}/server_overhead.json "
                             "--plot", 15, "the HTTP server against the direct engine (ch00)"),
+    Part("server_sweep", f"python -m minifer.bench.server_sweep --concurrency 1 2 4 8 16 --out {RESULTS}/server_sweep.json "
+                         "--plot", 10, "TTFT and inter-token latency through the server by concurrency (ch00, README)"),
     Part("notebooks", "python tools/make_results.py --execute-notebooks", 25,
          "re-execute every chapter and solution notebook, storing outputs"),
 ]
@@ -109,7 +113,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.list:
         for p in PARTS:
-            print(f"{p.name:<24} ~{p.minutes:>3} min  {p.what}\n{'':<24} {p.command}")
+            how = "measured" if p.measured else "estimate"
+            print(f"{p.name:<24} ~{p.minutes:>3} min ({how})  {p.what}\n{'':<24} {p.command}")
         print(f"total ~{sum(p.minutes for p in PARTS)} min")
         return 0
     dirty = dirty_files()
