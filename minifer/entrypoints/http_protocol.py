@@ -5,6 +5,8 @@
   ``read_timeout`` seconds (uvicorn's own ``timeout_keep_alive`` covers only the idle time between two requests
   and is cancelled by the first byte of the next one). The body has its deadline in the application, which
   reads it;
+- a bound on a request head's size, 16 KiB, whether it arrives in pieces (h11's own limit) or in one read
+  (which h11 would accept whole);
 - a bound on open connections: past ``max_connections`` a new one is answered 503 and closed at once, before
   it can hold anything (uvicorn's ``limit_concurrency`` answers only once the request's head has arrived);
 - every answer the protocol gives itself (a malformed request, an oversized head, a timeout, the bound) is a
@@ -20,6 +22,7 @@ import h11
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
 LINGER_S = 2.0  # how long a connection answered by the protocol itself may stay half-open for its client to read
+MAX_HEAD_BYTES = 16 * 1024  # h11's limit for a head still arriving, applied to the whole head however it is split
 
 
 def error_response(status: HTTPStatus, message: str) -> bytes:
@@ -53,6 +56,7 @@ class TimedH11Protocol(H11Protocol):
                 raise
 
         self.conn.next_event = next_event_noting_errors
+        self._head_seen = 0  # bytes of the request head now arriving, counted until its blank line
         self._refused = len(self.connections) > self.max_connections
         if self._refused:
             self._answer(HTTPStatus.SERVICE_UNAVAILABLE, f"this server holds at most {self.max_connections} open "
@@ -61,8 +65,15 @@ class TimedH11Protocol(H11Protocol):
         self._arm()
 
     def data_received(self, data: bytes) -> None:
-        if not self._refused:
-            super().data_received(data)
+        if self._refused:
+            return
+        if self.conn.their_state is h11.IDLE:  # between requests: these bytes are (part of) the next head
+            self._head_seen += len(data) if b"\r\n\r\n" not in data else data.index(b"\r\n\r\n")
+            if self._head_seen > MAX_HEAD_BYTES:
+                self._answer(HTTPStatus.BAD_REQUEST, f"invalid HTTP request: the request head is larger than "
+                                                     f"{MAX_HEAD_BYTES // 1024} KiB")
+                return
+        super().data_received(data)
 
     def handle_events(self) -> None:
         cycle = self.cycle
@@ -71,6 +82,7 @@ class TimedH11Protocol(H11Protocol):
             self._disarm()
 
     def on_response_complete(self) -> None:
+        self._head_seen = 0
         if not self.transport.is_closing():
             self._arm()  # for the next request's head; handle_events disarms it if one is already buffered
         super().on_response_complete()
