@@ -157,7 +157,8 @@ case "$*" in *--no-deps*) for a; do [ "$prev" = --dest ] && touch "$a/torch-2.13
     fake.chmod(0o755)
     out = tmp_path / "wh"
     r = subprocess.run(["bash", str(ROOT / "scripts" / "build_wheelhouse.sh"), str(out)], cwd=tmp_path,
-                       env={**os.environ, "PY": str(fake)}, capture_output=True, text=True)
+                       env={**{k: v for k, v in os.environ.items() if k != "TORCH_INDEX"}, "PY": str(fake)},
+                       capture_output=True, text=True)  # the script's default index (make exports TORCH_INDEX)
     assert r.returncode == 0, r.stderr
     first, second = log.read_text().splitlines()
     torch_spec = next(d for d in pyproject()["project"]["dependencies"] if d.startswith("torch"))
