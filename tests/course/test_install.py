@@ -115,7 +115,12 @@ def test_pin_constraints_walks_extras_and_markers():
 def make_n(*args: str) -> str:
     if shutil.which("make") is None:
         pytest.skip("no make on this machine")
-    return subprocess.run(["make", "-n", *args], cwd=ROOT, capture_output=True, text=True, check=True).stdout
+    # Run as from a shell, not as a sub-make of `make test`: a parent make passes its command-line variables
+    # (CI's CONSTRAINTS and TORCH_INDEX) down through MAKEFLAGS and the environment.
+    env = {k: v for k, v in os.environ.items() if k not in ("MAKEFLAGS", "MFLAGS", "MAKELEVEL", "CONSTRAINTS",
+                                                             "TORCH_INDEX")}
+    return subprocess.run(["make", "-n", *args], cwd=ROOT, capture_output=True, text=True, check=True,
+                          env=env).stdout
 
 
 def test_make_course_installs_the_course_only_and_serves_the_repository_root():
