@@ -25,6 +25,16 @@ LINGER_S = 2.0  # how long a connection answered by the protocol itself may stay
 MAX_HEAD_BYTES = 16 * 1024  # h11's limit for a head still arriving, applied to the whole head however it is split
 
 
+def head_bytes_in(tail: bytes, data: bytes) -> tuple[int, bytes]:
+    """How many bytes of ``data`` belong to a request head still arriving, and the tail to carry to the next read.
+
+    The head ends at its blank line, which may straddle two reads, so the search runs over the previous read's
+    last 3 bytes too; what follows the blank line (a body) is not counted."""
+    buf = tail + data
+    end = buf.find(b"\r\n\r\n")
+    return (len(data) if end < 0 else max(0, end - len(tail))), buf[-3:]
+
+
 def error_response(status: HTTPStatus, message: str) -> bytes:
     """A whole HTTP/1.1 response with OpenAI's error body, closing the connection."""
     from minifer.openai_protocol import RequestError, error_body
@@ -56,7 +66,7 @@ class TimedH11Protocol(H11Protocol):
                 raise
 
         self.conn.next_event = next_event_noting_errors
-        self._head_seen = 0  # bytes of the request head now arriving, counted until its blank line
+        self._head_seen, self._head_tail = 0, b""  # bytes of the request head now arriving, up to its blank line
         self._refused = len(self.connections) > self.max_connections
         if self._refused:
             self._answer(HTTPStatus.SERVICE_UNAVAILABLE, f"this server holds at most {self.max_connections} open "
@@ -68,7 +78,8 @@ class TimedH11Protocol(H11Protocol):
         if self._refused:
             return
         if self.conn.their_state is h11.IDLE:  # between requests: these bytes are (part of) the next head
-            self._head_seen += len(data) if b"\r\n\r\n" not in data else data.index(b"\r\n\r\n")
+            counted, self._head_tail = head_bytes_in(self._head_tail, data)
+            self._head_seen += counted
             if self._head_seen > MAX_HEAD_BYTES:
                 self._answer(HTTPStatus.BAD_REQUEST, f"invalid HTTP request: the request head is larger than "
                                                      f"{MAX_HEAD_BYTES // 1024} KiB")
@@ -82,7 +93,7 @@ class TimedH11Protocol(H11Protocol):
             self._disarm()
 
     def on_response_complete(self) -> None:
-        self._head_seen = 0
+        self._head_seen, self._head_tail = 0, b""
         if not self.transport.is_closing():
             self._arm()  # for the next request's head; handle_events disarms it if one is already buffered
         super().on_response_complete()

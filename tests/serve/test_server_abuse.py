@@ -259,6 +259,16 @@ def test_an_oversized_head_in_one_piece_gets_a_json_400(server):
     assert status == 400 and "larger than 16 KiB" in err["message"]
 
 
+def test_head_bytes_stop_at_a_blank_line_that_straddles_two_reads():
+    from minifer.entrypoints.http_protocol import head_bytes_in
+
+    assert head_bytes_in(b"", b"GET / HTTP/1.1\r\nHost: x\r\n\r\nbody") == (23, b"ody")
+    counted, tail = head_bytes_in(b"", b"GET / HTTP/1.1\r\nHost: x\r\n")
+    assert counted == 25 and tail == b"x\r\n"
+    # the blank line split "\r\n" | "\r\n": a large body after it is not counted as head
+    assert head_bytes_in(tail, b"\r\n" + b"b" * 50_000) == (0, b"bbb")
+
+
 def test_an_oversized_head_gets_a_json_400(server):
     s = socket.create_connection(address(server))
     s.settimeout(30)
