@@ -293,6 +293,39 @@ def speculative_step(spec_llm: "LLM", prompt: str, k: int = 4) -> dict[str, Any]
             "accepted": len(emitted) - 1}
 
 
+def benchmark_report(spec: Mapping[str, Any]) -> str:
+    """Section 5's reading of the committed benchmark as text: the batch-1 sweep over fixed ``k``, each method's
+    speedups with the confidence interval of every median (``sb.median_ci``), and the project's two targets."""
+    from minifer.bench import speculative as sb
+    from minifer.course.common import format_table
+
+    ci = lambda c: f"{c[0]:.3f}-{c[1]:.3f}"  # noqa: E731
+    lines = [f"{name}, batch 1, fixed k: " + "  ".join(f"k={r['k']} {r['speedup']:.2f}x" for r in rows)
+             for name, rows in spec["speedup_vs_k"].items()] + [""]
+    for name, sp in spec["speedup"].items():
+        lines.append(f"{name} (k = {sp['k_fixed']} fixed, or adaptive up to {sp['k_fixed']}; "
+                     f"{sp['max_tokens']} tokens per request)")
+        lines.append(format_table(
+            [{**r, "plain": r["seconds"]["plain"], "cf": ci(r["ci_fixed"]), "ca": ci(r["ci_adaptive"]),
+              "caa": ci(r["ci_plain_again"]), "coverage": r["ci_adaptive"][2]} for r in sp["rows"]],
+            {"batch": "batch:d", "rounds": "rounds:d", "plain": "plain (s):.2f", "speedup_fixed": "fixed k:.2f",
+             "cf": "interval", "speedup_adaptive": "adaptive k:.3f", "ca": "interval", "adaptive_mean_k": "mean k:.2f",
+             "speedup_plain_again": "A/A:.3f", "caa": "interval", "coverage": "coverage:.3f",
+             "identical_tokens": "same tokens"}))
+        lines.append("")
+    fixed1 = spec["speedup"]["draft_model"]["rows"][0]["speedup_fixed"]
+    v = sb.adaptive_verdict(spec["speedup"])
+    slower = "yes" if v["met_within_resolution"] else "no, " + str(v["measurably_slower"])
+    lines += [
+        f"target 1, fixed k >= 1.5x at batch 1 (draft model): {fixed1:.2f}x -> {'met' if fixed1 >= 1.5 else 'not met'}",
+        f"target 2, adaptive k >= 1.0x at every batch (both methods): lowest median {v['lowest_median']:.3f}x "
+        f"({v['lowest_at'][0]}, batch {v['lowest_at'][1]}); {v['cells_below_1']} of {v['cells']} medians below 1.0",
+        f"  no cell measurably slower (every interval reaches 1.0): {slower}; the intervals allow a slowdown of at "
+        f"most {100 * v['largest_shortfall_allowed']:.1f}%",
+        f"  A/A intervals that miss 1.0: {v['aa_intervals_missing_1'] or 'none'} (chance alone gives "
+        f"{v['aa_misses_expected']:.1f} of {v['cells']} at these coverages)"]
+    return "\n".join(lines)
+
 def literature_summary(spec: Mapping[str, Any], live: Mapping[str, Any]) -> str:
     """Section 10's table as Markdown: each claim of the article, the literature's figure with its conditions, and
     ours, from the committed benchmark (``spec``) and this notebook's live cells (``live``: ``target``, ``device``,
