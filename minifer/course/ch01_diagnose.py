@@ -137,3 +137,89 @@ def plot_decode_intensity(name: str, cfg: Any, hw: "Hardware", contexts: Sequenc
     ax.legend(fontsize=8, loc="lower right")
     fig.tight_layout()
     return fig
+
+
+# --- a real-shape model beside the bundled one (chapter 01, section 5) --------------------------------
+
+
+def load_real_shape(device: Any, name: str = "Qwen/Qwen3-0.6B") -> Any:
+    """A model of a published shape with random weights (``load_format="dummy"``, the config shipped in
+    ``minifer/assets/configs``: no download), float32 on a CPU like the bundled model, the GPU's own dtype
+    otherwise. Its KV cache is kept to a few blocks: the timings below bring their own cache."""
+    from minifer import LLM
+
+    dtype = "float32" if str(device) == "cpu" else "auto"
+    return LLM(name, load_format="dummy", dtype=dtype, device=device, num_kv_blocks=16)
+
+
+def _weight_read_replay(model: Any) -> Any:
+    """One matrix-vector product per weight matrix a batch-1 decode step multiplies by, in the model's
+    order and with nothing else: the time the step would take if reading the weights were all it did."""
+    import torch
+
+    weights = [m.weight for m in model.modules() if isinstance(m, torch.nn.Linear)]
+    vectors = {w.shape[1]: torch.ones(1, w.shape[1], dtype=w.dtype, device=w.device) for w in weights}
+
+    def run() -> None:
+        for w in weights:
+            torch.nn.functional.linear(vectors[w.shape[1]], w)
+    return run
+
+
+def _timed(fn: Any, device: Any) -> float:
+    import time
+
+    import torch
+
+    t0 = time.perf_counter()
+    fn()
+    if str(device).startswith("cuda"):
+        torch.cuda.synchronize()
+    return time.perf_counter() - t0
+
+
+def decode_vs_weight_reads(model: Any, context: int = 128, rounds: int = 5) -> dict[str, Any]:
+    """A batch-1 decode step, the same model's weight matrices read by bare matrix-vector products, and one
+    large matrix-vector product (64 MiB, out of any cache: the bandwidth bound as the machine gives it right
+    now), timed in alternating rounds so that a burst of load from elsewhere hits all three; medians.
+
+    ``share`` is the fraction of the step that its matrix products account for: near 1, decode is its weight
+    reads; far below 1, the rest of the step (small operations launched from Python) dominates.
+    ``bandwidth`` is the large product's bytes per second, measured beside the step rather than at a quiet
+    moment (``measure_ceilings`` keeps the best of several runs instead)."""
+    import statistics
+
+    import torch
+    from minifer.bench import roofline as rl
+
+    w = model.lm_head.weight
+    big = torch.full((4096, 4096 * 4 // w.element_size()), 0.01, dtype=w.dtype, device=w.device)
+    vec = torch.ones(1, big.shape[1], dtype=w.dtype, device=w.device)
+    replay = _weight_read_replay(model)
+    steps, reads, streams = [], [], []
+    with torch.inference_mode():
+        replay()
+        for _ in range(rounds):
+            steps.append(rl.time_decode(model, 1, context, repeats=1, warmup=1))
+            reads.append(_timed(replay, w.device))
+            streams += [_timed(lambda: torch.nn.functional.linear(vec, big), w.device) for _ in range(3)]
+    step = sorted(steps, key=lambda t: t.seconds)[len(steps) // 2]
+    read = statistics.median(reads)
+    moved = step.cost.weight_bytes + step.cost.kv_read_bytes + step.cost.kv_write_bytes
+    bandwidth = big.numel() * big.element_size() / statistics.median(streams)
+    return {"step": step, "step_seconds": step.seconds, "read_seconds": read, "share": read / step.seconds,
+            "weight_bytes": step.cost.weight_bytes, "bandwidth": bandwidth, "floor_seconds": moved / bandwidth}
+
+
+def decode_comparison_rows(runs: Mapping[str, Mapping[str, Any]]) -> list[dict[str, Any]]:
+    """Rows for ``format_table``: each model's batch-1 decode beside its weight reads and its bandwidth bound."""
+    return [{"model": name, "mb": r["weight_bytes"] / 1e6, "floor_ms": r["floor_seconds"] * 1e3,
+             "read_ms": r["read_seconds"] * 1e3, "ms": r["step_seconds"] * 1e3, "share": 100 * r["share"],
+             "tok_s": 1 / r["step_seconds"], "of_bound": 100 * r["floor_seconds"] / r["step_seconds"]}
+            for name, r in runs.items()]
+
+
+DECODE_COMPARISON_COLUMNS = {
+    "model": "model", "mb": "weights MB:,.0f", "floor_ms": "bytes/bandwidth ms:.1f",
+    "read_ms": "its matrix products ms:.1f", "ms": "decode step ms:.1f", "share": "products/step %:.0f",
+    "tok_s": "tokens/s:,.1f", "of_bound": "% of bound:.0f"}

@@ -291,3 +291,89 @@ def speculative_step(spec_llm: "LLM", prompt: str, k: int = 4) -> dict[str, Any]
     words = lambda ts: [tok.decode([t]) for t in ts]  # noqa: E731
     return {"prompt": prompt, "draft": words(drafts), "target": words(target.tolist()), "emitted": words(emitted),
             "accepted": len(emitted) - 1}
+
+
+def benchmark_report(spec: Mapping[str, Any]) -> str:
+    """Section 5's reading of the committed benchmark as text: the batch-1 sweep over fixed ``k``, each method's
+    speedups with the confidence interval of every median (``sb.median_ci``), and the project's two targets."""
+    from minifer.bench import speculative as sb
+    from minifer.course.common import format_table
+
+    ci = lambda c: f"{c[0]:.3f}-{c[1]:.3f}"  # noqa: E731
+    lines = [f"{name}, batch 1, fixed k: " + "  ".join(f"k={r['k']} {r['speedup']:.2f}x" for r in rows)
+             for name, rows in spec["speedup_vs_k"].items()] + [""]
+    for name, sp in spec["speedup"].items():
+        lines.append(f"{name} (k = {sp['k_fixed']} fixed, or adaptive up to {sp['k_fixed']}; "
+                     f"{sp['max_tokens']} tokens per request)")
+        lines.append(format_table(
+            [{**r, "plain": r["seconds"]["plain"], "cf": ci(r["ci_fixed"]), "ca": ci(r["ci_adaptive"]),
+              "caa": ci(r["ci_plain_again"]), "coverage": r["ci_adaptive"][2]} for r in sp["rows"]],
+            {"batch": "batch:d", "rounds": "rounds:d", "plain": "plain (s):.2f", "speedup_fixed": "fixed k:.2f",
+             "cf": "interval", "speedup_adaptive": "adaptive k:.3f", "ca": "interval", "adaptive_mean_k": "mean k:.2f",
+             "speedup_plain_again": "A/A:.3f", "caa": "interval", "coverage": "coverage:.3f",
+             "identical_tokens": "same tokens"}))
+        lines.append("")
+    fixed1 = spec["speedup"]["draft_model"]["rows"][0]["speedup_fixed"]
+    v = sb.adaptive_verdict(spec["speedup"])
+    slower = "yes" if v["met_within_resolution"] else "no, " + str(v["measurably_slower"])
+    lines += [
+        f"target 1, fixed k >= 1.5x at batch 1 (draft model): {fixed1:.2f}x -> {'met' if fixed1 >= 1.5 else 'not met'}",
+        f"target 2, adaptive k >= 1.0x at every batch (both methods): lowest median {v['lowest_median']:.3f}x "
+        f"({v['lowest_at'][0]}, batch {v['lowest_at'][1]}); {v['cells_below_1']} of {v['cells']} medians below 1.0",
+        f"  no cell measurably slower (every interval reaches 1.0): {slower}; the intervals allow a slowdown of at "
+        f"most {100 * v['largest_shortfall_allowed']:.1f}%",
+        f"  A/A intervals that miss 1.0: {v['aa_intervals_missing_1'] or 'none'} (chance alone gives "
+        f"{v['aa_misses_expected']:.1f} of {v['cells']} at these coverages)"]
+    return "\n".join(lines)
+
+def literature_summary(spec: Mapping[str, Any], live: Mapping[str, Any]) -> str:
+    """Section 10's table as Markdown: each claim of the article, the literature's figure with its conditions, and
+    ours, from the committed benchmark (``spec``) and this notebook's live cells (``live``: ``target``, ``device``,
+    ``prompts``, ``same_tokens``, ``toy``, ``verify_cost``, ``ngram_rows``, ``command``)."""
+    from minifer.bench import speculative as sb
+
+    verdict = {True: "pass", False: "fail"}
+    dm, ng = spec["speedup"]["draft_model"]["rows"], spec["speedup"]["ngram_grounded"]["rows"]
+    k_fixed = spec["speedup"]["draft_model"]["k_fixed"]
+    k4 = next(r for r in spec["tokens_per_forward"]["draft_model"] if r["k"] == 4)
+    v = sb.adaptive_verdict(spec["speedup"])
+    vc, toy, rows = live["verify_cost"], live["toy"], live["ngram_rows"]
+    curve = lambda rows_, key: " → ".join(f"{r[key]:.2f}x" for r in rows_)  # noqa: E731
+    cfg = spec["config"]
+    cond = (f"{cfg['model']} + {cfg['draft']}, {cfg['device']}, {cfg['torch_threads']} thread(s), greedy, "
+            f"`{live['command']}`")
+    table = [
+        ("quality unchanged: the target verifies every token",
+         "Leviathan et al. 2023, Chen et al. 2023: the output distribution is provably the target's",
+         f"greedy: the same tokens with and without speculation for all {live['prompts']} prompts and all three "
+         f"engines ({live['same_tokens']}); sampled: rejection sampling passes a χ² test against `p` "
+         f"({verdict[toy['lossless']]}), resampling from `p` fails it ({verdict[toy['naive_lossless']]})"),
+        ("checking k tokens costs about one step", "decode is memory-bound (chapter 01)",
+         f"live, batch 1: a target forward over 5 tokens = {vc[0]['ratio_k4']:.2f}x a decode step; batch 16: "
+         f"{vc[-1]['ratio_k4']:.2f}x ({live['target']}, {live['device']})"),
+        ("several tokens per expensive pass", "E = (1 − α^(k+1)) / (1 − α) (Leviathan et al., Eq. 1)",
+         f"k = 4: {k4['tokens_per_forward']:.2f} tokens per forward at α = {k4['alpha']:.3f}, formula "
+         f"{k4['formula']:.2f} ({cond})"),
+        ("2-3x at low to medium concurrency", "2.6-3.4x / 2.3-3.1x (T5-XXL, batch 1); 2-2.5x (Chinchilla 70B); "
+         "vLLM: draft model up to 1.5x, n-gram up to 2.8x at 1 QPS (Llama-3-70B, 4×H100); EAGLE-3 1.81x at batch 2 "
+         "(H100, SGLang)",
+         f"batch 1, k = {k_fixed}: draft model **{dm[0]['speedup_fixed']:.2f}x** fixed, "
+         f"{dm[0]['speedup_adaptive']:.2f}x adaptive; n-gram on grounded text **{ng[0]['speedup_fixed']:.2f}x** "
+         f"fixed ({cond})"),
+        ("the gain shrinks as the hardware saturates", "EAGLE-3 1.81x → 1.48x → 1.38x at batch 2 / 16 / 64 "
+         "(SGLang, H100); 1.75x → 1.01x at batch 2 / 56 (vLLM, RTX 3090); vLLM blog: 1.4x and 1.8x slowdowns at "
+         "high QPS",
+         f"draft model, fixed k = {k_fixed}: {curve(dm, 'speedup_fixed')} at batch "
+         f"{' / '.join(str(r['batch']) for r in dm)} ({cond})"),
+        ("adaptive k: speculate only at low load", "—",
+         f"draft model, adaptive: {curve(dm, 'speedup_adaptive')} (mean k {dm[0]['adaptive_mean_k']:.1f} at batch "
+         f"{dm[0]['batch']}, {dm[-1]['adaptive_mean_k']:.1f} at {dm[-1]['batch']}); target ≥ 1.0x everywhere: "
+         f"lowest median {v['lowest_median']:.3f}x, {len(v['measurably_slower'])} of {v['cells']} intervals wholly "
+         f"below 1.0 (the A/A reaches {min(r['speedup_plain_again'] for r in dm + ng):.3f}x)"),
+        ("n-gram lookup on input-grounded text", "prompt lookup 2-4x (Mistral-7B, A100, greedy)",
+         f"live α {rows[1]['spec_alpha']:.2f} on grounded prompts vs {rows[0]['spec_alpha']:.2f} on fresh stories; "
+         f"speedup at batch 1 / {ng[-1]['batch']}: {ng[0]['speedup_fixed']:.2f}x / {ng[-1]['speedup_fixed']:.2f}x "
+         f"fixed, {ng[0]['speedup_adaptive']:.2f}x / {ng[-1]['speedup_adaptive']:.2f}x adaptive"),
+    ]
+    return ("| claim (article) | literature (source, conditions) | ours (measured, conditions) |\n|---|---|---|\n"
+            + "\n".join(f"| {a} | {b} | {c} |" for a, b, c in table))

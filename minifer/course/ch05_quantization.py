@@ -396,3 +396,95 @@ def kv_cache_runs(pair: ModelPair, kv_cache_dtypes: Sequence[str], prompts: Sequ
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
     return rows
+
+
+# --- ceilings on other GPUs and the summary against the literature (chapter 05) -----------------------
+
+# Datasheet memory bandwidths of the GPUs learners most often have (specs, not measurements): NVIDIA T4 Tensor Core
+# GPU datasheet (320 GB/s GDDR6; 65 TFLOPS fp16 mixed-precision tensor) and NVIDIA L4 Tensor Core GPU datasheet
+# (300 GB/s; 121 TFLOPS fp16/bf16 tensor dense, 242 fp8 dense: the sheet's 242 and 485 are with sparsity).
+# references/literature.md lists both sheets.
+SPEC_GPUS = {"T4 (spec)": 320e9, "L4 (spec)": 300e9}
+
+
+def decode_ceiling_rows(step: Sequence[Mapping[str, Any]], measured: Mapping[str, float]) -> list[dict[str, Any]]:
+    """Batch-1 decode ceilings (bandwidth / bytes per token) for each weight format of ``step`` on each GPU:
+    ``measured`` bandwidths first (labelled as measured by the caller), then the datasheet rows of ``SPEC_GPUS``."""
+    return [{"gpu": gpu, "format": r["label"], "gb": r["total"] / 1e9, "bw": bw / 1e9, "tok_s": bw / r["total"],
+             "vs_bf16": r["total_vs_bf16"]}
+            for gpu, bw in {**measured, **SPEC_GPUS}.items() for r in step]
+
+
+DECODE_CEILING_COLUMNS = {"gpu": "GPU", "bw": "GB/s:,.0f", "format": "decoder linears in", "gb": "GB per token:.2f",
+                          "tok_s": "batch-1 ceiling tok/s:,.0f", "vs_bf16": "x bf16's ceiling:.2f"}
+
+
+def int4_target(kern: Mapping[str, Any], krows: Sequence[Mapping[str, Any]]) -> tuple[dict, dict]:
+    """The project's int4 kernel target from the decode run, and the kernel table's row for its case."""
+    t = kern["targets"][0]
+    r4 = next(r for r in krows if (r["format"], r["M"], r["K"], r["N"]) == (t["format"], t["M"], t["K"], t["N"]))
+    return t, r4
+
+
+def literature_summary(*, qt: Sequence[Mapping[str, Any]], krows: Sequence[Mapping[str, Any]],
+                       kvq: Mapping[str, Any], qual: Mapping[str, Any], kern: Mapping[str, Any],
+                       step: Sequence[Mapping[str, Any]], flips: Sequence[float], name: str) -> str:
+    """Section 7's table as Markdown: each claim of the article, the literature's figure with its conditions, and
+    ours from the committed benchmarks (quality ``qual``/``qt``, kernels ``kern``/``krows``, KV cache ``kvq``) and
+    the chapter's byte count (``step``, for model ``name``)."""
+    from pathlib import Path
+
+    t, r4 = int4_target(kern, krows)
+    meta, qc = qual["metadata"], qual["config"]
+    Q = {r["name"]: r for r in qt}
+    K = {(r["format"], r["M"]): r["speedup"] for r in krows if (r["K"], r["N"]) == (4096, 14336)}
+    xs = lambda m: " / ".join(f"{K[f, m]:.2f}x" for f in ("int4", "int8", "fp8"))  # noqa: E731
+    ppl = lambda v: f"{Q[v]['heldout_ppl_change_pct']:+.2f}%"  # noqa: E731
+    ratio = lambda v: f"{Q[v]['ratio_vs_bf16']:.2f}x"  # noqa: E731
+    mem = {(r["kv_cache_dtype"], r["kv_cache_scales"]): r for r in kvq["memory"]["Qwen/Qwen3-0.6B"]
+           if r["model_dtype"] == "bfloat16"}
+    agree = {(r["kv_cache_dtype"], r["kv_cache_scales"]): r["token_agreement"] for r in kvq["agreement"]}
+    tg = {k: v["met"] for k, v in qual["targets"].items()}
+    met = lambda ok: "met" if ok else "**not met**"  # noqa: E731
+    qcond = (f"{Path(qc['model']).name}, {qc['dtype']} on {qc['device']}, {qc['heldout_tokens']:,} held-out + "
+             f"{qc['code_tokens']:,} code tokens, `{meta['command']}`")
+    kcond = f"{kern['environment']['gpu']}, CUDA graphs, vs bf16 torch.matmul, `python -m minifer.bench.quant_kernels`"
+    g128 = Q["int4 g128 sym"]
+    table = [
+        ("FP8 / INT4: 2-4x less memory",
+         "int4 kernel bound ≈ 3.87x over fp16 (g128, fp16 scales; Marlin); FP8: \"2x reduction in model memory\" "
+         "(vLLM docs)",
+         f"decoder linears: int8/fp8 **{ratio('int8')}**, int4 g128 sym **{ratio('int4 g128 sym')}** (≥ 3.7x target "
+         f"{met(tg['int4_g128_sym_bytes_ratio_ge_3.7'])}), asym {ratio('int4 g128 asym')} "
+         f"({met(tg['int4_g128_asym_bytes_ratio_ge_3.7'])}); the whole bundled model "
+         f"{g128['whole_model_ratio_vs_bf16']:.2f}x (embeddings and lm_head kept); a {name} decode step "
+         f"{step[2]['total_vs_bf16']:.2f}x fewer bytes (from its config)"),
+        ("about half the cost",
+         "A100, batch 1: Llama-2-7B 107 → 171 (int8) → 201 (int4 g64) tok/s (pytorch/ao); gpt-fast 105 → 156 → 197; "
+         "Llama-3.1-8B on an H100 in vLLM: FP8 decode 1.21x, int8 weight-only 0.65x; FP8 up to 1.6x throughput (vLLM)",
+         f"one 4096x14336 matmul, int4 / int8 / fp8: M = 1 **{xs(1)}** (int4 ≥ 3x target {met(t['met'])}, bytes "
+         f"bound {r4['bytes_bound']:.2f}x); M = 16 {xs(16)}; prefill M = 256 {xs(256)} (slower). Kernel level, not "
+         f"end to end ({kcond})"),
+        ("quality must be re-measured",
+         "Llama-2-7B int4 g128, WikiText-2: 5.47 → RTN 5.73, GPTQ 5.69, AWQ 5.60 (AWQ, Table 4); Llama-3-8B: 7.44 → "
+         "int4 g64 8.32 (+12%), GPTQ 7.92, int8 7.45 (pytorch/ao); Llama-3.1-8B fp8 7.33 → 7.42",
+         f"held-out perplexity: int8 {ppl('int8')} (≤ 0.5% target {met(tg['int8_ppl_change_le_0.5pct'])}), fp8 "
+         f"{ppl('fp8')}; int4 g128 sym RTN {ppl('int4 g128 sym')} → GPTQ {ppl('int4 g128 sym gptq')}, asym RTN "
+         f"{ppl('int4 g128 asym')} → GPTQ {ppl('int4 g128 asym gptq')} (≤ 3% targets "
+         f"{met(tg['int4_g128_sym_gptq_ppl_change_le_3pct'] and tg['int4_g128_asym_gptq_ppl_change_le_3pct'])}) "
+         f"({qcond})"),
+        ("a loss harmless in summarisation can show in code", "— (the article's warning; no source in the notes "
+         "measures it)",
+         f"the top-1 next token differs from fp32's {min(flips):.1f}-{max(flips):.1f}x more often on stdlib code "
+         f"than on stories; int4 g128 sym: {100 * g128['disagree_stories']:.1f}% of positions on stories, "
+         f"{100 * g128['disagree_code']:.1f}% on code ({qcond})"),
+        ("the KV cache, the largest consumer at long context", "— (no 8-bit KV cache measurement in the notes)",
+         f"int8/fp8 KV, a scale per (token, head): {mem['int8', 'token']['vs_model_dtype']:.2f}x the sequences of "
+         f"bf16 in the same memory; static per-head scales: **{mem['int8', 'head']['vs_model_dtype']:.2f}x** "
+         f"(Qwen3-0.6B shapes, ShareGPT-like lengths). Greedy tokens agreeing position by position: "
+         f"{agree['int8', 'token']:.1%} / {agree['fp8', 'token']:.1%} (int8 / fp8, per token), "
+         f"{agree['int8', 'head']:.1%} / {agree['fp8', 'head']:.1%} (static per head) on the bundled model "
+         f"(`python -m minifer.bench.kv_quant`)"),
+    ]
+    return ("| claim (article) | literature (source, conditions) | ours (measured, conditions) |\n|---|---|---|\n"
+            + "\n".join(f"| {a} | {b} | {c} |" for a, b, c in table))

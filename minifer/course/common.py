@@ -189,6 +189,22 @@ def show_source(obj: Any) -> Any:
     return Code(inspect.getsource(obj), language="python")
 
 
+def check_prediction(prediction: float | None, measured: float, unit: str) -> str:
+    """The "predict, then run" cells' verdict: the learner's number beside the measurement, as a ratio.
+
+    Writing a number down before a measurement is what turns a table into a test of one's own model of the
+    machine; a prediction left at ``None`` is not an error (the stored outputs are made that way), the cell
+    then says what to write next time."""
+    if prediction is None:
+        return f"measured {measured:,.3g} {unit}; no prediction written (set it above, then run both cells again)"
+    if prediction <= 0:
+        return f"measured {measured:,.3g} {unit}; a prediction must be positive, got {prediction!r}"
+    ratio = measured / prediction
+    verdict = "within 2x of it" if 0.5 <= ratio <= 2 else ("far lower" if ratio < 0.5 else "far higher")
+    return (f"you predicted {prediction:,.3g} {unit}, measured {measured:,.3g} {unit}: "
+            f"{ratio:.2f}x your number ({verdict})")
+
+
 def format_table(rows: Sequence[Mapping[str, Any]], columns: Mapping[str, str] | None = None) -> str:
     """A fixed-width text table (no pandas needed): ``columns`` maps keys to ``"header:format"``."""
     columns = columns or {k: k for k in rows[0]}
