@@ -58,16 +58,18 @@ class ModelPair:
             kwargs["num_kv_blocks"] = gpu_kv_blocks(name, kwargs, self.kv_budget(kwargs))
         return LLM(name, **kwargs)
 
-    def kv_budget(self, llm_kwargs: Mapping[str, Any]) -> int:
-        """KV bytes for one engine of this pair on the GPU (``load``'s rule), checked against the chapter's plan."""
+    def kv_budget(self, llm_kwargs: Mapping[str, Any] | None = None) -> int:
+        """KV bytes for one engine of this pair on the GPU (``load``'s rule), checked against the chapter's plan;
+        chapter 06 passes it to ``minifer.bench.stacking`` as its memory budget beyond the weights."""
         from minifer.course.gpu_plan import GPU_KV_CACHE_BYTES, kv_share
         from minifer.engine.llm import resolve_dtype
 
         if self.chapter is None:
             return GPU_KV_CACHE_BYTES
-        dtype = resolve_dtype(llm_kwargs.get("dtype", "auto"), torch.device(llm_kwargs.get("device", "cuda")))
+        device = torch.device((llm_kwargs or {}).get("device", self.device))
+        dtype = resolve_dtype((llm_kwargs or {}).get("dtype", "auto"), device)
         return kv_share(self.chapter, model_config(self.target), model_config(self.draft), dtype.itemsize,
-                        gpu_available_bytes(llm_kwargs.get("device", "cuda")))
+                        gpu_available_bytes(device))
 
     def __str__(self) -> str:
         return f"target={self.target}  draft={self.draft}  device={self.device}  ({self.reason})"

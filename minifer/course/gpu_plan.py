@@ -18,6 +18,9 @@ Two rules make the sums fit:
   in the model's own dtype: transformers' copy is a second 16-bit model, not a float32 one (6.9 GB for
   Qwen3-1.7B), and minifer's engine is compared as it is, without a float32 copy.
 
+Chapter 06 builds ten engines (``minifer.bench.stacking``); on a GPU they are built one at a time beside the
+weights they share, and the share is the memory budget its cell passes (``ModelPair.kv_budget``).
+
 ``CHAPTERS`` lists what each chapter keeps alive at its peak, read from its cells; ``chapter_plan`` prices
 it for a pair of configs, a dtype and a GPU size, and ``tests/course/test_install_gpu_track.py`` checks every
 chapter against 15 GiB.
@@ -85,6 +88,9 @@ class Resident:
     weights: str = "model"  # "model" (the track's dtype), "float32", "int8", "int4", "shared" (another engine's)
     kv_cache: bool = True  # an engine with its own KV cache (an equal share of what the models leave)
     with_draft: bool = False  # a speculating engine: each of its KV blocks also holds the draft's keys and values
+    stacking: bool = False  # chapter 06's engines (minifer.bench.stacking), built one at a time on a GPU: the share is
+    # their memory budget ``kv_memory``; an int8-weights one's cache also gets the bytes int8 saves, a speculating
+    # one's loses the draft's weights
 
 
 # What each chapter keeps alive at once, at its peak (read from its cells). The parity checks compare with
@@ -103,9 +109,10 @@ CHAPTERS: dict[str, list[Resident]] = {
     "05": [Resident("the reference", "target"), Resident("int8 weights", "target", "int8"),
            Resident("int4 weights", "target", "int4"), Resident("int4 reloaded from its checkpoint", "target", "int4"),
            Resident("the KV-cache formats' engine (kv_cache_runs, one at a time)", "target")],
-    "06": [Resident("the 16-bit holder", "target"), Resident("its draft", "draft", kv_cache=False),
+    "06": [Resident("the 16-bit holder", "target", kv_cache=False), Resident("its draft", "draft", kv_cache=False),
            Resident("the int8 holder", "target", "int8", kv_cache=False),
-           Resident("the int8 holder's draft", "draft", kv_cache=False)],  # the levers' engines share these
+           Resident("the int8 holder's draft", "draft", kv_cache=False),  # every configuration shares these weights
+           Resident("the configuration being measured (one at a time)", "target", "shared", stacking=True)],
 }
 
 
@@ -123,11 +130,21 @@ def _weight_rows(chapter: str, target: ModelConfig, draft: ModelConfig, dtype_by
     return rows
 
 
+def _int8_savings(r: Resident, target: ModelConfig, dtype_bytes: int) -> int:
+    """What a stacking engine's cache gains beyond the share when its configuration has int8 weights."""
+    return weight_bytes(target, dtype_bytes) - weight_bytes(target, dtype_bytes, "int8") if r.stacking else 0
+
+
 def min_kv_share(chapter: str, target: ModelConfig, draft: ModelConfig, dtype_bytes: int = 2) -> int:
-    """The KV bytes per engine that give every engine of ``chapter`` at least ``MIN_KV_BLOCKS`` blocks."""
-    return max(MIN_KV_BLOCKS * (kv_block_bytes(target, dtype_bytes) + (kv_block_bytes(draft, dtype_bytes)
-                                                                       if r.with_draft else 0))
-               for r in CHAPTERS[chapter] if r.kv_cache)
+    """The KV bytes per engine that give every engine of ``chapter`` at least ``MIN_KV_BLOCKS`` blocks (a stacking
+    budget must also hold the draft's weights, which a speculating configuration takes from it)."""
+    least = []
+    for r in CHAPTERS[chapter]:
+        if r.kv_cache:
+            spec = r.with_draft or r.stacking
+            per_block = kv_block_bytes(target, dtype_bytes) + (kv_block_bytes(draft, dtype_bytes) if spec else 0)
+            least.append(MIN_KV_BLOCKS * per_block + (weight_bytes(draft, dtype_bytes) if r.stacking else 0))
+    return max(least)
 
 
 def kv_share(chapter: str, target: ModelConfig, draft: ModelConfig, dtype_bytes: int, device_bytes: int) -> int:
@@ -135,6 +152,7 @@ def kv_share(chapter: str, target: ModelConfig, draft: ModelConfig, dtype_bytes:
     chapter loads and the headroom, in equal shares. Raises ``ValueError`` when a share would be below
     ``min_kv_share``, saying how much the chapter needs."""
     weights = sum(b for _, b in _weight_rows(chapter, target, draft, dtype_bytes))
+    weights += sum(_int8_savings(r, target, dtype_bytes) for r in CHAPTERS[chapter])
     engines = sum(r.kv_cache for r in CHAPTERS[chapter])
     share = (device_bytes - weights - ACTIVATION_HEADROOM_BYTES) // engines
     least = min_kv_share(chapter, target, draft, dtype_bytes)
@@ -160,7 +178,7 @@ def chapter_plan(chapter: str, target: ModelConfig, draft: ModelConfig, dtype_by
         if r.kv_cache:
             cfg = target if r.model == "target" else draft
             per_block = kv_block_bytes(cfg, dtype_bytes) + (kv_block_bytes(draft, dtype_bytes) if r.with_draft else 0)
-            blocks = share // per_block
+            blocks = (share + _int8_savings(r, target, dtype_bytes)) // per_block  # stacking: its largest cache
             rows.append((f"{r.what}: KV cache ({blocks} blocks)", blocks * per_block))
     rows.append(("activations and allocator headroom", ACTIVATION_HEADROOM_BYTES))
     return rows

@@ -150,6 +150,20 @@ def test_pair_load_sizes_the_cache_after_the_chapters_models(fake_cuda, monkeypa
     assert seen[:3] == [758, 379, 256] and seen[3] > 4 * 758
 
 
+def test_chapter_06_builds_one_engine_at_a_time_within_the_budget(fake_cuda, monkeypatch):
+    """Chapter 06's ten configurations would hold ten caches at once; on a GPU they are built one at a time
+    (minifer.bench.stacking), so a T4 holds the two weight sets, two drafts and the largest one cache: the memory
+    budget its cell passes (pair.kv_budget()) is what the models leave, and a speculating configuration, whose
+    budget also pays for the draft's weights, still gets its MIN_KV_BLOCKS."""
+    monkeypatch.setattr(notebook, "gpu_available_bytes", lambda device="cuda": gpu_plan.T4_VISIBLE_BYTES)
+    pair = choose_models({"MINIFER_TRACK": "gpu"}, chapter="06")
+    kv_memory = pair.kv_budget()
+    assert kv_memory == gpu_plan.kv_share("06", TARGET, DRAFT, 2, gpu_plan.T4_VISIBLE_BYTES)
+    spec_blocks = (kv_memory - gpu_plan.weight_bytes(DRAFT, 2)) // (2 * gpu_plan.kv_block_bytes(TARGET, 2))
+    assert spec_blocks >= gpu_plan.MIN_KV_BLOCKS
+    assert gpu_plan.kv_block_bytes(TARGET, 2) == gpu_plan.kv_block_bytes(DRAFT, 2)  # (why the 2 above)
+
+
 def test_the_parity_check_compares_in_the_models_dtype_on_a_gpu():
     """On a GPU the engine is compared as it runs (no float32 copy: chapter 00's plan holds no 6.9 GB copies);
     on the CPU a 16-bit engine is still compared through a float32 copy, and a float32 one as it is."""
