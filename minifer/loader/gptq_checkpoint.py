@@ -104,13 +104,19 @@ def gptq_tensors(model: nn.Module, group_size: int, checkpoint_format: str = "gp
 
 def gptq_config(qcfg: QuantizationConfig, group_size: int, checkpoint_format: str) -> dict[str, Any]:
     """The ``quantization_config`` of config.json. ``desc_act`` is false because the layout has no permutation
-    (minifer's act-order keeps static groups); ``meta`` records what minifer did, for a reader of the file."""
+    (minifer's act-order keeps static groups); the GPTQ run's settings are recorded when there was one, and
+    ``meta`` says what minifer did, for a reader of the file."""
     from minifer import __version__
 
-    return {"quant_method": "gptq", "bits": 4, "group_size": group_size, "desc_act": False, "sym": qcfg.symmetric,
-            "checkpoint_format": checkpoint_format, "static_groups": True, "true_sequential": True,
-            "lm_head": False,
-            "meta": {"quantizer": [f"minifer:{__version__}"], "minifer_method": qcfg.method}}
+    out: dict[str, Any] = {"quant_method": "gptq", "bits": 4, "group_size": group_size, "desc_act": False,
+                           "sym": qcfg.symmetric, "checkpoint_format": checkpoint_format, "lm_head": False}
+    cal = qcfg.calibration or {}
+    if qcfg.method == "gptq":
+        out.update(damp_percent=cal.get("damp"), true_sequential=cal.get("true_sequential"),
+                   static_groups=cal.get("act_order"))
+    out["meta"] = {"quantizer": [f"minifer:{__version__}"], "minifer_method": qcfg.method,
+                   "minifer_act_order": bool(cal.get("act_order", False))}
+    return out
 
 
 def save_gptq(model, path: str | Path, source: str | Path | None = None, checkpoint_format: str = "gptq") -> Path:

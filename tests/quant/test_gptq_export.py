@@ -5,7 +5,13 @@ The layout is checked against a reference unpacking written here, bit by bit, fr
 ``8r + j`` of word ``r`` in bits ``4j..4j+3``; ``qzeros`` int32 ``[K/g, N/8]`` with output ``8c + j`` in bits
 ``4j..4j+3``, stored minus one in checkpoint format v1 ("gptq"), as is in v2; ``scales`` float16 ``[K/g, N]``;
 ``g_idx`` int32 ``[K]``; ``w[k, n] = scales[g_idx[k], n] * (code[k, n] - zero[g_idx[k], n])``. It shares no
-code with the module it checks. Loading through transformers runs only where GPTQModel is installed."""
+code with the module it checks. Loading through transformers runs only where GPTQModel is installed; on a CPU,
+in a venv that keeps the project's torch (GPTQModel 7.6 builds no extension there):
+
+    python -m venv --system-site-packages /tmp/venv-gptq
+    /tmp/venv-gptq/bin/pip install gptqmodel==7.6.0 optimum -c <(echo "torch==$(python -c 'import torch; print(torch.__version__)')")
+    PYTHONPATH=$PWD /tmp/venv-gptq/bin/python -m pytest tests/quant/test_gptq_export.py
+"""
 
 from __future__ import annotations
 
