@@ -73,9 +73,13 @@ def weight_bytes(cfg: ModelConfig, dtype_bytes: int, quantization: str | None = 
         return total
     from minifer.course.weight_bytes import decoder_linear_shapes, quantized_linear_bytes
 
-    shapes = decoder_linear_shapes(cfg).values()
-    linears = cfg.num_hidden_layers * sum(n * k for n, k in shapes)
-    quantized = cfg.num_hidden_layers * sum(quantized_linear_bytes(n, k, quantization) for n, k in shapes)
+    from minifer.quant.model import group_for
+
+    shapes = decoder_linear_shapes(cfg)
+    linears = cfg.num_hidden_layers * sum(n * k for n, k in shapes.values())
+    # int4's group is 128, or quantize_model's fallback where 128 does not divide K (the bundled target's 704)
+    quantized = cfg.num_hidden_layers * sum(quantized_linear_bytes(n, k, quantization, group_for(name, k, 128))
+                                            for name, (n, k) in shapes.items())
     return total - linears * dtype_bytes + quantized
 
 

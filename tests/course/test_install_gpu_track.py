@@ -180,3 +180,20 @@ def test_the_parity_check_compares_in_the_models_dtype_on_a_gpu():
     cpu32 = minifer.LLM("tinystories-draft", dtype="float32", device="cpu", batching="static")
     with _reference_copy(cpu32) as ref:
         assert ref is cpu32
+
+
+def test_the_plan_prices_the_bundled_pair_too(target_llm):
+    """MINIFER_TRACK=gpu without Hub access runs the bundled pair on the GPU, and its chapters are planned the same
+    way: the int4 arithmetic follows quantize_model's group fallback (the target's down_proj, K = 704, at g64) and
+    equals the bytes a quantized copy really holds."""
+    import copy
+
+    from minifer.loader import load_config, resolve_model
+    from minifer.quant.linear import weight_bytes
+    from minifer.quant.model import quantize_model
+
+    target, draft = (load_config(resolve_model(m)) for m in BUNDLED_PAIR)
+    model = copy.deepcopy(target_llm.model).to(torch.bfloat16)
+    quantize_model(model, "int4")
+    assert gpu_plan.weight_bytes(target, 2, "int4") == weight_bytes(model)["total"]
+    assert all(gpu_plan.kv_share(ch, target, draft, 2, gpu_plan.T4_VISIBLE_BYTES) > 2**30 for ch in gpu_plan.CHAPTERS)
