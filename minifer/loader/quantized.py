@@ -22,9 +22,9 @@ transformers checkpoint (transformers would look for ``q_proj``), and ``quantiza
 own file rather than in ``config.json``, where transformers would try to interpret it. For a folder vLLM and
 transformers read, write int4 models with ``gptq_checkpoint.save_gptq`` (the GPTQ layout).
 
-``LLM(folder)`` loads such a folder, and a GPTQ checkpoint, transparently (``load_model``). Loading trusts nothing: every layer of
-``quantization_config.json`` must exist in the architecture with the recorded shape, and its tensors must
-match each other (``QuantizedWeight.validate``); a mismatch raises ``ModelLoadError`` naming the tensor.
+``LLM(folder)`` loads such a folder, and a GPTQ checkpoint, transparently (``load_model``). Loading trusts
+nothing: every layer of ``quantization_config.json`` must exist in the architecture with the recorded shape,
+and its tensors must match each other (``QuantizedWeight.validate``); a mismatch raises ``ModelLoadError`` naming the tensor.
 """
 
 from __future__ import annotations
@@ -93,8 +93,8 @@ def load_model(path: Path, quantization: str | None = None, *, load_format: str 
                quant_kernel: QuantKernel | None = None, **build_kw) -> nn.Module:
     """What ``LLM`` calls: a folder written by ``save_quantized``, or a GPTQ checkpoint (``gptq_checkpoint``),
     loads as saved (``quantization``, if given, must name its format); any other checkpoint loads with
-    ``build_model`` and, when ``quantization`` is given, is quantized by round-to-nearest (``quantize_model``). Quantized layers multiply through
-    ``quant_kernel`` (``QuantKernel``; the PyTorch reference when None)."""
+    ``build_model`` and, when ``quantization`` is given, is quantized by round-to-nearest (``quantize_model``).
+    Quantized layers multiply through ``quant_kernel`` (``QuantKernel``; the PyTorch reference when None)."""
     if quantization is not None:
         check_quantization(quantization)
     saved_layout = load_quantized if is_quantized_checkpoint(path) else load_gptq if is_gptq_checkpoint(path) else None

@@ -9,7 +9,8 @@ code with the module it checks. Loading through transformers runs only where GPT
 in a venv that keeps the project's torch (GPTQModel 7.6 builds no extension there):
 
     python -m venv --system-site-packages /tmp/venv-gptq
-    /tmp/venv-gptq/bin/pip install gptqmodel==7.6.0 optimum -c <(echo "torch==$(python -c 'import torch; print(torch.__version__)')")
+    echo "torch==$(python -c 'import torch; print(torch.__version__)')" > /tmp/keep-torch.txt
+    /tmp/venv-gptq/bin/pip install gptqmodel==7.6.0 optimum -c /tmp/keep-torch.txt
     PYTHONPATH=$PWD /tmp/venv-gptq/bin/python -m pytest tests/quant/test_gptq_export.py
 """
 
@@ -234,7 +235,8 @@ def test_minifer_reads_a_checkpoint_gptqmodel_wrote(tmp_path, monkeypatch):
                                      device="cpu")
     model.quantize([t for t in texts if len(t) > 200][:16], batch_size=8)
     model.save(str(tmp_path))
-    ids = AutoTokenizer.from_pretrained(str(tmp_path))("Once upon a time, there was a little girl named Lily.")["input_ids"]
+    tok = AutoTokenizer.from_pretrained(str(tmp_path))
+    ids = tok("Once upon a time, there was a little girl named Lily.")["input_ids"]
     llm = minifer.LLM(str(tmp_path), device="cpu", batching="static")
     assert llm.quantization_config.group_size == 32 and len(llm.quantization_config.layers) == 48
     mine = minifer_forward(llm, ids)
