@@ -147,7 +147,8 @@ def install_checks(torch_version: str, cuda_build: str | None, gpu_capability: t
             gb = gpu_memory_bytes / 2**30
             need = GPU_TRACK_NEEDS_BYTES / 2**30
             rows.append(("GPU memory", "ok" if gb >= need else "warn",
-                         f"{gb:.1f} GiB; the GPU track's largest chapter plans {need:.1f} GiB" +
+                         f"{gb:.1f} GiB; the GPU track's largest chapter needs {need:.1f} GiB (its KV caches "
+                         f"then take the rest)" +
                          ("" if gb >= need else ": stay on the CPU track, or set MINIFER_TARGET to a smaller model")))
     if system == "Linux" and not have_triton:
         rows.append(("triton", "fail", "missing on Linux: pip install -e . installs it (the kernels' chapters need it)"))

@@ -37,11 +37,14 @@ give the very same tokens (it is lossless), int8 changes some, and the result sa
 from __future__ import annotations
 
 import argparse
+import functools
+import gc
 import itertools
 import math
 import random
 import statistics
 import time
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -221,11 +224,18 @@ def make_workload(tokenizer, num_requests: int, output: str, seed: int = 0) -> W
 
 class Engines:
     """Every configuration's ``LLM``, built on two loaded weight sets (the model's dtype and int8) and one draft,
-    each given its share of ``memory``."""
+    each given its share of ``memory``.
+
+    ``one_at_a_time`` (the default on a GPU): ``llms[name]`` builds a configuration's engine when it is asked for
+    and frees the one built before, so only the weights and one engine's KV cache are ever resident. Ten
+    engines of ``memory`` each do not fit beside each other in a 16 GB GPU; on the CPU, where memory is not
+    the limit, every engine is built up front as before."""
 
     def __init__(self, model: str, draft: str, memory: int | None, workload: Workload, *, device: str | None = None,
-                 k: int = 4, max_num_seqs: int = 64, kv_memory: int = 8 * 2**20, block_size: int = 16) -> None:
+                 k: int = 4, max_num_seqs: int = 64, kv_memory: int = 8 * 2**20, block_size: int = 16,
+                 one_at_a_time: bool | None = None) -> None:
         from minifer import LLM
+        from minifer.engine.llm import resolve_device
         from minifer.engine.llm_engine import CacheConfig, kv_block_bytes
 
         spec = {"method": "draft_model", "model": draft, "num_speculative_tokens": k, "adaptive": False}
@@ -240,7 +250,9 @@ class Engines:
         draft_model = full.draft_model
         self.memory = memory if memory is not None else model_bytes(full.model) + kv_memory
         self.workload, self.block_size, self.k, self.max_num_seqs = workload, block_size, k, max_num_seqs
-        self.llms: dict[str, Any] = {}
+        if one_at_a_time is None:
+            one_at_a_time = resolve_device(device).type == "cuda"
+        self.llms: LazyEngines = LazyEngines(keep_all=not one_at_a_time)
         self.budgets: dict[str, Budget] = {}
         for levers in configurations():
             quant = "int8" if "int8_weights" in levers else None
@@ -252,20 +264,52 @@ class Engines:
                                        draft_model if spec_on else None)
             if levers:
                 b = split_budget(self.memory, weights, per_block, block_size, paged=True)
-                self.llms[label(levers)] = LLM(model, device=device, block_size=block_size, enable_prefix_caching=False,
-                                               num_kv_blocks=b.kv_blocks, max_num_seqs=max_num_seqs,
-                                               kv_cache_dtype=kv, quantization=quant, share_weights_with=holder,
-                                               speculative_config=spec if spec_on else None)
+                self.llms.add(label(levers), functools.partial(
+                    LLM, model, device=device, block_size=block_size, enable_prefix_caching=False,
+                    num_kv_blocks=b.kv_blocks, max_num_seqs=max_num_seqs, kv_cache_dtype=kv, quantization=quant,
+                    share_weights_with=holder, speculative_config=spec if spec_on else None))
             else:
                 b = split_budget(self.memory, weights, per_block, block_size,
                                  static_tokens_per_row=workload.static_row_tokens)
-                self.llms["static"] = LLM(model, device=device, batching="static", max_num_seqs=b.static_rows,
-                                          share_weights_with=holder)
+                self.llms.add("static", functools.partial(LLM, model, device=device, batching="static",
+                                                          max_num_seqs=b.static_rows, share_weights_with=holder))
             self.budgets[label(levers)] = b
         a = self.budgets["CB"]
-        self.llms["CB (A/A)"] = LLM(model, device=device, block_size=block_size, enable_prefix_caching=False,
-                                    num_kv_blocks=a.kv_blocks, max_num_seqs=max_num_seqs, share_weights_with=full)
+        self.llms.add("CB (A/A)", functools.partial(LLM, model, device=device, block_size=block_size,
+                                                    enable_prefix_caching=False, num_kv_blocks=a.kv_blocks,
+                                                    max_num_seqs=max_num_seqs, share_weights_with=full))
         self.budgets["CB (A/A)"] = a
+
+
+class LazyEngines(Mapping):
+    """``name -> LLM`` for ``Engines``: every engine built when added (``keep_all``), or each built when asked
+    for, the previous one freed first (its KV cache released to the device) so that one is resident at a time."""
+
+    def __init__(self, keep_all: bool) -> None:
+        self.keep_all = keep_all
+        self._make: dict[str, Callable[[], Any]] = {}
+        self._built: dict[str, Any] = {}
+
+    def add(self, name: str, make: Callable[[], Any]) -> None:
+        self._make[name] = make
+        if self.keep_all:
+            self._built[name] = make()
+
+    def __getitem__(self, name: str) -> Any:
+        if name not in self._built:
+            make = self._make[name]  # KeyError for an unknown name, before anything is freed
+            self._built.clear()
+            gc.collect()
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
+            self._built[name] = make()
+        return self._built[name]
+
+    def __iter__(self):
+        return iter(self._make)
+
+    def __len__(self) -> int:
+        return len(self._make)
 
 
 def run_once(llm, workload: Workload) -> dict[str, Any]:

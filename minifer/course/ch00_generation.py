@@ -9,7 +9,6 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from minifer.course.common import gpu_kv_blocks
 from minifer.sampling import BeamSearchParams, SamplingParams, process_logits
 
 if TYPE_CHECKING:  # imported lazily at run time: matplotlib and ipywidgets are course extras
@@ -90,19 +89,22 @@ def compare_with_transformers(llm: "LLM", prompts: Sequence[str], max_tokens: in
     """Load the same checkpoint with ``transformers.AutoModelForCausalLM`` and compare logits at every
     prompt position, then greedy completions token by token.
 
-    Both run in float32: in bfloat16 two correct implementations differ by ~1e-2 in the logits (the order
-    of additions changes the rounding), which would hide a real bug of that size. When ``llm`` runs in
-    another dtype, a float32 copy of minifer's model is loaded for the comparison, run, and freed before
-    transformers' model is loaded: one float32 model at a time (``minifer.course.gpu_plan``: 6.9 GB each for
-    Qwen3-1.7B, which a 16 GB GPU holds only one of beside the chapter's own model)."""
+    On the CPU both run in float32: in bfloat16 two correct implementations differ by ~1e-2 in the logits
+    (the order of additions changes the rounding), which would hide a real bug of that size; when ``llm``
+    runs in another dtype there, a float32 copy of minifer's model is compared and freed before transformers'
+    model is loaded. On a GPU both run in ``llm``'s own dtype (``ParityReport.dtype`` says which): two float32
+    copies of Qwen3-1.7B (6.9 GB each) beside the chapter's engine do not fit a 16 GB GPU
+    (``minifer.course.gpu_plan``), so the logit error there is 16-bit rounding's size and a greedy
+    completion may part from transformers' at a near-tie."""
     from transformers import AutoModelForCausalLM
 
     tok = llm.get_tokenizer()
     ids = [list(tok(prompt)["input_ids"]) for prompt in prompts]
-    with _float32_copy(llm) as ref_llm:
+    with _reference_copy(llm) as ref_llm:
         ours = [prompt_logits(ref_llm.model, i).cpu() for i in ids]
         outs = ref_llm.generate(list(prompts), SamplingParams(temperature=0, max_tokens=max_tokens), use_tqdm=False)
-    hf = AutoModelForCausalLM.from_pretrained(str(llm.model_path), dtype=torch.float32).to(llm.device).eval()
+        dtype = ref_llm.dtype
+    hf = AutoModelForCausalLM.from_pretrained(str(llm.model_path), dtype=dtype).to(llm.device).eval()
     err = 0.0
     hf_tokens: list[list[int]] = []
     for prompt_ids, our_logits in zip(ids, ours):
@@ -114,25 +116,24 @@ def compare_with_transformers(llm: "LLM", prompts: Sequence[str], max_tokens: in
                               pad_token_id=tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id)
         hf_tokens.append(gen[0, len(prompt_ids):].tolist())
     del hf
-    return ParityReport(list(prompts), err, [o.outputs[0].token_ids for o in outs], hf_tokens, "float32")
+    return ParityReport(list(prompts), err, [o.outputs[0].token_ids for o in outs], hf_tokens,
+                        str(dtype).replace("torch.", ""))
 
 
-class _float32_copy:
-    """``with _float32_copy(llm) as ref:`` ``llm`` itself when it runs in float32, else a float32 copy of its
-    model (KV cache held to the GPU track's budget on a GPU), freed on exit so the next float32 model fits."""
+class _reference_copy:
+    """``with _reference_copy(llm) as ref:`` the engine a parity check compares with transformers: ``llm``
+    itself when it runs in float32 or on a GPU (there in its own dtype: no second copy), else a float32 copy
+    of its model, freed on exit before transformers' model is loaded."""
 
     def __init__(self, llm: "LLM"):
         self.llm, self.copy = llm, None
 
     def __enter__(self) -> "LLM":
-        if self.llm.dtype == torch.float32:
+        if self.llm.dtype == torch.float32 or self.llm.device.type == "cuda":
             return self.llm
         from minifer import LLM
 
-        kw: dict[str, Any] = {"dtype": "float32", "device": self.llm.device}
-        if self.llm.device.type == "cuda":
-            kw["num_kv_blocks"] = gpu_kv_blocks(str(self.llm.model_path), kw)
-        self.copy = LLM(self.llm.model_path, **kw)
+        self.copy = LLM(self.llm.model_path, dtype="float32", device=self.llm.device)
         return self.copy
 
     def __exit__(self, *exc: Any) -> None:
@@ -145,16 +146,17 @@ class _float32_copy:
 
 def compare_beam_search_with_transformers(llm: "LLM", prompts: Sequence[str], params: "BeamSearchParams") -> str:
     """Run ``llm.beam_search`` and transformers' own beam search (``generate(num_beams=..., early_stopping="never")``,
-    the canonical algorithm minifer implements) on the same checkpoint, both in float32 (see
-    ``compare_with_transformers`` for why), and say how many finished beams are identical, token for token and in
-    rank, and how far apart their scores are."""
+    the canonical algorithm minifer implements) on the same checkpoint, both in float32 on the CPU and in the
+    model's dtype on a GPU (see ``compare_with_transformers`` for why), and say how many finished beams are
+    identical, token for token and in rank, and how far apart their scores are."""
     from transformers import AutoModelForCausalLM
 
     tok = llm.get_tokenizer()
     eos = None if params.ignore_eos else sorted(llm.eos_token_ids)
-    with _float32_copy(llm) as ref_llm:  # one float32 model at a time (see compare_with_transformers)
+    with _reference_copy(llm) as ref_llm:  # one model of minifer's at a time (see compare_with_transformers)
         beams = ref_llm.beam_search(list(prompts), params)
-    hf = AutoModelForCausalLM.from_pretrained(str(llm.model_path), dtype=torch.float32).to(llm.device).eval()
+        dtype = ref_llm.dtype
+    hf = AutoModelForCausalLM.from_pretrained(str(llm.model_path), dtype=dtype).to(llm.device).eval()
     same = total = 0
     worst = 0.0
     for prompt, ours in zip(prompts, beams):
@@ -174,6 +176,9 @@ def compare_beam_search_with_transformers(llm: "LLM", prompts: Sequence[str], pa
             same += seq.tokens == theirs
             worst = max(worst, abs(seq.score - score))
     del hf
+    if dtype != torch.float32:  # 16-bit sums of log-probabilities differ by rounding; say by how much
+        return (f"transformers' beam search ({str(dtype).replace('torch.', '')}): {same} of {total} finished beams "
+                f"identical, largest score difference {worst:.2g}")
     return (f"transformers' beam search (float32): {same} of {total} finished beams identical, "
             f"every score within 1e-4 of transformers': {worst < 1e-4}")
 

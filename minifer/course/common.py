@@ -37,6 +37,7 @@ class ModelPair:
     draft: str
     device: str
     reason: str
+    chapter: str | None = None  # "00"...: on a GPU, its KV caches are sized after the chapter's models
 
     @property
     def on_gpu(self) -> bool:
@@ -45,35 +46,60 @@ class ModelPair:
     def load(self, which: str = "target", **kwargs: Any) -> "LLM":
         """``LLM`` for the target (or ``which="draft"``) on this pair's device; ``kwargs`` go to ``LLM``.
 
-        On a GPU each engine's KV cache is held to ``minifer.course.gpu_plan.GPU_KV_CACHE_BYTES`` (at most the
-        blocks a chapter asks for): the engine's own default takes 90% of the free memory, which left
-        nothing for the next model a chapter loads."""
+        On a GPU each engine's KV cache is sized after the models: its share of what the GPU has left once
+        every model of ``chapter`` is counted (``minifer.course.gpu_plan.kv_share``; ``GPU_KV_CACHE_BYTES``
+        when no chapter is named), at most the blocks a cell asks for. The engine's own default takes 90% of
+        the free memory, which left nothing for the next model a chapter loads."""
         from minifer import LLM
 
         name = {"target": self.target, "draft": self.draft}[which]
         kwargs.setdefault("device", self.device)
         if str(kwargs["device"]).startswith("cuda"):
-            kwargs["num_kv_blocks"] = gpu_kv_blocks(name, kwargs)
+            kwargs["num_kv_blocks"] = gpu_kv_blocks(name, kwargs, self.kv_budget(kwargs))
         return LLM(name, **kwargs)
+
+    def kv_budget(self, llm_kwargs: Mapping[str, Any] | None = None) -> int:
+        """KV bytes for one engine of this pair on the GPU (``load``'s rule), checked against the chapter's plan;
+        chapter 06 passes it to ``minifer.bench.stacking`` as its memory budget beyond the weights."""
+        from minifer.course.gpu_plan import GPU_KV_CACHE_BYTES, kv_share
+        from minifer.engine.llm import resolve_dtype
+
+        if self.chapter is None:
+            return GPU_KV_CACHE_BYTES
+        device = torch.device((llm_kwargs or {}).get("device", self.device))
+        dtype = resolve_dtype((llm_kwargs or {}).get("dtype", "auto"), device)
+        return kv_share(self.chapter, model_config(self.target), model_config(self.draft), dtype.itemsize,
+                        gpu_available_bytes(device))
 
     def __str__(self) -> str:
         return f"target={self.target}  draft={self.draft}  device={self.device}  ({self.reason})"
 
 
-def gpu_kv_blocks(model: str, llm_kwargs: Mapping[str, Any]) -> int:
-    """The KV blocks an engine of ``model`` gets on the GPU track (``minifer.course.gpu_plan``): what
-    ``GPU_KV_CACHE_BYTES`` holds in the engine's dtype and cache format, at most ``num_kv_blocks`` if given."""
-    from minifer.engine.llm import resolve_dtype
-    from minifer.course.gpu_plan import GPU_KV_CACHE_BYTES, kv_blocks_within
+def model_config(name: str) -> Any:
+    """A model's ``ModelConfig`` from its config.json alone: nothing but that file is fetched."""
     from minifer.loader import load_config, resolve_model
 
-    def config(name: str) -> Any:
-        return load_config(resolve_model(name, need_weights=False))  # config.json only: no weights fetched here
+    return load_config(resolve_model(name, need_weights=False))
+
+
+def gpu_available_bytes(device: Any = "cuda") -> int:
+    """GPU memory this process can use: what is free plus what its allocator already holds (the engines a
+    chapter loaded before), so every engine of a chapter computes its share from the same total."""
+    free, _ = torch.cuda.mem_get_info(torch.device(device))
+    return free + torch.cuda.memory_reserved(torch.device(device))
+
+
+def gpu_kv_blocks(model: str, llm_kwargs: Mapping[str, Any], budget: int) -> int:
+    """The KV blocks an engine of ``model`` gets on the GPU track (``minifer.course.gpu_plan``): what ``budget``
+    bytes hold in the engine's dtype and cache format (a speculating engine's blocks hold its draft's part
+    too), at most ``num_kv_blocks`` if given."""
+    from minifer.course.gpu_plan import kv_blocks_within
+    from minifer.engine.llm import resolve_dtype
 
     dtype = resolve_dtype(llm_kwargs.get("dtype", "auto"), torch.device(llm_kwargs.get("device", "cuda")))
     spec = llm_kwargs.get("speculative_config") or {}
-    draft = config(spec["model"]) if spec.get("method") == "draft_model" and spec.get("model") else None
-    return kv_blocks_within(config(model), GPU_KV_CACHE_BYTES, dtype.itemsize, llm_kwargs.get("block_size", 16),
+    draft = model_config(spec["model"]) if spec.get("method") == "draft_model" and spec.get("model") else None
+    return kv_blocks_within(model_config(model), budget, dtype.itemsize, llm_kwargs.get("block_size", 16),
                             llm_kwargs.get("kv_cache_dtype", "auto"), llm_kwargs.get("num_kv_blocks"), draft)
 
 
@@ -126,8 +152,8 @@ def choose_models(env: Mapping[str, str] | None = None, *, chapter: str | None =
     - ``MINIFER_TRACK=gpu`` on a CUDA machine whose Hub is reachable (or which has them cached): Qwen3-1.7B
       with Qwen3-0.6B as draft, the sizes where memory bandwidth, batching and speculation behave as in
       production. Opt-in because it downloads about 4.6 GB (the reason says what, before any download) and
-      needs a GPU of 16 GB; with ``chapter`` (``"00"``...) the reason also gives that chapter's planned peak
-      GPU memory (``minifer.course.gpu_plan``).
+      needs a GPU of 16 GB; with ``chapter`` (``"00"``...) the reason also gives the GPU memory that chapter
+      needs at least, and the pair sizes the chapter's KV caches after its models (``minifer.course.gpu_plan``).
     """
     env = os.environ if env is None else env
     cuda = torch.cuda.is_available()
@@ -139,7 +165,8 @@ def choose_models(env: Mapping[str, str] | None = None, *, chapter: str | None =
         if device == "cuda" and all(_in_hf_cache(r) for r in GPU_PAIR):
             default = GPU_PAIR
         pair = (target or default[0], draft or default[1])
-        return ModelPair(*pair, device, f"set by MINIFER_TARGET/MINIFER_DRAFT; {gpu_track_download_note(pair)}")
+        return ModelPair(*pair, device, f"set by MINIFER_TARGET/MINIFER_DRAFT; {gpu_track_download_note(pair)}",
+                         chapter)
     if not cuda:
         why = f"{TRACK_ENV}=gpu, but " if gpu_track else ""
         return ModelPair(*BUNDLED_PAIR, "cpu", f"{why}no CUDA GPU: the bundled TinyStories pair")
@@ -151,9 +178,12 @@ def choose_models(env: Mapping[str, str] | None = None, *, chapter: str | None =
         if chapter is not None:
             from minifer.course.gpu_plan import gpu_track_needs
 
-            need = f"; chapter {chapter} plans {gpu_track_needs()[chapter] / 2**30:.1f} GiB of GPU memory at its peak"
-        return ModelPair(*GPU_PAIR, device, f"the GPU track ({TRACK_ENV}=gpu): {gpu_track_download_note()}{need}")
-    return ModelPair(*BUNDLED_PAIR, device, f"{TRACK_ENV}=gpu but no Hub access: the bundled TinyStories pair")
+            need = (f"; chapter {chapter} needs {gpu_track_needs()[chapter] / 2**30:.1f} GiB of GPU memory, and its "
+                    f"KV caches take what its models leave")
+        return ModelPair(*GPU_PAIR, device, f"the GPU track ({TRACK_ENV}=gpu): {gpu_track_download_note()}{need}",
+                         chapter)
+    return ModelPair(*BUNDLED_PAIR, device, f"{TRACK_ENV}=gpu but no Hub access: the bundled TinyStories pair",
+                     chapter)
 
 
 def setup_notebook(threads: int | None = None) -> dict[str, Any]:

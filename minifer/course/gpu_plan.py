@@ -4,19 +4,26 @@ The GPU track (``MINIFER_TRACK=gpu``, ``minifer.course.common.choose_models``) r
 with Qwen3-0.6B as draft. A learner's GPU is often a 16 GB T4 (15 GiB visible to CUDA), so every chapter
 must fit in that, and how much each takes is a sum we can do without the GPU: weights (parameters times
 bytes per parameter, or the quantized layout's bytes), KV caches (blocks times bytes per block, as
-``PagedKVCache`` allocates them), a float32 reference where a chapter compares with transformers, and
-headroom for activations.
+``PagedKVCache`` allocates them), and headroom for activations.
 
-Two rules make the sums small enough:
+Two rules make the sums fit:
 
-- On the GPU, ``ModelPair.load`` gives each engine at most ``GPU_KV_CACHE_BYTES`` of KV cache
-  (``kv_blocks_within``) instead of the engine's default of 90% of free memory less 2 GiB, which let the
-  first engine a chapter loads take the memory every later one needs.
-- The parity checks (``compare_with_transformers``, ``compare_beam_search_with_transformers``) hold one
-  float32 model at a time: minifer's copy runs and is freed before transformers' is loaded.
+- The KV caches are sized after the models: ``ModelPair.load`` gives each engine a chapter starts an equal
+  share of what the GPU has left once *every* model the chapter loads is counted (``kv_share``), not the
+  engine's default of 90% of free memory less 2 GiB, which let the first engine a chapter loads take the
+  memory every later one needs. A 16 GB GPU then gets caches of 1-5 GiB per engine, a larger GPU larger
+  ones; a GPU too small for a chapter's models plus ``MIN_KV_BLOCKS`` per engine is refused before anything
+  is loaded, with the numbers.
+- The parity checks (``compare_with_transformers``, ``compare_beam_search_with_transformers``) run on the GPU
+  in the model's own dtype: transformers' copy is a second 16-bit model, not a float32 one (6.9 GB for
+  Qwen3-1.7B), and minifer's engine is compared as it is, without a float32 copy.
+
+Chapter 06 builds ten engines (``minifer.bench.stacking``); on a GPU they are built one at a time beside the
+weights they share, and the share is the memory budget its cell passes (``ModelPair.kv_budget``).
 
 ``CHAPTERS`` lists what each chapter keeps alive at its peak, read from its cells; ``chapter_plan`` prices
-it for a pair of configs and a dtype, and ``tests/course/test_install_gpu_track.py`` checks every chapter against 15 GiB.
+it for a pair of configs, a dtype and a GPU size, and ``tests/course/test_install_gpu_track.py`` checks every
+chapter against 15 GiB.
 """
 
 from __future__ import annotations
@@ -26,7 +33,8 @@ from dataclasses import dataclass
 from minifer.config import ModelConfig
 
 GiB = 2**30
-GPU_KV_CACHE_BYTES = 1 * GiB  # per engine on the GPU track: 585 blocks of 16 tokens of Qwen3-1.7B in 16 bits
+GPU_KV_CACHE_BYTES = 1 * GiB  # per engine when no chapter is named: 585 blocks of 16 tokens of Qwen3-1.7B in 16 bits
+MIN_KV_BLOCKS = 256  # the least an engine may get: the fewest a chapter cell asks for (05's), bar 03's 12-block demo
 ACTIVATION_HEADROOM_BYTES = 1 * GiB  # logits, attention scratch, the allocator's slack
 T4_VISIBLE_BYTES = 15 * GiB  # a 16 GB T4 as CUDA reports it (15.1 GiB), the smallest GPU the track plans for
 
@@ -65,9 +73,13 @@ def weight_bytes(cfg: ModelConfig, dtype_bytes: int, quantization: str | None = 
         return total
     from minifer.course.weight_bytes import decoder_linear_shapes, quantized_linear_bytes
 
-    shapes = decoder_linear_shapes(cfg).values()
-    linears = cfg.num_hidden_layers * sum(n * k for n, k in shapes)
-    quantized = cfg.num_hidden_layers * sum(quantized_linear_bytes(n, k, quantization) for n, k in shapes)
+    from minifer.quant.model import group_for
+
+    shapes = decoder_linear_shapes(cfg)
+    linears = cfg.num_hidden_layers * sum(n * k for n, k in shapes.values())
+    # int4's group is 128, or quantize_model's fallback where 128 does not divide K (the bundled target's 704)
+    quantized = cfg.num_hidden_layers * sum(quantized_linear_bytes(n, k, quantization, group_for(name, k, 128))
+                                            for name, (n, k) in shapes.items())
     return total - linears * dtype_bytes + quantized
 
 
@@ -78,53 +90,107 @@ class Resident:
     what: str
     model: str  # "target" or "draft"
     weights: str = "model"  # "model" (the track's dtype), "float32", "int8", "int4", "shared" (another engine's)
-    kv_cache: bool = True  # an engine with its own KV cache (GPU_KV_CACHE_BYTES at most, a draft's included)
+    kv_cache: bool = True  # an engine with its own KV cache (an equal share of what the models leave)
+    with_draft: bool = False  # a speculating engine: each of its KV blocks also holds the draft's keys and values
+    stacking: bool = False  # chapter 06's engines (minifer.bench.stacking), built one at a time on a GPU: the share is
+    # their memory budget ``kv_memory``; an int8-weights one's cache also gets the bytes int8 saves, a speculating
+    # one's loses the draft's weights
 
 
-# What each chapter keeps alive at once, at its peak (read from its cells). The parity checks hold one
-# float32 model at a time, so the larger of the two (transformers' own) is the one listed.
+# What each chapter keeps alive at once, at its peak (read from its cells). The parity checks compare with
+# transformers' model in the track's dtype, loaded beside the chapter's engine.
 CHAPTERS: dict[str, list[Resident]] = {
     "00": [Resident("the target", "target"),
-           Resident("transformers' float32 reference (parity check)", "target", "float32", kv_cache=False)],
+           Resident("transformers' reference (parity check, same dtype)", "target", kv_cache=False)],
     "01": [Resident("the target", "target")],
     "02": [Resident("the target", "target"),
-           Resident("transformers' float32 reference (beam search check)", "target", "float32", kv_cache=False)],
+           Resident("transformers' reference (beam search check, same dtype)", "target", kv_cache=False)],
     "03": [Resident("the target", "target"), Resident("the 'tight' engine (12 blocks)", "target")],
-    "04": [Resident("plain decoding", "target"), Resident("draft-model speculation (k = 4)", "target"),
-           Resident("its draft", "draft", kv_cache=False), Resident("adaptive speculation", "target", "shared"),
+    "04": [Resident("plain decoding", "target"), Resident("draft-model speculation (k = 4)", "target", with_draft=True),
+           Resident("its draft", "draft", kv_cache=False),
+           Resident("adaptive speculation", "target", "shared", with_draft=True),
            Resident("n-gram speculation", "target", "shared"), Resident("n-gram, grounded", "target", "shared")],
     "05": [Resident("the reference", "target"), Resident("int8 weights", "target", "int8"),
-           Resident("int4 weights", "target", "int4"), Resident("int4 reloaded from its checkpoint", "target", "int4")],
-    "06": [Resident("the 16-bit holder", "target"), Resident("its draft", "draft", kv_cache=False),
+           Resident("int4 weights", "target", "int4"), Resident("int4 reloaded from its checkpoint", "target", "int4"),
+           Resident("the KV-cache formats' engine (kv_cache_runs, one at a time)", "target")],
+    "06": [Resident("the 16-bit holder", "target", kv_cache=False), Resident("its draft", "draft", kv_cache=False),
            Resident("the int8 holder", "target", "int8", kv_cache=False),
-           Resident("the int8 holder's draft", "draft", kv_cache=False)],  # the levers' engines share these
+           Resident("the int8 holder's draft", "draft", kv_cache=False),  # every configuration shares these weights
+           Resident("the configuration being measured (one at a time)", "target", "shared", stacking=True)],
 }
 
 
-def chapter_plan(chapter: str, target: ModelConfig, draft: ModelConfig, dtype_bytes: int = 2,
-                 kv_budget: int = GPU_KV_CACHE_BYTES) -> list[tuple[str, int]]:
-    """``(what, bytes)`` of everything ``chapter`` holds at its peak, headroom included."""
+def _weight_rows(chapter: str, target: ModelConfig, draft: ModelConfig, dtype_bytes: int) -> list[tuple[str, int]]:
     if chapter not in CHAPTERS:
         raise ValueError(f"unknown chapter {chapter!r}: one of {', '.join(CHAPTERS)}")
     rows = []
     for r in CHAPTERS[chapter]:
+        if r.weights == "shared":
+            continue
         cfg = target if r.model == "target" else draft
-        if r.weights != "shared":
-            size = weight_bytes(cfg, 4 if r.weights == "float32" else dtype_bytes,
-                                r.weights if r.weights in ("int8", "int4") else None)
-            if r.weights == "float32":
-                size = cfg.num_parameters() * 4
-            rows.append((f"{r.what}: weights", size))
+        size = (cfg.num_parameters() * 4 if r.weights == "float32" else
+                weight_bytes(cfg, dtype_bytes, r.weights if r.weights in ("int8", "int4") else None))
+        rows.append((f"{r.what}: weights", size))
+    return rows
+
+
+def _int8_savings(r: Resident, target: ModelConfig, dtype_bytes: int) -> int:
+    """What a stacking engine's cache gains beyond the share when its configuration has int8 weights."""
+    return weight_bytes(target, dtype_bytes) - weight_bytes(target, dtype_bytes, "int8") if r.stacking else 0
+
+
+def min_kv_share(chapter: str, target: ModelConfig, draft: ModelConfig, dtype_bytes: int = 2) -> int:
+    """The KV bytes per engine that give every engine of ``chapter`` at least ``MIN_KV_BLOCKS`` blocks (a stacking
+    budget must also hold the draft's weights, which a speculating configuration takes from it)."""
+    least = []
+    for r in CHAPTERS[chapter]:
         if r.kv_cache:
-            blocks = kv_blocks_within(cfg, kv_budget, dtype_bytes)
-            rows.append((f"{r.what}: KV cache ({blocks} blocks)", blocks * kv_block_bytes(cfg, dtype_bytes)))
-            # (a speculating engine's blocks also hold its draft's part: fewer blocks, the same budget)
+            spec = r.with_draft or r.stacking
+            per_block = kv_block_bytes(target, dtype_bytes) + (kv_block_bytes(draft, dtype_bytes) if spec else 0)
+            least.append(MIN_KV_BLOCKS * per_block + (weight_bytes(draft, dtype_bytes) if r.stacking else 0))
+    return max(least)
+
+
+def kv_share(chapter: str, target: ModelConfig, draft: ModelConfig, dtype_bytes: int, device_bytes: int) -> int:
+    """KV bytes each engine of ``chapter`` gets on a GPU of ``device_bytes``: what is left after every model the
+    chapter loads and the headroom, in equal shares. Raises ``ValueError`` when a share would be below
+    ``min_kv_share``, saying how much the chapter needs."""
+    weights = sum(b for _, b in _weight_rows(chapter, target, draft, dtype_bytes))
+    weights += sum(_int8_savings(r, target, dtype_bytes) for r in CHAPTERS[chapter])
+    engines = sum(r.kv_cache for r in CHAPTERS[chapter])
+    share = (device_bytes - weights - ACTIVATION_HEADROOM_BYTES) // engines
+    least = min_kv_share(chapter, target, draft, dtype_bytes)
+    if share < least:
+        need = weights + ACTIVATION_HEADROOM_BYTES + engines * least
+        raise ValueError(f"chapter {chapter} on the GPU track needs {need / GiB:.1f} GiB of GPU memory (its models "
+                         f"{weights / GiB:.1f} GiB, {engines} KV cache(s) of at least {MIN_KV_BLOCKS} blocks, "
+                         f"{ACTIVATION_HEADROOM_BYTES / GiB:.0f} GiB of headroom); this GPU has "
+                         f"{device_bytes / GiB:.1f} GiB available: use the CPU track, or MINIFER_TARGET / "
+                         f"MINIFER_DRAFT for smaller models")
+    return share
+
+
+def chapter_plan(chapter: str, target: ModelConfig, draft: ModelConfig, dtype_bytes: int = 2,
+                 device_bytes: int | None = None) -> list[tuple[str, int]]:
+    """``(what, bytes)`` of everything ``chapter`` holds at its peak, headroom included: on a GPU of
+    ``device_bytes`` (its KV caches fill what the models leave), or, with None, the chapter's least (the equal
+    share that gives every engine ``MIN_KV_BLOCKS``)."""
+    rows = _weight_rows(chapter, target, draft, dtype_bytes)
+    share = (min_kv_share(chapter, target, draft, dtype_bytes) if device_bytes is None
+             else kv_share(chapter, target, draft, dtype_bytes, device_bytes))
+    for r in CHAPTERS[chapter]:
+        if r.kv_cache:
+            cfg = target if r.model == "target" else draft
+            per_block = kv_block_bytes(cfg, dtype_bytes) + (kv_block_bytes(draft, dtype_bytes) if r.with_draft else 0)
+            blocks = (share + _int8_savings(r, target, dtype_bytes)) // per_block  # stacking: its largest cache
+            rows.append((f"{r.what}: KV cache ({blocks} blocks)", blocks * per_block))
     rows.append(("activations and allocator headroom", ACTIVATION_HEADROOM_BYTES))
     return rows
 
 
 def gpu_track_needs(dtype_bytes: int = 2) -> dict[str, int]:
-    """Each chapter's peak bytes for the GPU pair (Qwen3-1.7B + Qwen3-0.6B, shipped configs)."""
+    """Each chapter's least GPU memory for the GPU pair (Qwen3-1.7B + Qwen3-0.6B, shipped configs): its models,
+    ``MIN_KV_BLOCKS`` per KV cache and the headroom. On a GPU the caches grow into whatever is beyond."""
     from minifer.loader import SHIPPED_CONFIGS
 
     target = ModelConfig.from_file(SHIPPED_CONFIGS["Qwen/Qwen3-1.7B"])

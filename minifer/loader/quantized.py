@@ -19,30 +19,33 @@ A quantized checkpoint is a folder::
 
 The projections stay fused (``qkv_proj``, ``gate_up_proj``), as minifer runs them; so the folder is not a
 transformers checkpoint (transformers would look for ``q_proj``), and ``quantization_config`` lives in its
-own file rather than in ``config.json``, where transformers would try to interpret it.
+own file rather than in ``config.json``, where transformers would try to interpret it. For a folder vLLM and
+transformers read, write int4 models with ``gptq_checkpoint.save_gptq`` (the GPTQ layout).
 
-``LLM(folder)`` loads such a folder transparently (``load_model``). Loading trusts nothing: every layer of
-``quantization_config.json`` must exist in the architecture with the recorded shape, and its tensors must
-match each other (``QuantizedWeight.validate``); a mismatch raises ``ModelLoadError`` naming the tensor.
+``LLM(folder)`` loads such a folder, and a GPTQ checkpoint, transparently (``load_model``). Loading trusts
+nothing: every layer of ``quantization_config.json`` must exist in the architecture with the recorded shape,
+and its tensors must match each other (``QuantizedWeight.validate``); a mismatch raises ``ModelLoadError`` naming the tensor.
 """
 
 from __future__ import annotations
 
 import json
-import shutil
 from pathlib import Path
 
 import torch
 from torch import nn
 
 from minifer.loader import ModelLoadError, build_model, read_checkpoint
-from minifer.quant.formats import QuantizedWeight
-from minifer.quant.linear import QuantKernel, QuantLinear, set_module, set_quant_kernel
+from minifer.loader.gptq_checkpoint import is_gptq_checkpoint, load_gptq
+from minifer.loader.quant_fill import (
+    CONFIG_FILE,
+    WEIGHTS_FILE,
+    copy_checkpoint_files,
+    fill_quantized,
+    unwrap_llm,
+)
+from minifer.quant.linear import QuantKernel, set_quant_kernel
 from minifer.quant.model import QuantizationConfig, check_quantization, quantize_model
-
-CONFIG_FILE = "quantization_config.json"
-WEIGHTS_FILE = "model.safetensors"
-_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".safetensors.index.json", ".bin.index.json")
 
 
 def is_quantized_checkpoint(path: str | Path) -> bool:
@@ -54,19 +57,11 @@ def save_quantized(model, path: str | Path, source: str | Path | None = None) ->
 
     ``source`` is the checkpoint folder the model came from (its config.json and tokenizer files are
     copied); an ``LLM``'s own ``model_path`` by default."""
-    if not isinstance(model, nn.Module):
-        source = model.model_path if source is None else source
-        model = model.model
+    model, source = unwrap_llm(model, source)
     qcfg: QuantizationConfig | None = getattr(model, "quantization_config", None)
     if qcfg is None:
         raise ValueError("model is not quantized: call quantize_model first")
-    if source is None or not (Path(source) / "config.json").is_file():
-        raise ValueError(f"source must be the model's checkpoint folder (with config.json), got {source!r}")
-    path = Path(path)
-    path.mkdir(parents=True, exist_ok=True)
-    for f in sorted(Path(source).iterdir()):
-        if f.is_file() and not f.name.endswith(_WEIGHT_SUFFIXES) and f.name != CONFIG_FILE:
-            shutil.copy2(f, path / f.name)
+    path = copy_checkpoint_files(source, path)
     from safetensors.torch import save_file
 
     tied = model.config.tie_word_embeddings
@@ -91,75 +86,21 @@ def load_quantized(path: str | Path, *, dtype: torch.dtype = torch.float32, devi
         raise ModelLoadError(f"{path / CONFIG_FILE}: {e}") from e
     device = torch.device(device)
     model = build_model(path, load_format="dummy", dtype=dtype, device=device, max_positions=max_positions)
-    tensors = read_checkpoint(path)
-    for name, spec in qcfg.layers.items():
-        try:
-            linear = model.get_submodule(name)
-        except AttributeError:
-            raise ModelLoadError(f"{path}: quantized layer {name} does not exist in this architecture") from None
-        if not isinstance(linear, nn.Linear):
-            raise ModelLoadError(f"{path}: quantized layer {name} is a {type(linear).__name__} in this architecture, "
-                                 f"not a linear layer")
-        if not isinstance(spec, dict) or not {"shape", "group_size", "bias"} <= spec.keys():
-            raise ModelLoadError(f"{path}: the quantization_config entry of {name} must give its shape, group_size "
-                                 f"and bias, got {spec!r}")
-        shape = (linear.out_features, linear.in_features)
-        if list(shape) != list(spec["shape"]):
-            raise ModelLoadError(f"{path}: {name} is recorded with shape {spec['shape']}, the architecture has "
-                                 f"{list(shape)}")
-        if bool(spec["bias"]) != (linear.bias is not None):  # Qwen2's q/k/v have biases, Llama's do not
-            raise ModelLoadError(f"{path}: {name} is recorded {'with' if spec['bias'] else 'without'} a bias, but "
-                                 f"the architecture's layer has {'one' if linear.bias is not None else 'none'}")
-        missing = [f"{name}.{t}" for t in ("qweight", "scales") + (("zeros",) if not qcfg.symmetric else ())
-                   + (("bias",) if spec["bias"] else ()) if f"{name}.{t}" not in tensors]
-        if missing:
-            raise ModelLoadError(f"{path}: missing tensors {missing}")
-        if qcfg.symmetric and f"{name}.zeros" in tensors:
-            raise ModelLoadError(f"{path}: {name}.zeros is present but quantization_config says symmetric")
-        qw = QuantizedWeight(qcfg.format, tensors.pop(f"{name}.qweight"), tensors.pop(f"{name}.scales"),
-                             tensors.pop(f"{name}.zeros", None), spec["group_size"], shape)
-        try:
-            qw.validate()
-        except ValueError as e:
-            raise ModelLoadError(f"{path}: tensors of {name} do not match its quantization_config entry: {e}") from e
-        bias = tensors.pop(f"{name}.bias", None)
-        try:
-            set_module(model, name, QuantLinear(qw.to(device), None if bias is None else bias.to(device, dtype)))
-        except ValueError as e:
-            raise ModelLoadError(f"{path}: {name}.bias: {e}") from e
-    _load_rest(model, tensors, path)
-    model.quantization_config = qcfg
-    return model.eval()
-
-
-def _load_rest(model: nn.Module, tensors: dict[str, torch.Tensor], path: Path) -> None:
-    """Copy the tensors that stayed in full precision, checking that they are exactly the model's parameters.
-    With tied embeddings ``lm_head.weight`` is the embedding itself: a stray copy in the file is ignored, as
-    the plain loader does, instead of overwriting the embedding through the tie."""
-    if model.config.tie_word_embeddings:
-        tensors = {k: t for k, t in tensors.items() if k != "lm_head.weight"}
-    try:
-        missing, unexpected = model.load_state_dict(tensors, strict=False)
-    except RuntimeError as e:  # a shape mismatch, named by torch
-        raise ModelLoadError(f"{path}: {e}") from None
-    params = dict(model.named_parameters(remove_duplicate=False))
-    missing = [k for k in missing if k in params and not (model.config.tie_word_embeddings and k == "lm_head.weight")]
-    if missing or unexpected:
-        raise ModelLoadError(f"{path}: {WEIGHTS_FILE} does not match the model (missing {missing[:4]}, "
-                             f"unexpected {unexpected[:4]})")
+    return fill_quantized(model, qcfg, read_checkpoint(path), path)
 
 
 def load_model(path: Path, quantization: str | None = None, *, load_format: str = "auto",
                quant_kernel: QuantKernel | None = None, **build_kw) -> nn.Module:
-    """What ``LLM`` calls: a folder written by ``save_quantized`` loads as saved (``quantization``, if given,
-    must name its format); any other checkpoint loads with ``build_model`` and, when ``quantization`` is
-    given, is quantized by round-to-nearest (``quantize_model``). Quantized layers multiply through
-    ``quant_kernel`` (``QuantKernel``; the PyTorch reference when None)."""
+    """What ``LLM`` calls: a folder written by ``save_quantized``, or a GPTQ checkpoint (``gptq_checkpoint``),
+    loads as saved (``quantization``, if given, must name its format); any other checkpoint loads with
+    ``build_model`` and, when ``quantization`` is given, is quantized by round-to-nearest (``quantize_model``).
+    Quantized layers multiply through ``quant_kernel`` (``QuantKernel``; the PyTorch reference when None)."""
     if quantization is not None:
         check_quantization(quantization)
-    if load_format != "dummy" and is_quantized_checkpoint(path):
-        model = load_quantized(path, dtype=build_kw["dtype"], device=build_kw["device"],
-                               max_positions=build_kw.get("max_positions"))
+    saved_layout = load_quantized if is_quantized_checkpoint(path) else load_gptq if is_gptq_checkpoint(path) else None
+    if load_format != "dummy" and saved_layout is not None:
+        model = saved_layout(path, dtype=build_kw["dtype"], device=build_kw["device"],
+                             max_positions=build_kw.get("max_positions"))
         saved = model.quantization_config.format
         if quantization not in (None, saved):
             raise ValueError(f"quantization={quantization!r}, but {path} holds a {saved} checkpoint")

@@ -150,6 +150,24 @@ def test_each_engine_really_has_its_levers(small_run):
     assert eng.budgets["CB+spec"].weight_bytes == st.model_bytes(plain.model) + st.model_bytes(full.draft_model)
 
 
+def test_one_engine_at_a_time_frees_the_one_before():
+    """The GPU's mode (a 16 GB GPU holds the weights and one engine's cache, not ten caches): each engine is built
+    when asked for, with the budget of the eager mode, and the one before it is gone."""
+    import weakref
+
+    w = st.Workload([[0, 5, 6]], [4])
+    lazy = st.Engines("tinystories-target", st.DRAFT, None, w, kv_memory=4 * 2**20, one_at_a_time=True)
+    assert list(lazy.llms) == [st.label(c) for c in st.configurations()] + ["CB (A/A)"]
+    first = weakref.ref(lazy.llms["CB+spec"])
+    assert first().engine.block_manager.num_blocks == lazy.budgets["CB+spec"].kv_blocks
+    second = lazy.llms["CB+W8+KV8"]
+    assert first() is None and second is lazy.llms["CB+W8+KV8"]  # freed; the current one is kept while in use
+    assert second.engine.kv_cache.kv_cache_dtype == "int8" and second.quantization_config is not None
+    with pytest.raises(KeyError):
+        lazy.llms["CB+W4"]
+    assert lazy.llms["CB+W8+KV8"] is second  # an unknown name freed nothing
+
+
 def _tensor_bytes(cache) -> int:
     return sum(t.numel() * t.element_size() for t in vars(cache).values() if isinstance(t, torch.Tensor))
 
