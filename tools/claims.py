@@ -10,12 +10,14 @@
     id = "cb_over_static"
     where = "README.md"                       # or a notebook: its markdown cells are searched
     quote = "gives **{2.89}x** the output-token throughput"   # the prose, the number in braces
-    result = "throughput_512.json"            # under benchmarks/results/
+    result = "throughput_512.json"            # under benchmarks/results/ (or a path from the repository root)
     field = "summary.ratios.continuous/static.median_of_round_ratios"
     kind = "measured"                         # or "computed": bounds, predictions, simulations
     scale = 1                                 # 100 when the prose prints a fraction as a percentage
     offset = 0                                # optional: added before scaling (-1 with scale -100: "4% slower")
     tolerance = 0.005                         # optional; default half a unit of the last printed digit
+    over = "summary.steps.continuous"         # optional: divide by this field of the same result (a ratio
+                                              # the JSON does not store: "2.4x fewer forward passes")
     headline = "Continuous over static batching"   # optional: a row of README's headline table
 
 A field path is dot-separated keys; ``[3]`` indexes a list and ``[k=4,batch=1]`` picks the list item whose
@@ -25,9 +27,13 @@ a final ``#`` counts the items of a list or dict (``kernels.#``: how many compil
 ``offset`` (default 0) is added to the value before ``scale``: ``offset = -1, scale = -100`` prints a speed ratio
 of 0.962 as "4% slower". ``check`` fails when the quote is not in the prose (someone edited the number by
 hand, or the sentence moved), when the field is missing, when the value and the printed number differ by
-more than the rounding, or when a figure is called measured but comes from a computed result or field.
+more than the rounding, when a figure is called measured but comes from a computed result or field, or when
+the result was measured at a dirty tree (``metadata.git.dirty``: the commit alone does not say what ran).
+A dirty result that cannot be measured again here (a GPU run) may be accepted by name, with the reason, in
+the ledger's ``[dirty]`` table; each run prints those, and an entry whose result is not dirty is an error.
 Results are not re-measured here: ``stale`` names the results whose recorded code fingerprint no longer
-matches the tree (``minifer.bench.provenance``), for ``make results`` to measure again.
+matches the tree (``minifer.bench.provenance``), for ``make results`` to measure again, and ``unrecorded``
+those that carry no git record at all. Both are news, not failures.
 """
 
 from __future__ import annotations
@@ -66,6 +72,7 @@ class Claim:
     scale: float = 1.0
     offset: float = 0.0
     tolerance: float | None = None
+    over: str | None = None  # a field of the same result to divide by
     headline: str | None = None
     article: str | None = None  # the article's own figure, for the headline table
 
@@ -88,13 +95,20 @@ class Claim:
         return 0.5 * 10.0 ** -digits + 1e-12
 
 
-def load(path: Path = LEDGER) -> list[Claim]:
+def load(path: Path | None = None) -> list[Claim]:
+    path = path or LEDGER
     claims = [Claim(**c) for c in tomllib.loads(path.read_text())["claim"]]
     ids = [c.id for c in claims]
     dup = {i for i in ids if ids.count(i) > 1}
     if dup:
         raise ValueError(f"duplicate claim ids in {path.name}: {sorted(dup)}")
     return claims
+
+
+def accepted_dirty(path: Path | None = None) -> dict[str, str]:
+    """``{result: why it stands}``: dirty-tree results the ledger accepts because they cannot be re-measured
+    here (``[dirty]`` in the ledger). Kept short on purpose: each one is printed on every run."""
+    return dict(tomllib.loads((path or LEDGER).read_text()).get("dirty", {}))
 
 
 def prose(where: str) -> str:
@@ -169,10 +183,44 @@ def lookup(data: Any, field: str) -> Any:
     return node
 
 
-def result_data(name: str, cache: dict[str, Any] = {}) -> Any:  # noqa: B006 (a per-process cache on purpose)
-    if name not in cache:
-        cache[name] = json.loads((RESULTS / name).read_text())
-    return cache[name]
+_RESULTS_READ: dict[Path, Any] = {}  # a per-process cache, keyed by the full path (tests point RESULTS elsewhere)
+
+
+def result_path(name: str) -> Path:
+    """A result under benchmarks/results/ by its name, or any other committed JSON by its path from the root
+    (``minifer/assets/models/train_report.json``: the bundled models' training record)."""
+    return ROOT / name if "/" in name else RESULTS / name
+
+
+def result_data(name: str) -> Any:
+    path = result_path(name)
+    if path not in _RESULTS_READ:
+        _RESULTS_READ[path] = json.loads(path.read_text())
+    return _RESULTS_READ[path]
+
+
+def git_record(data: Any) -> dict[str, Any] | None:
+    """Where a result says it was measured: ``metadata.git`` (``environment.git`` in the kernel reports)."""
+    if not isinstance(data, dict):
+        return None
+    for section in ("metadata", "environment"):
+        git = data.get(section, {}).get("git") if isinstance(data.get(section), dict) else None
+        if isinstance(git, dict):
+            return git
+    return None
+
+
+def measured_dirty(data: Any) -> bool:
+    git = git_record(data)
+    return bool(git and git.get("dirty"))
+
+
+def paragraph(text: str, quote: str) -> str:
+    """The paragraph (or table, or list) that holds the quote: where a reader looks for "simulated" or "bound"."""
+    at = text.index(quote)
+    start = text.rfind("\n\n", 0, at)
+    end = text.find("\n\n", at + len(quote))
+    return text[start + 2 if start >= 0 else 0:end if end >= 0 else len(text)]
 
 
 def check(claim: Claim) -> str | None:
@@ -182,11 +230,16 @@ def check(claim: Claim) -> str | None:
         return f"{claim.id}: {claim.where} no longer says {claim.text!r} (edited by hand, or the sentence moved)"
     try:
         data = result_data(claim.result)
-        value = lookup(data, claim.field)
     except FileNotFoundError:
-        return f"{claim.id}: no result file benchmarks/results/{claim.result}"
-    except (KeyError, IndexError, TypeError) as e:
-        return f"{claim.id}: {claim.result} has no field {claim.field} ({e})"
+        shown = claim.result if "/" in claim.result else f"benchmarks/results/{claim.result}"
+        return f"{claim.id}: no result file {shown}"
+    value = _value(claim, data)
+    if isinstance(value, str):
+        return value
+    if measured_dirty(data) and claim.result not in accepted_dirty():
+        commit = (git_record(data) or {}).get("commit") or "?"
+        return (f"{claim.id}: {claim.result} was measured at a dirty tree (commit {commit[:7]} plus uncommitted "
+                f"changes): measure it again at a clean commit")
     if claim.kind == "measured":
         kind = data.get("kind") if isinstance(data, dict) else None
         segments = [arg for kind, arg in _steps(claim.field) if kind == "key"]
@@ -194,16 +247,58 @@ def check(claim: Claim) -> str | None:
                 or segments[-1].startswith(COMPUTED_PREFIXES)):
             return f"{claim.id}: called measured, but {claim.result}:{claim.field} is a computed figure"
     elif claim.kind == "computed":
-        if not COMPUTED_WORDS.search(claim.text):
-            return f"{claim.id}: a computed figure whose prose does not say so: {claim.text!r}"
+        if not COMPUTED_WORDS.search(paragraph(text, claim.text)):
+            return f"{claim.id}: a computed figure whose paragraph does not say so: {claim.text!r}"
     else:
         return f"{claim.id}: kind must be 'measured' or 'computed', not {claim.kind!r}"
     printed = float(claim.printed.replace(",", ""))
-    got = (float(value) + claim.offset) * claim.scale
+    got = (value + claim.offset) * claim.scale
     if abs(got - printed) > claim.allowed_error():
         return (f"{claim.id}: {claim.where} prints {claim.printed} but {claim.result}:{claim.field} gives "
                 f"{got:.6g} (allowed error {claim.allowed_error():.3g})")
     return None
+
+
+def _value(claim: Claim, data: Any) -> float | str:
+    """The cited number (divided by ``over`` when given), or a sentence saying which field is missing."""
+    fields = [claim.field] + ([claim.over] if claim.over else [])
+    values = []
+    for field in fields:
+        try:
+            values.append(float(lookup(data, field)))
+        except (KeyError, IndexError, TypeError, ValueError) as e:
+            return f"{claim.id}: {claim.result} has no field {field} ({e})"
+    return values[0] / values[1] if claim.over else values[0]
+
+
+def waiver_problems(claims: list[Claim], accepted: dict[str, str] | None = None) -> list[str]:
+    """A ``[dirty]`` entry must name a cited result that really is dirty; otherwise it would outlive its reason."""
+    accepted = accepted_dirty() if accepted is None else accepted
+    cited = {c.result for c in claims}
+    problems = []
+    for name in sorted(accepted):
+        if name not in cited:
+            problems.append(f"[dirty] {name}: no claim cites it; drop the entry")
+            continue
+        try:
+            dirty = measured_dirty(result_data(name))
+        except FileNotFoundError:
+            dirty = False
+        if not dirty:
+            problems.append(f"[dirty] {name}: not measured at a dirty tree (any more); drop the entry")
+    return problems
+
+
+def unrecorded(claims: list[Claim]) -> list[str]:
+    """Cited results with no git record at all (written before results recorded their commit)."""
+    out = []
+    for name in sorted({c.result for c in claims}):
+        try:
+            if git_record(result_data(name)) is None:
+                out.append(name)
+        except FileNotFoundError:
+            continue
+    return out
 
 
 def stale(claims: list[Claim]) -> dict[str, list[str]]:
@@ -248,11 +343,15 @@ def main(argv: list[str] | None = None) -> int:
         readme = ROOT / "README.md"
         readme.write_text(render_readme(readme.read_text(), claims))
         print("README.md: headline table rewritten")
-    problems = [p for c in claims if (p := check(c))]
+    problems = [p for c in claims if (p := check(c))] + waiver_problems(claims)
     for p in problems:
         print("MISMATCH", p)
     for name, changed in stale(claims).items():
         print(f"STALE {name}: {', '.join(changed[:6])}{' ...' if len(changed) > 6 else ''}")
+    for name in unrecorded(claims):
+        print(f"UNRECORDED {name}: no git record of the commit it was measured at")
+    for name, why in accepted_dirty().items():
+        print(f"DIRTY-ACCEPTED {name}: {why}")
     print(f"{len(claims)} claims, {len(problems)} mismatched")
     return 1 if problems else 0
 

@@ -39,6 +39,10 @@ def test_stale_results_are_named():
     assert set(report) <= {c.result for c in LEDGER}
 
 
+def test_every_accepted_dirty_result_is_cited_and_really_dirty():
+    assert claims.waiver_problems(LEDGER) == []
+
+
 def _claim(**kw):
     base = dict(id="t", where="README.md", quote="x", result="r.json", field="a.b")
     return claims.Claim(**{**base, **kw})
@@ -90,6 +94,11 @@ def test_a_computed_figure_called_measured_fails(fake):
     # and a computed one whose prose does not say so
     fake["value"] = "gives **2.89x** static"
     assert "does not say so" in claims.check(_claim(quote="gives **{2.89}x** static", kind="computed"))
+    # the label may sit anywhere in the same paragraph (a table's header, a list's lead), not in the next one
+    fake["value"] = "Simulated, not timed:\n\n| run | x |\n|---|---|\n| paged | **2.89x** |"
+    assert "does not say so" in claims.check(_claim(quote="| paged | **{2.89}x** |", kind="computed"))
+    fake["value"] = "Simulated, not timed:\n| run | x |\n|---|---|\n| paged | **2.89x** |"
+    assert claims.check(_claim(quote="| paged | **{2.89}x** |", kind="computed")) is None
 
 
 def test_quoted_keys_and_selector_values_may_hold_brackets_commas_and_dots(fake):
@@ -112,6 +121,34 @@ def test_an_offset_turns_a_ratio_into_a_percentage_change(fake):
     assert claims.check(_claim(quote="decodes {25}% slower", field="rows[k=4].v", offset=-1, scale=-100)) is None
     assert "prints 25" in claims.check(_claim(quote="decodes {25}% slower", field="rows[k=1].v", offset=-1,
                                               scale=-100))
+
+
+def test_over_divides_by_a_second_field_and_a_missing_one_fails(fake):
+    fake["value"] = "the big batch has 1.5x the small one's rate"
+    assert claims.check(_claim(quote="has {1.5}x the small", field="rows[k=4].v", over="rows[k=1].v")) is None
+    assert "has no field rows[k=2].v" in claims.check(_claim(quote="has {1.5}x the small", field="rows[k=4].v",
+                                                             over="rows[k=2].v"))
+
+
+def test_a_result_measured_at_a_dirty_tree_fails_unless_the_ledger_accepts_it(fake, tmp_path, monkeypatch):
+    data = json.loads((tmp_path / "r.json").read_text())
+    data["metadata"] = {"git": {"commit": "abc1234def", "dirty": True}}
+    (tmp_path / "r.json").write_text(json.dumps(data))
+    claim = _claim(quote="gives **{2.89}x** static")
+    assert "dirty tree (commit abc1234" in claims.check(claim)
+    # kernel reports keep their git record under "environment"
+    (tmp_path / "k.json").write_text(json.dumps({"environment": {"git": {"dirty": True}}, "a": {"b": 2.89}}))
+    assert "dirty tree" in claims.check(_claim(quote="gives **{2.89}x** static", result="k.json"))
+    ledger = tmp_path / "claims.toml"
+    ledger.write_text('[dirty]\n"r.json" = "a GPU run"\n')
+    monkeypatch.setattr(claims, "LEDGER", ledger)
+    assert claims.check(claim) is None
+    assert claims.waiver_problems([claim]) == []
+    # an acceptance outlives its reason once the result is clean again, or when nothing cites it
+    data["metadata"]["git"]["dirty"] = False
+    (tmp_path / "r.json").write_text(json.dumps(data))
+    assert "not measured at a dirty tree" in claims.waiver_problems([claim])[0]
+    assert "no claim cites it" in claims.waiver_problems([_claim(result="k.json")])[0]
 
 
 def test_a_quote_without_a_marked_number_is_refused(fake):
@@ -138,3 +175,73 @@ def test_a_saved_result_records_the_code_it_ran(tmp_path):
     assert code["minifer/engine/scheduler.py"] == provenance._sha(ROOT / "minifer/engine/scheduler.py")
     assert "minifer/assets/models/tinystories-target/model.safetensors" in code
     assert provenance.stale_sources(code) == []
+
+
+@pytest.fixture
+def copy_of_the_tree(tmp_path, monkeypatch):
+    """A copy of one real notebook, its result JSON and the ledger's claims on them, for edits that must fail."""
+    mine = [c for c in LEDGER if c.where == "notebooks/06_measure_before_stacking.ipynb"]
+    assert mine, "the ledger has no claims on chapter 06 any more: pick another notebook here"
+    (tmp_path / "notebooks").mkdir()
+    (tmp_path / "benchmarks" / "results").mkdir(parents=True)
+    for c in mine:
+        for rel in (c.where, f"benchmarks/results/{c.result}"):
+            (tmp_path / rel).write_bytes((ROOT / rel).read_bytes())
+    monkeypatch.setattr(claims, "ROOT", tmp_path)
+    monkeypatch.setattr(claims, "RESULTS", tmp_path / "benchmarks" / "results")
+    monkeypatch.setattr(claims, "_RESULTS_READ", {})
+    return tmp_path, mine
+
+
+def _edit_markdown(path, old, new):
+    nb = json.loads(path.read_text())
+    for cell in nb["cells"]:
+        text = "".join(cell["source"])
+        if cell["cell_type"] == "markdown" and old in text:
+            cell["source"] = text.replace(old, new, 1).splitlines(keepends=True)
+            path.write_text(json.dumps(nb, indent=1, ensure_ascii=False) + "\n")
+            return
+    raise AssertionError(f"no markdown cell says {old!r}")
+
+
+def test_the_real_claims_hold_in_a_copy_and_fail_once_the_copy_is_edited(copy_of_the_tree):
+    root, mine = copy_of_the_tree
+    assert [claims.check(c) for c in mine] == [None] * len(mine)
+    claim = mine[0]
+    # the prose edited by hand
+    _edit_markdown(root / claim.where, claim.text, claim.text.replace(claim.printed, claim.printed + "9"))
+    assert "no longer says" in claims.check(claim)
+
+
+def test_a_copied_result_edited_dirtied_or_cut_fails(copy_of_the_tree):
+    root, mine = copy_of_the_tree
+    claim = mine[0]
+    path = root / "benchmarks" / "results" / claim.result
+    original = json.loads(path.read_text())
+
+    def rewrite(change):
+        data = json.loads(json.dumps(original))
+        change(data)
+        path.write_text(json.dumps(data))
+        claims._RESULTS_READ.pop(path, None)  # the ledger reads each result once per process
+        return claims.check(claim)
+
+    parent, leaf = claim.field.rsplit(".", 1)
+
+    def scale_field(data):  # the cited number moves by 10%
+        claims.lookup(data, parent)[leaf] *= 1.1
+
+    assert "prints" in rewrite(scale_field)
+    assert "dirty tree" in rewrite(lambda d: d["metadata"]["git"].update(dirty=True))
+    assert "has no field" in rewrite(lambda d: claims.lookup(d, parent).pop(leaf))
+
+
+def test_main_names_stale_results_without_failing(copy_of_the_tree, monkeypatch, capsys):
+    root, mine = copy_of_the_tree
+    (root / "ledger.toml").write_text("")
+    monkeypatch.setattr(claims, "LEDGER", root / "ledger.toml")
+    monkeypatch.setattr(claims, "load", lambda path=None: mine)
+    monkeypatch.setattr(provenance, "ROOT", root)  # no source file exists here: every fingerprint is stale
+    assert claims.main([]) == 0
+    out = capsys.readouterr().out
+    assert f"STALE {mine[0].result}:" in out and f"{len(mine)} claims, 0 mismatched" in out
