@@ -157,9 +157,7 @@ def bench_case(k: int, n: int, m: int, fmt: str, device: torch.device, *, group_
     ref = quant_linear_reference(x.float(), qw)
     rel_err = float((y - ref).norm() / ref.norm())
 
-    # int4 at one row: auto times gemv against the tensor-core kernel on first use (quant_matmul.decode_choice)
-    choice = qm.decode_choice(m, qw, x) if path == "auto" else None
-    chosen = qm.auto_choice(m, qw, x) if path == "auto" else path
+    chosen = qm.auto_path(m, qw) if path == "auto" else path
     launch = _plan(chosen, m, n, k, fmt, group_size, device)
     config, tuning = _best_config(launch), _config_timings(launch)
     qws, ws, n_copies = _rotation(w, qw, fmt, group_size, calls)
@@ -174,7 +172,7 @@ def bench_case(k: int, n: int, m: int, fmt: str, device: torch.device, *, group_
     tq_med, tb_med = statistics.median(tq), statistics.median(tb)
     act_bytes = (m * k + m * n) * 2
     return {"K": k, "N": n, "M": m, "format": fmt, "group_size": group_size if fmt == "int4" else None,
-            "path": chosen, "decode_choice_us": choice["us"] if choice else None, "config": config,
+            "path": chosen, "config": config,
             "autotune_ms": tuning, "rel_err": rel_err, "us_quant": tq_med * 1e6, "us_bf16": tb_med * 1e6,
             "speedup": tb_med / tq_med, "bytes_bound": (w.numel() * 2 + act_bytes) / (qw.nbytes() + act_bytes),
             "GBps_quant": (qw.nbytes() + act_bytes) / tq_med / 1e9,
@@ -191,7 +189,7 @@ def split_sweep(k: int, n: int, m: int, fmt: str, device: torch.device, *, group
 
     w, qw, x, out = _inputs(k, n, m, fmt, device, group_size, seed)
     qm.quant_matmul(x, qw, path=path, out=out)  # autotunes with the default split rule
-    chosen_path = qm.auto_choice(m, qw, x) if path == "auto" else path
+    chosen_path = qm.auto_path(m, qw) if path == "auto" else path
     launch = _plan(chosen_path, m, n, k, fmt, group_size, device)
     best = getattr(launch.kernel, "best_config", None) or launch.configs[0]
     meta = best.kwargs
