@@ -229,7 +229,7 @@ def _config_timings(launch) -> dict[str, float] | None:
 
 
 def device_info(device: torch.device) -> dict[str, Any]:
-    from minifer.bench.roofline import environment
+    from minifer.bench.machine import environment
     from minifer.bench.serving import git_commit
 
     info: dict[str, Any] = {**environment(), "git": git_commit(), "device": str(device)}
@@ -264,7 +264,7 @@ def run(device: str = "cuda", shapes: Sequence[tuple[int, int]] = SHAPES, ms: Se
     ``extra_paths``: also time the decode kernel that ``auto`` does not pick for M <= 16 (gemv vs
     splitk), the measurement behind ``GEMV_MAX_M``. ``sweeps``: ``(K, N, M, format)`` cases whose every
     split of K is timed (``split_sweep``), run first (those among ``shapes``, ``ms`` and ``formats``)."""
-    from minifer.bench.roofline import measure_copy_bandwidth
+    from minifer.bench.machine import measure_copy_bandwidth
 
     dev = torch.device(device)
     if dev.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
@@ -340,7 +340,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-split-sweep", action="store_true", help="skip timing every split of the target case")
     args = ap.parse_args(argv)
     if args.device == "cpu":
-        from minifer.bench.kv_memory import enable_triton_interpreter
+        from minifer.bench.machine import enable_triton_interpreter
 
         ok, msg = enable_triton_interpreter()
         if not ok:
