@@ -79,15 +79,7 @@ class ModelConfig:
 
     @classmethod
     def from_dict(cls, cfg: dict[str, Any]) -> "ModelConfig":
-        archs = cfg.get("architectures") or []
-        arch = archs[0] if archs else None
-        if arch is None:
-            arch = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
-                    "mistral": "MistralForCausalLM"}.get(cfg.get("model_type", ""))
-        if arch not in SUPPORTED_ARCHITECTURES:
-            raise UnsupportedModelError(
-                f"unsupported architecture {arch or cfg.get('model_type')!r}: minifer runs "
-                f"{', '.join(sorted(SUPPORTED_ARCHITECTURES))}")
+        arch = _architecture(cfg)
         family = SUPPORTED_ARCHITECTURES[arch]
         for key in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads"):
             if not isinstance(cfg.get(key), int) or cfg[key] <= 0:
@@ -96,16 +88,7 @@ class ModelConfig:
             raise UnsupportedModelError("sliding-window attention is not supported (use_sliding_window/sliding_window)")
         if cfg.get("hidden_act", "silu") != "silu":
             raise UnsupportedModelError(f"unsupported hidden_act {cfg['hidden_act']!r} (only silu / SwiGLU)")
-        rope = dict(cfg.get("rope_parameters") or {})
-        theta = rope.pop("rope_theta", cfg.get("rope_theta", 10000.0))
-        scaling = cfg.get("rope_scaling") or (rope if rope.get("rope_type", "default") != "default" else None)
-        if scaling is not None:
-            scaling = dict(scaling)
-            kind = scaling.get("rope_type", scaling.get("type", "default"))
-            if kind not in ("default", "linear", "llama3"):
-                raise UnsupportedModelError(f"unsupported rope scaling {kind!r} (supported: default, linear, llama3)")
-            if kind == "default":
-                scaling = None
+        theta, scaling = _rope(cfg)
         if float(cfg.get("partial_rotary_factor", 1.0)) != 1.0:
             raise UnsupportedModelError("partial rotary embeddings (partial_rotary_factor != 1) are not supported")
         heads = cfg["num_attention_heads"]
@@ -165,3 +148,30 @@ def auto_dtype(device: Any) -> Any:
         return torch.float32
     major, _ = torch.cuda.get_device_capability(device)
     return torch.bfloat16 if major >= 8 else torch.float16
+
+
+def _architecture(cfg: dict[str, Any]) -> str:
+    """The supported architecture a config.json names (``architectures``, else its ``model_type``)."""
+    archs = cfg.get("architectures") or []
+    arch = archs[0] if archs else None
+    if arch is None:
+        arch = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
+                "mistral": "MistralForCausalLM"}.get(cfg.get("model_type", ""))
+    if arch not in SUPPORTED_ARCHITECTURES:
+        raise UnsupportedModelError(f"unsupported architecture {arch or cfg.get('model_type')!r}: minifer runs "
+                                    f"{', '.join(sorted(SUPPORTED_ARCHITECTURES))}")
+    return arch
+
+
+def _rope(cfg: dict[str, Any]) -> tuple[float, dict | None]:
+    """RoPE's base and its scaling (None: plain RoPE), from the old keys or transformers 5's ``rope_parameters``."""
+    rope = dict(cfg.get("rope_parameters") or {})
+    theta = rope.pop("rope_theta", cfg.get("rope_theta", 10000.0))
+    scaling = cfg.get("rope_scaling") or (rope if rope.get("rope_type", "default") != "default" else None)
+    if scaling is None:
+        return theta, None
+    scaling = dict(scaling)
+    kind = scaling.get("rope_type", scaling.get("type", "default"))
+    if kind not in ("default", "linear", "llama3"):
+        raise UnsupportedModelError(f"unsupported rope scaling {kind!r} (supported: default, linear, llama3)")
+    return theta, (None if kind == "default" else scaling)

@@ -1,14 +1,11 @@
-"""Measurement code the course notebooks call, so that notebooks hold prose, calls and plots only.
+"""Benchmarks a user would run against any engine: offline throughput and online serving (``serving``, with the
+seeded request ``workloads``; ``python -m minifer.bench --help``), speculative decoding (``speculative``), the
+quality and kernels of quantization (``quality``, ``quant_kernels``) and the HTTP server (``server_overhead``,
+``server_sweep``), each with its own ``--help``; ``machine`` describes the machine a result ran on and
+``provenance`` the code. The chapters' own experiments (roofline, KV memory, block order, the 8-bit KV cache's
+capacity, stacking the levers) live in ``minifer.course``; their old names here (``minifer.bench.roofline`` and so
+on) are shims that hand out the course's modules, so old imports and commands keep working.
 
-- ``minifer.bench.roofline``: FLOP and byte counts of one forward step (prefill or decode), this machine's
-  memory bandwidth and matmul rate, timed prefill/decode sweeps of a model, and the bandwidth bound on
-  decode tokens/s for published models. ``python -m minifer.bench.roofline --out runs/roofline.json``
-  runs the chapter-01 measurements and writes them, with hardware and version metadata, as JSON.
-- ``minifer.bench.workloads`` and ``minifer.bench.serving``: seeded request workloads and the serving
-  benchmarks of the engine chapters (``python -m minifer.bench --help``).
-- ``minifer.bench.speculative`` (chapter 04); ``quality``, ``kv_quant`` and ``quant_kernels`` (chapter 05);
-  ``stacking`` (chapter 06: the levers alone and stacked in one memory budget), each with its own ``--help``.
-
-Submodules are not imported here, so ``python -m minifer.bench.roofline`` runs without the warning that
+Submodules are not imported here, so ``python -m minifer.bench.speculative`` runs without the warning that
 ``runpy`` gives when a package has already imported the module it is asked to run.
 """

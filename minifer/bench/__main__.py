@@ -52,7 +52,7 @@ def _add_engine_args(p: argparse.ArgumentParser, modes: list[str]) -> None:
 
 def _setup(args):
     from minifer import LLM
-    from minifer.bench.roofline import default_threads
+    from minifer.bench.machine import default_threads
 
     torch.set_num_threads(args.threads or default_threads())
     llm = LLM(args.model, device=args.device, dtype=args.dtype, max_num_seqs=args.max_num_seqs)

@@ -80,7 +80,7 @@ def stale_sources(recorded: dict[str, str]) -> list[str]:
 def metadata(argv: Sequence[str] | None = None, module: str = "minifer.bench") -> dict[str, Any]:
     """Hardware, versions, git commit, command line (``python -m MODULE ARGS``) and time of a run (stored in
     every result; :func:`save_result` adds the code fingerprint when it writes the file)."""
-    from minifer.bench.roofline import environment
+    from minifer.bench.machine import environment
 
     cmd = ["python", "-m", module, *(sys.argv[1:] if argv is None else argv)]
     return {**environment(), "git": git_commit(), "command": shlex.join(cmd),

@@ -216,7 +216,7 @@ def plot(result: dict[str, Any], out: str | Path) -> Path:
 
 def main(argv: list[str] | None = None) -> int:
     from minifer import LLM
-    from minifer.bench.roofline import default_results_path, default_threads
+    from minifer.bench.machine import default_results_path, default_threads
     from minifer.bench.serving import metadata, save_result
 
     parser = argparse.ArgumentParser(prog="python -m minifer.bench.quality", description=__doc__.split("\n\n")[0])

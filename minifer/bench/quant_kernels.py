@@ -157,9 +157,7 @@ def bench_case(k: int, n: int, m: int, fmt: str, device: torch.device, *, group_
     ref = quant_linear_reference(x.float(), qw)
     rel_err = float((y - ref).norm() / ref.norm())
 
-    # int4 at one row: auto times gemv against the tensor-core kernel on first use (quant_matmul.decode_choice)
-    choice = qm.decode_choice(m, qw, x) if path == "auto" else None
-    chosen = qm.auto_choice(m, qw, x) if path == "auto" else path
+    chosen = qm.auto_path(m, qw) if path == "auto" else path
     launch = _plan(chosen, m, n, k, fmt, group_size, device)
     config, tuning = _best_config(launch), _config_timings(launch)
     qws, ws, n_copies = _rotation(w, qw, fmt, group_size, calls)
@@ -174,7 +172,7 @@ def bench_case(k: int, n: int, m: int, fmt: str, device: torch.device, *, group_
     tq_med, tb_med = statistics.median(tq), statistics.median(tb)
     act_bytes = (m * k + m * n) * 2
     return {"K": k, "N": n, "M": m, "format": fmt, "group_size": group_size if fmt == "int4" else None,
-            "path": chosen, "decode_choice_us": choice["us"] if choice else None, "config": config,
+            "path": chosen, "config": config,
             "autotune_ms": tuning, "rel_err": rel_err, "us_quant": tq_med * 1e6, "us_bf16": tb_med * 1e6,
             "speedup": tb_med / tq_med, "bytes_bound": (w.numel() * 2 + act_bytes) / (qw.nbytes() + act_bytes),
             "GBps_quant": (qw.nbytes() + act_bytes) / tq_med / 1e9,
@@ -191,7 +189,7 @@ def split_sweep(k: int, n: int, m: int, fmt: str, device: torch.device, *, group
 
     w, qw, x, out = _inputs(k, n, m, fmt, device, group_size, seed)
     qm.quant_matmul(x, qw, path=path, out=out)  # autotunes with the default split rule
-    chosen_path = qm.auto_choice(m, qw, x) if path == "auto" else path
+    chosen_path = qm.auto_path(m, qw) if path == "auto" else path
     launch = _plan(chosen_path, m, n, k, fmt, group_size, device)
     best = getattr(launch.kernel, "best_config", None) or launch.configs[0]
     meta = best.kwargs
@@ -231,7 +229,7 @@ def _config_timings(launch) -> dict[str, float] | None:
 
 
 def device_info(device: torch.device) -> dict[str, Any]:
-    from minifer.bench.roofline import environment
+    from minifer.bench.machine import environment
     from minifer.bench.serving import git_commit
 
     info: dict[str, Any] = {**environment(), "git": git_commit(), "device": str(device)}
@@ -266,7 +264,7 @@ def run(device: str = "cuda", shapes: Sequence[tuple[int, int]] = SHAPES, ms: Se
     ``extra_paths``: also time the decode kernel that ``auto`` does not pick for M <= 16 (gemv vs
     splitk), the measurement behind ``GEMV_MAX_M``. ``sweeps``: ``(K, N, M, format)`` cases whose every
     split of K is timed (``split_sweep``), run first (those among ``shapes``, ``ms`` and ``formats``)."""
-    from minifer.bench.roofline import measure_copy_bandwidth
+    from minifer.bench.machine import measure_copy_bandwidth
 
     dev = torch.device(device)
     if dev.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
@@ -342,7 +340,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-split-sweep", action="store_true", help="skip timing every split of the target case")
     args = ap.parse_args(argv)
     if args.device == "cpu":
-        from minifer.bench.kv_memory import enable_triton_interpreter
+        from minifer.bench.machine import enable_triton_interpreter
 
         ok, msg = enable_triton_interpreter()
         if not ok:

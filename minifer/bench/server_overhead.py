@@ -229,7 +229,7 @@ def setup(args: argparse.Namespace, max_num_seqs: int):
     import torch
 
     from minifer import LLM
-    from minifer.bench.roofline import default_threads
+    from minifer.bench.machine import default_threads
 
     torch.set_num_threads(default_threads())
     llm = LLM(args.model, device=args.device, max_num_seqs=max_num_seqs)
@@ -240,7 +240,7 @@ def setup(args: argparse.Namespace, max_num_seqs: int):
 
 def write(kind: str, args: argparse.Namespace, argv: list[str] | None, result: dict[str, Any], plot_fn):
     """Save ``result`` with its metadata (taken after the thread count is set) and, with ``--plot``, its figure."""
-    from minifer.bench.roofline import environment
+    from minifer.bench.machine import environment
     from minifer.bench.serving import git_commit, save_result
 
     command = shlex.join(["python", "-m", f"minifer.bench.{kind}", *(sys.argv[1:] if argv is None else argv)])

@@ -26,7 +26,7 @@ def model_summary(llm: "LLM") -> dict[str, Any]:
     ``params_counted`` sums the tensors of the module that was built; ``params_from_config`` is the
     closed-form count from the config (what the roofline chapter uses for models it never loads). They
     must agree, or the cost model of chapter 01 would be counting a different model."""
-    from minifer.bench.roofline import kv_bytes_per_token
+    from minifer.course.roofline import kv_bytes_per_token
 
     cfg = llm.model_config
     counted = sum(p.numel() for p in llm.model.parameters())  # tied weights are one Parameter, counted once

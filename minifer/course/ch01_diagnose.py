@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # imported lazily at run time: matplotlib and ipywidgets are course extras
     from matplotlib.figure import Figure
-    from minifer.bench.roofline import Ceilings, Hardware, StepTiming
+    from minifer.course.roofline import Ceilings, Hardware, StepTiming
 
 
 # --- roofline plots (chapter 01) ---------------------------------------------------------------------
@@ -124,7 +124,7 @@ def plot_decode_intensity(name: str, cfg: Any, hw: "Hardware", contexts: Sequenc
     context length, with the hardware's ridge. Batching raises intensity only while the weights dominate
     the bytes; each sequence's KV cache is read for that sequence alone, so long contexts cap it."""
     import matplotlib.pyplot as plt
-    from minifer.bench.roofline import decode_cost
+    from minifer.course.roofline import decode_cost
 
     fig, ax = plt.subplots(figsize=(7, 4))
     for c in contexts:

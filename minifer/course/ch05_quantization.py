@@ -25,7 +25,7 @@ def decode_weight_bytes(cfg: Any, fmt: str, group_size: int = 128, symmetric: bo
     every other weight stays in bf16, as ``quantize_model`` leaves them: the lm_head (or the tied
     embedding), the norms and one embedding row. int4 groups that do not divide a layer's K fall back as in
     ``quantize_model`` (the largest power of two that divides it)."""
-    from minifer.bench.roofline import layer_matmul_params, weight_bytes
+    from minifer.course.roofline import layer_matmul_params, weight_bytes
     from minifer.quant.model import group_for
 
     shapes = decoder_linear_shapes(cfg)
@@ -142,7 +142,7 @@ def check_quant_kernels(variants: Sequence[tuple[str, int | None, bool]] = (
     written (the output starts as NaN). On a CUDA GPU natively, on the CPU under Triton's interpreter, which
     must have been switched on before triton was first imported (``kv_memory.enable_triton_interpreter``);
     without Triton (macOS) it returns ``ran=False`` and the reason."""
-    from minifer.bench.kv_memory import enable_triton_interpreter
+    from minifer.bench.machine import enable_triton_interpreter
 
     available, message = enable_triton_interpreter()
     if not available:

@@ -188,9 +188,9 @@ def choose_models(env: Mapping[str, str] | None = None, *, chapter: str | None =
 
 def setup_notebook(threads: int | None = None) -> dict[str, Any]:
     """Quiet, reproducible defaults for a notebook: CPU threads (see
-    ``minifer.bench.roofline.default_threads``), no download/loading progress bars in stored outputs,
+    ``minifer.course.roofline.default_threads``), no download/loading progress bars in stored outputs,
     readable figure sizes. Returns what it set, for the record."""
-    from minifer.bench.roofline import default_threads
+    from minifer.bench.machine import default_threads
 
     n = threads or default_threads()
     torch.set_num_threads(n)

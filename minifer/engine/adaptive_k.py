@@ -19,11 +19,11 @@ engine step whose target forward covers ``n`` tokens: the forward's time from a 
 interpolated) filled at start-up by a short calibration shaped like decode steps and refreshed by every pure-decode
 step, times the measured ratio of whole steps to their forwards (larger for speculative steps: verification,
 rollback and more tokens to append). ``k = 0`` (plain decoding) wins unless the prediction beats it by a margin
-(10%, more in closed batches, see below), so under load, when ``T`` grows with the tokens, speculation turns itself
-off instead of becoming the 1.4-1.8x slowdown that fixed-k speculation shows at high QPS. A clear plain decision is
-reused for the next few steps at the same batch size (``PLAIN_HOLD``), and such steps keep only a light bookkeeping
-(``plain_step``): the predictions and timings of every step would otherwise cost about 1% at 16-64 sequences, and
-plain decoding should cost the same in an adaptive engine as in a plain one.
+(``cfg.margin``, 10%), so under load, when ``T`` grows with the tokens, speculation turns itself off instead of
+becoming the 1.4-1.8x slowdown that fixed-k speculation shows at high QPS. A clear plain decision is reused for the
+next few steps at the same batch size (``PLAIN_HOLD``): deciding every step afresh cost 1.5-2% at 16-32 sequences
+here (noisy readings start speculative trials that lose), and plain decoding should cost the same in an adaptive
+engine as in a plain one.
 
 N-gram drafts are looked up before deciding: ``adaptive_ngram.py``.
 
@@ -32,14 +32,9 @@ has the last word: per batch-size bucket the engine keeps the measured speedup o
 tokens per second over a plain step's at the same batch size, counting the tokens such a step emits on average at
 the measured acceptance, so that one step's luck does not decide a trial; it mixes in a few plain steps to know
 those) and stops speculating in a bucket where, after a trial of 8 steps, the mean speedup does not clear the margin
-(or after 4 that lose outright). It tries again after 32, 64, ... 1024 plain steps. Why a margin rather than 1, and
-why a growing one when nothing is waiting: speculation speeds sequences up unevenly, so the batch ends in a ragged
-tail of a few slow sequences stepping at a small, inefficient batch size, and a batch takes as long as its slowest
-sequence; a step's own speedup does not see that. Measured with the bundled pair on the CPU, draft-model steps about
-1.4x faster per step at 8 sequences finished batches about 1.2x sooner, while steps about 1.3x faster at 16
-sequences finished them no sooner at all: the more sequences, the further the slowest lags the mean, so with nothing
-waiting the margin grows with the batch (``margin_for``). (A GPU's flatter cost keeps the per-step gains of small
-batches far above the margin.)
+(or after 4 that lose outright). It tries again after 32, 64, ... 1024 plain steps. Why a margin rather than 1: the
+timings are noisy, the plain steps that measure the reference cost something, and speculation speeds sequences up
+unevenly, so a closed batch ends in a ragged tail of a few slow sequences that a step's own speedup does not see.
 
 Staying informed costs too: when plain decoding wins but not by much (the best prediction within 10% of the
 margin), now and then one sequence speculates anyway (a *probe*), so a stale acceptance or draft cost cannot
@@ -52,7 +47,6 @@ for a few steps instead.
 
 from __future__ import annotations
 
-import math
 import statistics
 from collections import Counter, deque
 from collections.abc import Callable
@@ -72,9 +66,7 @@ TRIAL_STEPS = 8  # speculative steps measured at a batch size before measurement
 PROBE_BUDGET = 0.002  # probes may cost at most this fraction of the decode time (see AdaptiveK.probe_due)
 PROBE_DECAY = 0.999  # per pure-decode step: the budget covers roughly the last thousand steps, not all history
 ALPHA_DECAY = 0.995  # per verified sequence: the acceptance estimate follows roughly the last 200 verifications
-TAIL_GROWTH = 0.02  # closed batches: the margin grows by 1 + TAIL_GROWTH * log2(b)^2 (see AdaptiveK.margin_for)
-PLAIN_HOLD = 15  # steps that reuse a clear "plain" decision at the same batch size (see AdaptiveK.plain_step)
-LIGHT_EVERY = 8  # of the held plain steps, every LIGHT_EVERY-th refreshes the timings (see AdaptiveK.plain_step)
+PLAIN_HOLD = 15  # steps that reuse a clear "plain" decision at the same batch size (see AdaptiveK.held)
 
 
 @dataclass
@@ -90,13 +82,11 @@ class DecodeBatch:
 @dataclass
 class Decision:
     """What a step does: ``k`` drafts per decoding sequence (0: plain decoding). A ``probe`` is plain decoding in
-    which one sequence speculates to keep the estimates current; a ``light`` step is a held plain decision, whose
-    timings only every ``LIGHT_EVERY``-th time refresh the tables. ``drafts``: for n-gram speculation, the drafts to
+    which one sequence speculates to keep the estimates current. ``drafts``: for n-gram speculation, the drafts to
     verify (by row: tokens and the length of the match that found them), looked up before deciding."""
 
     k: int
     probe: bool = False
-    light: bool = False
     drafts: dict[int, tuple[list[int], int]] | None = None
 
 
@@ -108,7 +98,6 @@ class StepRecord:
     decodes: int = 0  # decoding sequences (0: a step of prompt chunks only: nothing to learn from its time)
     k: int = 0  # drafts per sequence; a probe counts 0
     probe: bool = False
-    light: bool = False
     propose_s: float = 0.0  # seconds spent finding drafts (left out of a plain step's time)
     draft_s: float | None = None  # seconds the drafts took to make, when some were made
     expected: float | None = None  # a speculative step's tokens at the estimated acceptance (see observe)
@@ -140,7 +129,6 @@ class AdaptiveK:
         self.decode_s = self.probe_extra_s = 0.0
         self._observed = 0  # pure-decode steps observed (the step-factor medians refresh every 8th)
         self.plain_hold: dict[int, int] = {}  # per batch size: steps left that reuse a clear plain decision
-        self._light_steps = 0  # see plain_step
         # the measurement that has the last word on k: per batch-size bucket, each recent speculative step's
         # tokens per second over plain decoding's at its batch size (plain_step_s: whole plain steps by size)
         self.realized: dict[int, deque[float]] = {}
@@ -166,23 +154,14 @@ class AdaptiveK:
     # --- the interface -------------------------------------------------------------------------------
 
     def decide(self, batch: DecodeBatch, waiting: int = 1) -> Decision:
-        """This step's decision for ``batch``; ``waiting``: requests queued for a slot (see ``margin_for``):
-        ``choose_k`` picks one k for every decoding sequence (``adaptive_ngram.py`` looks up n-gram drafts first)."""
-        k, probe = self.choose_k(len(batch.rows), batch.lag, waiting)
+        """This step's decision for ``batch``; ``waiting``: requests queued for a slot (the n-gram controller reads
+        it): ``choose_k`` picks one k for every decoding sequence (``adaptive_ngram.py`` looks up drafts first)."""
+        k, probe = self.choose_k(len(batch.rows), batch.lag)
         return Decision(k, probe)
 
     def held_step(self, num_decodes: int) -> Decision | None:
         """A held plain decision at this batch size (``PLAIN_HOLD``), used up by one step; None if there is none."""
-        return self.plain_step() if self.held(num_decodes) else None
-
-    def plain_step(self) -> Decision:
-        """A step that does not speculate because a decision was held (or lookups could not pay): only every
-        ``LIGHT_EVERY``-th such step refreshes the cost table and the plain step time. A plain step of an adaptive
-        engine should cost what a plain engine's does: the full bookkeeping of every step added about 1% at 16-64
-        sequences here, the light one 0.1-0.2% (25-45 us of a 15-55 ms step, the decisions between holds included:
-        ``python -m minifer.bench.speculative --bookkeeping``)."""
-        self._light_steps += 1
-        return Decision(0, light=self._light_steps % LIGHT_EVERY != 0)
+        return Decision(0) if self.held(num_decodes) else None
 
     def observe(self, r: StepRecord) -> None:
         """Learn from a step that ran: the acceptance of its verified drafts, how often asked sequences got drafts,
@@ -197,9 +176,8 @@ class AdaptiveK:
         self._got += r.got
         if r.draft_s is not None:
             self.last_draft_s = r.draft_s
-        if r.pure_decode and not r.light:
-            self.target_cost.observe(r.forward_tokens, r.forward_s)
         if r.pure_decode:
+            self.target_cost.observe(r.forward_tokens, r.forward_s)
             self.observe_realized(r)
 
     def observe_realized(self, r: StepRecord) -> None:
@@ -213,8 +191,6 @@ class AdaptiveK:
         # was needed) must not pay for a run of probes later, at a rate far above the budget
         self.decode_s = self.decode_s * PROBE_DECAY + seconds
         self.probe_extra_s *= PROBE_DECAY
-        if r.light:  # see plain_step
-            return
         if r.probe:  # what the probe added to a plain step (all of it while plain is unmeasured)
             self.probe_extra_s += max(0.0, seconds - self.plain_estimate(b))
             return  # neither a plain step nor a speculative one: it measures nothing else
@@ -298,22 +274,7 @@ class AdaptiveK:
                 t += self.last_draft_s
         return b * (1 + hit * (expected_tokens_per_forward(min(alpha, 0.999), k) - 1)) / t
 
-    def margin_for(self, num_decodes: int, waiting: int) -> float:
-        """How much faster than plain decoding a step must be predicted (and measured) to be to speculate.
-
-        ``cfg.margin`` (10%) covers the noise of the timings and what the measuring plain steps cost. When nothing
-        is waiting for a slot, a step's speedup also overrates the batch's: the batch ends with its slowest
-        sequence, in a ragged tail of steps at small, inefficient batch sizes, and the more sequences, the further
-        the slowest lags the mean. Measured with the bundled pair on the CPU, the batch's speedup was about 0.95x
-        the steps' at 4 sequences, 0.86x at 8 and 0.74x at 16, so the margin grows as
-        ``1 + TAIL_GROWTH * log2(b) ** 2``: 1.1 at one sequence, about 1.3 at 8, 1.45 at 16, 1.9 at 64. With
-        requests waiting, a finished sequence's slot is refilled at once: there is no tail, and 10% holds."""
-        m = self.cfg.margin
-        if not waiting:
-            m *= 1 + TAIL_GROWTH * math.log2(num_decodes) ** 2
-        return m
-
-    def choose_k(self, num_decodes: int, lag: float = 1.0, waiting: int = 1) -> tuple[int, bool]:
+    def choose_k(self, num_decodes: int, lag: float = 1.0) -> tuple[int, bool]:
         """The k for this step (see the module docstring), and whether it is a *probe*: when plain decoding
         wins but not by much, every ``probe_every``-th such step lets one sequence speculate anyway, so the
         draft's cost and the acceptance rate keep being measured (a stale estimate must not switch
@@ -325,13 +286,13 @@ class AdaptiveK:
             self.calibrate()
         if self.held(num_decodes):
             return 0, False
-        margin = self.margin_for(num_decodes, waiting)
+        margin = self.cfg.margin
         alpha = self.alpha_estimate()
         base = self.predicted_rate(num_decodes, 0, alpha)
         rates = {k: self.predicted_rate(num_decodes, k, alpha, lag) for k in range(1, k_max + 1)}
         best = max(rates, key=rates.get)
         if rates[best] > base * margin:
-            return (best if self.measured_allows(num_decodes, margin) else 0), False
+            return (best if self.measured_allows(num_decodes) else 0), False
         self.plain_choices += 1
         if rates[best] < 0.9 * base * margin:  # clearly short: the next few steps need no new prediction
             self.plain_hold[num_decodes] = PLAIN_HOLD
@@ -357,15 +318,14 @@ class AdaptiveK:
         return (self.plain_choices - self.last_probe >= self.probe_every
                 and self.probe_extra_s <= PROBE_BUDGET * self.decode_s)
 
-    def measured_allows(self, num_decodes: int, margin: float | None = None) -> bool:
+    def measured_allows(self, num_decodes: int) -> bool:
         """The cost model says speculate; do the measured steps of this batch size agree? Keep a few plain
         steps in the mix (every 8th until the batch size has a plain time, then every 32nd) and speculate
         only while the measured speculative steps beat them by the margin (``_beats``; a trial stops after 4
         steps that lose outright). Once overruled, try again after 32, 64, ... (at most 1024) plain steps,
         with a fresh trial of 8 speculative steps: a batch size where speculation loses then costs little,
-        and one where it starts to win (acceptance rose, an unlucky first trial) is found again. ``margin``: this
-        step's (``margin_for``), ``cfg.margin`` by default."""
-        margin = self.cfg.margin if margin is None else margin
+        and one where it starts to win (acceptance rose, an unlucky first trial) is found again."""
+        margin = self.cfg.margin
         bucket = num_decodes.bit_length()
         on = self.realized.get(bucket, ())
         self.spec_choices += 1

@@ -23,11 +23,11 @@ class NgramAdaptiveK(AdaptiveK):
     drafts to verify."""
 
     def decide(self, batch: DecodeBatch, waiting: int = 1) -> Decision:
-        """The drafts are found first and the decision names those to verify (``choose_ngram``); a plain light step
+        """The drafts are found first and the decision names those to verify (``choose_ngram``); a plain step
         when even the lookups could not pay."""
         choice = self.choose_ngram(batch, waiting)
         if choice is None:  # a plain step without even the lookups
-            return self.plain_step()
+            return Decision(0)
         chosen, k, probe = choice
         return Decision(k, probe, drafts=chosen)
 
@@ -103,9 +103,9 @@ class NgramAdaptiveK(AdaptiveK):
             self.calibrate()
         k_max = self.cfg.num_speculative_tokens
         b = len(batch.rows)
-        margin = self.margin_for(b, waiting)
+        margin = self.cfg.margin
         may_pay = self.ngram_may_pay(b, not waiting, margin)
-        if not may_pay or not self.measured_allows(b, margin):
+        if not may_pay or not self.measured_allows(b):
             # not worth even the lookups; now and then a probe: every sequence looked up (the match
             # statistics stay current) and one draft verified (so does its acceptance)
             self.plain_choices += 1

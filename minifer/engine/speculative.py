@@ -59,7 +59,7 @@ class SpeculativeConfig:
     prompt_lookup_max: int = 4
     prompt_lookup_min: int = 1
     adaptive: bool = True
-    margin: float = 1.1  # adaptive: speculate only if predicted >= margin x plain (more in closed batches: margin_for)
+    margin: float = 1.1  # adaptive: speculate only if predicted (and measured) >= margin x plain
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "SpeculativeConfig":
@@ -149,7 +149,7 @@ class Speculator:
     def propose(self, seqs: list[Sequence], num_new: list[int], token_budget: int, waiting: int = 1) -> SpecStep:
         """Drafts for the decoding rows of a scheduled step (``num_new == 1`` and prompt complete), with target KV
         slots reserved for them; ``[]`` for other rows (``SpecStep.drafts`` is None when nothing speculates).
-        ``waiting``: requests queued for a slot (see ``AdaptiveK.margin_for``)."""
+        ``waiting``: requests queued for a slot (the n-gram controller reads it: ``adaptive_ngram.py``)."""
         ctl = self.adaptive
         if ctl is not None and sum(num_new) == len(seqs):
             # the fast path: a pure-decode step at a batch size whose plain decision is held, recognised without
@@ -224,7 +224,7 @@ class Speculator:
         self.k_in_use = 0 if decision.probe else decision.k
         self.stats.k_counts[self.k_in_use] += 1
         self.stats.num_probes += decision.probe
-        return StepRecord(decodes=b, k=self.k_in_use, probe=decision.probe, light=decision.light)
+        return StepRecord(decodes=b, k=self.k_in_use, probe=decision.probe)
 
     def observe(self, step: SpecStep, forward_tokens: int, forward_s: float, pure_decode: bool, emitted: int,
                 seconds: float) -> None:

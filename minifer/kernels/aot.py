@@ -100,11 +100,10 @@ def kernel_specs(cc: int = 80) -> list[KernelSpec]:
 
 
 def quant_matmul_specs(all_configs: bool = False, cc: int = 80) -> list[KernelSpec]:
-    """The fused dequantize-matmul kernels for bf16 activations, at the tile sizes they get on a GPU for a
-    Llama-8B-sized layer (K = 4096, int4 groups of 128; and groups of 32, which take quant_gemm_kernel's
-    int4 branch). fp8 converts natively on sm_90 and by bit arithmetic on sm_80, which has no e4m3
-    conversion. ``weights_per_step`` is what one program reads per main-loop iteration: the report's
-    instructions per weight divide by it.
+    """The fused dequantize-matmul kernels for bf16 activations, at a GPU's tile sizes for a Llama-8B-sized layer
+    (K = 4096, int4 groups of 128; and of 32, quant_gemm_kernel's int4 branch). fp8 converts natively from sm_89,
+    by bit arithmetic below. ``weights_per_step``, what one program reads per main-loop iteration, divides the
+    report's instructions into instructions per weight.
 
     By default one spec per kernel and path: the first config of each of the GPU's autotuning lists (what
     CI compiles and ``aot_report.json`` holds). ``all_configs`` gives every distinct config of those lists
@@ -118,11 +117,7 @@ def quant_matmul_specs(all_configs: bool = False, cc: int = 80) -> list[KernelSp
     specs = []
     for fmt, code in (("int8", qm.INT8), ("int4", qm.INT4), ("int4-asym", qm.INT4), ("fp8", qm.FP8)):
         int4 = code == qm.INT4
-        sig = {"x_ptr": "*i32" if int4 else "*bf16", "q_ptr": "*u8" if int4 else "*i8", "s_ptr": "*fp32",
-               "z_ptr": "*u8" if fmt == "int4-asym" else "*fp32", "bias_ptr": "*bf16", "out_ptr": "*bf16",
-               "part_ptr": "*fp32", "lock_ptr": "*i32", "M": "i32", "N": "i32", "K": "i32", "ROW": "i32",
-               "M_KEY": "i32", "SPLIT_PER_SM": "i32"}
-        aligned = tuple(a for a in sig if a.endswith("_ptr")) + ("N", "K", "ROW")
+        sig, aligned = _quant_signature(fmt, int4)
         common = {"FMT": code, "GROUP": 128 if int4 else 0, "HAS_ZEROS": fmt == "int4-asym", "HAS_BIAS": True,
                   "FP8_NATIVE": False, "XKIND": qm.X_BF16}
         per_arch = {c: {"FP8_NATIVE": True} for c in FP8_NATIVE_CCS} if code == qm.FP8 else {}
@@ -167,6 +162,16 @@ def quant_matmul_specs(all_configs: bool = False, cc: int = 80) -> list[KernelSp
                                       qm.quant_gemm_kernel, gemm_sig, {**common, "GROUP": 32, "DOT_F32": False, **t},
                                       cfg, per_arch, t["BLOCK_N"] * 32))
     return specs
+
+
+def _quant_signature(fmt: str, int4: bool) -> tuple[dict[str, str], tuple[str, ...]]:
+    """The run-time arguments the quantized kernels share, with their types for bf16 activations, and those that
+    compile as multiples of 16 (``KernelSpec.aligned``)."""
+    sig = {"x_ptr": "*i32" if int4 else "*bf16", "q_ptr": "*u8" if int4 else "*i8", "s_ptr": "*fp32",
+           "z_ptr": "*u8" if fmt == "int4-asym" else "*fp32", "bias_ptr": "*bf16", "out_ptr": "*bf16",
+           "part_ptr": "*fp32", "lock_ptr": "*i32", "M": "i32", "N": "i32", "K": "i32", "ROW": "i32",
+           "M_KEY": "i32", "SPLIT_PER_SM": "i32"}
+    return sig, tuple(a for a in sig if a.endswith("_ptr")) + ("N", "K", "ROW")
 
 
 def _distinct(configs: list) -> list:

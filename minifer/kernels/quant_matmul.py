@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import functools
 import os
-import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -54,10 +53,8 @@ _FMT = {"int8": INT8, "int4": INT4, "fp8": FP8}
 _XKIND = {torch.bfloat16: X_BF16, torch.float16: X_FP16, torch.float32: X_FP32}
 _PAIR_DTYPE = {torch.bfloat16: torch.int32, torch.float16: torch.int32, torch.float32: torch.int64}
 PATHS = ("auto", "gemv", "splitk", "tiled")
-# path="auto", from H200 measurements (benchmarks/results/quant_kernels_h200*.json): int4 decoded one row
-# faster on CUDA cores (gemv: 18 us vs 31 us for splitk at 4096x14336, before quant_int4_mma_kernel) but
-# gemv's cost grows with every row (M=16: 170 us); int8/fp8 are as fast or faster on tensor cores (splitk)
-# from M=1. Where the int4 kernels are autotuned, the one-row choice is timed instead (``decode_choice``).
+# path="auto": the most rows that take gemv, by format (then splitk up to SPLITK_MAX_M rows, then tiled). The
+# H200 measurements behind it are in benchmarks/results/README.md; change the table when a new timing says so.
 GEMV_MAX_M = {"int4": 1, "int8": 0, "fp8": 0}
 SPLITK_MAX_M = 16
 MAX_SPLIT = 16
@@ -96,11 +93,8 @@ GPU_SPLITK_CONFIGS = [_cfg(w, s, p, BLOCK_M=16, BLOCK_N=n, BLOCK_K=k, GROUP_M=1)
 GPU_INT4_MMA_CONFIGS = [_cfg(w, s, p, BLOCK_M=m, BLOCK_N=n, BLOCK_K=k) for n, m, k, w, s in
                         ((128, 16, 128, 4, 3), (128, 8, 128, 4, 3), (64, 16, 128, 4, 3), (256, 16, 128, 8, 3),
                          (64, 8, 128, 4, 4), (128, 16, 64, 4, 4), (128, 8, 128, 4, 5)) for p in (4, 2, 8, 1)]
-# ... and prefill: 32-128 rows of x per tile. With Triton 3.9 the first spills on neither GPU; on sm_90 only
-# int4-asym's 64x256 tile spills (12 bytes), on sm_80 the 128x128 and 64x256 tiles; Triton 3.6 (ptxas 12.8)
-# spills in the same ones and in int4-asym's 128x128x64 on sm_80. Every config of every list, compiled:
-# benchmarks/results/aot_report_all_configs.json (10 of 202 compiles spill; the autotuner, timing them,
-# is left to pass them over).
+# ... and prefill: 32-128 rows of x per tile (which of these spill registers, by GPU and Triton release:
+# benchmarks/results/README.md; the autotuner, timing them, passes a spilling one over).
 GPU_INT4_MMA_TILED_CONFIGS = [_cfg(w, s, 1, BLOCK_M=m, BLOCK_N=n, BLOCK_K=k) for m, n, k, w, s in
                               ((64, 128, 128, 8, 3), (32, 128, 128, 4, 3), (128, 128, 128, 8, 3),
                                (64, 256, 128, 8, 3), (128, 128, 64, 8, 4), (64, 128, 64, 4, 4))]
@@ -108,9 +102,8 @@ GPU_TILED_CONFIGS = [_cfg(w, s, 1, BLOCK_M=m, BLOCK_N=n, BLOCK_K=k, GROUP_M=8) f
                      ((64, 128, 64, 8, 3), (128, 128, 64, 8, 3), (128, 64, 64, 4, 4), (64, 64, 128, 4, 3),
                       (128, 256, 64, 8, 3), (64, 256, 64, 8, 3))]
 # Turing (sm_75, the T4): Triton has no tensor-core dot below sm_80, so tl.dot runs on the CUDA cores, its
-# operands and accumulator in registers: the tiles above spill there (quant_gemm's 64x128x64 4,124 bytes of
-# spill stores in float16, 16x32x128 212; int4's 64x128x128 1,904). These are the largest that compiled
-# without spills for sm_75 in float16 (benchmarks/results/aot_report_archs.json); gemv's configs are the same.
+# operands and accumulator in registers, and the tiles above spill there. These are the largest that compiled
+# without spills for sm_75 in float16 (benchmarks/results/README.md); gemv's configs are the same.
 TURING_CONFIGS = {
     "splitk": [_cfg(4, 2, p, BLOCK_M=16, BLOCK_N=32, BLOCK_K=k, GROUP_M=1) for k in (32, 64) for p in (2, 4, 8)],
     "tiled": [_cfg(4, 2, 1, BLOCK_M=32, BLOCK_N=64, BLOCK_K=32, GROUP_M=8)],
@@ -216,11 +209,9 @@ def _num_sms(device: torch.device) -> int:
 
 @functools.lru_cache(maxsize=None)
 def _one_dot(device: torch.device) -> bool:
-    """``quant_int4_mma_kernel``'s form: one dot per K-step where the MMA is ``wgmma`` (sm_90, H100/H200;
-    ``aot.py``'s configurations with Triton 3.9 count 2.36 instructions per weight against 2.81 for one dot
-    per code plane at decode, 3.83 against 4.97 for prefill tiles), one per plane elsewhere (sm_80: 2.74
-    against 2.68 at decode, 5.80 against 6.98 for prefill tiles; other GPUs were not counted). The
-    interpreter runs the sm_90 form (the tests run both)."""
+    """``quant_int4_mma_kernel``'s form: one dot per K-step where the MMA is ``wgmma`` (sm_90, H100/H200), one
+    per code plane elsewhere: the form with fewer instructions per weight in the machine code of each
+    (benchmarks/results/README.md). The interpreter runs the sm_90 form (the tests run both)."""
     return device.type != "cuda" or torch.cuda.get_device_capability(device)[0] == 9
 
 
@@ -237,10 +228,7 @@ def choose_split(tiles: int, k_steps: int, sms: int, per_sm: int) -> int:
     How many programs an SM holds at once depends on the compiled kernel's registers, so each autotuning
     config names its own ``per_sm`` (``SPLIT_PER_SM``) and the autotuner, timing them, picks the split. A
     split that overshoots the SMs by a few programs costs less than it seems: the GPU starts each waiting
-    program as soon as one finishes, and the last split's programs are the shorter ones. On an H200, int4
-    at M = 1 on 4096x14336 (5 splits: 560 programs for 528 places) ran only 3% slower than on 14336x4096
-    (the same bytes, 512 programs that fit at once; ``quant_kernels_h200_decode.json``). The benchmark
-    times every split of that case (``split_sweep``)."""
+    program as soon as one finishes (measured: benchmarks/results/README.md)."""
     want = -(-per_sm * sms // tiles)
     return max(1, min(want, k_steps // 2, MAX_SPLIT))
 
@@ -325,65 +313,18 @@ def auto_path(m: int, qw: QuantizedWeight) -> str:
     return "gemv" if m <= GEMV_MAX_M[qw.fmt] else "splitk" if m <= SPLITK_MAX_M else "tiled"
 
 
-_DECODE_CHOICE: dict[tuple, dict] = {}
-
-
 def _m_key(m: int) -> int:
     """The rows of ``x`` as the autotuner keys them (``M_KEY``): a power of two, at most 256, so that a
     batch size it has not seen reuses the tuning of its bucket."""
     return min(triton.next_power_of_2(m), 256)
 
 
-def _decode_key(m: int, qw: QuantizedWeight, x: torch.Tensor) -> tuple:
-    return (x.device, _m_key(m), qw.shape, qw.group_size, qw.zeros is not None, x.dtype)
-
-
-def decode_choice(m: int, qw: QuantizedWeight, x: torch.Tensor) -> dict | None:
-    """The timed choice between ``gemv`` and ``splitk`` for int4 at ``m`` rows, once ``quant_matmul`` has
-    made it for this shape and device: ``{"path": ..., "us": {path: microseconds}}`` (and ``"errors"`` if
-    the tensor-core kernel failed, with a warning, leaving gemv); None if it has not (or does not: the
-    choice is timed only where the kernels are autotuned)."""
-    return _DECODE_CHOICE.get(_decode_key(m, qw, x))
-
-
-def auto_choice(m: int, qw: QuantizedWeight, x: torch.Tensor) -> str:
-    """The path ``quant_matmul(x, qw)`` (``path="auto"``) takes for ``m`` rows: its timed choice where it has
-    made one (``decode_choice``), else ``auto_path``'s rule."""
-    choice = decode_choice(m, qw, x)
-    return choice["path"] if choice else auto_path(m, qw)
-
-
-def _timed_decode_path(x2: torch.Tensor, qw: QuantizedWeight, bias: torch.Tensor | None, out2: torch.Tensor) -> str:
-    """int4 at one row: gemv (CUDA cores) or quant_int4_mma_kernel (tensor cores, ``splitk``), whichever
-    runs this shape faster here, timed on first use (each autotuned first) and remembered. Which one wins
-    depends on the GPU and the shape, and the autotuner can only compare configs of one kernel."""
-    key = _decode_key(x2.shape[0], qw, x2)
-    if key not in _DECODE_CHOICE:
-        us, errors = {}, {}
-        for cand in ("gemv", "splitk"):
-            try:
-                quant_matmul(x2, qw, bias, path=cand, out=out2)  # autotune first
-            except Exception as e:  # e.g. a Triton that cannot compile one kernel: the other one still serves
-                if cand == "gemv":
-                    raise
-                errors[cand] = f"{type(e).__name__}: {e}"
-                warnings.warn(f"quant_matmul: the int4 {cand} kernel failed for {tuple(qw.shape)} and is not used: "
-                              f"{errors[cand]}", RuntimeWarning, stacklevel=3)
-                continue
-            # As the autotuner times: do_bench empties the L2 cache before each call (a decode step reads each
-            # layer's weights from memory, not from L2), and that memset keeps the GPU busy while Python launches.
-            us[cand] = 1e3 * triton.testing.do_bench(lambda c=cand: quant_matmul(x2, qw, bias, path=c, out=out2),
-                                                     warmup=5, rep=20)
-        _DECODE_CHOICE[key] = {"path": min(us, key=us.get), "us": us, **({"errors": errors} if errors else {})}
-    return _DECODE_CHOICE[key]["path"]
-
-
 def quant_matmul(x: torch.Tensor, qw: QuantizedWeight, bias: torch.Tensor | None = None, path: str = "auto",
                  split_k: int | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
     """``x @ dequantize(qw)^T (+ bias)`` for ``x: [..., K]`` (float32 / bf16 / fp16), fused; returns ``[..., N]``
     in ``x.dtype`` (written into ``out`` if given: contiguous, that shape and dtype). ``path``: ``"gemv"`` /
-    ``"splitk"`` (decode), ``"tiled"`` (prefill) or ``"auto"`` (``auto_path``: by format and number of rows
-    M; int4 at one row on an autotuning GPU: whichever decode kernel its first call timed faster).
+    ``"splitk"`` (decode), ``"tiled"`` (prefill) or ``"auto"`` (``auto_path``: a static rule by format and
+    number of rows M; nothing is timed at run time).
     ``split_k`` overrides the split of K that is otherwise chosen from the GPU's SM count and the config's
     ``SPLIT_PER_SM`` (``choose_split``; it is capped at the number of K-steps)."""
     if path not in PATHS:
@@ -404,9 +345,6 @@ def quant_matmul(x: torch.Tensor, qw: QuantizedWeight, bias: torch.Tensor | None
         return out
     fmt, group = _FMT[qw.fmt], qw.group_size or 0
     chosen = auto_path(m, qw) if path == "auto" else path
-    if (path == "auto" and chosen == "gemv" and fmt == INT4 and group % 64 == 0 and AUTOTUNE
-            and not (x.device.type == "cuda" and torch.cuda.is_current_stream_capturing())):  # no timing in a graph
-        chosen = _timed_decode_path(x2, qw, bias, out.view(m, n))
     if fmt == INT4 and group % 8:
         raise ValueError(f"quant_matmul: the int4 kernels need a group size that is a multiple of 8 (a group is "
                          f"whole 32-bit words of codes), got {group}; use quant_linear_reference")

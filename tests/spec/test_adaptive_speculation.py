@@ -28,11 +28,11 @@ def spec():
 
 
 def _step(s, b: int, seconds: float, emitted: int, speculated: bool = False, probe: bool = False,
-          light: bool = False, expected: float | None = None, forward_tokens: int | None = None) -> None:
+          expected: float | None = None, forward_tokens: int | None = None) -> None:
     """What the engine reports after a pure-decode step of ``b`` sequences (``expected`` None: count the tokens
     given here, not the acceptance model's expectation)."""
     tokens = forward_tokens if forward_tokens is not None else (emitted if not speculated else 2 * b)
-    s.observe(StepRecord(decodes=b, k=2 if speculated else 0, probe=probe, light=light, expected=expected,
+    s.observe(StepRecord(decodes=b, k=2 if speculated else 0, probe=probe, expected=expected,
                          forward_tokens=tokens, forward_s=s.target_runner.last_forward_s, pure_decode=True,
                          emitted=emitted, seconds=seconds))
 
@@ -166,20 +166,19 @@ def test_ngram_lookups_that_cannot_pay_are_skipped_for_a_few_steps(monkeypatch):
     assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in plain]
 
 
-def test_held_plain_steps_keep_a_light_bookkeeping(spec):
-    from minifer.engine.adaptive_k import LIGHT_EVERY
-
+def test_held_plain_steps_are_measured_in_full(spec):
+    """A held plain step skips the prediction, not the measurement: its timing reaches the cost table, the plain
+    step time and the probe budget."""
     _step(spec, 8, 0.010, 8)
-    table_before = {n: list(w) for n, w in spec.target_cost.samples.items()}
-    heavy = 0
-    for _ in range(8):
-        decision = spec.plain_step()
+    before = len(spec.target_cost.samples[8])
+    spec.plain_hold[8] = 3
+    for _ in range(3):
+        decision = spec.held_step(8)
         assert decision.k == 0 and not decision.probe
-        heavy += not decision.light
-        _step(spec, 8, 0.020, 8, light=decision.light)
-    assert heavy == 8 // LIGHT_EVERY  # every LIGHT_EVERY-th held step still refreshes the cost table and plain time
-    assert spec.decode_s == pytest.approx(0.010 + 8 * 0.020, rel=0.01)  # every step counts toward the budget
-    assert len(spec.target_cost.samples[8]) == len(table_before[8]) + 8 // LIGHT_EVERY
+        _step(spec, 8, 0.020, 8)
+    assert spec.held_step(8) is None  # used up
+    assert spec.decode_s == pytest.approx(0.010 + 3 * 0.020, rel=0.01)
+    assert len(spec.target_cost.samples[8]) == before + 3 and spec.plain_step_s[8] == pytest.approx(0.020)
 
 
 def test_the_probe_budget_is_a_sliding_window(spec):
@@ -225,17 +224,6 @@ def test_calibration_times_decode_shaped_forwards_and_frees_its_blocks():
     assert blocks.num_free_blocks == blocks.num_blocks and blocks.cache_queries == 0
     small = LLM("tinystories-target", speculative_config=NGRAM, num_kv_blocks=40)  # 5 blocks per scratch sequence
     assert sorted(small.engine.speculator.adaptive.target_cost.samples) == [1, 2, 4, 8]
-
-
-def test_closed_batches_need_a_larger_margin_as_they_grow(spec):
-    from minifer.engine.adaptive_k import TAIL_GROWTH
-
-    m = spec.cfg.margin
-    assert spec.margin_for(1, waiting=0) == m  # one sequence: no ragged tail
-    assert spec.margin_for(8, waiting=0) == pytest.approx(m * (1 + 9 * TAIL_GROWTH))
-    margins = [spec.margin_for(b, waiting=0) for b in (1, 2, 4, 8, 16, 32, 64)]
-    assert margins == sorted(margins) and 1.25 < margins[3] < 1.35 and margins[-1] > 1.8
-    assert spec.margin_for(64, waiting=3) == m  # requests waiting refill finished slots: no ragged tail
 
 
 def test_the_drafts_catch_up_is_spread_over_a_trial():

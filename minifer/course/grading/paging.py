@@ -447,9 +447,9 @@ def check_prefix_allocator(cls: Any) -> None:
 
 def check_parallel_sampling_blocks(fn: Callable[[int, int, int, int, bool], int]) -> None:
     """Grade ``fn(prompt_len, output_len, n, block_size, shared)``, the KV blocks ``n`` completions of one prompt
-    hold, against :func:`minifer.bench.kv_memory.parallel_sampling_blocks`, then against the engine itself."""
-    from minifer.bench.kv_memory import blocks_for
-    from minifer.bench.kv_memory import parallel_sampling_blocks as ref
+    hold, against :func:`minifer.course.kv_memory.parallel_sampling_blocks`, then against the engine itself."""
+    from minifer.course.kv_memory import blocks_for
+    from minifer.course.kv_memory import parallel_sampling_blocks as ref
 
     def diagnose(p: int, o: int, n: int, bs: int, shared: bool, got: int) -> str:
         own = blocks_for(p + o, bs)
@@ -491,7 +491,7 @@ def check_parallel_sampling_blocks(fn: Callable[[int, int, int, int, bool], int]
 
     def engine() -> None:
         from minifer import LLM
-        from minifer.bench.kv_memory import measure_parallel_sampling
+        from minifer.course.kv_memory import measure_parallel_sampling
 
         llm = LLM("tinystories-draft")
         for (p, o), n, bs in (((40, 8), 3, 8), ((17, 30), 4, 8)):

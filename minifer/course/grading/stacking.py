@@ -2,9 +2,9 @@
 :mod:`minifer.course.grading.base`.
 
 * :func:`check_kv_blocks` grades ``fn(memory, weight_bytes, block_bytes)``, the number of KV blocks one memory
-  budget leaves after the weights, against :func:`minifer.bench.stacking.split_budget`;
+  budget leaves after the weights, against :func:`minifer.course.stacking.split_budget`;
 * :func:`check_lever_analysis` grades ``fn(gain)``, the reading of a lever factorial (alone, product, stacked,
-  overlap, added last), against :func:`minifer.bench.stacking.lever_analysis`, with hints that name the classic
+  overlap, added last), against :func:`minifer.course.stacking.lever_analysis`, with hints that name the classic
   mistakes (the wrong baseline for "alone", "added last" read as "added first", the overlap upside down).
 
 Both take well under a second; ``tests/course/test_exercises_stacking.py`` checks that minifer's own implementations pass
@@ -29,7 +29,7 @@ KEYS = ("alone", "product", "stacked", "overlap", "in_stack")
 
 
 def _reference_blocks(memory: int, weight_bytes: int, block_bytes: int) -> int:
-    from minifer.bench.stacking import split_budget
+    from minifer.course.stacking import split_budget
 
     return split_budget(memory, weight_bytes, block_bytes, 16).kv_blocks
 
@@ -99,7 +99,7 @@ def check_kv_blocks(fn: Callable[[int, int, int], int]) -> None:
 def _factorial(rng: random.Random, noise: float) -> dict[frozenset[str], float]:
     """Gains over static batching of every configuration: each lever a random factor, every configuration with
     two or more levers beside batching bent by a random interaction (as real measurements are)."""
-    from minifer.bench.stacking import LEVERS, configurations
+    from minifer.course.stacking import LEVERS, configurations
 
     factor = {x: rng.uniform(0.6, 3.0) for x in LEVERS}
     out = {}
@@ -116,7 +116,7 @@ def _close(a: Any, b: float) -> bool:
 
 
 def _diagnose(key: str, lever: str | None, got: Any, gain: dict[frozenset[str], float]) -> str:
-    from minifer.bench.stacking import LEVERS
+    from minifer.course.stacking import LEVERS
 
     static, cb, full = frozenset(), frozenset({"continuous"}), frozenset(LEVERS)
     raw = ("divide by static batching's value, gain[frozenset()]: it is 1 only when the gains are already over "
@@ -152,7 +152,7 @@ def _diagnose(key: str, lever: str | None, got: Any, gain: dict[frozenset[str], 
 
 def _missing_key_hint(key: Any, gain: dict[frozenset[str], float]) -> str | None:
     """The hint for looking up ``gain[key]`` with ``key`` not a configuration (``None``: not that mistake)."""
-    from minifer.bench.stacking import LEVERS, configurations
+    from minifer.course.stacking import LEVERS, configurations
 
     if not isinstance(key, frozenset) or key in configurations():
         return None
@@ -167,8 +167,8 @@ def _missing_key_hint(key: Any, gain: dict[frozenset[str], float]) -> str | None
 
 def check_lever_analysis(fn: Callable[[dict[frozenset[str], float]], dict[str, Any]]) -> None:
     """Grade ``fn(gain) -> {"alone", "product", "stacked", "overlap", "in_stack"}`` against
-    :func:`minifer.bench.stacking.lever_analysis` (other keys in the answer are ignored)."""
-    from minifer.bench.stacking import LEVERS, configurations, label, lever_analysis
+    :func:`minifer.course.stacking.lever_analysis` (other keys in the answer are ignored)."""
+    from minifer.course.stacking import LEVERS, configurations, label, lever_analysis
 
     def compare(gain: dict[frozenset[str], float], what: str) -> None:
         given = dict(gain)

@@ -1,0 +1,104 @@
+"""The engine core's size budget (issue 24): lines, modules and functions a learner has to read.
+
+    python tools/count_lines.py            # the table, the over-budget modules and functions
+    python tools/count_lines.py --json     # the same as JSON
+
+A line counts when it is neither blank nor a comment; docstrings count (a learner reads them too). The core is
+what a chapter's "code it teaches" points at, without the server and the course's machinery: ``config.py``,
+``loader/``, ``models/``, ``layers/``, ``sampling.py``, ``engine/``, ``spec/``, ``quant/``, ``kernels/``. The budget:
+at most 5,000 lines in all, no module over 400, no function over 60 (a Triton kernel, ``@triton.jit``, may be
+longer: it is one GPU program and splitting it costs registers or launches).
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import io
+import json
+import sys
+import tokenize
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+CORE = ["config.py", "loader", "models", "layers", "sampling.py", "engine", "spec", "quant", "kernels"]
+BUDGET = {"total": 5000, "module": 400, "function": 60}
+
+
+def code_lines(source: str) -> set[int]:
+    """Line numbers (1-based) that are neither blank nor comment-only."""
+    lines = set()
+    for tok in tokenize.generate_tokens(io.StringIO(source).readline):
+        if tok.type in (tokenize.COMMENT, tokenize.NL, tokenize.NEWLINE, tokenize.INDENT, tokenize.DEDENT,
+                        tokenize.ENDMARKER):
+            continue
+        lines.update(range(tok.start[0], tok.end[0] + 1))
+    return lines
+
+
+def _is_triton_kernel(fn: ast.AST) -> bool:
+    return any("triton" in ast.unparse(d) and "jit" in ast.unparse(d) for d in fn.decorator_list)
+
+
+def long_functions(source: str, lines: set[int], limit: int) -> list[tuple[str, int]]:
+    """(qualified name, counted lines) of every function over ``limit`` lines, Triton kernels left out."""
+    out = []
+
+    def visit(node: ast.AST, prefix: str) -> None:
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                name = f"{prefix}{child.name}"
+                if not isinstance(child, ast.ClassDef) and not _is_triton_kernel(child):
+                    start = min([child.lineno] + [d.lineno for d in child.decorator_list])
+                    n = len([i for i in range(start, child.end_lineno + 1) if i in lines])
+                    if n > limit:
+                        out.append((name, n))
+                visit(child, name + ".")
+
+    visit(ast.parse(source), "")
+    return out
+
+
+def core_files(root: Path = ROOT) -> list[Path]:
+    pkg = root / "minifer"
+    files = []
+    for entry in CORE:
+        p = pkg / entry
+        files += sorted(p.rglob("*.py")) if p.is_dir() else [p]
+    return files
+
+
+def measure(root: Path = ROOT) -> dict:
+    """Counted lines per core module, and what exceeds the budget."""
+    modules, functions = {}, []
+    for path in core_files(root):
+        source = path.read_text(encoding="utf-8")
+        lines = code_lines(source)
+        rel = path.relative_to(root).as_posix()
+        modules[rel] = len(lines)
+        functions += [(f"{rel}:{name}", n) for name, n in long_functions(source, lines, BUDGET["function"])]
+    total = sum(modules.values())
+    over_modules = {m: n for m, n in modules.items() if n > BUDGET["module"]}
+    return {"total": total, "modules": modules, "over_modules": over_modules, "over_functions": dict(functions),
+            "within_budget": total <= BUDGET["total"] and not over_modules and not functions}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--json", action="store_true")
+    args = ap.parse_args(argv)
+    m = measure()
+    if args.json:
+        print(json.dumps(m, indent=1))
+        return 0
+    for mod, n in sorted(m["modules"].items(), key=lambda kv: -kv[1]):
+        print(f"{n:6d}  {mod}{'  (over ' + str(BUDGET['module']) + ')' if mod in m['over_modules'] else ''}")
+    print(f"{m['total']:6d}  engine core in all (budget {BUDGET['total']:,})")
+    for name, n in m["over_functions"].items():
+        print(f"function over {BUDGET['function']} lines: {name} ({n})")
+    print("within budget" if m["within_budget"] else "over budget")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
