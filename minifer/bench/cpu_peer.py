@@ -356,9 +356,44 @@ def run(model: str = "tinystories-target", num_requests: int = 512, rounds: int 
 
 
 def fast_engine_kw() -> dict[str, Any]:
-    """minifer's engine keyword arguments with every CPU lever of issue 28 on."""
+    """minifer's engine keyword arguments with every CPU lever of issue 28 that is an engine option on."""
     return {}
 
 
-def lever_configs(llm, ct2, workload, fast, eager):
-    return [], []
+def lever_configs(llm, ct2: dict[str, CT2Engine] | None, workload: Workload, fast: dict[str, Any],
+                  eager: dict[str, Any]) -> tuple[list[Config], list[tuple[str, str, str]]]:
+    """Each lever alone against the eager engine, and int8 weights: the integer matmul against float32 and
+    against the dequantize-first reference, at 16 and 64 slots, and against CT2's int8 on two cores."""
+    from minifer import LLM
+    from minifer.quant.formats import quant_linear_reference
+
+    n = _tokens(workload)
+    int8 = LLM(llm.model_path, device="cpu", dtype="float32", quantization="int8")
+    int8_ref = LLM(llm.model_path, device="cpu", dtype="float32", quantization="int8",
+                   quant_kernel=quant_linear_reference)
+
+    def mf(name: str, model, slots: int, kw: dict[str, Any], threads: int = 1, **describe) -> Config:
+        return Config(name, "minifer", lambda: minifer_offline(model, workload, slots, kw), n, threads,
+                      {"slots": slots, **describe})
+
+    configs, comps = [], []
+    for slots in (16, 64):
+        configs += [mf(f"fp32-eager-{slots}", llm, slots, eager, weights="float32"),
+                    mf(f"int8-{slots}", int8, slots, eager, weights="int8, int8_cpu_linear"),
+                    mf(f"int8-reference-{slots}", int8_ref, slots, eager, weights="int8, dequantize first")]
+        comps += [(f"int8 (integer matmul) vs float32, {slots} slots", f"int8-{slots}", f"fp32-eager-{slots}"),
+                  (f"int8 (integer matmul) vs int8 dequantize-first, {slots} slots", f"int8-{slots}",
+                   f"int8-reference-{slots}")]
+    for name, kw in LEVERS.items():
+        configs.append(mf(f"lever-{name}-64", llm, 64, kw(), levers=name))
+        comps.append((f"lever alone: {name}, 64 slots vs eager", f"lever-{name}-64", "fp32-eager-64"))
+    if ct2:
+        two = ct2["int8-2"]
+        configs += [mf("int8-fast-64slots-2t", int8, 64, fast, threads=2, weights="int8"),
+                    Config("ct2-int8-sorted64-2workers", "ctranslate2", lambda: ct2_sorted(two, workload, 64), n, 2,
+                           {"batching": "max_batch_size=64 over two workers", **two.config})]
+        comps.append(("minifer int8 vs CT2 int8, 2 cores", "int8-fast-64slots-2t", "ct2-int8-sorted64-2workers"))
+    return configs, comps
+
+
+LEVERS: dict[str, Callable[[], dict[str, Any]]] = {}  # name -> the engine keyword arguments that turn it on

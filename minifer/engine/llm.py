@@ -108,7 +108,8 @@ class LLM:
         max_logprobs: the most candidates ``logprobs`` and ``prompt_logprobs`` may ask for (vLLM's limit, 20 by
             default: every candidate of every token is an object in the output).
         quant_kernel: what quantized layers multiply through (``QuantKernel``, ``minifer.quant.linear``); by default
-            the Triton kernel on a CUDA GPU, the PyTorch reference elsewhere (``kernels.quant_kernel_for``).
+            the Triton kernel on a CUDA GPU, on the CPU an integer matmul for int8 (``int8_cpu_linear``) and the
+            PyTorch reference for the other formats (``kernels.quant_kernel_for``).
         block_allocator, scheduler, sampler, proposer, verifier, attention_backend: the engine's seams
             (``LLMEngine`` lists their contracts); None builds the reference implementation a chapter shows.
         share_weights_with: another ``LLM`` of the same model, dtype, device and quantization whose loaded weights
@@ -182,13 +183,15 @@ class LLM:
     def _load_model(self, quantization: str | None, load_format: str, quant_kernel: QuantKernel | None,
                     max_positions: int, seed: int) -> torch.nn.Module:
         """The target's weights (quantized as asked), its quantized layers on ``quant_kernel`` or the device's
-        default (``kernels.quant_kernel_for``: the Triton kernel on CUDA, the reference elsewhere)."""
+        default (``kernels.quant_kernel_for``: the Triton kernel on CUDA, int8's integer matmul on the CPU, else the
+        reference)."""
         from minifer.kernels import quant_kernel_for
+        from minifer.quant.linear import int8_cpu_linear  # int8 on the CPU: an integer matmul; else the reference
         from minifer.loader.quantized import load_model
 
-        return load_model(self.model_path, quantization, load_format=load_format,
-                          quant_kernel=quant_kernel or quant_kernel_for(self.device), dtype=self.dtype,
-                          device=self.device, max_positions=max_positions, seed=seed)
+        kernel = quant_kernel or quant_kernel_for(self.device) or int8_cpu_linear
+        return load_model(self.model_path, quantization, load_format=load_format, quant_kernel=kernel,
+                          dtype=self.dtype, device=self.device, max_positions=max_positions, seed=seed)
 
     def _shared_model(self, other: "LLM", quantization: str | None, load_format: str) -> torch.nn.Module:
         """``other``'s loaded model, after checking it is the model this engine was asked for."""
