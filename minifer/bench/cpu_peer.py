@@ -244,12 +244,12 @@ def _tokens(workload: Workload) -> int:
     return workload.total_output_tokens
 
 
-def identity_check(llm, ct2: CT2Engine, n_prompts: int = 16, n_tokens: int = 32, seed: int = 1) -> dict[str, Any]:
+def identity_check(m: "Minifer", ct2: CT2Engine, n_prompts: int = 16, n_tokens: int = 32, seed: int = 1) -> dict[str, Any]:
     """Do the two engines compute the same model? Greedy continuations of held-out random prompts, compared token
     by token (float32 both: they should agree, up to a near-tie that float rounding breaks differently)."""
-    w = default_workload(llm, n_prompts, seed=seed)
+    w = default_workload(m.llm, n_prompts, seed=seed)
     prompts = [r.prompt_token_ids for r in w.requests]
-    ours = minifer_greedy(llm, prompts, n_tokens)
+    ours = minifer_greedy(m.llm, prompts, n_tokens, m.engine_kw)
     theirs = ct2.generate(prompts, [n_tokens] * n_prompts)
     same = [a == b for a, b in zip(ours, theirs)]
     agree = sum(x == y for a, b in zip(ours, theirs) for x, y in zip(a, b))
@@ -257,18 +257,29 @@ def identity_check(llm, ct2: CT2Engine, n_prompts: int = 16, n_tokens: int = 32,
             "token_agreement": agree / (n_prompts * n_tokens)}
 
 
-def peer_configs(llm, ct2: dict[str, CT2Engine] | None, workload: Workload,
-                 fast: dict[str, Any]) -> tuple[list[Config], list[tuple[str, str, str]]]:
+@dataclass
+class Minifer:
+    """An ``LLM`` (its model, with whatever the model-level levers did to it) and the ``LLMEngine`` keyword
+    arguments (engine-level levers) that every run over it uses."""
+
+    llm: Any
+    engine_kw: dict[str, Any]
+
+    def run(self, workload: Workload, slots: int) -> float:
+        return minifer_offline(self.llm, workload, slots, self.engine_kw)
+
+
+def peer_configs(fast: Minifer, ct2: dict[str, CT2Engine] | None,
+                 workload: Workload) -> tuple[list[Config], list[tuple[str, str, str]]]:
     """The headline comparisons of issue 28: 16 and 64 slots on one core, 64 slots on two, each beside CT2's
-    matching configuration. ``fast``: minifer's engine keyword arguments with the levers on."""
+    matching configuration, minifer with every lever on."""
     n = _tokens(workload)
 
-    def mf(slots: int, threads: int, kw: dict[str, Any], label: str) -> Config:
-        return Config(f"minifer-{label}-{slots}slots-{threads}t", "minifer",
-                      lambda: minifer_offline(llm, workload, slots, kw), n, threads,
-                      {"slots": slots, "levers": label, "engine_kw": {k: str(v) for k, v in kw.items()}})
+    def mf(slots: int, threads: int) -> Config:
+        return Config(f"minifer-fast-{slots}slots-{threads}t", "minifer", lambda: fast.run(workload, slots), n,
+                      threads, {"slots": slots, "levers": "all"})
 
-    configs = [mf(16, 1, fast, "fast"), mf(64, 1, fast, "fast"), mf(64, 2, fast, "fast")]
+    configs = [mf(16, 1), mf(64, 1), mf(64, 2)]
     comps: list[tuple[str, str, str]] = []
     if ct2:
         one, two = ct2["float32-1"], ct2["float32-2"]
@@ -287,15 +298,14 @@ def peer_configs(llm, ct2: dict[str, CT2Engine] | None, workload: Workload,
     return configs, comps
 
 
-def batch1_configs(llm, ct2: dict[str, CT2Engine] | None, fast: dict[str, Any], eager: dict[str, Any],
+def batch1_configs(fast: Minifer, eager: Minifer, ct2: dict[str, CT2Engine] | None,
                    n_tokens: int = 128) -> tuple[list[Config], list[tuple[str, str, str]]]:
     """One request, a 16-token prompt, ``n_tokens`` greedy tokens: the latency a single user sees."""
+    llm = eager.llm
     w = make_workload(1, "fixed:16", f"fixed:{n_tokens}", seed=3, vocab_size=llm.model_config.vocab_size,
                       max_model_len=llm.max_model_len, bos_token_id=llm.tokenizer.bos_token_id)
-    configs = [Config("minifer-batch1-fast", "minifer", lambda: minifer_offline(llm, w, 1, fast), n_tokens, 1,
-                      {"slots": 1}),
-               Config("minifer-batch1-eager", "minifer", lambda: minifer_offline(llm, w, 1, eager), n_tokens, 1,
-                      {"slots": 1})]
+    configs = [Config("minifer-batch1-fast", "minifer", lambda: fast.run(w, 1), n_tokens, 1, {"slots": 1}),
+               Config("minifer-batch1-eager", "minifer", lambda: eager.run(w, 1), n_tokens, 1, {"slots": 1})]
     comps = [("batch 1: fast path vs eager", "minifer-batch1-fast", "minifer-batch1-eager")]
     if ct2:
         one = ct2["float32-1"]
@@ -316,11 +326,14 @@ def run(model: str = "tinystories-target", num_requests: int = 512, rounds: int 
     torch.set_num_threads(1)
     llm = LLM(model, device="cpu", dtype="float32", max_num_seqs=64)
     workload = default_workload(llm, num_requests)
-    eager, fast = {}, fast_engine_kw()
+    fast_llm_kw, fast_engine_kw = fast_options()
+    fast = Minifer(LLM(model, device="cpu", dtype="float32", **fast_llm_kw), fast_engine_kw)
+    eager = Minifer(llm, {})
     ct2 = None
     result: dict[str, Any] = {"kind": "cpu_peer", "workload": workload.summary(),
                               "minifer": {"model": str(llm.model_path), "dtype": "float32",
-                                          "fast_engine_kw": {k: str(v) for k, v in fast.items()}}}
+                                          "fast_llm_kw": fast_llm_kw,
+                                          "fast_engine_kw": {k: str(v) for k, v in fast_engine_kw.items()}}}
     if ct2_import() is None:
         log(CT2_MISSING)
         result["ctranslate2"] = {"skipped": CT2_MISSING}
@@ -330,19 +343,19 @@ def run(model: str = "tinystories-target", num_requests: int = 512, rounds: int 
         result["ctranslate2"] = {k: e.config for k, e in ct2.items()}
         if identity:
             torch.set_num_threads(1)
-            result["identity"] = identity_check(llm, ct2["float32-1"])
+            result["identity"] = identity_check(fast, ct2["float32-1"])
             log(f"greedy identity minifer vs CT2: {result['identity']}")
     configs, comps = [], []
     if "peer" in sections:
-        c, r = peer_configs(llm, ct2, workload, fast)
+        c, r = peer_configs(fast, ct2, workload)
         configs += c
         comps += r
     if "batch1" in sections:
-        c, r = batch1_configs(llm, ct2, fast, eager)
+        c, r = batch1_configs(fast, eager, ct2)
         configs += c
         comps += r
     if "levers" in sections:
-        c, r = lever_configs(llm, ct2, workload, fast, eager)
+        c, r = lever_configs(eager, fast, ct2, workload)
         configs += c
         comps += r
     for c in configs:  # warm-up: first calls allocate, load kernels and fill caches
@@ -355,45 +368,63 @@ def run(model: str = "tinystories-target", num_requests: int = 512, rounds: int 
     return result
 
 
-def fast_engine_kw() -> dict[str, Any]:
-    """minifer's engine keyword arguments with every CPU lever of issue 28 that is an engine option on."""
-    return {}
+def fast_options() -> tuple[dict[str, Any], dict[str, Any]]:
+    """minifer with every CPU lever of issue 28 on: the ``LLM`` keyword arguments and the ``LLMEngine`` ones."""
+    llm_kw: dict[str, Any] = {}
+    engine_kw: dict[str, Any] = {}
+    for lever_llm_kw, lever_engine_kw in LEVERS.values():
+        llm_kw.update(lever_llm_kw)
+        engine_kw.update(lever_engine_kw())
+    return llm_kw, engine_kw
 
 
-def lever_configs(llm, ct2: dict[str, CT2Engine] | None, workload: Workload, fast: dict[str, Any],
-                  eager: dict[str, Any]) -> tuple[list[Config], list[tuple[str, str, str]]]:
+def lever_configs(eager: Minifer, fast: Minifer, ct2: dict[str, CT2Engine] | None,
+                  workload: Workload) -> tuple[list[Config], list[tuple[str, str, str]]]:
     """Each lever alone against the eager engine, and int8 weights: the integer matmul against float32 and
     against the dequantize-first reference, at 16 and 64 slots, and against CT2's int8 on two cores."""
     from minifer import LLM
     from minifer.quant.formats import quant_linear_reference
 
-    n = _tokens(workload)
-    int8 = LLM(llm.model_path, device="cpu", dtype="float32", quantization="int8")
-    int8_ref = LLM(llm.model_path, device="cpu", dtype="float32", quantization="int8",
-                   quant_kernel=quant_linear_reference)
+    n, path = _tokens(workload), eager.llm.model_path
+    int8 = Minifer(LLM(path, device="cpu", dtype="float32", quantization="int8"), {})
+    int8_ref = Minifer(LLM(path, device="cpu", dtype="float32", quantization="int8",
+                           quant_kernel=quant_linear_reference), {})
+    int8_fast = Minifer(LLM(path, device="cpu", dtype="float32", quantization="int8", **fast_options()[0]),
+                        fast.engine_kw)
 
-    def mf(name: str, model, slots: int, kw: dict[str, Any], threads: int = 1, **describe) -> Config:
-        return Config(name, "minifer", lambda: minifer_offline(model, workload, slots, kw), n, threads,
-                      {"slots": slots, **describe})
+    def mf(name: str, m: Minifer, slots: int, threads: int = 1, **describe) -> Config:
+        return Config(name, "minifer", lambda: m.run(workload, slots), n, threads, {"slots": slots, **describe})
 
     configs, comps = [], []
     for slots in (16, 64):
-        configs += [mf(f"fp32-eager-{slots}", llm, slots, eager, weights="float32"),
-                    mf(f"int8-{slots}", int8, slots, eager, weights="int8, int8_cpu_linear"),
-                    mf(f"int8-reference-{slots}", int8_ref, slots, eager, weights="int8, dequantize first")]
+        configs += [mf(f"fp32-eager-{slots}", eager, slots, weights="float32"),
+                    mf(f"int8-{slots}", int8, slots, weights="int8, int8_cpu_linear"),
+                    mf(f"int8-reference-{slots}", int8_ref, slots, weights="int8, dequantize first")]
         comps += [(f"int8 (integer matmul) vs float32, {slots} slots", f"int8-{slots}", f"fp32-eager-{slots}"),
                   (f"int8 (integer matmul) vs int8 dequantize-first, {slots} slots", f"int8-{slots}",
                    f"int8-reference-{slots}")]
-    for name, kw in LEVERS.items():
-        configs.append(mf(f"lever-{name}-64", llm, 64, kw(), levers=name))
-        comps.append((f"lever alone: {name}, 64 slots vs eager", f"lever-{name}-64", "fp32-eager-64"))
+    for name, (llm_kw, engine_kw) in LEVERS.items():
+        alone = Minifer(LLM(path, device="cpu", dtype="float32", **llm_kw), engine_kw())
+        for slots in (16, 64):
+            configs.append(mf(f"lever-{name}-{slots}", alone, slots, levers=name))
+            comps.append((f"lever alone: {name}, {slots} slots vs eager", f"lever-{name}-{slots}",
+                          f"fp32-eager-{slots}"))
+    configs.append(mf("all-levers-64", fast, 64, levers="all"))
+    comps.append(("all levers, 64 slots vs eager", "all-levers-64", "fp32-eager-64"))
     if ct2:
         two = ct2["int8-2"]
-        configs += [mf("int8-fast-64slots-2t", int8, 64, fast, threads=2, weights="int8"),
+        configs += [mf("int8-fast-64slots-2t", int8_fast, 64, threads=2, weights="int8", levers="all"),
                     Config("ct2-int8-sorted64-2workers", "ctranslate2", lambda: ct2_sorted(two, workload, 64), n, 2,
                            {"batching": "max_batch_size=64 over two workers", **two.config})]
         comps.append(("minifer int8 vs CT2 int8, 2 cores", "int8-fast-64slots-2t", "ct2-int8-sorted64-2workers"))
     return configs, comps
 
 
-LEVERS: dict[str, Callable[[], dict[str, Any]]] = {}  # name -> the engine keyword arguments that turn it on
+def _no_engine_kw() -> dict[str, Any]:
+    return {}
+
+
+# name -> (LLM keyword arguments, a function making the LLMEngine keyword arguments) that turn the lever on alone
+LEVERS: dict[str, tuple[dict[str, Any], Callable[[], dict[str, Any]]]] = {
+    "pack_weights": ({"compilation_config": {"pack_weights": True}}, _no_engine_kw),
+}

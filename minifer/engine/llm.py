@@ -19,6 +19,7 @@ import torch
 from minifer.config import ModelConfig, auto_dtype
 from minifer.engine.beam_search import BeamSearch, BeamSearchOutput
 from minifer.engine.llm_engine import CacheConfig, LLMEngine
+from minifer.engine.runner import compile_model
 from minifer.engine.scheduler import SchedulerConfig
 from minifer.engine.sequence import Sequence, SequenceGroup, sequences_of
 from minifer.engine.speculative import SpeculativeConfig
@@ -110,6 +111,9 @@ class LLM:
         quant_kernel: what quantized layers multiply through (``QuantKernel``, ``minifer.quant.linear``); by default
             the Triton kernel on a CUDA GPU, on the CPU an integer matmul for int8 (``int8_cpu_linear``) and the
             PyTorch reference for the other formats (``kernels.quant_kernel_for``).
+        compilation_config: vLLM's name; minifer reads ``{"pack_weights": True}``: on the CPU, float linear layers
+            keep their weights packed for oneDNN's matmul (``layers.packed_linear``), tested token-identical to
+            the eager model; off by default, so the model a learner reads is the one that runs.
         block_allocator, scheduler, sampler, proposer, verifier, attention_backend: the engine's seams
             (``LLMEngine`` lists their contracts); None builds the reference implementation a chapter shows.
         share_weights_with: another ``LLM`` of the same model, dtype, device and quantization whose loaded weights
@@ -132,7 +136,8 @@ class LLM:
                  block_allocator: Callable[..., KVBlockAllocator] | None = None,
                  scheduler: Callable[..., SchedulerPolicy] | None = None, sampler: Sampler | None = None,
                  proposer: DraftProposer | None = None, verifier: Verifier | None = None,
-                 attention_backend: Callable[..., PagedAttentionBackend] | None = None) -> None:
+                 attention_backend: Callable[..., PagedAttentionBackend] | None = None,
+                 compilation_config: dict[str, Any] | None = None) -> None:
         check_kv_cache_dtype(kv_cache_dtype, kv_cache_scales)
         if kv_cache_dtype != "auto" and batching != "continuous":
             raise ValueError("kv_cache_dtype applies to the paged cache of batching='continuous'")
@@ -156,6 +161,7 @@ class LLM:
             self.model = self._shared_model(share_weights_with, quantization, load_format)
         else:
             self.model = self._load_model(quantization, load_format, quant_kernel, limit, seed)
+        self.compilation_config = compile_model(self.model, compilation_config, share_weights_with)
         self.quantization_config = getattr(self.model, "quantization_config", None)
         self.tokenizer = load_tokenizer(resolve_model(tokenizer) if tokenizer is not None else self.model_path)
         self.eos_token_ids = frozenset(self._eos_ids())
