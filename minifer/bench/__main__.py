@@ -166,7 +166,8 @@ def cmd_cpu_peer(args) -> int:
     torch.set_num_threads(1)
     meta = metadata(args.argv)
     res = cpu_peer.run(args.model, args.num_requests, args.repeats, args.sections, args.ct2_dir,
-                       identity=not args.no_identity)
+                       identity=not args.no_identity, two_threads=args.two_threads,
+                       warmup=not args.no_warmup)
     _finish(args, {"metadata": meta, **res}, "cpu_peer.json")
     return 0
 
@@ -219,6 +220,9 @@ def main(argv: list[str] | None = None) -> int:
                    choices=["peer", "batch1", "levers"])
     p.add_argument("--ct2-dir", default="runs/ct2", help="where converted CTranslate2 models are kept")
     p.add_argument("--no-identity", action="store_true", help="skip the greedy identity check against CT2")
+    p.add_argument("--no-warmup", action="store_true", help="no warm-up run of each configuration")
+    p.add_argument("--two-threads", action="store_true",
+                   help="also one engine on two torch threads (slow when another process holds a core)")
     p.add_argument("--out", default=None)
     p.set_defaults(func=cmd_cpu_peer)
 

@@ -181,6 +181,21 @@ def minifer_greedy(llm, prompts: list[list[int]], n: int, engine_kw: dict[str, A
     return [list(s.output_token_ids) for s in seqs]
 
 
+def minifer_generate(llm, workload: Workload) -> float:
+    """The workload through ``llm.generate`` (the front of ``data_parallel_size`` replicas); wall seconds."""
+    from minifer.bench.serving import greedy_params
+
+    reqs = workload.requests
+    t0 = time.perf_counter()
+    outs = llm.generate([{"prompt_token_ids": r.prompt_token_ids} for r in reqs],
+                        [greedy_params(r.max_tokens) for r in reqs], use_tqdm=False)
+    elapsed = time.perf_counter() - t0
+    for o, r in zip(outs, reqs):
+        if len(o.outputs[0].token_ids) != r.max_tokens:
+            raise RuntimeError(f"{r.request_id}: {len(o.outputs[0].token_ids)} tokens, asked for {r.max_tokens}")
+    return elapsed
+
+
 # --- configurations, rounds, ratios ----------------------------------------------------------------------------
 
 
@@ -269,8 +284,8 @@ class Minifer:
         return minifer_offline(self.llm, workload, slots, self.engine_kw)
 
 
-def peer_configs(fast: Minifer, ct2: dict[str, CT2Engine] | None,
-                 workload: Workload) -> tuple[list[Config], list[tuple[str, str, str]]]:
+def peer_configs(fast: Minifer, ct2: dict[str, CT2Engine] | None, workload: Workload, replicas=None,
+                 two_threads: bool = False) -> tuple[list[Config], list[tuple[str, str, str]]]:
     """The headline comparisons of issue 28: 16 and 64 slots on one core, 64 slots on two, each beside CT2's
     matching configuration, minifer with every lever on."""
     n = _tokens(workload)
@@ -279,7 +294,12 @@ def peer_configs(fast: Minifer, ct2: dict[str, CT2Engine] | None,
         return Config(f"minifer-fast-{slots}slots-{threads}t", "minifer", lambda: fast.run(workload, slots), n,
                       threads, {"slots": slots, "levers": "all"})
 
-    configs = [mf(16, 1), mf(64, 1), mf(64, 2)]
+    configs = [mf(16, 1), mf(64, 1)]
+    if two_threads:  # one engine, two torch threads per op (slow on a shared machine: see default_threads)
+        configs.append(mf(64, 2))
+    if replicas is not None:
+        configs.append(Config("minifer-fast-64slots-dp2", "minifer", lambda: minifer_generate(replicas, workload), n,
+                              2, {"slots": 64, "levers": "all", "data_parallel_size": 2}))
     comps: list[tuple[str, str, str]] = []
     if ct2:
         one, two = ct2["float32-1"], ct2["float32-2"]
@@ -294,7 +314,12 @@ def peer_configs(fast: Minifer, ct2: dict[str, CT2Engine] | None,
         comps += [("16 slots vs CT2 static batches of 16, 1 thread", "minifer-fast-16slots-1t", "ct2-static16-1t"),
                   ("64 slots vs CT2 max_batch_size=64, 1 thread", "minifer-fast-64slots-1t", "ct2-sorted64-1t"),
                   ("both cores: minifer 64 slots, 2 threads vs CT2 two 1-thread workers",
-                   "minifer-fast-64slots-2t", "ct2-sorted64-2workers")]
+                   "minifer-fast-64slots-2t", "ct2-sorted64-2workers"),
+                  ("both cores: minifer data_parallel_size=2 (64 slots each) vs CT2 two 1-thread workers",
+                   "minifer-fast-64slots-dp2", "ct2-sorted64-2workers")]
+    if replicas is not None:
+        comps.append(("lever alone: data_parallel_size=2 vs one engine, 64 slots", "minifer-fast-64slots-dp2",
+                      "minifer-fast-64slots-1t"))
     return configs, comps
 
 
@@ -319,7 +344,7 @@ SECTIONS = ("peer", "batch1", "levers")
 
 def run(model: str = "tinystories-target", num_requests: int = 512, rounds: int = 3,
         sections: Sequence[str] = SECTIONS, ct2_dir: str | Path = "runs/ct2", identity: bool = True,
-        log: Callable[[str], None] = print) -> dict[str, Any]:
+        two_threads: bool = False, warmup: bool = True, log: Callable[[str], None] = print) -> dict[str, Any]:
     """Everything the command measures; see the module docstring. Returns the result dict (without metadata)."""
     from minifer import LLM
 
@@ -346,8 +371,10 @@ def run(model: str = "tinystories-target", num_requests: int = 512, rounds: int 
             result["identity"] = identity_check(fast, ct2["float32-1"])
             log(f"greedy identity minifer vs CT2: {result['identity']}")
     configs, comps = [], []
+    replicas = None
     if "peer" in sections:
-        c, r = peer_configs(fast, ct2, workload)
+        replicas = LLM(model, device="cpu", dtype="float32", max_num_seqs=64, data_parallel_size=2, **fast_llm_kw)
+        c, r = peer_configs(fast, ct2, workload, replicas, two_threads)
         configs += c
         comps += r
     if "batch1" in sections:
@@ -358,10 +385,14 @@ def run(model: str = "tinystories-target", num_requests: int = 512, rounds: int 
         c, r = lever_configs(eager, fast, ct2, workload)
         configs += c
         comps += r
-    for c in configs:  # warm-up: first calls allocate, load kernels and fill caches
-        torch.set_num_threads(c.threads)
-        c.run()
+    if warmup:
+        for c in configs:  # first calls allocate, load kernels and fill caches
+            torch.set_num_threads(c.threads)
+            c.run()
+    result["warmup"] = warmup
     times = interleaved(configs, rounds, log)
+    if replicas is not None:
+        replicas.replicas.close()
     result.update(summarize(configs, times, comps))
     for label, r in result["ratios"].items():
         log(f"{label}: {r['median_of_round_ratios']:.2f}x (rounds {min(r['rounds']):.2f}-{max(r['rounds']):.2f})")
@@ -389,8 +420,6 @@ def lever_configs(eager: Minifer, fast: Minifer, ct2: dict[str, CT2Engine] | Non
     int8 = Minifer(LLM(path, device="cpu", dtype="float32", quantization="int8"), {})
     int8_ref = Minifer(LLM(path, device="cpu", dtype="float32", quantization="int8",
                            quant_kernel=quant_linear_reference), {})
-    int8_fast = Minifer(LLM(path, device="cpu", dtype="float32", quantization="int8", **fast_options()[0]),
-                        fast.engine_kw)
 
     def mf(name: str, m: Minifer, slots: int, threads: int = 1, **describe) -> Config:
         return Config(name, "minifer", lambda: m.run(workload, slots), n, threads, {"slots": slots, **describe})
@@ -413,10 +442,13 @@ def lever_configs(eager: Minifer, fast: Minifer, ct2: dict[str, CT2Engine] | Non
     comps.append(("all levers, 64 slots vs eager", "all-levers-64", "fp32-eager-64"))
     if ct2:
         two = ct2["int8-2"]
-        configs += [mf("int8-fast-64slots-2t", int8_fast, 64, threads=2, weights="int8", levers="all"),
+        int8_dp = LLM(path, device="cpu", dtype="float32", quantization="int8", max_num_seqs=64,
+                      data_parallel_size=2, **fast_options()[0])
+        configs += [Config("int8-fast-64slots-dp2", "minifer", lambda: minifer_generate(int8_dp, workload), n, 2,
+                           {"slots": 64, "weights": "int8", "levers": "all", "data_parallel_size": 2}),
                     Config("ct2-int8-sorted64-2workers", "ctranslate2", lambda: ct2_sorted(two, workload, 64), n, 2,
                            {"batching": "max_batch_size=64 over two workers", **two.config})]
-        comps.append(("minifer int8 vs CT2 int8, 2 cores", "int8-fast-64slots-2t", "ct2-int8-sorted64-2workers"))
+        comps.append(("minifer int8 vs CT2 int8, 2 cores", "int8-fast-64slots-dp2", "ct2-int8-sorted64-2workers"))
     return configs, comps
 
 

@@ -52,3 +52,22 @@ def test_compilation_config_is_checked(target_llm):
     with pytest.raises(ValueError, match="must match"):
         minifer.LLM("tinystories-target", dtype="float32", device="cpu", share_weights_with=target_llm,
                     compilation_config={"pack_weights": True})
+
+
+def test_two_replicas_give_the_eager_tokens_in_prompt_order(prompts, eager_tokens):
+    from minifer.engine.data_parallel import balance
+
+    llm = minifer.LLM("tinystories-target", dtype="float32", device="cpu", data_parallel_size=2)
+    try:
+        assert greedy(llm, prompts) == eager_tokens
+        assert greedy(llm, prompts[:1]) == eager_tokens[:1]  # one replica idle
+    finally:
+        llm.replicas.close()
+    assert balance([5, 1, 4, 2, 3], 2) == [[0, 3, 1], [2, 4]]  # loads 8 and 7
+
+
+def test_data_parallel_size_is_checked(target_llm):
+    with pytest.raises(ValueError, match="positive integer"):
+        minifer.LLM("tinystories-draft", device="cpu", data_parallel_size=0)
+    with pytest.raises(ValueError, match="batching='continuous'"):
+        minifer.LLM("tinystories-draft", device="cpu", batching="static", data_parallel_size=2)
