@@ -373,7 +373,8 @@ def run(model: str = "tinystories-target", num_requests: int = 512, rounds: int 
     configs, comps = [], []
     replicas = None
     if "peer" in sections:
-        replicas = LLM(model, device="cpu", dtype="float32", max_num_seqs=64, data_parallel_size=2, **fast_llm_kw)
+        replicas = LLM(model, device="cpu", dtype="float32", max_num_seqs=64, data_parallel_size=2, **fast_llm_kw,
+                       **fast_engine_kw)  # LLM takes the engine's seams (attention_backend) by the same names
         c, r = peer_configs(fast, ct2, workload, replicas, two_threads)
         configs += c
         comps += r
@@ -443,7 +444,7 @@ def lever_configs(eager: Minifer, fast: Minifer, ct2: dict[str, CT2Engine] | Non
     if ct2:
         two = ct2["int8-2"]
         int8_dp = LLM(path, device="cpu", dtype="float32", quantization="int8", max_num_seqs=64,
-                      data_parallel_size=2, **fast_options()[0])
+                      data_parallel_size=2, **fast_options()[0], **fast.engine_kw)
         configs += [Config("int8-fast-64slots-dp2", "minifer", lambda: minifer_generate(int8_dp, workload), n, 2,
                            {"slots": 64, "weights": "int8", "levers": "all", "data_parallel_size": 2}),
                     Config("ct2-int8-sorted64-2workers", "ctranslate2", lambda: ct2_sorted(two, workload, 64), n, 2,
@@ -456,7 +457,14 @@ def _no_engine_kw() -> dict[str, Any]:
     return {}
 
 
+def _step_gather_kw() -> dict[str, Any]:
+    from minifer.layers.cpu_attention import StepGatherKVCache
+
+    return {"attention_backend": StepGatherKVCache}
+
+
 # name -> (LLM keyword arguments, a function making the LLMEngine keyword arguments) that turn the lever on alone
 LEVERS: dict[str, tuple[dict[str, Any], Callable[[], dict[str, Any]]]] = {
     "pack_weights": ({"compilation_config": {"pack_weights": True}}, _no_engine_kw),
+    "step_gather_attention": ({}, _step_gather_kw),
 }

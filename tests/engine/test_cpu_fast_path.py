@@ -71,3 +71,12 @@ def test_data_parallel_size_is_checked(target_llm):
         minifer.LLM("tinystories-draft", device="cpu", data_parallel_size=0)
     with pytest.raises(ValueError, match="batching='continuous'"):
         minifer.LLM("tinystories-draft", device="cpu", batching="static", data_parallel_size=2)
+
+
+def test_step_gather_attention_gives_the_eager_tokens(prompts, eager_tokens):
+    from minifer.layers.cpu_attention import StepGatherKVCache
+
+    llm = minifer.LLM("tinystories-target", dtype="float32", device="cpu", attention_backend=StepGatherKVCache,
+                      max_num_seqs=5)  # fewer slots than prompts: decode steps and mixed prefill steps alternate
+    assert greedy(llm, prompts) == eager_tokens
+    assert isinstance(llm.engine.kv_cache, StepGatherKVCache) and llm.engine.kv_cache._step is not None
