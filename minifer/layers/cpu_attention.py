@@ -7,7 +7,10 @@ slots to read are the same in every layer (the gather index is built once per st
 and each layer then writes its own new token's key and value into that copy (and, as always, into the cache)
 before attending: the same numbers reach the same SDPA call, so the tokens are identical to the reference's.
 
-It applies to decode-only steps with a float cache on the CPU; everything else (prefill, mixed steps, 8-bit
+Measured, it is slower (0.70x alone at 64 and at 16 slots, ``benchmarks/results/cpu_peer.json`` at commit 64e1dd5):
+one gather of all layers at 64 slots is ~56 MB of keys and values, which leaves the caches, while each per-layer
+gather is read back by its attention while still cached. So it is not part of the fast path; it stays as a
+measured counter-example. It applies to decode-only steps with a float cache on the CPU; everything else (prefill, mixed steps, 8-bit
 caches, the GPU's Triton path) is the reference's. Select it with ``LLM(attention_backend=StepGatherKVCache)``.
 """
 
