@@ -8,7 +8,7 @@ t = 0). What counts is *useful* throughput: each request's own tokens over the w
 The engines, each in its best configuration that the same machine allows:
 
 - minifer: its continuous-batching ``LLMEngine`` with ``slots`` sequences, ``threads`` torch threads, and the
-  CPU levers this issue added (``VARIANTS`` below), each selectable so its gain can be measured alone;
+  CPU levers this issue added (``LEVERS`` below), each selectable so its gain can be measured alone;
 - CTranslate2: ``generate_batch`` with ``include_prompt_in_result=False`` (the prompt in one forward), greedy,
   ``end_token=[]`` (EOS ignored) and a per-token callback that ends each request at its own length (CT2 then
   drops the finished row from the batch). ``ct2_static`` hands it plain in-order batches; ``ct2_sorted`` hands it
