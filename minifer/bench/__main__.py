@@ -5,6 +5,7 @@
     python -m minifer.bench bound --output exp:64:4:256 uniform:4:256 fixed:64
     python -m minifer.bench profile --num-requests 128
     python -m minifer.bench plot runs/throughput.json runs/serve.json
+    python -m minifer.bench cpu_peer --num-requests 512   # against CTranslate2 (an optional peer)
 
 Every command writes a JSON (``--out``, default ``runs/<command>.json``, git-ignored) with the hardware,
 versions, git commit, command line and workload parameters; ``plot`` draws PNGs from such files.
@@ -158,6 +159,19 @@ def cmd_profile(args) -> int:
     return 0
 
 
+def cmd_cpu_peer(args) -> int:
+    from minifer.bench import cpu_peer
+    from minifer.bench.serving import metadata
+
+    torch.set_num_threads(1)
+    meta = metadata(args.argv)
+    res = cpu_peer.run(args.model, args.num_requests, args.repeats, args.sections, args.ct2_dir,
+                       identity=not args.no_identity, two_threads=args.two_threads,
+                       warmup=not args.no_warmup)
+    _finish(args, {"metadata": meta, **res}, "cpu_peer.json")
+    return 0
+
+
 def cmd_plot(args) -> int:
     from minifer.bench.serving import plot_file
 
@@ -197,6 +211,20 @@ def main(argv: list[str] | None = None) -> int:
     _add_engine_args(p, ["static", "continuous"])
     p.add_argument("--top", type=int, default=25)
     p.set_defaults(func=cmd_profile)
+
+    p = sub.add_parser("cpu_peer", help="minifer vs CTranslate2 on the CPU (optional peer: pip install ctranslate2)")
+    p.add_argument("--model", default="tinystories-target")
+    p.add_argument("--num-requests", "-n", type=int, default=512)
+    p.add_argument("--repeats", type=int, default=3, help="interleaved rounds")
+    p.add_argument("--sections", nargs="+", default=["peer", "batch1", "levers"],
+                   choices=["peer", "batch1", "levers"])
+    p.add_argument("--ct2-dir", default="runs/ct2", help="where converted CTranslate2 models are kept")
+    p.add_argument("--no-identity", action="store_true", help="skip the greedy identity check against CT2")
+    p.add_argument("--no-warmup", action="store_true", help="no warm-up run of each configuration")
+    p.add_argument("--two-threads", action="store_true",
+                   help="also one engine on two torch threads (slow when another process holds a core)")
+    p.add_argument("--out", default=None)
+    p.set_defaults(func=cmd_cpu_peer)
 
     p = sub.add_parser("plot", help="draw PNGs from result JSON files")
     p.add_argument("files", nargs="+")

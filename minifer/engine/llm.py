@@ -19,6 +19,7 @@ import torch
 from minifer.config import ModelConfig, auto_dtype
 from minifer.engine.beam_search import BeamSearch, BeamSearchOutput
 from minifer.engine.llm_engine import CacheConfig, LLMEngine
+from minifer.engine.runner import compile_model
 from minifer.engine.scheduler import SchedulerConfig
 from minifer.engine.sequence import Sequence, SequenceGroup, sequences_of
 from minifer.engine.speculative import SpeculativeConfig
@@ -29,6 +30,7 @@ from minifer.outputs import RequestOutput
 from minifer.sampling import BeamSearchParams, SamplingParams
 
 if TYPE_CHECKING:
+    from minifer.engine.data_parallel import EngineReplicas
     from minifer.engine.block_manager import KVBlockAllocator
     from minifer.engine.proposers import DraftProposer
     from minifer.engine.scheduler import SchedulerPolicy
@@ -108,7 +110,13 @@ class LLM:
         max_logprobs: the most candidates ``logprobs`` and ``prompt_logprobs`` may ask for (vLLM's limit, 20 by
             default: every candidate of every token is an object in the output).
         quant_kernel: what quantized layers multiply through (``QuantKernel``, ``minifer.quant.linear``); by default
-            the Triton kernel on a CUDA GPU, the PyTorch reference elsewhere (``kernels.quant_kernel_for``).
+            the Triton kernel on a CUDA GPU, on the CPU an integer matmul for int8 (``int8_cpu_linear``) and the
+            PyTorch reference for the other formats (``kernels.quant_kernel_for``).
+        data_parallel_size: vLLM's name: ``generate`` splits its requests over this many engine replicas, each a
+            process with one torch thread (``engine.data_parallel``: on a CPU, the way to use a second core).
+        compilation_config: vLLM's name; minifer reads ``{"pack_weights": True}``: on the CPU, float linear layers
+            keep their weights packed for oneDNN's matmul (``layers.packed_linear``), tested token-identical to
+            the eager model; off by default, so the model a learner reads is the one that runs.
         block_allocator, scheduler, sampler, proposer, verifier, attention_backend: the engine's seams
             (``LLMEngine`` lists their contracts); None builds the reference implementation a chapter shows.
         share_weights_with: another ``LLM`` of the same model, dtype, device and quantization whose loaded weights
@@ -131,7 +139,9 @@ class LLM:
                  block_allocator: Callable[..., KVBlockAllocator] | None = None,
                  scheduler: Callable[..., SchedulerPolicy] | None = None, sampler: Sampler | None = None,
                  proposer: DraftProposer | None = None, verifier: Verifier | None = None,
-                 attention_backend: Callable[..., PagedAttentionBackend] | None = None) -> None:
+                 attention_backend: Callable[..., PagedAttentionBackend] | None = None,
+                 compilation_config: dict[str, Any] | None = None, data_parallel_size: int = 1) -> None:
+        replica_kwargs = {k: v for k, v in locals().items() if k not in ("self", "data_parallel_size")}
         check_kv_cache_dtype(kv_cache_dtype, kv_cache_scales)
         if kv_cache_dtype != "auto" and batching != "continuous":
             raise ValueError("kv_cache_dtype applies to the paged cache of batching='continuous'")
@@ -155,6 +165,8 @@ class LLM:
             self.model = self._shared_model(share_weights_with, quantization, load_format)
         else:
             self.model = self._load_model(quantization, load_format, quant_kernel, limit, seed)
+        self.compilation_config = compile_model(self.model, compilation_config, share_weights_with)
+        self.replicas = self._start_replicas(replica_kwargs, data_parallel_size, share_weights_with)
         self.quantization_config = getattr(self.model, "quantization_config", None)
         self.tokenizer = load_tokenizer(resolve_model(tokenizer) if tokenizer is not None else self.model_path)
         self.eos_token_ids = frozenset(self._eos_ids())
@@ -179,16 +191,31 @@ class LLM:
                 SchedulerConfig(max_num_seqs, max_num_batched_tokens, enable_chunked_prefill), spec, self.draft_model,
                 cuda_graphs=not enforce_eager, max_model_len=self.max_model_len, **seams)
 
+    @staticmethod
+    def _start_replicas(kwargs: dict[str, Any], size: int, shared) -> "EngineReplicas | None":
+        if not isinstance(size, int) or size < 1:
+            raise ValueError(f"data_parallel_size must be a positive integer, got {size!r}")
+        if size == 1:
+            return None
+        if shared is not None or kwargs["batching"] != "continuous":
+            raise ValueError("data_parallel_size > 1 builds its own replicas of a continuous engine: no "
+                             "share_weights_with, batching='continuous'")
+        from minifer.engine.data_parallel import EngineReplicas
+
+        return EngineReplicas(LLM, kwargs, size)
+
     def _load_model(self, quantization: str | None, load_format: str, quant_kernel: QuantKernel | None,
                     max_positions: int, seed: int) -> torch.nn.Module:
         """The target's weights (quantized as asked), its quantized layers on ``quant_kernel`` or the device's
-        default (``kernels.quant_kernel_for``: the Triton kernel on CUDA, the reference elsewhere)."""
+        default (``kernels.quant_kernel_for``: the Triton kernel on CUDA, int8's integer matmul on the CPU, else the
+        reference)."""
         from minifer.kernels import quant_kernel_for
+        from minifer.quant.linear import int8_cpu_linear  # int8 on the CPU: an integer matmul; else the reference
         from minifer.loader.quantized import load_model
 
-        return load_model(self.model_path, quantization, load_format=load_format,
-                          quant_kernel=quant_kernel or quant_kernel_for(self.device), dtype=self.dtype,
-                          device=self.device, max_positions=max_positions, seed=seed)
+        kernel = quant_kernel or quant_kernel_for(self.device) or int8_cpu_linear
+        return load_model(self.model_path, quantization, load_format=load_format, quant_kernel=kernel,
+                          dtype=self.dtype, device=self.device, max_positions=max_positions, seed=seed)
 
     def _shared_model(self, other: "LLM", quantization: str | None, load_format: str) -> torch.nn.Module:
         """``other``'s loaded model, after checking it is the model this engine was asked for."""
@@ -329,6 +356,8 @@ class LLM:
                 raise ValueError(f"got {len(params)} SamplingParams for {len(prompts)} prompts: "
                                  f"give one, or one per prompt")
         seqs = [self.make_sequence(i, p, sp) for i, (p, sp) in enumerate(zip(prompts, params))]
+        if self.replicas is not None:  # validated here; generated by the replicas
+            return self.replicas.generate(prompts, params, [s.num_tokens + (s.params.max_tokens or self.max_model_len) for s in seqs])
         requests = [SequenceGroup.fan_out(s) if s.params.n > 1 else s for s in seqs]
         bar = None
         if use_tqdm:

@@ -20,6 +20,29 @@ from minifer.models.llama import LlamaForCausalLM
 from minifer.sampling import SampleResult, history_tensors, ranked_logprobs, sample
 
 
+COMPILATION_KEYS = ("pack_weights",)
+
+
+def compile_model(model: LlamaForCausalLM, config: dict | None, shared_with=None) -> dict:
+    """Apply ``LLM``'s ``compilation_config`` to a freshly loaded model, in place, and return it as applied.
+    ``pack_weights``: float linear layers keep their weights packed for oneDNN (``layers.packed_linear``; the CPU
+    only). An LLM sharing another's weights shares its model too, so it must ask for the same."""
+    from minifer.layers.packed_linear import pack_linears
+
+    config = dict(config or {})
+    unknown = sorted(set(config) - set(COMPILATION_KEYS))
+    if unknown:
+        raise ValueError(f"compilation_config: unknown key(s) {unknown}; minifer reads {list(COMPILATION_KEYS)}")
+    if shared_with is not None:
+        if config != shared_with.compilation_config:
+            raise ValueError(f"share_weights_with: the other LLM was compiled with {shared_with.compilation_config}, "
+                             f"this one asks for {config}; both use one model, so they must match")
+        return config
+    if config.get("pack_weights") and not pack_linears(model):
+        raise ValueError("compilation_config: pack_weights needs float weights on a CPU whose torch has oneDNN")
+    return config
+
+
 class ModelRunner:
     def __init__(self, model: LlamaForCausalLM, cache: PagedKVCache, blocks: KVBlockAllocator) -> None:
         self.model, self.cache, self.blocks = model, cache, blocks

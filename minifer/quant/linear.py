@@ -17,10 +17,19 @@ CPU and GPU. ``QuantLinear`` multiplies through a ``QuantKernel`` the engine han
 the CPU, and by default, it runs ``quant_linear_reference``: the weight is dequantized to float32 on every call and nothing
 is cached. That is slower than a plain ``nn.Linear`` (it is there for correctness, not speed) but honest:
 the model holds only the quantized bytes that ``weight_bytes`` counts.
+
+Serving int8 on the CPU. Dequantizing first makes int8 *slower* than float32 there. ``int8_cpu_linear`` instead
+multiplies on PyTorch's own int8 matmul (``torch._int_mm``, oneDNN on the CPU): it rounds each token's
+activations to 8 bits with the token's own scale ("dynamic" W8A8, vLLM's per-token scheme) and multiplies them by
+the weight codes in integers, kept once in the ``[K, N]`` layout the kernel reads (same bytes, another order). That is a second approximation, of the activations, on top of the
+weights' rounding, so it is not token-identical to the reference; ``tests/quant`` bounds its teacher-forced
+log-probability error. ``LLM(quantization="int8")`` on the CPU uses it, while the quality benchmarks, which measure
+the *weight format*, keep the reference.
 """
 
 from __future__ import annotations
 
+import weakref
 from typing import Protocol
 
 import torch
@@ -93,6 +102,38 @@ class QuantLinear(nn.Module):
         group = f", group_size={self.group_size}, symmetric={self.zeros is None}" if self.fmt == "int4" else ""
         return (f"in_features={self.in_features}, out_features={self.out_features}, fmt={self.fmt}{group}, "
                 f"bias={self.bias is not None}")
+
+
+_PACKED: dict[int, tuple[weakref.ref, int, torch.Tensor]] = {}  # id(codes) -> (codes, their version, [K, N] copy)
+
+
+def _codes_kn(qw: QuantizedWeight) -> torch.Tensor:
+    """The weight codes of ``qw`` as ``[K, N]``, contiguous: the layout the integer matmul reads without
+    repacking on every call. Kept for as long as the codes live (and redone if they change in place)."""
+    codes = qw.qweight
+    hit = _PACKED.get(id(codes))
+    if hit is None or hit[0]() is not codes or hit[1] != codes._version:
+        if hit is None:
+            weakref.finalize(codes, _PACKED.pop, id(codes), None)
+        hit = _PACKED[id(codes)] = (weakref.ref(codes), codes._version, codes.t().contiguous())
+    return hit[2]
+
+
+def int8_cpu_linear(x: torch.Tensor, qw: QuantizedWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """A ``QuantKernel`` for int8 weights on the CPU: each row of ``x`` is rounded to int8 with its own scale
+    (absmax / 127, per token as vLLM's dynamic W8A8), multiplied by the weight codes in integers
+    (``torch._int_mm``: int8 x int8 -> int32, oneDNN's kernel), then rescaled by both scales. Other formats and
+    devices go to the reference."""
+    if qw.fmt != "int8" or x.device.type != "cpu":
+        return quant_linear_reference(x, qw, bias)
+    rows = x.reshape(-1, x.shape[-1]).float()  # (few ops: at a small model's sizes each op's overhead shows)
+    scale = torch.linalg.vector_norm(rows, float("inf"), dim=1, keepdim=True).clamp_(min=1e-12).div_(127)
+    codes = (rows / scale).round_().to(torch.int8)
+    y = torch._int_mm(codes, _codes_kn(qw)) * scale  # int32 * float32 -> float32
+    y.mul_(qw.scales)
+    if bias is not None:
+        y += bias
+    return y.view(*x.shape[:-1], -1).to(x.dtype)
 
 
 def decoder_linears(model: nn.Module) -> dict[str, nn.Module]:

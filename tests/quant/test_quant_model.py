@@ -23,7 +23,7 @@ from minifer.loader.quantized import load_quantized, save_quantized
 from minifer.quant.formats import dequantize, quantize
 from minifer.eval import calibration_data
 from minifer.quant.gptq import gptq_quantize_weight, output_error
-from minifer.quant.linear import QuantLinear, decoder_linears, weight_bytes
+from minifer.quant.linear import QuantLinear, decoder_linears, set_quant_kernel, weight_bytes
 from minifer.quant.model import quantize_model
 
 
@@ -139,6 +139,8 @@ def test_save_load_round_trip_gives_identical_logits(target_llm, windows, tmp_pa
     assert torch.equal(score_windows(loaded, w).nll, score_windows(model, w).nll)
     llm = minifer.LLM(str(tmp_path), dtype="float32", device="cpu", batching="static")  # transparently quantized
     assert llm.quantization_config.format == args[0]
+    # the same weights through the kernel the LLM chose (int8 on the CPU: the integer matmul, not the reference)
+    set_quant_kernel(model, next(m.kernel for m in llm.model.modules() if isinstance(m, QuantLinear)))
     assert torch.equal(score_windows(llm.model, w).nll, score_windows(model, w).nll)
 
 
