@@ -1,8 +1,8 @@
 """``Components``: every piece of the engine a caller may replace, in one value (``LLM(model, components=...)``).
 
 The engine's seams are separate ``LLM`` arguments (``block_allocator``, ``scheduler``, ``sampler``, ...); a course
-that builds the engine piece by piece hands them in together, and its pieces include two the model calls inside
-every layer, RMSNorm and RoPE (``LayerOps``). A field left None keeps minifer's reference, so a ``Components`` with
+that builds the engine piece by piece hands them in together, and its pieces include what the model runs in every
+layer: RMSNorm, RoPE and the decoder layer's forward itself (``LayerOps``). A field left None keeps minifer's reference, so a ``Components`` with
 one field set runs exactly one replaced piece. The value is frozen: the same components can build several engines.
 """
 
@@ -30,12 +30,13 @@ SEAMS = ("block_allocator", "scheduler", "sampler", "proposer", "verifier", "att
 
 @dataclass(frozen=True)
 class Components:
-    """The engine's replaceable pieces; None keeps the reference. ``rms_norm`` and ``apply_rotary`` have
-    ``minifer.layers``' signatures; the others are ``LLM``'s seams of the same names, with the same contracts
+    """The engine's replaceable pieces; None keeps the reference. ``rms_norm``, ``apply_rotary`` and
+    ``decoder_layer`` are ``LayerOps``' (``minifer.layers.ops``); the others are ``LLM``'s seams of the same names, with the same contracts
     (``LLMEngine``'s docstring lists them; ``quant_kernel``: ``minifer.quant.linear.QuantKernel``)."""
 
     rms_norm: Callable[[torch.Tensor, torch.Tensor, float], torch.Tensor] | None = None
     apply_rotary: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor] | None = None
+    decoder_layer: Callable[..., torch.Tensor] | None = None
     sampler: Sampler | None = None
     attention_backend: Callable[..., PagedAttentionBackend] | None = None
     block_allocator: Callable[..., KVBlockAllocator] | None = None
@@ -50,10 +51,10 @@ class Components:
 
     def layer_ops(self) -> LayerOps | None:
         """The layers' functions, or None when both are the reference (the engine may then use CUDA graphs)."""
-        if self.rms_norm is None and self.apply_rotary is None:
+        if self.rms_norm is None and self.apply_rotary is None and self.decoder_layer is None:
             return None
         ref = LayerOps()
-        return LayerOps(self.rms_norm or ref.rms_norm, self.apply_rotary or ref.apply_rotary)
+        return LayerOps(self.rms_norm or ref.rms_norm, self.apply_rotary or ref.apply_rotary, self.decoder_layer)
 
 
 def merge_components(components: Components | None, **explicit: Any) -> Components:

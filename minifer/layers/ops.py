@@ -21,10 +21,12 @@ from minifer.layers.rotary import apply_rotary
 class LayerOps:
     """``rms_norm(x, weight, eps)`` as ``minifer.layers.norm.rms_norm``; ``apply_rotary(x, cos, sin)`` as
     ``minifer.layers.rotary.apply_rotary`` (``x`` ``[tokens, heads, head_dim]``, ``cos``/``sin`` ``[tokens,
-    head_dim]``)."""
+    head_dim]``); ``decoder_layer(layer, x, cos, sin, attn, ops)``: a whole decoder layer's forward over that layer's
+    modules and weights, in place of ``DecoderLayer.forward`` (None: the model's own)."""
 
     rms_norm: Callable[[torch.Tensor, torch.Tensor, float], torch.Tensor] = rms_norm
     apply_rotary: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor] = apply_rotary
+    decoder_layer: Callable[..., torch.Tensor] | None = None
 
 
 REFERENCE_OPS = LayerOps()

@@ -5,6 +5,8 @@ with the RMSNorm and RoPE the model's layers call."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 from minifer import LLM, SamplingParams
@@ -141,6 +143,20 @@ def test_the_layers_call_the_rms_norm_and_rope_handed_in(reference):
     forwards = calls.count("rms_norm") // (2 * layers + 1)  # two norms per layer and the final one
     assert forwards >= GREEDY.max_tokens and calls.count("rms_norm") == forwards * (2 * layers + 1)
     assert calls.count("apply_rotary") == forwards * 2 * layers  # queries and keys of every layer
+
+
+def test_a_decoder_layer_handed_in_runs_every_layer_with_the_ops_it_is_given(reference):
+    from minifer.models.llama import DecoderLayer
+
+    layers: list[int] = []
+
+    def decoder_layer(layer, x, cos, sin, attn, ops):
+        layers.append(layer.self_attn.layer_idx)
+        return DecoderLayer.forward(layer, x, cos, sin, attn, replace(ops, decoder_layer=None))
+
+    llm = LLM("tinystories-target", share_weights_with=reference[0], components=Components(decoder_layer=decoder_layer))
+    assert _tokens(llm) == reference[1]
+    assert set(layers) == set(range(llm.model_config.num_hidden_layers))
 
 
 def test_components_do_not_leak_into_an_engine_sharing_the_weights(reference):
