@@ -21,8 +21,10 @@ import inspect
 import linecache
 import os
 import statistics
+import sys
 import textwrap
 import time
+import types
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -42,13 +44,17 @@ from minifer.spec.rejection import RejectionVerifier
 
 FOLDER_ENV = "MINIFER_MY_ENGINE"  # overrides the folder (the tests use a temporary one)
 
-# What a saved piece may use without importing it: the exercises' own imports.
+# What a saved piece may use without importing it: the exercises' own imports. Annotations stay unevaluated, so
+# a piece whose signature names a class of its notebook (``schedule_step``'s ``Request``) loads without it.
 PRELUDE = """\
+from __future__ import annotations
+
 import math
 from collections import OrderedDict, deque
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 """
 
 
@@ -66,6 +72,7 @@ PIECES: dict[str, Piece] = {p.name: p for p in (
     Piece("rms_norm", "00_01_building_blocks", "rms_norm"),
     Piece("apply_rotary", "00_01_building_blocks", "apply_rotary"),
     Piece("top_p_mask", "00_01_building_blocks", "sampler"),
+    Piece("decoder_layer", "00_01_building_blocks", "decoder_layer"),
     Piece("paged_attention", "02_03_paging_and_batching", "attention_backend"),
     Piece("PrefixCachingAllocator", "02_03_paging_and_batching", "block_allocator"),
     Piece("ForkingAllocator", "02_03_paging_and_batching", "block_allocator"),
@@ -114,18 +121,23 @@ def _globals_of(obj: Any) -> dict[str, Any]:
     return getattr(obj, "__globals__", {})
 
 
-def save(*objs: Any, path: str | Path | None = None) -> list[Path]:
+def save(*objs: Any, path: str | Path | None = None, name: str | None = None) -> list[Path]:
     """Write each object's source to ``my_engine/<name>.py`` (with its helpers, e.g. ``chain_hash``), replacing what
-    an earlier run saved. Saving calls nothing: an unfinished stub is saved too, and graded when it is used."""
+    an earlier run saved; ``name`` (one object only): the exercise's name for it, when it was defined under another.
+    Saving calls nothing: an unfinished stub is saved too, and graded when it is used."""
+    if name is not None and len(objs) != 1:
+        raise ValueError("name= renames one object: save the others separately")
     out = folder(path)
     out.mkdir(parents=True, exist_ok=True)
     written = []
     for obj in objs:
-        name = obj.__name__
-        helpers = [_globals_of(obj).get(h) for h in HELPERS.get(name, ())]
+        piece = name or obj.__name__
+        helpers = [_globals_of(obj).get(h) for h in HELPERS.get(piece, ())]
         parts = [source_of(h) for h in helpers if h is not None] + [source_of(obj)]
-        text = f"# {name}: saved by minifer.course.workbench.save; the notebook's cell is the original.\n{PRELUDE}\n\n"
-        file = out / f"{name}.py"
+        if obj.__name__ != piece:
+            parts.append(f"{piece} = {obj.__name__}\n")
+        text = f"# {piece}: saved by minifer.course.workbench.save; the notebook's cell is the original.\n{PRELUDE}\n\n"
+        file = out / f"{piece}.py"
         file.write_text(text + "\n\n".join(parts))
         written.append(file)
     return written
@@ -141,10 +153,12 @@ def load_saved(path: str | Path | None = None, errors: dict[str, str] | None = N
         file = root / f"{name}.py"
         if not file.is_file():
             continue
-        scope: dict[str, Any] = {"__name__": f"my_engine.{name}", **found}
+        module = types.ModuleType(f"my_engine.{name}")  # a real module: dataclasses look their own one up
+        module.__dict__.update(found)
+        sys.modules[module.__name__] = module
         try:
-            exec(compile(file.read_text(), str(file), "exec"), scope)
-            found[name] = scope[name]
+            exec(compile(file.read_text(), str(file), "exec", dont_inherit=True), module.__dict__)
+            found[name] = module.__dict__[name]
         except Exception as e:
             if errors is not None:
                 errors[name] = f"{name}: the saved {file} does not run ({type(e).__name__}: {e}); run its cell again"
@@ -269,7 +283,7 @@ class LearnersAllocator:
 
     def _needs(self, method: str) -> Callable[..., Any]:
         if not hasattr(self.mine, method):
-            raise NotImplementedError(f"{method} is ForkingAllocator's (exercise 02_03, section 5): save that class "
+            raise NotImplementedError(f"{method} is ForkingAllocator's (exercise 02_03, section 3c): save that class "
                                       f"to run requests whose completions share blocks (n > 1, beam search)")
         return getattr(self.mine, method)
 
@@ -378,7 +392,7 @@ def components_from(pieces: dict[str, Any], spec: dict[str, Any] | None = None) 
     if p("verify_greedy") or p("rejection_sample"):
         verifier = verifier_with(p("verify_greedy"), p("rejection_sample"))
     return Components(
-        rms_norm=p("rms_norm"), apply_rotary=p("apply_rotary"),
+        rms_norm=p("rms_norm"), apply_rotary=p("apply_rotary"), decoder_layer=p("decoder_layer"),
         sampler=sampler_with_top_p(p("top_p_mask")) if p("top_p_mask") else None,
         attention_backend=attention_backend_with(p("paged_attention")) if p("paged_attention") else None,
         block_allocator=block_allocator_with(alloc) if alloc else None,
@@ -389,10 +403,11 @@ def components_from(pieces: dict[str, Any], spec: dict[str, Any] | None = None) 
 
 # --- the workloads the pieces serve, and their throughput ---------------------------------------------------
 
-PROMPTS = ["Once upon a time, there was a little girl named Lily.", "The little dog ran to the park",
-           "Tom and his mom went to the store. Tom wanted", "One day, a big bird flew over the",
-           "Once upon a time, there was a little girl named Lily. She loved", "The sun was hot and the cat",
-           "Ben had a red ball. He", "Once upon a time, there was a little boy named Tim."]
+# Three prompts share a story opening longer than a KV block (16 tokens), so a prefix cache has something to find.
+OPENING = "Once upon a time, there was a little girl named Lily. She loved to play outside in the sun with her"
+PROMPTS = [f"{OPENING} dog.", "The little dog ran to the park", "Tom and his mom went to the store. Tom wanted",
+           f"{OPENING} best friend, Tom. One day", "One day, a big bird flew over the", "Ben had a red ball. He",
+           f"{OPENING} mom. They", "The sun was hot and the cat"]
 
 
 @dataclass(frozen=True)
@@ -400,7 +415,7 @@ class Workload:
     """Requests a piece serves: ``sampled`` requests draw with a seed each (the same draws in both engines), greedy
     ones are also compared with transformers; ``llm`` holds the engine options the chapter uses."""
 
-    max_tokens: int = 24
+    max_tokens: int = 16
     sampled: bool = False
     speculative: bool = False
     llm: tuple[tuple[str, Any], ...] = ()  # (option, value) pairs: a Workload is hashable, its tokens cached
@@ -419,22 +434,26 @@ class Workload:
     def describe(self) -> str:
         kind = "sampled with a seed each" if self.sampled else "greedy"
         extra = ", n-gram speculation" if self.speculative else ""
-        blocks = dict(self.llm).get("num_kv_blocks")
-        extra += f", a cache of {blocks} blocks" if blocks else ""
+        options = dict(self.llm)
+        extra += f", a cache of {options['num_kv_blocks']} blocks" if "num_kv_blocks" in options else ""
+        extra += f", {options['max_num_seqs']} at a time" if "max_num_seqs" in options else ""
         return f"{len(PROMPTS)} requests, {self.max_tokens} tokens each, {kind}{extra}"
 
 
 # Each piece serves what its chapter is about: a small cache that forces preemption for the scheduler, shared
 # prefixes for the allocator, seeded sampling for top-p and rejection sampling, speculation for the verifier.
 WORKLOADS: dict[str, Workload] = {
-    "rms_norm": Workload(), "apply_rotary": Workload(), "paged_attention": Workload(),
+    "rms_norm": Workload(), "apply_rotary": Workload(), "decoder_layer": Workload(), "paged_attention": Workload(),
     "top_p_mask": Workload(sampled=True),
-    "PrefixCachingAllocator": Workload(), "ForkingAllocator": Workload(),
-    "schedule_step": Workload(max_tokens=40, llm=(("num_kv_blocks", 12), ("max_num_batched_tokens", 64))),
+    "PrefixCachingAllocator": Workload(llm=(("max_num_seqs", 4),)), "ForkingAllocator": Workload(llm=(("max_num_seqs", 4),)),
+    "schedule_step": Workload(max_tokens=32, llm=(("num_kv_blocks", 12), ("max_num_batched_tokens", 64))),
     "verify_greedy": Workload(speculative=True), "ngram_propose": Workload(speculative=True),
     "rejection_sample": Workload(sampled=True, speculative=True),
 }
-CAPSTONE = Workload(sampled=False, speculative=True, llm=(("num_kv_blocks", 24),))
+# The capstone: both kinds of requests, speculating, in a cache small enough to preempt, admitted a few at a time
+# (so that later prompts find their prefixes cached).
+CAPSTONE = (Workload(speculative=True, llm=(("num_kv_blocks", 7), ("max_num_seqs", 4))),
+            Workload(sampled=True, speculative=True, llm=(("num_kv_blocks", 7), ("max_num_seqs", 4))))
 
 
 @functools.lru_cache(maxsize=1)
@@ -461,7 +480,7 @@ def throughput(components: Components, workload: Workload, rounds: int = 3) -> f
     engine warmed up once first, the order alternating (reference first, then yours first) so that neither always
     runs in the other's wake; the median of the rounds' ratios."""
     ref, mine = engine(None, workload), engine(components, workload)
-    for llm in (ref, mine):
+    for llm in (mine, ref):  # yours first: a piece that does not run yet fails before the reference is timed
         tokens(llm, workload)  # warm-up: first-call costs are not the engine's speed
     ratios = []
     for r in range(rounds):
@@ -474,15 +493,17 @@ def throughput(components: Components, workload: Workload, rounds: int = 3) -> f
     return statistics.median(ratios)
 
 
-def report_throughput(label: str, components: Callable[[], Components], workload: Workload, rounds: int = 3) -> None:
-    """Print the ratio (a measurement for the learner's eyes, never asserted), or why it was not measured."""
+def report_throughput(label: str, components: Callable[[], Components], workload: Workload, rounds: int = 3) -> float | None:
+    """Print the ratio (a measurement for the learner's eyes, never asserted) and return it, or say why it was not
+    measured."""
     try:
         ratio = throughput(components(), workload, rounds)
     except Exception as e:  # a piece that does not run yet: its check cell has already said why
         print(f"{label}: not measured ({type(e).__name__}: {str(e)[:120]}); its check cell above says what is missing")
-        return
+        return None
     print(f"{label}: {ratio:.2f}x the reference engine's output tokens/s (median of {rounds} interleaved rounds of "
           f"{workload.describe()}; measured on this machine now, not a check)")
+    return ratio
 
 
 def piece_throughput(name: str, piece: Any, rounds: int = 3) -> None:

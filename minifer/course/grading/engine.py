@@ -15,13 +15,14 @@ from collections.abc import Callable
 from typing import Any
 
 from minifer.course import workbench
-from minifer.course.workbench import CAPSTONE, PROMPTS, WORKLOADS, Workload, engine, reference_llm, tokens
 from minifer.course.grading import building_blocks, paging, spec
 from minifer.course.grading.base import run_checks
+from minifer.course.workbench import CAPSTONE, PROMPTS, WORKLOADS, Workload, engine, reference_llm, tokens
 
 GRADERS: dict[str, Callable[[Any], None]] = {
     "rms_norm": building_blocks.check_rms_norm, "apply_rotary": building_blocks.check_apply_rotary,
-    "top_p_mask": building_blocks.check_top_p, "paged_attention": paging.check_paged_attention,
+    "top_p_mask": building_blocks.check_top_p, "decoder_layer": building_blocks.check_decoder_layer,
+    "paged_attention": paging.check_paged_attention,
     "PrefixCachingAllocator": paging.check_prefix_allocator, "ForkingAllocator": paging.check_forking_allocator,
     "schedule_step": paging.check_schedule_step, "verify_greedy": spec.check_verify_greedy,
     "rejection_sample": spec.check_rejection_sample, "ngram_propose": spec.check_ngram_propose,
@@ -81,7 +82,7 @@ def transformers_tokens(max_tokens: int, count: int = 2) -> list[list[int]]:
     from transformers import AutoModelForCausalLM
 
     llm = reference_llm()
-    hf = AutoModelForCausalLM.from_pretrained(str(llm.model_path), dtype=torch.float32).eval()
+    hf = _quietly_loaded(AutoModelForCausalLM, str(llm.model_path))
     hf.generation_config.eos_token_id = None  # as the engine's ignore_eos: an EOS is a token like any other
     out = []
     for prompt in PROMPTS[:count]:
@@ -91,6 +92,20 @@ def transformers_tokens(max_tokens: int, count: int = 2) -> list[list[int]]:
                             pad_token_id=0)
         out.append(g[0, ids.shape[1]:].tolist())
     return out
+
+
+def _quietly_loaded(auto_class, path: str):
+    """``from_pretrained`` without its progress bar: a check cell's stored output must be the same every run."""
+    import torch
+    from transformers.utils import logging as hf_logging
+
+    shown = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        return auto_class.from_pretrained(path, dtype=torch.float32).eval()
+    finally:
+        if shown:
+            hf_logging.enable_progress_bar()
 
 
 def _first_difference(got: list[list[int]], want: list[list[int]]) -> str:
@@ -132,7 +147,10 @@ def _serve_checks(label: str, components: Callable[[], Any], workload: Workload,
 
 def check_in_engine(name: str, piece: Any) -> None:
     """Save ``piece`` (the exercise's ``name``), grade it, and serve the chapter's workload with it in the engine."""
-    workbench.save(piece)
+    try:
+        workbench.save(piece, name=name)
+    except (OSError, TypeError):  # no source to save (a lambda, a built-in): it is graded and served all the same
+        pass
     spec = workbench.PIECES[name]
 
     def graded() -> None:
@@ -142,33 +160,49 @@ def check_in_engine(name: str, piece: Any) -> None:
 
     hint = (f"it passes the checks of {spec.notebook}, but the engine calls it on shapes or states they do not cover; "
             f"rerun the check cell of {name} after changing it")
-    checks = [(f"your {name} passes its checks (saved to {workbench.folder()}/{name}.py)", graded)]
+    checks = [(f"your {name} passes its checks (saved for the capstone)", graded)]
     checks += _serve_checks(f"your {name}", lambda: workbench.components_from({name: piece}), WORKLOADS[name], hint)
     run_checks(f"{name} in the engine", checks)
 
 
-def check_capstone(solution: bool = False) -> dict[str, str]:
-    """Every saved piece at once (``solution=True`` fills the missing ones with minifer's): the capstone's batch of
-    requests, token for token the reference engine's. Returns where each piece came from."""
-    origin: dict[str, str] = {}
+# The latest capstone's pieces and where each came from (``print_origins`` and ``capstone_throughput`` reuse them
+# rather than grade every piece again).
+_last_pieces: dict[str, Any] = {}
+_last_origin: dict[str, str] = {}
+
+
+def check_capstone(solution: bool = False) -> None:
+    """Every saved piece at once (``solution=True`` fills the missing ones with minifer's): the capstone's batches of
+    requests, token for token the reference engine's."""
     pieces: dict[str, Any] = {}
 
     def loaded() -> None:
         found, where = load_pieces(solution)
         pieces.update(found)
-        origin.update(where)
+        _last_pieces.clear()
+        _last_pieces.update(found)
+        _last_origin.clear()
+        _last_origin.update(where)
 
     checks = [("every piece is saved and passes its checks" if not solution else
                "the saved pieces are graded; minifer's fill the gaps (solution=True)", loaded)]
-    checks += _serve_checks("your engine", lambda: workbench.components_from(pieces), CAPSTONE,
-                            "run each piece's own `in the engine` check cell to find the piece that differs")
+    for workload in CAPSTONE:
+        checks += _serve_checks("your engine", lambda: workbench.components_from(pieces), workload,
+                                "run each piece's own `in the engine` check cell to find the piece that differs")
     run_checks("your engine", checks)
-    return origin
+
+
+def print_origins() -> None:
+    """Which pieces the latest capstone ran were yours (not a check: it depends on what this folder holds)."""
+    if not _last_origin:
+        print("the capstone's check has not loaded your pieces yet (run the cell above)")
+    for name, where in _last_origin.items():
+        print(f"  {name:24} {where}")
 
 
 def capstone_throughput(solution: bool = False, rounds: int = 3) -> None:
     """The capstone's throughput cell: every piece of yours (minifer's where ``solution`` fills a gap) at once."""
     def components():
-        return workbench.components_from(load_pieces(solution)[0])
+        return workbench.components_from(_last_pieces if _last_origin else load_pieces(solution)[0])
 
-    workbench.report_throughput("your engine", components, CAPSTONE, rounds)
+    workbench.report_throughput("your engine", components, CAPSTONE[0], rounds)
