@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import math
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -276,8 +277,10 @@ def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
 
 
 def process_logits(logits: torch.Tensor, params: list[SamplingParams], seen: torch.Tensor | None,
-                   counts: torch.Tensor | None = None, banned: torch.Tensor | None = None) -> torch.Tensor:
+                   counts: torch.Tensor | None = None, banned: torch.Tensor | None = None,
+                   top_p: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None) -> torch.Tensor:
     """All processors in order, in float32. Greedy rows get temperature 1 (their argmax is unaffected).
+    ``top_p``: the nucleus filter, ``apply_top_p`` unless another is given (a learner's ``top_p_mask``).
     ``seen`` (bool ``[B, V]``): tokens of the prompt and output, for the repetition penalty; ``counts``
     (``[B, V]``): each token's occurrences in the output, for the frequency and presence penalties; ``banned``
     (bool ``[B, V]``): tokens that may not be drawn now (EOS and stop tokens before ``min_tokens``)."""
@@ -300,7 +303,7 @@ def process_logits(logits: torch.Tensor, params: list[SamplingParams], seen: tor
         vocab = logits.shape[-1]
         logits = apply_top_k(logits, torch.tensor([min(p.top_k, vocab) for p in params], device=dev))
     if any(p.top_p < 1 for p in params):
-        logits = apply_top_p(logits, torch.tensor([p.top_p for p in params], device=dev))
+        logits = (top_p or apply_top_p)(logits, torch.tensor([p.top_p for p in params], device=dev))
     if any(p.min_p > 0 for p in params):
         logits = apply_min_p(logits, torch.tensor([p.min_p for p in params], device=dev))
     return logits
@@ -328,11 +331,12 @@ class Sampler(Protocol):
 
 def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None],
            seen: torch.Tensor | None = None, counts: torch.Tensor | None = None,
-           banned: torch.Tensor | None = None) -> SampleResult:
-    """Draw one token per row (``seen``, ``counts``, ``banned``: see :func:`process_logits`). ``logprobs`` are
+           banned: torch.Tensor | None = None,
+           top_p: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None) -> SampleResult:
+    """Draw one token per row (``seen``, ``counts``, ``banned``, ``top_p``: see :func:`process_logits`). ``logprobs`` are
     those of the *model's* distribution (before penalties, temperature and truncation), as vLLM reports them by
     default."""
-    processed = process_logits(logits, params, seen, counts, banned)
+    processed = process_logits(logits, params, seen, counts, banned, top_p)
     tokens = processed.argmax(dim=-1).tolist()  # greedy rows keep these; one device sync for the batch
     if not all(p.greedy for p in params):
         probs = processed.softmax(dim=-1)

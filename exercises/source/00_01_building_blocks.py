@@ -2,13 +2,18 @@
 # Edit this file, never the notebooks, then run `make exercises` (see exercises/README.md).
 
 # %% [markdown]
-# # Exercises 00–01 · Building blocks: RMSNorm, RoPE, nucleus sampling
+# # Exercises 00–01 · Building blocks: RMSNorm, RoPE, nucleus sampling, the decoder layer
 #
-# Three small pieces that every Llama-family model and every sampler needs, rebuilt from scratch:
+# Three small pieces that every Llama-family model and every sampler needs, rebuilt from scratch, then the
+# layer they make:
 #
 # 1. **RMSNorm**, the normalisation in front of every attention and MLP block;
 # 2. **RoPE**, the rotary position embedding that tells attention where each token sits;
-# 3. **top-p (nucleus) filtering**, the sampler's cut of the unlikely tail.
+# 3. **top-p (nucleus) filtering**, the sampler's cut of the unlikely tail;
+# 4. **the decoder layer**, attention and MLP over the model's weights, with your RMSNorm and RoPE.
+#
+# Each piece then runs inside the real engine ("now your piece serves the chapter's workload"), and the
+# capstone (`07_capstone`) runs all your pieces together.
 #
 # Each exercise explains the idea, gives a function whose body you write (replace the
 # `raise NotImplementedError`), then a **check cell** that grades your function against minifer's own
@@ -64,6 +69,31 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 from minifer.course.grading.building_blocks import check_rms_norm
 
 check_rms_norm(rms_norm)
+
+# %% [markdown]
+# ### Now your RMSNorm serves the chapter's workload
+#
+# The next cell saves your `rms_norm` to `my_engine/rms_norm.py` (next to this notebook, so it survives a kernel
+# restart and the capstone finds it), grades it again, then plugs it into a real engine,
+# `LLM("tinystories-target", components=...)`, which serves 8 greedy requests of 16 tokens: your function
+# normalises every layer's input (two per layer, and the final norm). Its tokens must be the reference engine's,
+# request by request, and transformers' for the first two prompts. A piece that fails its checks never reaches
+# the engine: the cell stops with the grader's hint instead.
+
+# %%
+# NBVAL_CHECK_OUTPUT
+from minifer.course.grading.engine import check_in_engine
+
+check_in_engine("rms_norm", rms_norm)
+
+# %% [markdown]
+# And its speed: output tokens per second of the engine with your piece, as a ratio of the reference engine's,
+# measured in interleaved rounds on this machine (a measurement, not a check: it varies from run to run).
+
+# %%
+from minifer.course.workbench import piece_throughput
+
+piece_throughput("rms_norm", rms_norm)
 
 # %% [markdown]
 # ## 2 · RoPE: rotary position embeddings
@@ -146,6 +176,31 @@ from minifer.course.grading.building_blocks import check_apply_rotary
 check_apply_rotary(apply_rotary)
 
 # %% [markdown]
+# ### Now your RoPE serves the chapter's workload
+#
+# The next cell saves your `apply_rotary` to `my_engine/apply_rotary.py` (next to this notebook, so it survives a
+# kernel restart and the capstone finds it), grades it again, then plugs it into a real engine, `LLM("tinystories-
+# target", components=...)`, which serves 8 greedy requests of 16 tokens: your rotation turns the queries and keys
+# of every layer (`cos`/`sin` still come from minifer's precomputed table). Its tokens must be the reference
+# engine's, request by request, and transformers' for the first two prompts. A piece that fails its checks never
+# reaches the engine: the cell stops with the grader's hint instead.
+
+# %%
+# NBVAL_CHECK_OUTPUT
+from minifer.course.grading.engine import check_in_engine
+
+check_in_engine("apply_rotary", apply_rotary)
+
+# %% [markdown]
+# And its speed: output tokens per second of the engine with your piece, as a ratio of the reference engine's,
+# measured in interleaved rounds on this machine (a measurement, not a check: it varies from run to run).
+
+# %%
+from minifer.course.workbench import piece_throughput
+
+piece_throughput("apply_rotary", apply_rotary)
+
+# %% [markdown]
 # ## 3 · Top-p (nucleus) filtering
 #
 # Sampling from the model's full distribution now and then draws a token from the long tail of unlikely
@@ -191,12 +246,121 @@ from minifer.course.grading.building_blocks import check_top_p
 check_top_p(top_p_mask)
 
 # %% [markdown]
+# ### Now your nucleus filter serves the chapter's workload
+#
+# The next cell saves your `top_p_mask` to `my_engine/top_p_mask.py` (next to this notebook, so it survives a kernel
+# restart and the capstone finds it), grades it again, then plugs it into a real engine,
+# `LLM("tinystories-target", components=...)`, which serves 8 requests sampled at temperature 0.8 and top-p 0.9,
+# each with its own seed: your filter runs inside minifer's sampler, so the same seeds must draw the same
+# tokens. Its tokens must be the reference engine's, request by request. A piece that fails its checks never
+# reaches the engine: the cell stops with the grader's hint instead.
+
+# %%
+# NBVAL_CHECK_OUTPUT
+from minifer.course.grading.engine import check_in_engine
+
+check_in_engine("top_p_mask", top_p_mask)
+
+# %% [markdown]
+# And its speed: output tokens per second of the engine with your piece, as a ratio of the reference engine's,
+# measured in interleaved rounds on this machine (a measurement, not a check: it varies from run to run).
+
+# %%
+from minifer.course.workbench import piece_throughput
+
+piece_throughput("top_p_mask", top_p_mask)
+
+# %% [markdown]
+# ## 4 · The decoder layer, from the pieces
+#
+# With RMSNorm and RoPE written, a whole decoder layer is a page of code. Each of the model's layers is
+#
+# $$h = x + \mathrm{Attention}(\mathrm{RMSNorm}(x)), \qquad \mathrm{out} = h + \mathrm{MLP}(\mathrm{RMSNorm}(h)),$$
+#
+# the *residual stream* $x$ flowing through, each block adding its output to it. In minifer's layer
+# (`minifer/models/llama.py`, the weights already loaded) the pieces are:
+#
+# * `layer.input_layernorm` and `layer.post_attention_layernorm`: RMSNorm modules (`.weight`, `.eps`);
+# * `layer.self_attn.qkv_proj`: **one** linear layer for queries, keys and values (one big matmul runs faster
+#   than three); split its output as `[q_size, kv_size, kv_size]` and view each part as
+#   `[tokens, heads, head_dim]` (`num_heads` for queries, `num_kv_heads` for keys and values: grouped-query
+#   attention);
+# * Qwen3 only: `layer.self_attn.q_norm` / `k_norm` (not None), an RMSNorm over each head's `head_dim`, before RoPE;
+# * RoPE on queries and keys, then `attn.attend(layer.self_attn.layer_idx, q, k, v)`: the attention backend
+#   stores this step's keys and values in its KV cache and returns `[tokens, num_heads, head_dim]`;
+# * `layer.self_attn.o_proj` on the attention output flattened back to `[tokens, q_size]`;
+# * `layer.mlp.gate_up_proj`: gate and up projections fused; split at `intermediate_size`, then SwiGLU:
+#   `down_proj(silu(gate) * up)`.
+#
+# Normalise and rotate with the functions in `ops` (`ops.rms_norm(x, norm.weight, norm.eps)`,
+# `ops.apply_rotary(q, cos, sin)`): they are minifer's here, and the ones you wrote in the capstone.
+
+# %%
+import torch.nn.functional as F
+
+
+def decoder_layer(layer, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn, ops) -> torch.Tensor:
+    """One decoder layer over ``layer``'s modules: ``x`` ``[tokens, hidden]`` (a batch's tokens, packed), per-token
+    ``cos``/``sin`` ``[tokens, head_dim]``, the attention backend ``attn``, and ``ops`` (``rms_norm``,
+    ``apply_rotary``). Returns ``[tokens, hidden]``. Do not modify ``x`` in place."""
+    ### BEGIN SOLUTION
+    att, mlp, n = layer.self_attn, layer.mlp, x.shape[0]
+    h = ops.rms_norm(x, layer.input_layernorm.weight, layer.input_layernorm.eps)
+    q, k, v = att.qkv_proj(h).split([att.q_size, att.kv_size, att.kv_size], dim=-1)
+    q = q.view(n, att.num_heads, att.head_dim)
+    k = k.view(n, att.num_kv_heads, att.head_dim)
+    v = v.view(n, att.num_kv_heads, att.head_dim)
+    if att.q_norm is not None:  # Qwen3: normalise each head's query and key
+        q = ops.rms_norm(q, att.q_norm.weight, att.q_norm.eps)
+        k = ops.rms_norm(k, att.k_norm.weight, att.k_norm.eps)
+    q, k = ops.apply_rotary(q, cos, sin), ops.apply_rotary(k, cos, sin)
+    out = attn.attend(att.layer_idx, q, k, v)
+    h = x + att.o_proj(out.reshape(n, att.q_size))  # a new tensor: x itself is left alone
+    gate, up = mlp.gate_up_proj(ops.rms_norm(h, layer.post_attention_layernorm.weight,
+                                             layer.post_attention_layernorm.eps)).split(mlp.intermediate_size, dim=-1)
+    return h + mlp.down_proj(F.silu(gate) * up)
+    ### END SOLUTION
+
+
+# %%
+# NBVAL_CHECK_OUTPUT
+from minifer.course.grading.building_blocks import check_decoder_layer
+
+check_decoder_layer(decoder_layer)
+
+# %% [markdown]
+# ### Now your decoder layer serves the chapter's workload
+#
+# The next cell saves your `decoder_layer` to `my_engine/decoder_layer.py` (next to this notebook, so it survives
+# a kernel restart and the capstone finds it), grades it again, then plugs it into a real engine,
+# `LLM("tinystories-target", components=...)`, which serves 8 greedy requests of 16 tokens: every layer of the
+# model runs your forward over its own weights, normalising and rotating with minifer's functions. Its tokens must
+# be the reference engine's, request by request, and transformers' for the first two prompts. A piece that fails
+# its checks never reaches the engine: the cell stops with the grader's hint instead.
+
+# %%
+# NBVAL_CHECK_OUTPUT
+from minifer.course.grading.engine import check_in_engine
+
+check_in_engine("decoder_layer", decoder_layer)
+
+# %% [markdown]
+# And its speed: output tokens per second of the engine with your piece, as a ratio of the reference engine's,
+# measured in interleaved rounds on this machine (a measurement, not a check: it varies from run to run).
+
+# %%
+from minifer.course.workbench import piece_throughput
+
+piece_throughput("decoder_layer", decoder_layer)
+
+# %% [markdown]
 # ## Where these live in the engine
 #
 # * `rms_norm` is `minifer.layers.norm.rms_norm`, called twice per decoder layer and once at the end;
 # * `rope_inv_freq` and `apply_rotary` are in `minifer/layers/rotary.py`; `RotaryEmbedding` precomputes
 #   `cos`/`sin` for all positions, and the model rotates queries and keys right after their projection;
-# * `top_p_mask` is `minifer.sampling.apply_top_p`, one of the logits processors of `process_logits`.
+# * `top_p_mask` is `minifer.sampling.apply_top_p`, one of the logits processors of `process_logits`;
+# * `decoder_layer` is `minifer.models.llama.DecoderLayer.forward`, which `LlamaModel` calls once per layer.
 #
 # minifer's versions differ in details (`apply_top_p` sorts in *ascending* order and drops the tail whose
 # mass stays below $1 - p$), yet the checks accept both, because they compare what the functions return.

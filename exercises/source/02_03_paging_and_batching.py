@@ -145,6 +145,32 @@ from minifer.course.grading.paging import check_paged_attention
 check_paged_attention(paged_attention)
 
 # %% [markdown]
+# ### Now your paged attention serves the chapter's workload
+#
+# The next cell saves your `paged_attention` to `my_engine/paged_attention.py` (next to this notebook, so it
+# survives a kernel restart and the capstone finds it), grades it again, then plugs it into a real engine,
+# `LLM("tinystories-target", components=...)`, which serves 8 greedy requests of 16 tokens: the engine writes each
+# step's keys and values into the paged cache and your function reads them back, sequence by sequence, in every
+# layer (a Python loop over the batch: slower than minifer's batched version). Its tokens must be the reference
+# engine's, request by request, and transformers' for the first two prompts. A piece that fails its checks never
+# reaches the engine: the cell stops with the grader's hint instead.
+
+# %%
+# NBVAL_CHECK_OUTPUT
+from minifer.course.grading.engine import check_in_engine
+
+check_in_engine("paged_attention", paged_attention)
+
+# %% [markdown]
+# And its speed: output tokens per second of the engine with your piece, as a ratio of the reference engine's,
+# measured in interleaved rounds on this machine (a measurement, not a check: it varies from run to run).
+
+# %%
+from minifer.course.workbench import piece_throughput
+
+piece_throughput("paged_attention", paged_attention)
+
+# %% [markdown]
 # ## 3 · A block allocator with prefix caching
 #
 # Block tables have a second benefit: two sequences may point at the **same** physical block. Many requests
@@ -354,6 +380,33 @@ from minifer.course.grading.paging import check_prefix_allocator
 check_prefix_allocator(PrefixCachingAllocator)
 
 # %% [markdown]
+# ### Now your allocator serves the chapter's workload
+#
+# The next cell saves your `PrefixCachingAllocator` to `my_engine/PrefixCachingAllocator.py` (next to this
+# notebook, so it survives a kernel restart and the capstone finds it), grades it again, then plugs it into a real
+# engine, `LLM("tinystories-target", components=...)`, which serves 8 greedy requests of 16 tokens, admitted 4 at
+# a time, three of whose prompts share a story opening longer than a 16-token block: your allocator hands out
+# every block table and finds the cached prefixes (growing a table as a sequence decodes takes blocks through your
+# `take_free_block`). Its tokens must be the reference engine's, request by request, and transformers' for the
+# first two prompts. A piece that fails its checks never reaches the engine: the cell stops with the grader's hint
+# instead.
+
+# %%
+# NBVAL_CHECK_OUTPUT
+from minifer.course.grading.engine import check_in_engine
+
+check_in_engine("PrefixCachingAllocator", PrefixCachingAllocator)
+
+# %% [markdown]
+# And its speed: output tokens per second of the engine with your piece, as a ratio of the reference engine's,
+# measured in interleaved rounds on this machine (a measurement, not a check: it varies from run to run).
+
+# %%
+from minifer.course.workbench import piece_throughput
+
+piece_throughput("PrefixCachingAllocator", PrefixCachingAllocator)
+
+# %% [markdown]
 # ## 3b · Parallel sampling, counted in blocks
 #
 # A request for `n` completions of one prompt (`SamplingParams(n=...)`, chapter 02, section 8) runs as `n`
@@ -442,6 +495,15 @@ class ForkingAllocator(PrefixCachingAllocator):
 from minifer.course.grading.paging import check_forking_allocator
 
 check_forking_allocator(ForkingAllocator)
+
+# %% [markdown]
+# The capstone (`07_capstone`) uses this class as your engine's allocator (it is your `PrefixCachingAllocator`,
+# extended); saving it calls nothing, so this cell also runs before you have written it.
+
+# %%
+from minifer.course.workbench import save
+
+save(ForkingAllocator)
 
 # %% [markdown]
 # ## 4 · One step of continuous batching
@@ -541,6 +603,32 @@ def schedule_step(running: list[Request], waiting: list[Request], free_blocks: i
 from minifer.course.grading.paging import check_schedule_step
 
 check_schedule_step(schedule_step)
+
+# %% [markdown]
+# ### Now your scheduler step serves the chapter's workload
+#
+# The next cell saves your `schedule_step` to `my_engine/schedule_step.py` (next to this notebook, so it survives
+# a kernel restart and the capstone finds it), grades it again, then plugs it into a real engine,
+# `LLM("tinystories-target", components=...)`, which serves 8 greedy requests of 32 tokens in a KV cache of only
+# 12 blocks and 64 tokens per step, so requests are preempted and recomputed: every step, the engine describes its
+# running and waiting sequences as `Request`s, asks your `schedule_step` who runs, and carries out your plan. Its
+# tokens must be the reference engine's, request by request, and transformers' for the first two prompts. A piece
+# that fails its checks never reaches the engine: the cell stops with the grader's hint instead.
+
+# %%
+# NBVAL_CHECK_OUTPUT
+from minifer.course.grading.engine import check_in_engine
+
+check_in_engine("schedule_step", schedule_step)
+
+# %% [markdown]
+# And its speed: output tokens per second of the engine with your piece, as a ratio of the reference engine's,
+# measured in interleaved rounds on this machine (a measurement, not a check: it varies from run to run).
+
+# %%
+from minifer.course.workbench import piece_throughput
+
+piece_throughput("schedule_step", schedule_step)
 
 # %% [markdown]
 # ## Where these live in the engine

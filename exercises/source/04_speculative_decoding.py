@@ -99,6 +99,31 @@ from minifer.course.grading.spec import check_verify_greedy
 check_verify_greedy(verify_greedy)
 
 # %% [markdown]
+# ### Now your verifier serves the chapter's workload
+#
+# The next cell saves your `verify_greedy` to `my_engine/verify_greedy.py` (next to this notebook, so it survives
+# a kernel restart and the capstone finds it), grades it again, then plugs it into a real engine,
+# `LLM("tinystories-target", components=...)`, which serves 8 greedy requests of 16 tokens with n-gram speculation
+# (k = 4): your function decides which drafts the engine keeps at every step. Its tokens must be the reference
+# engine's, request by request, and transformers' for the first two prompts. A piece that fails its checks never
+# reaches the engine: the cell stops with the grader's hint instead.
+
+# %%
+# NBVAL_CHECK_OUTPUT
+from minifer.course.grading.engine import check_in_engine
+
+check_in_engine("verify_greedy", verify_greedy)
+
+# %% [markdown]
+# And its speed: output tokens per second of the engine with your piece, as a ratio of the reference engine's,
+# measured in interleaved rounds on this machine (a measurement, not a check: it varies from run to run).
+
+# %%
+from minifer.course.workbench import piece_throughput
+
+piece_throughput("verify_greedy", verify_greedy)
+
+# %% [markdown]
 # ## 2 · Rejection sampling: speculating without changing the output
 #
 # With temperature, top-p and the other knobs of chapter 00, the target *samples* each token from a
@@ -167,6 +192,32 @@ def rejection_sample(draft_tokens: list[int], q: torch.Tensor, p: torch.Tensor,
 from minifer.course.grading.spec import check_rejection_sample
 
 check_rejection_sample(rejection_sample)
+
+# %% [markdown]
+# ### Now your rejection sampler serves the chapter's workload
+#
+# The next cell saves your `rejection_sample` to `my_engine/rejection_sample.py` (next to this notebook, so it
+# survives a kernel restart and the capstone finds it), grades it again, then plugs it into a real engine,
+# `LLM("tinystories-target", components=...)`, which serves 8 requests sampled at temperature 0.8 with a seed
+# each, speculating with n-grams: your function verifies each sequence's drafts, and since it draws the same
+# random numbers as minifer's, the same seeds give the same tokens. Its tokens must be the reference engine's,
+# request by request. A piece that fails its checks never reaches the engine: the cell stops with the grader's
+# hint instead.
+
+# %%
+# NBVAL_CHECK_OUTPUT
+from minifer.course.grading.engine import check_in_engine
+
+check_in_engine("rejection_sample", rejection_sample)
+
+# %% [markdown]
+# And its speed: output tokens per second of the engine with your piece, as a ratio of the reference engine's,
+# measured in interleaved rounds on this machine (a measurement, not a check: it varies from run to run).
+
+# %%
+from minifer.course.workbench import piece_throughput
+
+piece_throughput("rejection_sample", rejection_sample)
 
 # %% [markdown]
 # What losslessness looks like, with minifer's batched `rejection_sample` (the engine's): 20 000 sequences,
@@ -242,6 +293,31 @@ def ngram_propose(token_ids: list[int], k: int, prompt_lookup_max: int, prompt_l
 from minifer.course.grading.spec import check_ngram_propose
 
 check_ngram_propose(ngram_propose)
+
+# %% [markdown]
+# ### Now your n-gram proposer serves the chapter's workload
+#
+# The next cell saves your `ngram_propose` to `my_engine/ngram_propose.py` (next to this notebook, so it survives
+# a kernel restart and the capstone finds it), grades it again, then plugs it into a real engine,
+# `LLM("tinystories-target", components=...)`, which serves 8 greedy requests of 16 tokens: your function proposes
+# the drafts (k = 4, lookup of 3 down to 1 tokens) that the engine verifies. Its tokens must be the reference
+# engine's, request by request, and transformers' for the first two prompts. A piece that fails its checks never
+# reaches the engine: the cell stops with the grader's hint instead.
+
+# %%
+# NBVAL_CHECK_OUTPUT
+from minifer.course.grading.engine import check_in_engine
+
+check_in_engine("ngram_propose", ngram_propose)
+
+# %% [markdown]
+# And its speed: output tokens per second of the engine with your piece, as a ratio of the reference engine's,
+# measured in interleaved rounds on this machine (a measurement, not a check: it varies from run to run).
+
+# %%
+from minifer.course.workbench import piece_throughput
+
+piece_throughput("ngram_propose", ngram_propose)
 
 # %% [markdown]
 # ## 4 · How much is it worth?

@@ -18,6 +18,7 @@ import torch
 
 from minifer.config import ModelConfig, auto_dtype
 from minifer.engine.beam_search import BeamSearch, BeamSearchOutput
+from minifer.engine.components import SEAMS, Components, merge_components
 from minifer.engine.llm_engine import CacheConfig, LLMEngine
 from minifer.engine.runner import compile_model
 from minifer.engine.scheduler import SchedulerConfig
@@ -119,6 +120,9 @@ class LLM:
             the eager model; off by default, so the model a learner reads is the one that runs.
         block_allocator, scheduler, sampler, proposer, verifier, attention_backend: the engine's seams
             (``LLMEngine`` lists their contracts); None builds the reference implementation a chapter shows.
+        components: a ``Components`` holding any of those seams and ``quant_kernel``, plus the RMSNorm and RoPE
+            functions the model's layers call (``rms_norm``, ``apply_rotary``): the course's way to run a learner's
+            own pieces together (``minifer.course.workbench``). A piece may be given here or as an argument, not both.
         share_weights_with: another ``LLM`` of the same model, dtype, device and quantization whose loaded weights
             (and draft model, when both use the same draft) this one uses instead of loading its own copy: two
             engines to compare in one process (plain vs speculative, chapter 04). Separate copies of the same
@@ -140,8 +144,13 @@ class LLM:
                  scheduler: Callable[..., SchedulerPolicy] | None = None, sampler: Sampler | None = None,
                  proposer: DraftProposer | None = None, verifier: Verifier | None = None,
                  attention_backend: Callable[..., PagedAttentionBackend] | None = None,
-                 compilation_config: dict[str, Any] | None = None, data_parallel_size: int = 1) -> None:
+                 compilation_config: dict[str, Any] | None = None, data_parallel_size: int = 1,
+                 components: Components | None = None) -> None:
         replica_kwargs = {k: v for k, v in locals().items() if k not in ("self", "data_parallel_size")}
+        parts = merge_components(components, block_allocator=block_allocator, scheduler=scheduler, sampler=sampler,
+                                 proposer=proposer, verifier=verifier, attention_backend=attention_backend,
+                                 quant_kernel=quant_kernel)
+        self.components = parts
         check_kv_cache_dtype(kv_cache_dtype, kv_cache_scales)
         if kv_cache_dtype != "auto" and batching != "continuous":
             raise ValueError("kv_cache_dtype applies to the paged cache of batching='continuous'")
@@ -164,7 +173,7 @@ class LLM:
         if share_weights_with is not None:
             self.model = self._shared_model(share_weights_with, quantization, load_format)
         else:
-            self.model = self._load_model(quantization, load_format, quant_kernel, limit, seed)
+            self.model = self._load_model(quantization, load_format, parts.quant_kernel, limit, seed)
         self.compilation_config = compile_model(self.model, compilation_config, share_weights_with)
         self.replicas = self._start_replicas(replica_kwargs, data_parallel_size, share_weights_with)
         self.quantization_config = getattr(self.model, "quantization_config", None)
@@ -181,8 +190,7 @@ class LLM:
                 and share_weights_with._draft_source == self._draft_source):
             spec.model = share_weights_with.draft_model  # the same draft, already loaded
         self.draft_model = self._load_draft(spec) if spec is not None and spec.method == "draft_model" else None
-        seams = _seams(batching, spec, block_allocator=block_allocator, scheduler=scheduler, sampler=sampler,
-                       proposer=proposer, verifier=verifier, attention_backend=attention_backend)
+        seams = _seams(batching, spec, layer_ops=parts.layer_ops(), **{n: getattr(parts, n) for n in SEAMS})
         if batching == "continuous":
             self.engine = LLMEngine(
                 self.model, self.tokenizer, self.make_sequence,

@@ -29,6 +29,7 @@ from minifer.engine.proposers import DraftProposer
 from minifer.engine.sequence import Sequence, SequenceGroup, SequenceStatus, sequences_of
 from minifer.engine.speculative import SpeculativeConfig, Speculator, build_speculator
 from minifer.layers.kv_quant import CALIBRATION_TEXT
+from minifer.layers.ops import REFERENCE_OPS, LayerOps
 from minifer.layers.paged_attention import PagedAttentionBackend, PagedKVCache
 from minifer.models.llama import LlamaForCausalLM
 from minifer.outputs import RequestOutput
@@ -95,7 +96,9 @@ class LLMEngine:
     (``Sampler``: ``ModelRunner.sample``), and for speculation ``proposer`` (``DraftProposer``: the one
     ``speculative_config`` names) and ``verifier`` (``Verifier``: ``RejectionVerifier``), and the paged attention
     backend the model attends through (``PagedAttentionBackend``, built like ``PagedKVCache``, the default). A
-    quantized layer's kernel (``QuantKernel``) is the model's own seam (``LLM``'s ``quant_kernel``)."""
+    quantized layer's kernel (``QuantKernel``) is the model's own seam (``LLM``'s ``quant_kernel``). ``layer_ops``
+    (``LayerOps``): the RMSNorm and RoPE functions the target's forward passes use; given ones run eagerly (a CUDA
+    graph would freeze whatever they do on the first capture)."""
 
     def __init__(self, model: LlamaForCausalLM, tokenizer, make_sequence, cache_config: CacheConfig,
                  scheduler_config: SchedulerConfig, speculative_config: SpeculativeConfig | None = None,
@@ -105,7 +108,8 @@ class LLMEngine:
                  scheduler: Callable[[SchedulerConfig, KVBlockAllocator], SchedulerPolicy] = Scheduler,
                  sampler: Sampler | None = None, proposer: DraftProposer | None = None,
                  verifier: Verifier | None = None,
-                 attention_backend: Callable[..., PagedAttentionBackend] = PagedKVCache) -> None:
+                 attention_backend: Callable[..., PagedAttentionBackend] = PagedKVCache,
+                 layer_ops: LayerOps | None = None) -> None:
         cfg, device = model.config, model.lm_head.weight.device
         dtype = model.lm_head.weight.dtype
         num_blocks = cache_config.num_blocks(kv_block_bytes(model, cache_config, draft_model), device)
@@ -116,7 +120,7 @@ class LLMEngine:
             cfg.num_hidden_layers, num_blocks, cache_config.block_size, cfg.num_key_value_heads, cfg.head_dim, dtype,
             device, cache_config.kv_cache_dtype, cache_config.kv_cache_scales)
         self.scheduler = scheduler(scheduler_config, self.block_manager)
-        self.runner = ModelRunner(model, self.kv_cache, self.block_manager)
+        self.runner = ModelRunner(model, self.kv_cache, self.block_manager, layer_ops or REFERENCE_OPS)
         self.sampler: Sampler = sampler or ModelRunner.sample
         if self.kv_cache.kv_cache_scales == "head":
             self._calibrate_kv_scales()
@@ -124,7 +128,7 @@ class LLMEngine:
         self.requests: dict[str, Sequence | SequenceGroup] = {}  # unfinished requests by their id
         self._seqs: dict[str, Sequence] = {}  # their unfinished sequences (a group's completions: "<i>_<id>")
         self._group_of: dict[str, SequenceGroup] = {}  # a completion's sequence id -> its group
-        if cuda_graphs and device.type == "cuda" and self.kv_cache.use_triton:
+        if cuda_graphs and device.type == "cuda" and self.kv_cache.use_triton and layer_ops is None:
             try:
                 self.runner.enable_cuda_graphs(scheduler_config.max_num_seqs,
                                                max_model_len or cfg.max_position_embeddings)

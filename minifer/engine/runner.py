@@ -15,6 +15,7 @@ import torch
 
 from minifer.engine.block_manager import KVBlockAllocator
 from minifer.engine.scheduler import ScheduledBatch
+from minifer.layers.ops import REFERENCE_OPS, LayerOps
 from minifer.layers.paged_attention import PagedAttentionMetadata, PagedKVCache
 from minifer.models.llama import LlamaForCausalLM
 from minifer.sampling import SampleResult, history_tensors, ranked_logprobs, sample
@@ -44,8 +45,10 @@ def compile_model(model: LlamaForCausalLM, config: dict | None, shared_with=None
 
 
 class ModelRunner:
-    def __init__(self, model: LlamaForCausalLM, cache: PagedKVCache, blocks: KVBlockAllocator) -> None:
+    def __init__(self, model: LlamaForCausalLM, cache: PagedKVCache, blocks: KVBlockAllocator,
+                 ops: LayerOps = REFERENCE_OPS) -> None:
         self.model, self.cache, self.blocks = model, cache, blocks
+        self.ops = ops  # the RMSNorm and RoPE every forward of this runner uses (LLM's components)
         self.device = model.lm_head.weight.device
         self.last_forward_s = 0.0  # wall time of the latest forward (the adaptive speculation reads it)
         self.graphs = None  # DecodeGraphs on CUDA (see cuda_graph.py): pure decode steps replay them
@@ -82,7 +85,8 @@ class ModelRunner:
             [self.blocks.block_table(r) for r in request_ids], [s + len(c) for s, c in zip(starts, tokens)],
             [len(c) for c in tokens], self.cache.block_size, dev, null_slot=self.cache.null_slot)
         try:
-            hidden = self.model(torch.tensor(ids, device=dev), torch.tensor(positions, device=dev), self.cache)
+            hidden = self.model(torch.tensor(ids, device=dev), torch.tensor(positions, device=dev), self.cache,
+                                self.ops)
         finally:
             self.cache.meta = None
         return self._logits(hidden, rows, t0)

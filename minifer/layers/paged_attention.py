@@ -59,6 +59,7 @@ class PagedAttentionMetadata:
     is_decode: bool  # every sequence brings exactly one new token
     null_slot: int | None  # masked keys read this all-zero slot (no zeroing needed after the gather)
     covers_all_in_order: bool  # a single group whose outputs are the packed tokens in order
+    query_lens: list[int] | None = None  # new tokens of each sequence (for a backend that attends sequence by sequence)
 
     @classmethod
     def decode_only(cls, slot_mapping: torch.Tensor, block_tables: torch.Tensor, context_lens: torch.Tensor,
@@ -89,7 +90,7 @@ class PagedAttentionMetadata:
                 groups.append(cls._group(tables[rows], ctx[rows], qlen[rows], starts[rows], block_size, null_slot))
         in_order = len(groups) == 1 and (not chunk_rows or len(chunk_rows) == len(query_lens))
         return cls(slots, groups, int(qlen.sum()), tables.to(torch.int32), ctx.to(torch.int32),
-                   not chunk_rows, null_slot, in_order)
+                   not chunk_rows, null_slot, in_order, list(query_lens))
 
     @staticmethod
     def _group(tables: torch.Tensor, ctx: torch.Tensor, qlen: torch.Tensor, starts: torch.Tensor,

@@ -18,7 +18,8 @@ from torch import nn
 from minifer.config import ModelConfig
 from minifer.layers.attention import AttentionBackend
 from minifer.layers.norm import RMSNorm
-from minifer.layers.rotary import RotaryEmbedding, apply_rotary
+from minifer.layers.ops import REFERENCE_OPS, LayerOps
+from minifer.layers.rotary import RotaryEmbedding
 
 
 class Attention(nn.Module):
@@ -32,15 +33,16 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn: AttentionBackend) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn: AttentionBackend,
+                ops: LayerOps = REFERENCE_OPS) -> torch.Tensor:
         n = x.shape[0]
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(n, self.num_heads, self.head_dim)
         k = k.view(n, self.num_kv_heads, self.head_dim)
         v = v.view(n, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+            q, k = self.q_norm(q, ops.rms_norm), self.k_norm(k, ops.rms_norm)
+        q, k = ops.apply_rotary(q, cos, sin), ops.apply_rotary(k, cos, sin)
         out = attn.attend(self.layer_idx, q, k, v)
         return self.o_proj(out.reshape(n, self.q_size))
 
@@ -67,9 +69,12 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn: AttentionBackend) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, attn)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn: AttentionBackend,
+                ops: LayerOps = REFERENCE_OPS) -> torch.Tensor:
+        if ops.decoder_layer is not None:  # another forward of this layer over its weights (a learner's, chapter 00)
+            return ops.decoder_layer(self, x, cos, sin, attn, ops)
+        x = x + self.self_attn(self.input_layernorm(x, ops.rms_norm), cos, sin, attn, ops)
+        return x + self.mlp(self.post_attention_layernorm(x, ops.rms_norm))
 
 
 class LlamaModel(nn.Module):
@@ -80,18 +85,20 @@ class LlamaModel(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.rotary = RotaryEmbedding(cfg.head_dim, max_positions, cfg.rope_theta, cfg.rope_scaling)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionBackend) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionBackend,
+                ops: LayerOps = REFERENCE_OPS) -> torch.Tensor:
         x = self.embed_tokens(input_ids)
         cos, sin = self.rotary(positions, x.dtype)
         for layer in self.layers:
-            x = layer(x, cos, sin, attn)
-        return self.norm(x)
+            x = layer(x, cos, sin, attn, ops)
+        return self.norm(x, ops.rms_norm)
 
 
 class LlamaForCausalLM(nn.Module):
     """``forward`` maps packed tokens ``[N]`` (with their positions) to final hidden states ``[N, hidden]``;
     ``compute_logits`` projects only the rows that need a next token (usually one per sequence), which
-    saves a ``vocab x hidden`` matmul for every prompt token during prefill."""
+    saves a ``vocab x hidden`` matmul for every prompt token during prefill. ``ops`` (``LayerOps``): the RMSNorm and
+    RoPE functions the layers call, minifer's unless the engine was given others (a learner's, ``LLM(components=)``)."""
 
     def __init__(self, cfg: ModelConfig, max_positions: int | None = None) -> None:
         super().__init__()
@@ -101,8 +108,9 @@ class LlamaForCausalLM(nn.Module):
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionBackend) -> torch.Tensor:
-        return self.model(input_ids, positions, attn)
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionBackend,
+                ops: LayerOps = REFERENCE_OPS) -> torch.Tensor:
+        return self.model(input_ids, positions, attn, ops)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden)

@@ -75,9 +75,20 @@ def _errors(cell) -> list:
     return [o for o in cell.get("outputs", []) if o.get("output_type") == "error"]
 
 
+@pytest.fixture
+def my_engine(tmp_path_factory, monkeypatch, request):
+    """The pieces the notebooks save (``minifer.course.workbench``) go to a temporary folder, one per kind of run
+    (the solutions' and the untouched exercises' never mix), as they would to ``my_engine/`` beside the notebooks;
+    never to a learner's own folder."""
+    from minifer.course import workbench
+
+    folder = tmp_path_factory.getbasetemp() / f"my_engine_{request.function.__name__}"
+    monkeypatch.setenv(workbench.FOLDER_ENV, str(folder))
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("ex", EXERCISES, ids=EXERCISE_IDS)
-def test_solutions_pass_their_checks(ex):
+def test_solutions_pass_their_checks(ex, my_engine):
     stored = nbformat.read(ex.solution_path, 4)
     fresh = _execute(ex.solution_path, allow_errors=False)  # raises CellExecutionError on any error
     for old, new in zip(stored.cells, fresh.cells):
@@ -88,7 +99,7 @@ def test_solutions_pass_their_checks(ex):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("ex", EXERCISES, ids=EXERCISE_IDS)
-def test_untouched_exercises_fail_their_checks(ex):
+def test_untouched_exercises_fail_their_checks(ex, my_engine):
     nb = _execute(ex.exercise_path, allow_errors=True)
     checks = [c for c in nb.cells if bx.is_check_cell(c)]
     assert checks

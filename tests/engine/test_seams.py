@@ -1,16 +1,22 @@
 """The engine's seams (``LLMEngine``'s docstring lists them): each takes another implementation through ``LLM``, the
 engine calls it, and handing in a wrapper around the reference changes nothing in the output. The lossy verifier
-of ``tests/spec/test_speculative.py`` goes through the same seam."""
+of ``tests/spec/test_speculative.py`` goes through the same seam. ``LLM(components=...)`` hands in several at once,
+with the RMSNorm and RoPE the model's layers call."""
 
 from __future__ import annotations
+
+from dataclasses import replace
 
 import pytest
 
 from minifer import LLM, SamplingParams
 from minifer.engine.block_manager import BlockManager
+from minifer.engine.components import Components
 from minifer.engine.proposers import NgramProposer
 from minifer.engine.runner import ModelRunner
 from minifer.engine.scheduler import Scheduler
+from minifer.layers.norm import rms_norm
+from minifer.layers.rotary import apply_rotary
 from minifer.quant.formats import quant_linear_reference
 from minifer.spec.rejection import RejectionVerifier
 
@@ -118,3 +124,71 @@ def test_an_attention_backend_handed_in_is_the_one_the_model_attends_through(ref
     assert isinstance(llm.engine.kv_cache, CountingBackend)
     assert _tokens(llm) == reference[1]
     assert set(calls) == set(range(llm.model_config.num_hidden_layers))
+
+
+def _counting(fn, calls: list, name: str):
+    def wrapped(*args):
+        calls.append(name)
+        return fn(*args)
+    return wrapped
+
+
+def test_the_layers_call_the_rms_norm_and_rope_handed_in(reference):
+    calls: list[str] = []
+    mine = Components(rms_norm=_counting(rms_norm, calls, "rms_norm"),
+                      apply_rotary=_counting(apply_rotary, calls, "apply_rotary"))
+    llm = LLM("tinystories-target", share_weights_with=reference[0], components=mine)
+    assert _tokens(llm) == reference[1]
+    layers = llm.model_config.num_hidden_layers
+    forwards = calls.count("rms_norm") // (2 * layers + 1)  # two norms per layer and the final one
+    assert forwards >= GREEDY.max_tokens and calls.count("rms_norm") == forwards * (2 * layers + 1)
+    assert calls.count("apply_rotary") == forwards * 2 * layers  # queries and keys of every layer
+
+
+def test_a_decoder_layer_handed_in_runs_every_layer_with_the_ops_it_is_given(reference):
+    from minifer.models.llama import DecoderLayer
+
+    layers: list[int] = []
+
+    def decoder_layer(layer, x, cos, sin, attn, ops):
+        layers.append(layer.self_attn.layer_idx)
+        return DecoderLayer.forward(layer, x, cos, sin, attn, replace(ops, decoder_layer=None))
+
+    llm = LLM("tinystories-target", share_weights_with=reference[0], components=Components(decoder_layer=decoder_layer))
+    assert _tokens(llm) == reference[1]
+    assert set(layers) == set(range(llm.model_config.num_hidden_layers))
+
+
+def test_components_do_not_leak_into_an_engine_sharing_the_weights(reference):
+    calls: list[str] = []
+    LLM("tinystories-target", share_weights_with=reference[0],
+        components=Components(rms_norm=_counting(rms_norm, calls, "rms_norm")))
+    assert _tokens(reference[0]) == reference[1] and not calls  # the override rides on one engine's forwards only
+
+
+def test_every_seam_in_components_is_the_one_used(reference):
+    calls: list[str] = []
+    spec = {"method": "ngram", "num_speculative_tokens": 3, "adaptive": False}
+
+    class Verifier(RejectionVerifier):
+        def greedy(self, draft_tokens, target_argmax):
+            calls.append("verifier")
+            return super().greedy(draft_tokens, target_argmax)
+
+    mine = Components(rms_norm=rms_norm, apply_rotary=apply_rotary,
+                      sampler=_counting(ModelRunner.sample, calls, "sampler"), verifier=Verifier())
+    llm = LLM("tinystories-target", share_weights_with=reference[0], speculative_config=spec, components=mine)
+    assert _tokens(llm) == reference[1]
+    assert {"sampler", "verifier"} <= set(calls)
+    assert llm.components.given().keys() == {"rms_norm", "apply_rotary", "sampler", "verifier"}
+
+
+def test_a_piece_given_twice_or_where_it_cannot_apply_is_refused(reference):
+    with pytest.raises(ValueError, match="sampler given both as an argument and in components"):
+        LLM("tinystories-target", share_weights_with=reference[0], sampler=ModelRunner.sample,
+            components=Components(sampler=ModelRunner.sample))
+    with pytest.raises(ValueError, match="plug into the continuous engine"):
+        LLM("tinystories-target", share_weights_with=reference[0], batching="static",
+            components=Components(rms_norm=rms_norm))
+    with pytest.raises(TypeError, match="components must be"):
+        LLM("tinystories-target", share_weights_with=reference[0], components={"rms_norm": rms_norm})

@@ -1,4 +1,5 @@
-"""Graders of exercise 00_01 (chapters 00-01): ``rms_norm``, ``rope_inv_freq``, ``apply_rotary``, ``top_p``."""
+"""Graders of exercise 00_01 (chapters 00-01): ``rms_norm``, ``rope_inv_freq``, ``apply_rotary``, ``top_p``,
+``decoder_layer``."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import torch
 
 from minifer.course.grading.base import Check, assert_close, call_unmodified, fmt_index, randn, run_checks, seeded
 
-__all__ = ["check_rms_norm", "check_rope_inv_freq", "check_apply_rotary", "check_top_p"]
+__all__ = ["check_rms_norm", "check_rope_inv_freq", "check_apply_rotary", "check_top_p", "check_decoder_layer"]
 
 
 # --- chapter 00/01: RMSNorm ---------------------------------------------------------------------------
@@ -268,3 +269,84 @@ def check_top_p(fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> Non
          case(big, [_nucleus_p(big[0], 0.9), _nucleus_p(big[1], 0.95)])),
     ]
     run_checks("top_p", checks)
+
+
+# --- chapter 00: the decoder layer ----------------------------------------------------------------------------
+
+
+def _tiny_layer(qk_norm: bool, seed: int):
+    """Layer 0 of a small random model (4 query heads on 2 KV heads, head_dim 8), norms not all ones."""
+    from minifer.config import ModelConfig
+    from minifer.models.llama import LlamaForCausalLM
+
+    cfg = ModelConfig("LlamaForCausalLM", "qwen3" if qk_norm else "llama", 50, 32, 48, 1, 4, 2, 8, 64, 1e-6, 10000.0,
+                      None, False, False, False, qk_norm)
+    torch.manual_seed(seed)  # nn.Linear draws its init from the global generator: kept local by fork_rng below
+    model = LlamaForCausalLM(cfg)
+    for name, p in model.named_parameters():
+        if "norm" in name:
+            p.data = 1 + 0.1 * torch.randn_like(p)
+    return model
+
+
+def _layer_case(fn: Callable | None, qk_norm: bool, batch: int, seq_len: int, seed: int,
+                ops=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Run ``fn`` (the reference when None) on a fresh cache: the layer's output for random hidden states, and them."""
+    from minifer.layers.attention import causal_backend
+    from minifer.layers.ops import REFERENCE_OPS
+
+    with torch.random.fork_rng():
+        model = _tiny_layer(qk_norm, seed)
+        x = torch.randn(batch * seq_len, model.config.hidden_size)
+    layer = model.model.layers[0]
+    attn, positions = causal_backend(model, batch, seq_len)
+    cos, sin = model.model.rotary(positions, x.dtype)
+    with torch.inference_mode():
+        if fn is None:
+            return layer(x, cos, sin, attn), x
+        return call_unmodified(fn, layer, x, cos, sin, attn, ops or REFERENCE_OPS), x
+
+
+def check_decoder_layer(fn: Callable[..., torch.Tensor]) -> None:
+    """Grade ``fn(layer, x, cos, sin, attn, ops)``, one decoder layer's forward over ``layer``'s modules, against
+    ``minifer.models.llama.DecoderLayer.forward``."""
+    hint = ("h = x + o_proj(attention(rope(q), rope(k), v)) with q, k, v split from qkv_proj(input_layernorm(x)) as "
+            "[q_size, kv_size, kv_size] and viewed [tokens, heads, head_dim]; then h + down_proj(silu(gate) * up) "
+            "with gate, up = gate_up_proj(post_attention_layernorm(h)).split(intermediate_size)")
+
+    def versus_ref(qk_norm: bool, batch: int, seq_len: int, seed: int) -> Callable[[], None]:
+        def run() -> None:
+            want, x = _layer_case(None, qk_norm, batch, seq_len, seed)
+            got, _ = _layer_case(fn, qk_norm, batch, seq_len, seed)
+            if isinstance(got, torch.Tensor) and got.shape == want.shape:
+                if torch.allclose(got + x, want, atol=1e-4, rtol=1e-4):
+                    raise AssertionError("output: it is the layer's output minus its input\nhint: a decoder layer "
+                                         "adds each block's output to the residual stream: x + attention(...), "
+                                         "then h + mlp(...)")
+            assert_close(got, want, atol=1e-4, rtol=1e-4, hint=hint)
+        return run
+
+    def uses_the_given_ops() -> None:
+        from minifer.layers.norm import rms_norm
+        from minifer.layers.ops import LayerOps
+        from minifer.layers.rotary import apply_rotary
+
+        calls: list[str] = []
+        ops = LayerOps(lambda *a: calls.append("rms_norm") or rms_norm(*a),
+                       lambda *a: calls.append("apply_rotary") or apply_rotary(*a))
+        _layer_case(fn, True, 1, 3, 5, ops)
+        want = ["rms_norm"] * 4 + ["apply_rotary"] * 2
+        assert sorted(calls) == sorted(want), (
+            f"called {calls.count('rms_norm')} rms_norm and {calls.count('apply_rotary')} apply_rotary through ops, "
+            f"expected 4 and 2 (input and post-attention norms, q_norm and k_norm, then RoPE on q and k)\nhint: "
+            "normalise with ops.rms_norm(x, norm.weight, norm.eps) and rotate with ops.apply_rotary: the pieces "
+            "your engine was given (yours, in the capstone), not minifer's functions directly")
+
+    checks: list[Check] = [
+        ("one sequence of 5 tokens, Llama layout, 4 query heads on 2 KV heads", versus_ref(False, 1, 5, 0)),
+        ("Qwen3 layout: q_norm and k_norm per head before RoPE", versus_ref(True, 1, 5, 1)),
+        ("a batch of 3 sequences of 4 tokens, packed", versus_ref(False, 3, 4, 2)),
+        ("a single token", versus_ref(True, 1, 1, 3)),
+        ("normalises and rotates through the ops it is given", uses_the_given_ops),
+    ]
+    run_checks("decoder_layer", checks)

@@ -8,6 +8,7 @@ from typing import Any
 
 import torch
 
+from minifer.course.workbench import StepRequest
 from minifer.course.grading.base import Check, as_int_list, assert_close, call_unmodified, randn, run_checks, seeded
 
 
@@ -517,26 +518,6 @@ def check_parallel_sampling_blocks(fn: Callable[[int, int, int, int, bool], int]
 
 
 # --- chapter 02/03: one continuous-batching step -----------------------------------------------------------
-
-
-class StepRequest:
-    """A request as ``schedule_step`` sees it (the notebook's ``Request`` has the same fields)."""
-
-    __slots__ = ("name", "num_tokens", "num_computed", "num_blocks")
-
-    def __init__(self, name: str, num_tokens: int, num_computed: int = 0, num_blocks: int = 0) -> None:
-        object.__setattr__(self, "name", name)
-        object.__setattr__(self, "num_tokens", num_tokens)
-        object.__setattr__(self, "num_computed", num_computed)
-        object.__setattr__(self, "num_blocks", num_blocks)
-
-    def __setattr__(self, key: str, value: Any) -> None:
-        raise AttributeError("schedule_step must not modify its requests: return the plan instead")
-
-    def __repr__(self) -> str:
-        if not self.num_blocks and not self.num_computed:
-            return f"{self.name}({self.num_tokens})"
-        return f"{self.name}({self.num_tokens}, {self.num_computed}, {self.num_blocks})"
 
 
 def _schedule_with_minifer(running: list[StepRequest], waiting: list[StepRequest], free_blocks: int,

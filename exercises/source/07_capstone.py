@@ -1,0 +1,79 @@
+# Source of exercises/07_capstone.ipynb and solutions/07_capstone.ipynb.
+# Edit this file, never the notebooks, then run `make exercises` (see exercises/README.md).
+
+# %% [markdown]
+# # Exercise 07 · Capstone: your engine serves a batch of requests
+#
+# Every exercise that rebuilt a piece of the engine ended with a cell that saved it to `my_engine/` (next to
+# the notebooks) and ran it inside a real `LLM`, one piece at a time. Here all of them run **together**: every
+# layer of the model runs your decoder layer, which normalises with your RMSNorm and rotates with your RoPE,
+# attention reads the paged cache through your `paged_attention`, your allocator hands out the blocks and finds
+# cached prefixes, your `schedule_step` decides who runs at every step (and whom to preempt), your n-gram proposer
+# drafts, your verifier and rejection sampler decide which drafts stay, and your nucleus filter shapes the sampled
+# tokens.
+#
+# | piece | where you wrote it | where it first served requests |
+# |---|---|---|
+# | `rms_norm` | `00_01_building_blocks`, section 1 | its "now your RMSNorm serves" cell |
+# | `apply_rotary` (RoPE) | `00_01_building_blocks`, section 2b | its "now your RoPE serves" cell |
+# | `top_p_mask` (in the sampler) | `00_01_building_blocks`, section 3 | its "now your nucleus filter serves" cell |
+# | `decoder_layer` | `00_01_building_blocks`, section 4 | its "now your decoder layer serves" cell |
+# | `paged_attention` | `02_03_paging_and_batching`, section 2 | its "now your paged attention serves" cell |
+# | `PrefixCachingAllocator` / `ForkingAllocator` | `02_03_paging_and_batching`, sections 3 and 3c | its "now your allocator serves" cell |
+# | `schedule_step` | `02_03_paging_and_batching`, section 4 | its "now your scheduler step serves" cell |
+# | `verify_greedy` | `04_speculative_decoding`, section 1 | its "now your verifier serves" cell |
+# | `rejection_sample` | `04_speculative_decoding`, section 2 | its "now your rejection sampler serves" cell |
+# | `ngram_propose` | `04_speculative_decoding`, section 3 | its "now your n-gram proposer serves" cell |
+#
+# The check below loads each saved piece, grades it again with its exercise's checks, and builds
+# `LLM("tinystories-target", components=...)` from them (`minifer.course.workbench.components_from` turns each
+# exercise's signature into the engine's seam). It then serves two batches, one greedy and one sampled with a
+# seed per request, both speculating, in a KV cache small enough that requests are preempted: the tokens must
+# be the reference engine's, request by request (and transformers' for two greedy prompts).
+#
+# Skipped an exercise? Set `SOLUTION = True`: minifer's piece takes the place of any piece that is not saved
+# or fails its checks (tiny-llm's `--solution` switch), and the cell after the check says which pieces ran.
+
+# %% exercise-only
+SOLUTION = False  # True: minifer's pieces fill the gaps
+
+# %% solution-only
+SOLUTION = True  # the solved twin runs whatever the solution notebooks saved, minifer's pieces filling any gap
+
+# %%
+# NBVAL_CHECK_OUTPUT
+from minifer.course.grading.engine import check_capstone
+
+check_capstone(solution=SOLUTION)
+
+# %% [markdown]
+# Whose pieces ran (`yours`, or minifer's and why):
+
+# %%
+from minifer.course.grading.engine import print_origins
+
+print_origins()
+
+# %% [markdown]
+# ## How fast is your engine?
+#
+# Output tokens per second of your engine on the greedy batch, as a ratio of the reference engine's, measured in
+# interleaved rounds on this machine (never a check: it varies from run to run). Expect well under 1x: your
+# `paged_attention` loops over the sequences in Python where minifer's gathers a whole batch at once, and the
+# textbook versions of the other pieces skip the engine's shortcuts. Which piece costs most? Each exercise's
+# throughput cell measured one piece alone.
+
+# %%
+from minifer.course.grading.engine import capstone_throughput
+
+capstone_throughput(solution=SOLUTION)
+
+# %% [markdown]
+# ## What is still minifer's
+#
+# The rest of the model's forward (`minifer/models/llama.py`: the embedding, the final norm, the logits), the
+# weight loader, the model runner that packs a batch into tensors (`minifer/engine/runner.py`), the engine step that
+# ties schedule → run → sample → append → free together (`minifer/engine/llm_engine.py`), the speculative loop
+# with its rollback (`minifer/engine/speculative.py`) and the quantized layers (`minifer/quant/`). Reading
+# them with your pieces in mind is the next step: each calls one of yours through a seam
+# (`minifer/engine/components.py` lists them).

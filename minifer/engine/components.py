@@ -1,0 +1,71 @@
+"""``Components``: every piece of the engine a caller may replace, in one value (``LLM(model, components=...)``).
+
+The engine's seams are separate ``LLM`` arguments (``block_allocator``, ``scheduler``, ``sampler``, ...); a course
+that builds the engine piece by piece hands them in together, and its pieces include what the model runs in every
+layer: RMSNorm, RoPE and the decoder layer's forward itself (``LayerOps``). A field left None keeps minifer's reference, so a ``Components`` with
+one field set runs exactly one replaced piece. The value is frozen: the same components can build several engines.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, fields
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from minifer.layers.ops import LayerOps
+
+if TYPE_CHECKING:
+    from minifer.engine.block_manager import KVBlockAllocator
+    from minifer.engine.proposers import DraftProposer
+    from minifer.engine.scheduler import SchedulerPolicy
+    from minifer.layers.paged_attention import PagedAttentionBackend
+    from minifer.quant.linear import QuantKernel
+    from minifer.sampling import Sampler
+    from minifer.spec.rejection import Verifier
+
+SEAMS = ("block_allocator", "scheduler", "sampler", "proposer", "verifier", "attention_backend")
+
+
+@dataclass(frozen=True)
+class Components:
+    """The engine's replaceable pieces; None keeps the reference. ``rms_norm``, ``apply_rotary`` and
+    ``decoder_layer`` are ``LayerOps``' (``minifer.layers.ops``); the others are ``LLM``'s seams of the same names, with the same contracts
+    (``LLMEngine``'s docstring lists them; ``quant_kernel``: ``minifer.quant.linear.QuantKernel``)."""
+
+    rms_norm: Callable[[torch.Tensor, torch.Tensor, float], torch.Tensor] | None = None
+    apply_rotary: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor] | None = None
+    decoder_layer: Callable[..., torch.Tensor] | None = None
+    sampler: Sampler | None = None
+    attention_backend: Callable[..., PagedAttentionBackend] | None = None
+    block_allocator: Callable[..., KVBlockAllocator] | None = None
+    scheduler: Callable[..., SchedulerPolicy] | None = None
+    proposer: DraftProposer | None = None
+    verifier: Verifier | None = None
+    quant_kernel: QuantKernel | None = None
+
+    def given(self) -> dict[str, Any]:
+        """The fields that are set, by name."""
+        return {f.name: getattr(self, f.name) for f in fields(self) if getattr(self, f.name) is not None}
+
+    def layer_ops(self) -> LayerOps | None:
+        """The layers' functions, or None when both are the reference (the engine may then use CUDA graphs)."""
+        if self.rms_norm is None and self.apply_rotary is None and self.decoder_layer is None:
+            return None
+        ref = LayerOps()
+        return LayerOps(self.rms_norm or ref.rms_norm, self.apply_rotary or ref.apply_rotary, self.decoder_layer)
+
+
+def merge_components(components: Components | None, **explicit: Any) -> Components:
+    """``components`` with the seams also passed as ``LLM`` arguments added in; the same seam given both ways is
+    refused (which of the two should run would be a guess)."""
+    if components is None:
+        components = Components()
+    if not isinstance(components, Components):
+        raise TypeError(f"components must be a minifer.engine.components.Components, got {type(components).__name__}")
+    explicit = {k: v for k, v in explicit.items() if v is not None}
+    both = sorted(set(explicit) & set(components.given()))
+    if both:
+        raise ValueError(f"{', '.join(both)} given both as an argument and in components: pass each piece once")
+    return Components(**{**components.given(), **explicit})
