@@ -102,7 +102,9 @@ class Resident:
 CHAPTERS: dict[str, list[Resident]] = {
     "00": [Resident("the target", "target"),
            Resident("transformers' reference (parity check, same dtype)", "target", kv_cache=False)],
-    "01": [Resident("the target", "target")],
+    "01": [Resident("the target", "target"),
+           # load_real_shape: Qwen3-0.6B's shape with dummy weights (the GPU pair's draft config), a 16-block cache
+           Resident("the Qwen3-0.6B-shaped model (section 5)", "draft", kv_cache=False)],
     "02": [Resident("the target", "target"),
            Resident("transformers' reference (beam search check, same dtype)", "target", kv_cache=False)],
     "03": [Resident("the target", "target"), Resident("the 'tight' engine (12 blocks)", "target")],
