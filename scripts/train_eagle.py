@@ -47,10 +47,10 @@ from minifer.models.eagle import EagleHead  # noqa: E402
 @dataclass
 class Recipe:
     seq_len: int = 256
-    train_windows: int = 1200  # ~300k tokens of target features
+    train_windows: int = 400  # ~100k tokens of target features (sized for 2 shared CPU cores)
     heldout_windows: int = 48
-    batch_size: int = 8
-    steps: int = 600
+    batch_size: int = 4
+    steps: int = 250
     warmup: int = 30
     lr: float = 2e-3
     weight_decay: float = 0.0
@@ -178,6 +178,7 @@ def main() -> None:
     ap.add_argument("--train-windows", type=int)
     ap.add_argument("--passes", type=int)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--features", type=Path, help="cache the target's features here (a rerun reads them back)")
     args = ap.parse_args()
     r = Recipe()
     if args.smoke:
@@ -208,8 +209,14 @@ def main() -> None:
     train_w = fixed_windows(train_stream, r.seq_len, r.train_windows)
     held_w = fixed_windows(held_stream, r.seq_len, r.heldout_windows)
     log(f"recipe {asdict(r)}; {len(train_w)} train windows, {len(held_w)} held-out windows")
-    train_f = target_features(target, train_w, 16, log)
-    held_f = target_features(target, held_w, 16, log)
+    if args.features is not None and args.features.is_file():
+        train_f, held_f = torch.load(args.features)
+        log(f"features read from {args.features}")
+    else:
+        train_f = target_features(target, train_w, 16, log)
+        held_f = target_features(target, held_w, 16, log)
+        if args.features is not None:
+            torch.save((train_f, held_f), args.features)
     t_features = time.time() - t_start
 
     head = EagleHead(target, max_positions=r.seq_len + 1)

@@ -108,3 +108,17 @@ def test_training_script_smoke(tmp_path):
     llm = LLM("tinystories-target", speculative_config={**EAGLE, "model": str(tmp_path), "adaptive": False})
     out = llm.generate("Once upon a time", GREEDY, use_tqdm=False)[0].outputs[0]
     assert len(out.token_ids) == GREEDY.max_tokens
+
+
+@pytest.mark.slow
+def test_eagle_benchmark_smoke(tmp_path):
+    from minifer.bench.eagle import main
+
+    out = tmp_path / "eagle.json"
+    main(["--smoke", "--rounds", "1", "--out", str(out)])
+    result = json.loads(out.read_text())
+    names = {r["engine"] for r in result["batch1"]["rows"]}
+    assert names == {"eagle_k2", "draft_model_k2", "ngram_k2"}
+    assert set(result["targets"]) == {"wall_speedup_batch1_best_k"}  # k = 4 is not measured in smoke mode
+    eagle = next(r for r in result["batch1"]["rows"] if r["engine"] == "eagle_k2")
+    assert eagle["drafter_forwards"] > 0 and eagle["drafter_cost_vs_target_forward"] > 0
