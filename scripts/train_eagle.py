@@ -50,7 +50,7 @@ class Recipe:
     train_windows: int = 400  # ~100k tokens of target features (sized for 2 shared CPU cores)
     heldout_windows: int = 48
     batch_size: int = 4
-    steps: int = 250
+    steps: int = 600
     warmup: int = 30
     lr: float = 2e-3
     weight_decay: float = 0.0
