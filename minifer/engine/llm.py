@@ -23,7 +23,7 @@ from minifer.engine.llm_engine import CacheConfig, LLMEngine
 from minifer.engine.runner import compile_model
 from minifer.engine.scheduler import SchedulerConfig
 from minifer.engine.sequence import Sequence, SequenceGroup, sequences_of
-from minifer.engine.speculative import SpeculativeConfig
+from minifer.engine.speculative import MAX_SPECULATIVE_TOKENS, SpeculativeConfig
 from minifer.layers.kv_quant import check_kv_cache_dtype
 from minifer.engine.static import generate_static
 from minifer.loader import build_model, chat_token_ids, load_config, load_tokenizer, resolve_model
@@ -190,6 +190,11 @@ class LLM:
                 and share_weights_with._draft_source == self._draft_source):
             spec.model = share_weights_with.draft_model  # the same draft, already loaded
         self.draft_model = self._load_draft(spec) if spec is not None and spec.method == "draft_model" else None
+        if spec is not None and spec.method == "eagle":  # the head reads this target's features: it is bound to it
+            from minifer.models.eagle import load_eagle_head
+
+            self.draft_model = load_eagle_head(resolve_model(spec.model), self.model, self.dtype,
+                                               self.max_model_len + MAX_SPECULATIVE_TOKENS)
         seams = _seams(batching, spec, layer_ops=parts.layer_ops(), **{n: getattr(parts, n) for n in SEAMS})
         if batching == "continuous":
             self.engine = LLMEngine(

@@ -36,6 +36,29 @@ class Draft:
     match_len: int = 0  # n-gram drafts: the length of the match that found them (0: a draft model's)
 
 
+def draw_drafts(seqs: list[Sequence], active: list[int], logits: torch.Tensor, drafts: list[Draft],
+                probs: dict[int, list[torch.Tensor]]) -> None:
+    """One draft token for each sequence ``seqs[i]``, ``i`` in ``active``, from its row of ``logits``: the greedy
+    token for a greedy sequence, else one drawn with the sequence's generator, whose distribution joins
+    ``probs[i]`` (rejection sampling needs it)."""
+    q = probs_from_logits(logits[:, None, :], [seqs[i].params for i in active])[:, 0]
+    for r, i in enumerate(active):
+        seq = seqs[i]
+        if seq.params.greedy:  # the draft takes the bias too, or it proposes what the target rules out
+            tok = int(greedy_argmax(logits[r : r + 1], seq.params))
+        else:
+            tok = int(torch.multinomial(q[r], 1, generator=seq.generator))
+            probs[i].append(q[r])
+        drafts[i].tokens.append(tok)
+
+
+def stack_probs(drafts: list[Draft], probs: dict[int, list[torch.Tensor]]) -> list[Draft]:
+    for i, p in probs.items():
+        if p:
+            drafts[i].probs = torch.stack(p)
+    return drafts
+
+
 class DraftProposer(Protocol):
     """The seam between the speculator and whatever drafts tokens.
 
@@ -132,22 +155,10 @@ class DraftModelProposer:
             self.cost.observe(sum(len(c) for c in chunks), self.runner.last_forward_s)
             for r, i in enumerate(active):
                 self.computed[seqs[i].request_id] = starts[r] + len(chunks[r])
-            params = [seqs[i].params for i in active]
-            q = probs_from_logits(logits[:, None, :], params)[:, 0]
-            for r, i in enumerate(active):
-                seq = seqs[i]
-                if seq.params.greedy:  # the draft takes the bias too, or it proposes what the target rules out
-                    tok = int(greedy_argmax(logits[r : r + 1], seq.params))
-                else:
-                    tok = int(torch.multinomial(q[r], 1, generator=seq.generator))
-                    probs[i].append(q[r])
-                drafts[i].tokens.append(tok)
+            draw_drafts(seqs, active, logits, drafts, probs)
             step += 1
             active = [i for i in active if len(drafts[i].tokens) < ks[i]]
-        for i, p in probs.items():
-            if p:
-                drafts[i].probs = torch.stack(p)
-        return drafts
+        return stack_probs(drafts, probs)
 
     def rollback(self, seq: Sequence, num_valid: int) -> None:
         """Keep the draft's KV of the first ``num_valid`` tokens of the sequence, free the rest."""

@@ -52,6 +52,9 @@ class ModelRunner:
         self.device = model.lm_head.weight.device
         self.last_forward_s = 0.0  # wall time of the latest forward (the adaptive speculation reads it)
         self.graphs = None  # DecodeGraphs on CUDA (see cuda_graph.py): pure decode steps replay them
+        # called after each forward with (request_ids, starts, tokens, hidden [N, H]): the last hidden state of every
+        # packed token, for a drafter that reads the target's features (EAGLE, ``engine/eagle.py``)
+        self.hidden_observers: list = []
 
     def enable_cuda_graphs(self, max_batch: int, max_model_len: int) -> None:
         from minifer.engine.cuda_graph import DecodeGraphs
@@ -80,6 +83,7 @@ class ModelRunner:
             tables = [self.blocks.block_table(r) for r in request_ids]
             slots = torch.tensor([t[p // bs] * bs + p % bs for t, p in zip(tables, positions)])
             hidden = self.graphs.run(ids, positions, slots, tables, [p + 1 for p in positions])
+            self._notify(request_ids, starts, tokens, hidden[: len(ids)])
             return self._logits(hidden, rows, t0)
         self.cache.meta = PagedAttentionMetadata.build(
             [self.blocks.block_table(r) for r in request_ids], [s + len(c) for s, c in zip(starts, tokens)],
@@ -89,7 +93,13 @@ class ModelRunner:
                                 self.ops)
         finally:
             self.cache.meta = None
+        self._notify(request_ids, starts, tokens, hidden)
         return self._logits(hidden, rows, t0)
+
+    def _notify(self, request_ids: list[object], starts: list[int], tokens: list[list[int]],
+                hidden: torch.Tensor) -> None:
+        for observe in self.hidden_observers:
+            observe(request_ids, starts, tokens, hidden)
 
     def _logits(self, hidden: torch.Tensor, rows: list[int], t0: float) -> torch.Tensor:
         dev = self.device

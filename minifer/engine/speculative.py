@@ -39,6 +39,7 @@ import torch
 from minifer.engine.adaptive_k import AdaptiveK, Decision, DecodeBatch, StepRecord
 from minifer.engine.adaptive_ngram import NgramAdaptiveK
 from minifer.engine.block_manager import KVBlockAllocator
+from minifer.engine.eagle import EagleProposer
 from minifer.engine.proposers import Draft, DraftModelProposer, DraftProposer, NgramProposer
 from minifer.engine.runner import ModelRunner
 from minifer.engine.sequence import Sequence
@@ -47,7 +48,7 @@ from minifer.sampling import greedy_argmax
 from minifer.sampling import Sampler
 from minifer.spec.rejection import RejectionVerifier, Verifier, probs_from_logits
 
-METHODS = ("draft_model", "ngram")
+METHODS = ("draft_model", "ngram", "eagle")
 MAX_SPECULATIVE_TOKENS = 16
 
 
@@ -55,7 +56,7 @@ MAX_SPECULATIVE_TOKENS = 16
 class SpeculativeConfig:
     method: str
     num_speculative_tokens: int
-    model: Any = None  # draft: bundled name, local folder, hub id, or an already built LlamaForCausalLM
+    model: Any = None  # draft or EAGLE head: bundled name, local folder (a draft: also a hub id or a built model)
     prompt_lookup_max: int = 4
     prompt_lookup_min: int = 1
     adaptive: bool = True
@@ -83,8 +84,8 @@ class SpeculativeConfig:
         k = self.num_speculative_tokens
         if not isinstance(k, int) or not 1 <= k <= MAX_SPECULATIVE_TOKENS:
             raise ValueError(f"num_speculative_tokens must be an integer in [1, {MAX_SPECULATIVE_TOKENS}], got {k!r}")
-        if self.method == "draft_model" and self.model is None:
-            raise ValueError("method 'draft_model' needs speculative_config['model'] (the draft checkpoint)")
+        if self.method in ("draft_model", "eagle") and self.model is None:
+            raise ValueError(f"method {self.method!r} needs speculative_config['model'] (the draft checkpoint)")
         if self.method == "ngram":
             lo, hi = self.prompt_lookup_min, self.prompt_lookup_max
             if not (isinstance(lo, int) and isinstance(hi, int) and 1 <= lo <= hi):
@@ -339,6 +340,10 @@ def build_speculator(cfg: SpeculativeConfig, draft_model: LlamaForCausalLM | Non
         if draft_model is None:
             raise ValueError("method 'draft_model' needs the draft model")
         proposer = DraftModelProposer(draft_model, num_blocks, block_size)
+    elif proposer is None and cfg.method == "eagle":
+        if draft_model is None:
+            raise ValueError("method 'eagle' needs the EAGLE head")
+        proposer = EagleProposer(draft_model, target_runner, num_blocks, block_size)
     elif proposer is None:
         proposer = NgramProposer(cfg)
     draft_runner = getattr(proposer, "runner", None)  # a draft model's: its forwards are timed too

@@ -221,7 +221,7 @@ def test_adaptive_turns_speculation_off_when_verification_is_not_cheap():
 
 
 @pytest.mark.parametrize("config,match", [
-    ({"method": "eagle", "num_speculative_tokens": 2}, "unknown speculative method"),
+    ({"method": "medusa", "num_speculative_tokens": 2}, "unknown speculative method"),
     ({"method": "ngram", "num_speculative_tokens": 0}, "num_speculative_tokens"),
     ({"method": "ngram", "num_speculative_tokens": 99}, "num_speculative_tokens"),
     ({"method": "ngram"}, "num_speculative_tokens"),

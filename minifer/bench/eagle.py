@@ -1,0 +1,189 @@
+"""The EAGLE head against the draft model and n-gram lookup (issue 29), in one interleaved run.
+
+    python -m minifer.bench.eagle --out benchmarks/results/eagle.json
+    python -m minifer.bench.eagle --smoke --out /tmp/eagle.json          # seconds
+
+At batch 1 (every prompt in turn, one request at a time) plain decoding and each method at each fixed k run on
+the same greedy requests, their engine steps interleaved in a random order (``speculative.run_interleaved``:
+the machine's drift lands on all of them alike). Per engine: alpha and tokens per target forward beside
+Leviathan's formula at that alpha, the speedup over plain (median over rounds of the per-round ratio, with its
+distribution-free interval), and the drafter's cost: its mean forward time against the plain engine's mean
+target forward (one decode token), both timed in the same run. Then, at batches 4 and 16, the best k of each
+method and EAGLE with adaptive k. ``targets`` reads the issue's table off the numbers.
+
+The workload is story openings from the held-out split (the draft model's home ground); the bundled n-gram
+proposer gets the same prompts (it thrives on input-grounded text, which ``minifer.bench.speculative`` measures).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from minifer.bench.provenance import save_result
+from minifer.bench.speculative import _engine, median_ci, run_interleaved, story_openings
+from minifer.sampling import SamplingParams
+from minifer.spec.theory import expected_tokens_per_forward
+
+METHODS = {"eagle": {"method": "eagle", "model": "tinystories-target-eagle"},
+           "draft_model": {"method": "draft_model", "model": "tinystories-draft"},
+           "ngram": {"method": "ngram", "prompt_lookup_max": 4, "prompt_lookup_min": 1}}
+
+
+class ForwardClock:
+    """Counts and times one runner's forwards, in place (the runner's own ``last_forward_s``, summed)."""
+
+    def __init__(self, runner) -> None:
+        self.runner, self.n, self.seconds = runner, 0, 0.0
+        inner = runner.forward
+
+        def forward(*args, **kwargs):
+            out = inner(*args, **kwargs)
+            self.n += 1
+            self.seconds += runner.last_forward_s
+            return out
+
+        runner.forward = forward
+
+    @property
+    def mean(self) -> float:
+        return self.seconds / self.n if self.n else float("nan")
+
+
+def drafter_seconds(llm) -> tuple[int, float]:
+    """(forwards, seconds) of an engine's drafter: the EAGLE head's own count, a draft model's runner's."""
+    proposer = llm.engine.speculator.proposer
+    if hasattr(proposer, "num_forwards"):
+        return proposer.num_forwards, proposer.forward_s
+    clock = getattr(proposer, "clock", None)
+    return (clock.n, clock.seconds) if clock is not None else (0, 0.0)
+
+
+def build(method: str, k: int, batch: int, device: str | None, share, adaptive: bool = False):
+    llm = _engine("tinystories-target", {**METHODS[method], "num_speculative_tokens": k, "adaptive": adaptive}, batch,
+                  device, share)
+    proposer = llm.engine.speculator.proposer
+    if getattr(proposer, "runner", None) is not None:
+        proposer.clock = ForwardClock(proposer.runner)
+    return llm
+
+
+def interleaved(engines: dict[str, Any], batches: list[list], max_tokens: int, rounds: int) -> dict[str, list[float]]:
+    """Per engine, the seconds of each round (every batch in turn); checks that every engine emitted plain's tokens."""
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    times: dict[str, list[float]] = {m: [] for m in engines}
+    for r in range(rounds):
+        spent = dict.fromkeys(engines, 0.0)
+        for batch in batches:
+            seconds, tokens = run_interleaved(engines, batch, params, seed=r)
+            for m in engines:
+                spent[m] += seconds[m]
+                if tokens[m] != tokens["plain"]:
+                    raise AssertionError(f"{m} emitted other tokens than plain decoding: speculation was lossy")
+        for m in engines:
+            times[m].append(spent[m])
+    return times
+
+
+def engine_row(name: str, llm, times: dict[str, list[float]], target_forward_s: float) -> dict[str, Any]:
+    s = llm.stats()
+    ratios = [p / t for p, t in zip(times["plain"], times[name])]
+    n, seconds = drafter_seconds(llm)
+    alpha = s["spec_alpha"]
+    k = s["spec_k_max"]
+    return {"engine": name, "k": k, "adaptive": llm.engine.speculator.adaptive is not None,
+            "alpha": alpha, "tokens_per_forward": s["spec_mean_tokens_per_forward"],
+            "formula": expected_tokens_per_forward(min(alpha, 1.0), k) if alpha == alpha else None,
+            "speedup": statistics.median(ratios), "ci": median_ci(ratios), "round_speedups": ratios,
+            "drafter_forwards": n, "drafter_forward_s": seconds / n if n else None,
+            "drafter_cost_vs_target_forward": (seconds / n) / target_forward_s if n else None,
+            "drafter_seconds_per_target_forward": seconds / max(1, s["spec_steps_speculating"]) / target_forward_s}
+
+
+def at_batch(batch: int, prompts: list[str], ks: dict[str, list[int]], max_tokens: int, rounds: int,
+             device: str | None, adaptive_eagle_k: int | None, min_requests: int = 8) -> dict[str, Any]:
+    plain = _engine("tinystories-target", None, batch, device)
+    clock = ForwardClock(plain.engine.runner)
+    engines: dict[str, Any] = {"plain": plain}
+    for method, method_ks in ks.items():
+        for k in method_ks:
+            engines[f"{method}_k{k}"] = build(method, k, batch, device, plain)
+    if adaptive_eagle_k:
+        engines["eagle_adaptive"] = build("eagle", adaptive_eagle_k, batch, device, plain, adaptive=True)
+    for llm in engines.values():  # warm-up
+        llm.generate(prompts[:1], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True), use_tqdm=False)
+    clock.n, clock.seconds = 0, 0.0
+    n_batches = max(1, -(-min_requests // batch))
+    batches = [[prompts[(j * batch + i) % len(prompts)] for i in range(batch)] for j in range(n_batches)]
+    t0 = time.time()
+    times = interleaved(engines, batches, max_tokens, rounds)
+    rows = [engine_row(name, llm, times, clock.mean) for name, llm in engines.items() if name != "plain"]
+    return {"batch": batch, "rounds": rounds, "requests": n_batches * batch, "max_tokens": max_tokens,
+            "plain_forward_s": clock.mean, "plain_seconds": statistics.median(times["plain"]),
+            "wall_s": round(time.time() - t0, 1), "rows": rows}
+
+
+def targets(b1: dict[str, Any]) -> dict[str, Any]:
+    """The issue's table, EAGLE's row: measured value, target, met, and by how much."""
+    eagle = [r for r in b1["rows"] if r["engine"].startswith("eagle_k")]
+    best = max(eagle, key=lambda r: r["speedup"])
+    k4 = next((r for r in eagle if r["k"] == 4), None)
+    out = {"wall_speedup_batch1_best_k": {"value": best["speedup"], "k": best["k"], "ci": best["ci"], "target": 2.0}}
+    if k4 is not None:
+        out["tokens_per_forward_k4"] = {"value": k4["tokens_per_forward"], "target": 3.5}
+        out["drafter_cost_per_forward"] = {"value": k4["drafter_cost_vs_target_forward"], "target": 0.08,
+                                           "lower_is_better": True}
+    for t in out.values():
+        better = t["value"] <= t["target"] if t.get("lower_is_better") else t["value"] >= t["target"]
+        t["met"], t["gap"] = bool(better), t["value"] - t["target"]
+    return out
+
+
+def run(smoke: bool = False, rounds: int = 2, device: str | None = None) -> dict[str, Any]:
+    from minifer.bench.serving import metadata
+
+    prompts = story_openings(4 if smoke else 8)
+    max_tokens = 8 if smoke else 64
+    ks = [2] if smoke else [2, 3, 4, 5]
+    result: dict[str, Any] = {"kind": "eagle", "metadata": metadata(module="minifer.bench.eagle"),
+                              "config": {"torch_threads": torch.get_num_threads(), "smoke": smoke,
+                                         "prompts": len(prompts), "max_tokens": max_tokens, "methods": METHODS}}
+    b1 = at_batch(1, prompts, {m: ks for m in METHODS}, max_tokens, rounds, device, None)
+    result["batch1"] = b1
+    result["targets"] = targets(b1)
+    best = {m: max((r for r in b1["rows"] if r["engine"].startswith(m + "_k")), key=lambda r: r["speedup"])["k"]
+            for m in METHODS}
+    result["best_k_batch1"] = best
+    result["larger_batches"] = [at_batch(b, story_openings(max(8, b)), {m: [best[m]] for m in METHODS}, max_tokens,
+                                         rounds, device, best["eagle"]) for b in ([2] if smoke else [4, 16])]
+    return result
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", type=Path, default=Path("runs/eagle.json"))
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--device", default=None)
+    ap.add_argument("--smoke", action="store_true")
+    args = ap.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    result = run(args.smoke, args.rounds, args.device)
+    save_result(result, args.out)
+    for row in result["batch1"]["rows"]:
+        print(f"b1 {row['engine']:>14}: alpha {row['alpha']:.3f} tok/fwd {row['tokens_per_forward']:.2f} "
+              f"(formula {row['formula'] or float('nan'):.2f}) speedup {row['speedup']:.2f}x "
+              f"drafter/target fwd {row['drafter_cost_vs_target_forward'] or 0:.3f}")
+    for b in result["larger_batches"]:
+        for row in b["rows"]:
+            print(f"b{b['batch']} {row['engine']:>14}: speedup {row['speedup']:.2f}x ci {row['ci'][:2]}")
+    print(result["targets"])
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,185 @@
+"""The EAGLE proposer (vLLM's ``"method": "eagle"``): the draft head of ``minifer/models/eagle.py`` run inside the
+engine, over its own one-layer paged KV cache.
+
+Where its inputs come from: the head at position ``t`` reads the target's last hidden state ``f_t`` and the
+token ``x_{t+1}``. The target computes ``f_t`` in the forward the engine runs anyway (prefill chunks, plain
+decode steps, verifications); ``ModelRunner.hidden_observers`` hands every forward's hidden states to
+``observe``, which keeps, per request, the features the head has not read yet. Nothing global: the proposer
+holds them, keyed by request id, and drops them on ``release``.
+
+A proposal for a sequence of ``n`` tokens: the head reads ``(f_t, x_{t+1})`` for every position ``t`` it has not
+seen up to ``n - 2`` (the target has not computed ``f_{n-1}`` yet: the last token is what this step's forward
+brings), and its output at ``n - 2`` predicts ``f_{n-1}``, whose logits through the target's LM head give the first
+draft. Draft step ``j`` then reads the head's own predicted feature and the draft token before it, at position
+``n - 2 + j``. Those entries rest on guesses, so the head's cache is cut back to position ``n - 2`` after every
+proposal; the next proposal re-reads the positions the verification accepted, now with the target's real
+features (one catch-up chunk per sequence, batched with the others).
+
+A request whose first positions came from the prefix cache has no target features for them: its head cache
+starts at the first position with features (``base``), and attends only from there. Less context, still lossless:
+whatever the head drafts, the target verifies.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING
+
+import torch
+
+from minifer.engine.block_manager import BlockManager, KVBlockAllocator
+from minifer.engine.cost_table import CostTable
+from minifer.engine.proposers import Draft, draw_drafts, stack_probs
+from minifer.engine.runner import ModelRunner
+from minifer.engine.sequence import Sequence
+from minifer.layers.paged_attention import PagedAttentionMetadata, PagedKVCache
+
+if TYPE_CHECKING:
+    from minifer.models.eagle import EagleHead
+
+
+class EagleProposer:
+    """``feats[rid]``: ``(p0, [m, H])``, the target's features of positions ``p0 ...`` not yet read by the head;
+    ``base[rid]``: the first position of the head's cache; ``computed[rid]``: positions ``base .. computed - 1`` of
+    the head's cache hold entries built from real features (the adaptive controller reads ``computed`` too)."""
+
+    def __init__(self, head: EagleHead, target_runner: ModelRunner, num_blocks: int, block_size: int) -> None:
+        self.head = head
+        cfg, w = head.config, head.fc.weight
+        self.target_blocks: KVBlockAllocator = target_runner.blocks
+        self.blocks = BlockManager(num_blocks, block_size, enable_prefix_caching=False)
+        self.cache = PagedKVCache(1, num_blocks, block_size, cfg.num_key_value_heads, cfg.head_dim, w.dtype, w.device)
+        self.cost = CostTable()  # the head's forward time by tokens, refreshed by every proposal
+        self.forward_s = 0.0  # the head's forwards, in total (the benchmark reads its cost per draft token)
+        self.num_forwards = 0
+        self.feats: dict[object, tuple[int, torch.Tensor]] = {}
+        self.base: dict[object, int] = {}
+        self.computed: dict[object, int] = {}
+        target_runner.hidden_observers.append(self.observe)
+
+    # --- the target's features ----------------------------------------------------------------------------
+
+    def observe(self, request_ids: list[object], starts: list[int], tokens: list[list[int]],
+                hidden: torch.Tensor) -> None:
+        """A target forward ran: keep each chunk's features. A chunk starting at ``start`` overwrites what was kept
+        from ``start`` on (the features of rejected drafts); a chunk that does not continue what is kept (the
+        request was preempted and recomputed) starts afresh."""
+        at = 0
+        for rid, start, chunk in zip(request_ids, starts, tokens):
+            rows = hidden[at : at + len(chunk)]
+            at += len(chunk)
+            kept = self.feats.get(rid)
+            if kept is None or not kept[0] <= start <= kept[0] + len(kept[1]):
+                if kept is not None:
+                    self.release(rid)
+                self.feats[rid] = (start, rows.clone())
+            else:
+                p0, f = kept
+                self.feats[rid] = (p0, torch.cat([f[: start - p0], rows]))
+
+    def _forget_gone(self) -> None:
+        """Features of forwards that were no request's (the adaptive controller's timing runs) are dropped here."""
+        for rid in [r for r in self.feats if not self.target_blocks.has_seq(r)]:
+            self.release(rid)
+
+    # --- proposing ------------------------------------------------------------------------------------------
+
+    def _prepare(self, seq: Sequence, k: int) -> bool:
+        """The head can draft for ``seq``: the target's features reach position ``n - 2`` and its cache has room for
+        the catch-up and ``k - 1`` self-fed positions."""
+        rid, n = seq.request_id, seq.num_tokens
+        kept = self.feats.get(rid)
+        if kept is None or n < 2 or kept[0] + len(kept[1]) < n - 1:
+            return False
+        if rid not in self.computed:
+            self.base[rid] = self.computed[rid] = kept[0]
+        if not kept[0] <= self.computed[rid] <= n - 2:
+            return False
+        entries = n + k - 2 - self.base[rid]
+        if not self.blocks.has_seq(rid):
+            if self.blocks.blocks_needed(entries) > self.blocks.num_free_blocks:
+                return False
+            self.blocks.allocate(rid, seq.token_slice(0, 1))
+        if not self.blocks.can_append(rid, entries):
+            return False
+        self.blocks.append_slots(rid, entries)
+        return True
+
+    def _run(self, rids: list[object], starts: list[int], feats: list[torch.Tensor],
+             ids: list[list[int]]) -> torch.Tensor:
+        """One head forward over ragged chunks (request ``i``: positions ``starts[i] ...``); returns the output of the
+        last position of each chunk ``[len(rids), H]``."""
+        dev = self.head.fc.weight.device
+        lens = [len(c) for c in ids]
+        positions = [p for s, m in zip(starts, lens) for p in range(s, s + m)]
+        t0 = time.perf_counter()
+        self.cache.meta = PagedAttentionMetadata.build(
+            [self.blocks.block_table(r) for r in rids], [s + m - self.base[r] for r, s, m in zip(rids, starts, lens)],
+            lens, self.cache.block_size, dev, null_slot=self.cache.null_slot)
+        try:
+            out = self.head(torch.cat(feats), torch.tensor([t for c in ids for t in c], device=dev),
+                            torch.tensor(positions, device=dev), self.cache)
+        finally:
+            self.cache.meta = None
+        last = torch.tensor(lens, device=dev).cumsum(0) - 1
+        out = out[last]
+        seconds = time.perf_counter() - t0
+        self.cost.observe(len(positions), seconds)
+        self.forward_s += seconds
+        self.num_forwards += 1
+        return out
+
+    @torch.inference_mode()
+    def propose(self, seqs: list[Sequence], ks: list[int], vocab_size: int) -> list[Draft]:
+        self._forget_gone()
+        drafts = [Draft([]) for _ in seqs]
+        active = [i for i, (s, k) in enumerate(zip(seqs, ks)) if k and self._prepare(s, k)]
+        probs: dict[int, list[torch.Tensor]] = {i: [] for i in active}
+        step, out = 0, None
+        while active:
+            rids = [seqs[i].request_id for i in active]
+            if step == 0:  # the catch-up chunk: every position whose real feature the head has not read
+                starts = [self.computed[r] for r in rids]
+                feats = [self._unread(r, seqs[i].num_tokens) for r, i in zip(rids, active)]
+                ids = [seqs[i].token_slice(s + 1, seqs[i].num_tokens) for s, i in zip(starts, active)]
+            else:  # self-fed: the predicted feature and the draft drawn from it
+                starts = [seqs[i].num_tokens - 2 + step for i in active]
+                feats = [out[r : r + 1] for r in range(len(active))]
+                ids = [drafts[i].tokens[-1:] for i in active]
+            out = self._run(rids, starts, feats, ids)
+            if step == 0:
+                for r, i in zip(rids, active):
+                    self.computed[r] = seqs[i].num_tokens - 1
+            draw_drafts(seqs, active, self.head.logits(out), drafts, probs)
+            step += 1
+            keep = [r for r, i in enumerate(active) if len(drafts[i].tokens) < ks[i]]
+            active, out = [active[r] for r in keep], out[keep]
+        for i, s in enumerate(seqs):
+            if ks[i] and s.request_id in self.computed:
+                self._cut(s.request_id, s.num_tokens - 1)
+        return stack_probs(drafts, probs)
+
+    def _unread(self, rid: object, n: int) -> torch.Tensor:
+        """The kept features of positions ``computed .. n - 2``; they are read now, so the rest is dropped."""
+        p0, f = self.feats[rid]
+        start = self.computed[rid]
+        self.feats[rid] = (n - 1, f[n - 1 - p0 :])
+        return f[start - p0 : n - 1 - p0]
+
+    def _cut(self, rid: object, upto: int) -> None:
+        """The head's cache keeps the entries of positions before ``upto`` (built from real features) only."""
+        self.computed[rid] = min(self.computed[rid], upto) if rid in self.computed else upto
+        if self.blocks.has_seq(rid):
+            self.blocks.truncate(rid, max(self.computed[rid] - self.base[rid], 1))
+
+    def rollback(self, seq: Sequence, num_valid: int) -> None:
+        """Nothing to do beyond what ``propose`` did: its cache already stops before the first guessed position."""
+        if seq.request_id in self.computed and self.computed[seq.request_id] > num_valid:
+            self._cut(seq.request_id, num_valid)
+
+    def release(self, request_id: object) -> None:
+        self.feats.pop(request_id, None)
+        self.base.pop(request_id, None)
+        self.computed.pop(request_id, None)
+        if self.blocks.has_seq(request_id):
+            self.blocks.free(request_id)

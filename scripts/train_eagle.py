@@ -1,0 +1,268 @@
+"""Train the EAGLE draft head (``minifer/models/eagle.py``) on the shipped target's own features (chapter 04).
+
+Why a script of its own: the head is trained *from* the bundled target, not with it, so the target is frozen
+and run once. Recipe (seeded, fixed step budget, one command, a few tens of minutes on 2 CPU cores):
+
+1. the TinyStories train split is tokenized as ``train_pair.py`` does (``<eot> story <eot> ...``) and cut into
+   windows of ``seq_len + 1`` tokens; held-out windows come from ``heldout.txt`` (never trained on);
+2. the target runs once over them and its last hidden states (post-norm: what its LM head reads) are kept in
+   memory as the features ``f``;
+3. the head learns to map ``[f_t, embed(x_{t+1})]`` to ``f_{t+1}``: a smooth-L1 loss on the feature and a
+   distillation loss (cross-entropy against the target's own next-token distribution, ``softmax(lm_head(f))``):
+   what a draft needs is to *agree with the target*, not with the text;
+4. **training-time test** (EAGLE-3's idea): at inference the head feeds itself for draft steps 2..k, reading its
+   own predicted features, which drift from the target's. So each batch runs ``--passes`` forwards; pass ``s``
+   reads pass ``s - 1``'s predictions and attends exactly what draft step ``s`` attends in the engine: real
+   features up to ``s`` positions back, then its own predictions (``TTTAttention`` builds that mask);
+5. the report records the held-out top-1 agreement with the target for each pass (draft position 1..k,
+   teacher-forced tokens, self-fed features), the losses, wall time and hardware.
+
+Usage::
+
+    python scripts/train_eagle.py --out minifer/assets/models/tinystories-target-eagle   # the shipped head
+    python scripts/train_eagle.py --smoke --out /tmp/eagle                                 # seconds
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from train_pair import DATA, encode_stream, fixed_windows, hardware, read_stories  # noqa: E402
+
+from minifer.layers.attention import causal_backend  # noqa: E402
+from minifer.loader import build_model, load_tokenizer, resolve_model  # noqa: E402
+from minifer.models.eagle import EagleHead  # noqa: E402
+
+
+@dataclass
+class Recipe:
+    seq_len: int = 256
+    train_windows: int = 400  # ~100k tokens of target features (sized for 2 shared CPU cores)
+    heldout_windows: int = 48
+    batch_size: int = 4
+    steps: int = 600
+    warmup: int = 30
+    lr: float = 2e-3
+    weight_decay: float = 0.0
+    passes: int = 3  # training-time test: draft positions 1..passes
+    feature_noise: float = 0.1  # uniform noise on the real input features (EAGLE-1's augmentation), x feature std
+    reg_weight: float = 1.0
+    seed: int = 0
+
+
+class TTTAttention:
+    """Attention for ``passes`` stacked forwards over the same window (training-time test).
+
+    Pass ``s`` (1-based) at position ``p`` plays draft step ``s`` of a proposal whose last real feature is at
+    ``p - s + 1``: it attends pass 1's keys (real features) at positions ``<= p - s + 1`` and pass ``j``'s key at
+    position ``p - s + j`` for ``j = 2..s`` (its own chain of predictions), as the engine's head cache holds."""
+
+    def __init__(self, seq_len: int, device: torch.device) -> None:
+        self.t, self.device = seq_len, device
+        self.keys: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+    def begin_pass(self, s: int) -> None:
+        self.s = s
+        if s == 1:
+            self.keys = []
+
+    def mask(self) -> torch.Tensor:
+        t, s = self.t, self.s
+        p = torch.arange(t, device=self.device)[:, None]
+        q = torch.arange(t, device=self.device)[None, :]
+        parts = [q <= p - s + 1] + [q == p - s + j for j in range(2, s + 1)]
+        return torch.cat(parts, dim=1)  # [T, s * T]
+
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        t, hq, d = self.t, q.shape[1], q.shape[2]
+        b = q.shape[0] // t
+        kb = k.view(b, t, -1, d).transpose(1, 2)
+        vb = v.view(b, t, -1, d).transpose(1, 2)
+        self.keys.append((kb, vb))
+        keys = torch.cat([kk for kk, _ in self.keys], dim=2)
+        values = torch.cat([vv for _, vv in self.keys], dim=2)
+        qb = q.view(b, t, hq, d).transpose(1, 2)
+        out = F.scaled_dot_product_attention(qb, keys, values, attn_mask=self.mask(), enable_gqa=True)
+        return out.transpose(1, 2).reshape(b * t, hq, d)
+
+
+@torch.inference_mode()
+def target_features(target, windows: torch.Tensor, bs: int, log) -> torch.Tensor:
+    """The target's post-norm last hidden state at every position of every window, ``[W, T+1, H]`` (bf16)."""
+    out = torch.empty(windows.shape[0], windows.shape[1], target.config.hidden_size, dtype=torch.bfloat16)
+    t0 = time.time()
+    for i in range(0, len(windows), bs):
+        w = windows[i : i + bs]
+        cache, positions = causal_backend(target, w.shape[0], w.shape[1])
+        out[i : i + bs] = target(w.reshape(-1), positions, cache).view(w.shape[0], w.shape[1], -1).to(torch.bfloat16)
+        if (i // bs) % 20 == 0:
+            log(f"features {i + len(w)}/{len(windows)} windows ({time.time() - t0:.0f}s)")
+    return out
+
+
+def run_passes(head: EagleHead, tokens: torch.Tensor, feats: torch.Tensor, passes: int, noise: float,
+               gen: torch.Generator | None):
+    """All passes over a batch of windows. ``tokens`` ``[B, T+1]``, ``feats`` ``[B, T+1, H]`` (float). Yields, per
+    pass ``s``, the head's predicted features ``[B, T-1, H]`` at positions ``0..T-2`` (predicting ``f[1..T-1]``) and
+    the mask of rows that are real draft steps (position ``p >= s - 1``)."""
+    b, t1, h = feats.shape
+    t = t1 - 1  # positions 0..T-1 hold (f_p, x_{p+1}); the last has no target to compare with, so T - 1 used
+    n = t - 1
+    attn = TTTAttention(n, feats.device)
+    positions = torch.arange(n, device=feats.device).repeat(b)
+    ids = tokens[:, 1 : n + 1].reshape(-1)
+    inp = feats[:, :n]
+    if noise and gen is not None:
+        inp = inp + (torch.rand(inp.shape, generator=gen) - 0.5) * 2 * noise * feats.std()
+    for s in range(1, passes + 1):
+        attn.begin_pass(s)
+        out = head(inp.reshape(-1, h), ids, positions, attn).view(b, n, h)
+        valid = torch.arange(n, device=feats.device) >= s - 1
+        yield out, valid
+        inp = torch.cat([out.new_zeros(b, 1, h), out[:, :-1]], dim=1)  # step s + 1 at p reads the guess for f_p
+
+
+def pass_losses(head: EagleHead, out: torch.Tensor, feats: torch.Tensor, valid: torch.Tensor, reg_weight: float):
+    """Distillation cross-entropy against the target's distribution, plus smooth-L1 on the features; and top-1
+    agreement with the target (the draft token equals the target's greedy token), over the valid rows."""
+    n = out.shape[1]
+    want = feats[:, 1 : n + 1][:, valid]
+    got = out[:, valid]
+    with torch.no_grad():
+        p_target = F.softmax(head.logits(want), dim=-1)
+    logits = head.logits(got)
+    ce = -(p_target * F.log_softmax(logits, dim=-1)).sum(-1).mean()
+    reg = F.smooth_l1_loss(got, want)
+    agree = (logits.argmax(-1) == p_target.argmax(-1)).float().mean()
+    return ce + reg_weight * reg, ce, agree
+
+
+@torch.no_grad()
+def heldout_agreement(head: EagleHead, tokens: torch.Tensor, feats: torch.Tensor, passes: int) -> list[float]:
+    head.eval()
+    hits = [0.0] * passes
+    count = [0] * passes
+    for i in range(0, len(tokens), 8):
+        f = feats[i : i + 8].float()
+        for s, (out, valid) in enumerate(run_passes(head, tokens[i : i + 8], f, passes, 0.0, None)):
+            _, _, agree = pass_losses(head, out, f, valid, 0.0)
+            rows = int(valid.sum()) * len(f)
+            hits[s] += float(agree) * rows
+            count[s] += rows
+    head.train()
+    return [h / c for h, c in zip(hits, count)]
+
+
+def lr_at(step: int, r: Recipe) -> float:
+    if step < r.warmup:
+        return r.lr * (step + 1) / r.warmup
+    return r.lr * 0.5 * (1 + math.cos(math.pi * (step - r.warmup) / max(1, r.steps - r.warmup)))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--target", default="tinystories-target")
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--smoke", action="store_true", help="a few steps on a few windows")
+    ap.add_argument("--steps", type=int)
+    ap.add_argument("--train-windows", type=int)
+    ap.add_argument("--passes", type=int)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--features", type=Path, help="cache the target's features here (a rerun reads them back)")
+    args = ap.parse_args()
+    r = Recipe()
+    if args.smoke:
+        r = Recipe(seq_len=64, train_windows=16, heldout_windows=4, batch_size=4, steps=4, warmup=1)
+    for name in ("steps", "train_windows", "passes"):
+        if getattr(args, name) is not None:
+            setattr(r, name, getattr(args, name))
+    torch.set_num_threads(args.threads)
+    torch.manual_seed(r.seed)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    log_file = open(out / "train.log", "w")
+    t_start = time.time()
+
+    def log(msg: str) -> None:
+        line = f"[{time.time() - t_start:7.1f}s] {msg}"
+        print(line, flush=True)
+        log_file.write(line + "\n")
+        log_file.flush()
+
+    path = resolve_model(args.target)
+    target = build_model(path, load_format="auto", dtype=torch.float32, device=torch.device("cpu"))
+    for p in target.parameters():
+        p.requires_grad_(False)
+    tok = load_tokenizer(path)
+    train_stream = encode_stream(tok, read_stories(DATA / "train.txt"))
+    held_stream = encode_stream(tok, read_stories(DATA / "heldout.txt"))
+    train_w = fixed_windows(train_stream, r.seq_len, r.train_windows)
+    held_w = fixed_windows(held_stream, r.seq_len, r.heldout_windows)
+    log(f"recipe {asdict(r)}; {len(train_w)} train windows, {len(held_w)} held-out windows")
+    if args.features is not None and args.features.is_file():
+        train_f, held_f = torch.load(args.features)
+        log(f"features read from {args.features}")
+    else:
+        train_f = target_features(target, train_w, 16, log)
+        held_f = target_features(target, held_w, 16, log)
+        if args.features is not None:
+            torch.save((train_f, held_f), args.features)
+    t_features = time.time() - t_start
+
+    head = EagleHead(target, max_positions=r.seq_len + 1)
+    opt = torch.optim.AdamW(head.parameters(), lr=r.lr, weight_decay=r.weight_decay, betas=(0.9, 0.95))
+    gen = torch.Generator().manual_seed(r.seed)
+    log(f"head: {sum(p.numel() for p in head.parameters())} trained parameters; "
+        f"held-out agreement before training {heldout_agreement(head, held_w, held_f, r.passes)}")
+    for step in range(r.steps):
+        idx = torch.randint(0, len(train_w), (r.batch_size,), generator=gen)
+        tokens, feats = train_w[idx], train_f[idx].float()
+        for g in opt.param_groups:
+            g["lr"] = lr_at(step, r)
+        total, parts = 0.0, []
+        for out_s, valid in run_passes(head, tokens, feats, r.passes, r.feature_noise, gen):
+            loss, ce, agree = pass_losses(head, out_s, feats, valid, r.reg_weight)
+            total = total + loss
+            parts.append(f"{float(ce.detach()):.3f}/{float(agree):.2f}")
+        opt.zero_grad(set_to_none=True)
+        (total / r.passes).backward()
+        torch.nn.utils.clip_grad_norm_(head.parameters(), 1.0)
+        opt.step()
+        if step % 25 == 0 or step == r.steps - 1:
+            log(f"step {step} lr {lr_at(step, r):.2e} loss {float(total.detach()) / r.passes:.3f} "
+                f"ce/agree per pass {' '.join(parts)}")
+    agreement = heldout_agreement(head, held_w, held_f, r.passes)
+    log(f"held-out top-1 agreement with the target per draft position: {[round(a, 4) for a in agreement]}")
+    report = {
+        "target": args.target,
+        "recipe": asdict(r),
+        "smoke": args.smoke,
+        "train_tokens": int(train_w.numel() - len(train_w)),
+        "heldout_tokens": int(held_w.numel() - len(held_w)),
+        "heldout_top1_agreement_per_draft_position": agreement,
+        "agreement_note": "teacher-forced tokens, self-fed features (pass s plays draft step s), greedy top-1 of "
+                          "the head vs the target's at the same position",
+        "feature_seconds": round(t_features, 1),
+        "wall_seconds": round(time.time() - t_start, 1),
+        "trained_parameters": sum(p.numel() for p in head.parameters()),
+        "hardware": hardware(),
+        "threads": args.threads,
+    }
+    head.save(out, {"target": args.target, "hidden_size": target.config.hidden_size,
+                    "num_hidden_layers": 1, "training": "scripts/train_eagle.py"})
+    (out / "training.json").write_text(json.dumps(report, indent=2) + "\n")
+    log(f"saved the head to {out} ({report['wall_seconds']}s)")
+
+
+if __name__ == "__main__":
+    main()
