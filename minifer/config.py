@@ -150,6 +150,35 @@ def auto_dtype(device: Any) -> Any:
     return torch.bfloat16 if major >= 8 else torch.float16
 
 
+def resolve_device(device: Any) -> Any:
+    """``LLM(device=...)``: None or ``"auto"`` is the GPU when there is one, else the CPU."""
+    import torch
+
+    if device is None or device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError("device='cuda' was requested but no CUDA GPU is available")
+    return device
+
+
+_DTYPE_NAMES = {"float32": "float32", "fp32": "float32", "bfloat16": "bfloat16", "bf16": "bfloat16",
+                "float16": "float16", "fp16": "float16", "half": "float16"}
+
+
+def resolve_dtype(dtype: Any, device: Any) -> Any:
+    """``LLM(dtype=...)``: a ``torch.dtype``, one of its names, or ``"auto"`` (``auto_dtype``)."""
+    import torch
+
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype == "auto":
+        return auto_dtype(device)
+    if dtype not in _DTYPE_NAMES:
+        raise ValueError(f"unsupported dtype {dtype!r}: use 'auto', {', '.join(_DTYPE_NAMES)}")
+    return getattr(torch, _DTYPE_NAMES[dtype])
+
+
 def _architecture(cfg: dict[str, Any]) -> str:
     """The supported architecture a config.json names (``architectures``, else its ``model_type``)."""
     archs = cfg.get("architectures") or []

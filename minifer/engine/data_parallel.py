@@ -95,3 +95,15 @@ class EngineReplicas:
     def __del__(self) -> None:
         if getattr(self, "procs", None):
             self.close()
+
+
+def start_replicas(make_llm, llm_kwargs: dict[str, Any], size: Any, shared: Any) -> EngineReplicas | None:
+    """``LLM(data_parallel_size=size)``'s replicas: None for one engine (the ``LLM`` serves in its own process)."""
+    if not isinstance(size, int) or size < 1:
+        raise ValueError(f"data_parallel_size must be a positive integer, got {size!r}")
+    if size == 1:
+        return None
+    if shared is not None or llm_kwargs["batching"] != "continuous":
+        raise ValueError("data_parallel_size > 1 builds its own replicas of a continuous engine: no "
+                         "share_weights_with, batching='continuous'")
+    return EngineReplicas(make_llm, llm_kwargs, size)

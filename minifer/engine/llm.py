@@ -16,22 +16,28 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from minifer.config import ModelConfig, auto_dtype
+from minifer.config import ModelConfig, resolve_device, resolve_dtype
 from minifer.engine.beam_search import BeamSearch, BeamSearchOutput
 from minifer.engine.components import SEAMS, Components, merge_components
+from minifer.engine.data_parallel import start_replicas
 from minifer.engine.llm_engine import CacheConfig, LLMEngine
 from minifer.engine.runner import compile_model
 from minifer.engine.scheduler import SchedulerConfig
 from minifer.engine.sequence import Sequence, SequenceGroup, sequences_of
 from minifer.engine.speculative import MAX_SPECULATIVE_TOKENS, SpeculativeConfig
-from minifer.layers.kv_quant import check_kv_cache_dtype
 from minifer.engine.static import generate_static
-from minifer.loader import build_model, chat_token_ids, load_config, load_tokenizer, resolve_model
+from minifer.layers.kv_quant import check_kv_cache_dtype
+from minifer.loader import (
+    build_model,
+    chat_token_ids,
+    load_config,
+    load_tokenizer,
+    resolve_model,
+)
 from minifer.outputs import RequestOutput
 from minifer.sampling import BeamSearchParams, SamplingParams
 
 if TYPE_CHECKING:
-    from minifer.engine.data_parallel import EngineReplicas
     from minifer.engine.block_manager import KVBlockAllocator
     from minifer.engine.proposers import DraftProposer
     from minifer.engine.scheduler import SchedulerPolicy
@@ -40,31 +46,7 @@ if TYPE_CHECKING:
     from minifer.sampling import Sampler
     from minifer.spec.rejection import Verifier
 
-_DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
-           "float16": torch.float16, "fp16": torch.float16, "half": torch.float16}
-
 Prompt = str | dict[str, Any]
-
-
-def resolve_device(device: str | torch.device | None) -> torch.device:
-    if device is None or device == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    device = torch.device(device)
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError("device='cuda' was requested but no CUDA GPU is available")
-    return device
-
-
-def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype:
-    """``"auto"``: float32 on CPU, bfloat16 on a GPU that has it (compute capability 8.0+), float16 on older
-    ones such as the T4 (``minifer.config.auto_dtype`` says why)."""
-    if isinstance(dtype, torch.dtype):
-        return dtype
-    if dtype == "auto":
-        return auto_dtype(device)
-    if dtype not in _DTYPES:
-        raise ValueError(f"unsupported dtype {dtype!r}: use 'auto', {', '.join(_DTYPES)}")
-    return _DTYPES[dtype]
 
 
 def _seams(batching: str, spec: SpeculativeConfig | None, **given: Any) -> dict[str, Any]:
@@ -76,6 +58,16 @@ def _seams(batching: str, spec: SpeculativeConfig | None, **given: Any) -> dict[
         raise ValueError("proposer and verifier are parts of speculative decoding: pass a speculative_config too "
                          "(its num_speculative_tokens is the k the proposer is asked for)")
     return seams
+
+
+def _check_options(batching: str, max_num_seqs: Any, kv_cache_dtype: str, kv_cache_scales: str) -> None:
+    check_kv_cache_dtype(kv_cache_dtype, kv_cache_scales)
+    if kv_cache_dtype != "auto" and batching != "continuous":
+        raise ValueError("kv_cache_dtype applies to the paged cache of batching='continuous'")
+    if batching not in ("static", "continuous"):
+        raise ValueError(f"batching must be 'static' or 'continuous', got {batching!r}")
+    if not isinstance(max_num_seqs, int) or max_num_seqs < 1:
+        raise ValueError(f"max_num_seqs must be a positive integer, got {max_num_seqs!r}")
 
 
 class LLM:
@@ -151,13 +143,7 @@ class LLM:
                                  proposer=proposer, verifier=verifier, attention_backend=attention_backend,
                                  quant_kernel=quant_kernel)
         self.components = parts
-        check_kv_cache_dtype(kv_cache_dtype, kv_cache_scales)
-        if kv_cache_dtype != "auto" and batching != "continuous":
-            raise ValueError("kv_cache_dtype applies to the paged cache of batching='continuous'")
-        if batching not in ("static", "continuous"):
-            raise ValueError(f"batching must be 'static' or 'continuous', got {batching!r}")
-        if not isinstance(max_num_seqs, int) or max_num_seqs < 1:
-            raise ValueError(f"max_num_seqs must be a positive integer, got {max_num_seqs!r}")
+        _check_options(batching, max_num_seqs, kv_cache_dtype, kv_cache_scales)
         self.device = resolve_device(device)
         self.dtype = resolve_dtype(dtype, self.device)
         self.model_path = resolve_model(model, need_weights=load_format != "dummy")
@@ -175,7 +161,7 @@ class LLM:
         else:
             self.model = self._load_model(quantization, load_format, parts.quant_kernel, limit, seed)
         self.compilation_config = compile_model(self.model, compilation_config, share_weights_with)
-        self.replicas = self._start_replicas(replica_kwargs, data_parallel_size, share_weights_with)
+        self.replicas = start_replicas(LLM, replica_kwargs, data_parallel_size, share_weights_with)
         self.quantization_config = getattr(self.model, "quantization_config", None)
         self.tokenizer = load_tokenizer(resolve_model(tokenizer) if tokenizer is not None else self.model_path)
         self.eos_token_ids = frozenset(self._eos_ids())
@@ -185,16 +171,7 @@ class LLM:
         spec = SpeculativeConfig.from_dict(speculative_config) if speculative_config is not None else None
         if spec is not None and batching != "continuous":
             raise ValueError("speculative decoding runs inside the continuous engine: use batching='continuous'")
-        self._draft_source = spec.model if spec is not None and spec.method == "draft_model" else None
-        if (share_weights_with is not None and self._draft_source is not None
-                and share_weights_with._draft_source == self._draft_source):
-            spec.model = share_weights_with.draft_model  # the same draft, already loaded
-        self.draft_model = self._load_draft(spec) if spec is not None and spec.method == "draft_model" else None
-        if spec is not None and spec.method == "eagle":  # the head reads this target's features: it is bound to it
-            from minifer.models.eagle import load_eagle_head
-
-            self.draft_model = load_eagle_head(resolve_model(spec.model), self.model, self.dtype,
-                                               self.max_model_len + MAX_SPECULATIVE_TOKENS)
+        self.draft_model = self._drafter(spec, share_weights_with)
         seams = _seams(batching, spec, layer_ops=parts.layer_ops(), **{n: getattr(parts, n) for n in SEAMS})
         if batching == "continuous":
             self.engine = LLMEngine(
@@ -204,18 +181,20 @@ class LLM:
                 SchedulerConfig(max_num_seqs, max_num_batched_tokens, enable_chunked_prefill), spec, self.draft_model,
                 cuda_graphs=not enforce_eager, max_model_len=self.max_model_len, **seams)
 
-    @staticmethod
-    def _start_replicas(kwargs: dict[str, Any], size: int, shared) -> "EngineReplicas | None":
-        if not isinstance(size, int) or size < 1:
-            raise ValueError(f"data_parallel_size must be a positive integer, got {size!r}")
-        if size == 1:
-            return None
-        if shared is not None or kwargs["batching"] != "continuous":
-            raise ValueError("data_parallel_size > 1 builds its own replicas of a continuous engine: no "
-                             "share_weights_with, batching='continuous'")
-        from minifer.engine.data_parallel import EngineReplicas
+    def _drafter(self, spec: SpeculativeConfig | None, shared: LLM | None) -> torch.nn.Module | None:
+        """The draft model (``shared``'s when it loaded the same one), or the EAGLE head (it reads this target's
+        features, so it is bound to it)."""
+        self._draft_source = spec.model if spec is not None and spec.method == "draft_model" else None
+        if shared is not None and self._draft_source is not None and shared._draft_source == self._draft_source:
+            spec.model = shared.draft_model  # the same draft, already loaded
+        if spec is not None and spec.method == "draft_model":
+            return self._load_draft(spec)
+        if spec is not None and spec.method == "eagle":
+            from minifer.models.eagle import load_eagle_head
 
-        return EngineReplicas(LLM, kwargs, size)
+            return load_eagle_head(resolve_model(spec.model), self.model, self.dtype,
+                                   self.max_model_len + MAX_SPECULATIVE_TOKENS)
+        return None
 
     def _load_model(self, quantization: str | None, load_format: str, quant_kernel: QuantKernel | None,
                     max_positions: int, seed: int) -> torch.nn.Module:
@@ -223,8 +202,10 @@ class LLM:
         default (``kernels.quant_kernel_for``: the Triton kernel on CUDA, int8's integer matmul on the CPU, else the
         reference)."""
         from minifer.kernels import quant_kernel_for
-        from minifer.quant.linear import int8_cpu_linear  # int8 on the CPU: an integer matmul; else the reference
         from minifer.loader.quantized import load_model
+        from minifer.quant.linear import (
+            int8_cpu_linear,  # int8 on the CPU: an integer matmul; else the reference
+        )
 
         kernel = quant_kernel or quant_kernel_for(self.device) or int8_cpu_linear
         return load_model(self.model_path, quantization, load_format=load_format, quant_kernel=kernel,
