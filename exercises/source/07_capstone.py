@@ -14,10 +14,10 @@
 #
 # | piece | where you wrote it | where it first served requests |
 # |---|---|---|
-# | `rms_norm` | `00_01_building_blocks`, section 1 | its "now your RMSNorm serves" cell |
-# | `apply_rotary` (RoPE) | `00_01_building_blocks`, section 2b | its "now your RoPE serves" cell |
-# | `top_p_mask` (in the sampler) | `00_01_building_blocks`, section 3 | its "now your nucleus filter serves" cell |
-# | `decoder_layer` | `00_01_building_blocks`, section 4 | its "now your decoder layer serves" cell |
+# | `rms_norm` | `00_building_blocks`, section 1 | its "now your RMSNorm serves" cell |
+# | `apply_rotary` (RoPE) | `00_building_blocks`, section 2b | its "now your RoPE serves" cell |
+# | `top_p_mask` (in the sampler) | `00_building_blocks`, section 3 | its "now your nucleus filter serves" cell |
+# | `decoder_layer` | `00_building_blocks`, section 4 | its "now your decoder layer serves" cell |
 # | `paged_attention` | `02_03_paging_and_batching`, section 2 | its "now your paged attention serves" cell |
 # | `PrefixCachingAllocator` / `ForkingAllocator` | `02_03_paging_and_batching`, sections 3 and 3c | its "now your allocator serves" cell |
 # | `schedule_step` | `02_03_paging_and_batching`, section 4 | its "now your scheduler step serves" cell |

@@ -69,10 +69,10 @@ class Piece:
 
 
 PIECES: dict[str, Piece] = {p.name: p for p in (
-    Piece("rms_norm", "00_01_building_blocks", "rms_norm"),
-    Piece("apply_rotary", "00_01_building_blocks", "apply_rotary"),
-    Piece("top_p_mask", "00_01_building_blocks", "sampler"),
-    Piece("decoder_layer", "00_01_building_blocks", "decoder_layer"),
+    Piece("rms_norm", "00_building_blocks", "rms_norm"),
+    Piece("apply_rotary", "00_building_blocks", "apply_rotary"),
+    Piece("top_p_mask", "00_building_blocks", "sampler"),
+    Piece("decoder_layer", "00_building_blocks", "decoder_layer"),
     Piece("paged_attention", "02_03_paging_and_batching", "attention_backend"),
     Piece("PrefixCachingAllocator", "02_03_paging_and_batching", "block_allocator"),
     Piece("ForkingAllocator", "02_03_paging_and_batching", "block_allocator"),

@@ -1,4 +1,4 @@
-"""Graders of exercise 00_01 (chapters 00-01): ``rms_norm``, ``rope_inv_freq``, ``apply_rotary``, ``top_p``,
+"""Graders of exercise 00 (chapter 00): ``rms_norm``, ``rope_inv_freq``, ``apply_rotary``, ``top_p``,
 ``decoder_layer``."""
 
 from __future__ import annotations

@@ -1,8 +1,8 @@
-# Source of exercises/00_01_building_blocks.ipynb and solutions/00_01_building_blocks.ipynb.
+# Source of exercises/00_building_blocks.ipynb and solutions/00_building_blocks.ipynb.
 # Edit this file, never the notebooks, then run `make exercises` (see exercises/README.md).
 
 # %% [markdown]
-# # Exercises 00–01 · Building blocks: RMSNorm, RoPE, nucleus sampling, the decoder layer
+# # Exercises 00 · Building blocks: RMSNorm, RoPE, nucleus sampling, the decoder layer
 #
 # Three small pieces that every Llama-family model and every sampler needs, rebuilt from scratch, then the
 # layer they make:
@@ -23,11 +23,11 @@
 
 # %% [markdown] exercise-only
 # Run the cells from the top. Stuck? The solved twin is
-# [`solutions/00_01_building_blocks.ipynb`](../solutions/00_01_building_blocks.ipynb).
+# [`solutions/00_building_blocks.ipynb`](../solutions/00_building_blocks.ipynb).
 
 # %% [markdown] solution-only
-# *This is the solved twin of [`exercises/00_01_building_blocks.ipynb`](../exercises/00_01_building_blocks.ipynb),
-# generated from `exercises/source/00_01_building_blocks.py` by `make exercises`: edit the source, not
+# *This is the solved twin of [`exercises/00_building_blocks.ipynb`](../exercises/00_building_blocks.ipynb),
+# generated from `exercises/source/00_building_blocks.py` by `make exercises`: edit the source, not
 # this notebook.*
 
 # %%
