@@ -5,18 +5,21 @@
 # # Exercises 06 · Measure before stacking
 #
 # Chapter 06 put four levers on one workload in one memory budget: continuous batching, speculative decoding,
-# int8 weights and an int8 KV cache. Two ideas carried the chapter, and you rebuild both here:
+# int8 weights and an int8 KV cache. Two ideas carried the chapter, and you rebuild both here, then the method
+# that measured them:
 #
 # 1. **one memory budget**: the weights and the KV cache share the memory, so a lever that shrinks the weights
 #    (or grows them, like a draft model) changes how many cache blocks there are, and with them how many
 #    requests can decode at once;
 # 2. **reading a factorial**: from the measured gain of every combination of levers, each lever's gain alone,
 #    the product of those, the gain of the full stack, how far the product overshoots, and each lever's gain
-#    when added last.
+#    when added last;
+# 3. **measuring a difference**: an A/A control, the spread of repeated runs and the median's confidence interval,
+#    to tell a lever's effect from the machine's noise.
 #
 # Each exercise explains the idea, gives a function whose body you write, then a **check cell** that grades it
-# against minifer's own (`minifer/bench/stacking.py`). A check prints `ok` per passing check and stops at the
-# first failure with what differs and a hint.
+# against minifer's own (`minifer/bench/stacking.py`, `minifer/bench/speculative.py`) or on data it generates. A
+# check prints `ok` per passing check and stops at the first failure with what differs and a hint.
 
 # %% [markdown] exercise-only
 # Run the cells from the top. Stuck? The solved twin is
@@ -179,10 +182,189 @@ print(", ".join(f"{key} {median([a[key] for a in rounds]):.2f}" for key in ("pro
 # gain depends on the concurrency the others raise. Read `in_stack` before you decide which levers to keep: here
 # int8 weights earn their place on top of the others, the int8 cache (for this workload and budget) does not.
 #
+# ## 4 · Is a difference real? An A/A control and the median's interval
+#
+# Every ratio above came out of a machine whose speed drifts: neighbours, clocks, caches. Before you believe that
+# a lever changed the throughput by 5%, measure what the machine alone does to a ratio. Four tools, each a short
+# function:
+#
+# 1. **interleave**: run the two configurations in the same round, one right after the other, so both see the same
+#    moment of a drifting machine, and let them take turns going first, so whatever going first costs (cold caches,
+#    a clock ramping up) does not always land on the same one. A round's **speedup** of B over A is
+#    `seconds_a / seconds_b` (above 1 when B is faster);
+# 2. **the A/A control**: the same configuration as both A and B. Its speedups would all be 1.0 on a perfect
+#    machine; their spread, the **A/A band** (lowest to highest), is the noise of this machine and this method;
+# 3. **the spread of repeated runs**: the range over the median, `(max - min) / median`. The median, because a
+#    neighbour only ever adds time: one slow run drags a mean, not a median;
+# 4. **the median's confidence interval**: the median of a few rounds is itself a random number. A
+#    distribution-free interval takes two order statistics of the sorted values, `(x[j-1], x[n-j])` (0-based),
+#    with the largest `j` whose coverage `1 - 2 P(Binomial(n, 1/2) <= j - 1)` is still at least `level`: each
+#    value falls below the true median with probability 1/2, whatever the distribution. (A bootstrap works too:
+#    the `(1 - level) / 2` and `(1 + level) / 2` quantiles of the medians of resamples, drawn from
+#    `np.random.default_rng(seed)` so that the same data give the same interval.)
+#
+# A lever is **faster** when the whole interval of its median speedup lies above the A/A band, **slower** when it
+# lies below it, and otherwise its effect is not measurable here, however far its median is from 1.
+#
+# Write `interleaved_speedups(run_a, run_b, rounds)`: each `run_*()` runs its configuration once and returns the
+# seconds it took; in round `r`, A goes first when `r` is even, B when it is odd; return the list of the rounds'
+# speedups `seconds_a / seconds_b`.
+
+# %%
+def interleaved_speedups(run_a, run_b, rounds: int) -> list[float]:
+    """B's speedup over A in each round, the two run in turn (A first in even rounds, B first in odd ones)."""
+    ### BEGIN SOLUTION
+    speedups = []
+    for r in range(rounds):
+        if r % 2 == 0:
+            a = run_a()
+            b = run_b()
+        else:
+            b = run_b()
+            a = run_a()
+        speedups.append(a / b)
+    return speedups
+    ### END SOLUTION
+
+
+# %%
+# NBVAL_CHECK_OUTPUT
+from minifer.course.grading.measure import check_interleaved_speedups
+
+check_interleaved_speedups(interleaved_speedups)
+
+# %% [markdown]
+# Write `relative_spread(values)`: `(max - min) / median` of repeated measurements.
+
+# %%
+def relative_spread(values: list[float]) -> float:
+    """The range of repeated measurements over their median."""
+    ### BEGIN SOLUTION
+    return (max(values) - min(values)) / statistics.median(values)
+    ### END SOLUTION
+
+
+# %%
+# NBVAL_CHECK_OUTPUT
+from minifer.course.grading.measure import check_relative_spread
+
+check_relative_spread(relative_spread)
+
+# %% [markdown]
+# Write `median_ci(values, level=0.95, seed=0)` returning `(low, high)`, an interval that contains the true median
+# with probability `level` (order statistics or a seeded bootstrap; `scipy.stats.binom` has the binomial sums).
+# The check draws 200 samples of 25 skewed timings (about 1 s, plus a spike of 0.3-1.5 s in 30% of the runs) and
+# counts how often your intervals contain the true median.
+
+# %%
+def median_ci(values: list[float], level: float = 0.95, seed: int = 0) -> tuple[float, float]:
+    """A confidence interval ``(low, high)`` of the median of ``values`` at ``level``."""
+    ### BEGIN SOLUTION
+    from scipy.stats import binom
+
+    xs, n = sorted(values), len(values)
+    j = 1  # coverage of (x[j-1], x[n-j]) is 1 - 2 * P(Binomial(n, 1/2) <= j - 1)
+    while j + 1 <= n // 2 and 1 - 2 * binom.cdf(j, n, 0.5) >= level:
+        j += 1
+    return xs[j - 1], xs[n - j]
+    ### END SOLUTION
+
+
+# %%
+# NBVAL_CHECK_OUTPUT
+from minifer.course.grading.measure import check_median_ci
+
+check_median_ci(median_ci)
+
+# %% [markdown]
+# Write `noise_verdict(speedups, aa_speedups, level=0.95)`: `"faster"`, `"slower"` or
+# `"no measurable difference"`, your `median_ci` of the lever's speedups against the A/A band.
+
+# %%
+def noise_verdict(speedups: list[float], aa_speedups: list[float], level: float = 0.95) -> str:
+    """Whether a lever's median speedup is outside the A/A control's band, by its confidence interval."""
+    ### BEGIN SOLUTION
+    low, high = median_ci(speedups, level)
+    if low > max(aa_speedups):
+        return "faster"
+    if high < min(aa_speedups):
+        return "slower"
+    return "no measurable difference"
+    ### END SOLUTION
+
+
+# %%
+# NBVAL_CHECK_OUTPUT
+from minifer.course.grading.measure import check_noise_verdict
+
+check_noise_verdict(noise_verdict)
+
+# %% [markdown]
+# ### On the engine
+#
+# Now a real measurement: the bundled target serving 8 greedy requests of 24 tokens, against itself (a second
+# engine of the same configuration: the A/A control) and against int8 weights (chapter 05's lever), 9 rounds of
+# each. **Before you run it**, write down whether int8 weights will be faster, slower or not measurably different
+# for this small model on this machine. The numbers are yours and vary from run to run: nothing compares them.
+# (Your functions are used once they run; until then, minifer's.)
+
+# %%
+import time
+
+from minifer import LLM
+from minifer.bench.speculative import median_ci as minifer_median_ci
+from minifer.course.grading import measure as ref
+from minifer.course.grading.base import or_minifer  # yours once it runs, minifer's until then
+from minifer.sampling import SamplingParams
+
+
+PROMPTS = ["Once upon a time there was a little", "The dog ran to the", "Lily wanted to play with her",
+           "One day, a big red", "Tom and Sue went to the park and", "The sun was hot and the",
+           "A little bird sat on a", "Mom said that it was time to"]
+PARAMS = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+
+
+def timed(llm):
+    def run() -> float:
+        t0 = time.perf_counter()
+        llm.generate(PROMPTS, PARAMS, use_tqdm=False)
+        return time.perf_counter() - t0
+    return run
+
+
+engines = {"base": LLM("tinystories-target"), "again": LLM("tinystories-target"),
+           "int8": LLM("tinystories-target", quantization="int8")}
+for llm in engines.values():
+    timed(llm)()  # warm-up
+speedups_of = or_minifer(interleaved_speedups, ref.interleaved_speedups)
+aa = speedups_of(timed(engines["base"]), timed(engines["again"]), 9)
+lever = speedups_of(timed(engines["base"]), timed(engines["int8"]), 9)
+spread_of = or_minifer(relative_spread, ref.relative_spread)
+ci_of = or_minifer(median_ci, lambda v, level=0.95, seed=0: minifer_median_ci(v, level)[:2])
+verdict_of = or_minifer(noise_verdict, ref.noise_verdict)
+print(f"A/A speedups: {', '.join(f'{x:.3f}' for x in aa)}; band {min(aa):.3f}-{max(aa):.3f}, "
+      f"spread {spread_of(aa):.1%}")
+low, high = ci_of(lever, 0.95, 0)
+print(f"int8 speedups: {', '.join(f'{x:.3f}' for x in lever)}; median {statistics.median(lever):.3f}, "
+      f"95% interval {low:.3f}-{high:.3f}")
+print("int8 weights:", verdict_of(lever, aa, 0.95))
+
+# %% [markdown]
+# Compare your verdict with your prediction. On the development machine, its 2 cores shared with other jobs, one
+# run gave an A/A band of 0.78-1.32 (a spread of 57%) and int8 weights a median speedup of 1.35 whose interval,
+# 1.24-1.46, reached into that band: no measurable difference, by this method, on that machine at that time. Whole
+# runs of half a second each, back to back, see different moments of a busy machine; chapter 06's benchmark
+# interleaves single engine steps in a random order (`run_interleaved`) to narrow the band, and keeps a `CB (A/A)`
+# row for the same reason as here: the range of its ratios over the rounds is the band inside which a reading is not
+# distinguishable from no change.
+#
 # ## Where these live in the engine
 #
 # * `kv_blocks` is `minifer.bench.stacking.split_budget` (which also counts static batching's rows); the engine's
 #   `CacheConfig.num_blocks` (`minifer/engine/llm_engine.py`) does the same from `kv_cache_memory` on a CPU or
 #   `gpu_memory_utilization` on a GPU, less the two blocks its cache holds back (`usable_blocks`);
 # * `lever_analysis` is `minifer.bench.stacking.lever_analysis`, which also reads each lever's gain in every
-#   context of the others (`contexts`) and the cumulative path in the course's order (`path`).
+#   context of the others (`contexts`) and the cumulative path in the course's order (`path`);
+# * `interleaved_speedups` is the method of `minifer.bench.speculative.run_interleaved`, which interleaves single
+#   engine *steps* in a fresh random order each turn; `median_ci` is `minifer.bench.speculative.median_ci`; the A/A
+#   band is `aa_band` in `minifer.course.stacking.analyse_rounds`.
