@@ -15,7 +15,7 @@ from collections.abc import Callable
 from typing import Any
 
 from minifer.course import workbench
-from minifer.course.grading import building_blocks, paging, spec
+from minifer.course.grading import building_blocks, paging, spec, spec_step
 from minifer.course.grading.base import run_checks
 from minifer.course.workbench import CAPSTONE, PROMPTS, WORKLOADS, Workload, engine, reference_llm, tokens
 
@@ -26,6 +26,7 @@ GRADERS: dict[str, Callable[[Any], None]] = {
     "PrefixCachingAllocator": paging.check_prefix_allocator, "ForkingAllocator": paging.check_forking_allocator,
     "schedule_step": paging.check_schedule_step, "verify_greedy": spec.check_verify_greedy,
     "rejection_sample": spec.check_rejection_sample, "ngram_propose": spec.check_ngram_propose,
+    "rollback": spec_step.check_rollback, "eagle_forward": spec_step.check_eagle_forward,
 }
 
 
@@ -118,11 +119,17 @@ def _first_difference(got: list[list[int]], want: list[list[int]]) -> str:
 
 def _serve_checks(label: str, components: Callable[[], Any], workload: Workload, hint: str) -> list:
     """Run the workload on the engine with ``components``; compare with the reference engine and transformers."""
-    served: dict[str, list[list[int]]] = {}
+    def reference_engine():  # the reference engine, having served the workload (an engine check reads its stats)
+        llm = engine(None, workload)
+        tokens(llm, workload)
+        return llm
+
+    served: dict[str, Any] = {"reference": reference_engine}
 
     def run() -> None:
         try:
-            served["tokens"] = tokens(engine(components(), workload), workload)
+            served["llm"] = engine(components(), workload)
+            served["tokens"] = tokens(served["llm"], workload)
         except Exception as e:
             raise AssertionError(f"the engine stopped inside {label}: {type(e).__name__}: {e}\n"
                                  f"hint: {hint}") from e
@@ -142,7 +149,7 @@ def _serve_checks(label: str, components: Callable[[], Any], workload: Workload,
               ("its tokens are the reference engine's, request by request", same_as_reference)]
     if not workload.sampled:
         checks.append(("greedy tokens identical to transformers' (first 2 prompts)", same_as_transformers))
-    return checks
+    return checks + (workload.engine_checks(served) if hasattr(workload, "engine_checks") else [])
 
 
 def check_in_engine(name: str, piece: Any) -> None:
@@ -161,7 +168,9 @@ def check_in_engine(name: str, piece: Any) -> None:
     hint = (f"it passes the checks of {spec.notebook}, but the engine calls it on shapes or states they do not cover; "
             f"rerun the check cell of {name} after changing it")
     checks = [(f"your {name} passes its checks (saved for the capstone)", graded)]
-    checks += _serve_checks(f"your {name}", lambda: workbench.components_from({name: piece}), WORKLOADS[name], hint)
+    spec_config = getattr(WORKLOADS[name], "speculative_config", None)  # a workload with its own drafter
+    checks += _serve_checks(f"your {name}", lambda: workbench.components_from({name: piece}, spec_config),
+                            WORKLOADS[name], hint)
     run_checks(f"{name} in the engine", checks)
 
 
