@@ -157,6 +157,9 @@ class EagleWorkload(SpecWorkload):
 
 
 EAGLE_WORKLOAD = EagleWorkload(tuple(EAGLE_SPEC.items()))
+# The capstone's last batch: every piece of the learner's at once, drafting with their EAGLE head (the n-gram
+# proposer stands aside: one engine has one drafter).
+CAPSTONE_EAGLE = (EAGLE_WORKLOAD,)
 
 
 _reference_alpha: dict[SpecWorkload, float] = {}

@@ -18,6 +18,7 @@ from minifer.course import workbench
 from minifer.course.grading import building_blocks, paging, spec, spec_step
 from minifer.course.grading.base import run_checks
 from minifer.course.workbench import CAPSTONE, PROMPTS, WORKLOADS, Workload, engine, reference_llm, tokens
+from minifer.course.workbench_spec import CAPSTONE_EAGLE
 
 GRADERS: dict[str, Callable[[Any], None]] = {
     "rms_norm": building_blocks.check_rms_norm, "apply_rotary": building_blocks.check_apply_rotary,
@@ -195,8 +196,9 @@ def check_capstone(solution: bool = False) -> None:
 
     checks = [("every piece is saved and passes its checks" if not solution else
                "the saved pieces are graded; minifer's fill the gaps (solution=True)", loaded)]
-    for workload in CAPSTONE:
-        checks += _serve_checks("your engine", lambda: workbench.components_from(pieces), workload,
+    for workload in CAPSTONE + CAPSTONE_EAGLE:  # the last: the same pieces, drafting with your EAGLE head
+        spec_config = getattr(workload, "speculative_config", None)
+        checks += _serve_checks("your engine", lambda s=spec_config: workbench.components_from(pieces, s), workload,
                                 "run each piece's own `in the engine` check cell to find the piece that differs")
     run_checks("your engine", checks)
 
