@@ -11,12 +11,14 @@
 # context plus all `k` guesses in a single pass. Wherever the guesses agree with the target they are kept,
 # and several tokens come out of one target pass.
 #
-# Three pieces of minifer's speculative decoding, rebuilt from scratch:
+# Five pieces of minifer's speculative decoding, rebuilt from scratch:
 #
 # 1. **greedy verification**: which drafts to keep when the target decodes greedily;
 # 2. **rejection sampling**: the same when the target *samples*, without changing what it would have
 #    sampled. This is the step that makes the method *lossless*;
-# 3. **an n-gram proposer**: guesses copied from the sequence itself, a draft that needs no model.
+# 3. **an n-gram proposer**: guesses copied from the sequence itself, a draft that needs no model;
+# 4. (section 5) **the rollback**: what the caches keep of a step's drafts once they are verified;
+# 5. (section 6) **the EAGLE head's forward**: a drafter that reads the target's own features.
 #
 # Each exercise explains the idea, gives a function whose body you write, then a **check cell** that grades
 # it against minifer's own (`minifer/spec/rejection.py`, `minifer/spec/ngram.py`). A check prints `ok` per
@@ -362,7 +364,160 @@ print(f"best k for draft cost {cost}: {best}")
 # assumed to cost one decode step (true while decoding is memory-bound, less so on a CPU or for large
 # batches, where the GPU is already busy), and `α` varies from one context to the next. A measured speedup
 # also pays for the proposer's and the engine's bookkeeping: the formula is the ceiling, not the forecast.
+
+# %% [markdown]
+# ## 5 · After verification: the rollback
 #
+# Verification decides how many drafts stay; the caches must then agree with it, or the next step attends to
+# keys of tokens that are not in the sequence. Before the step a sequence had `n` tokens, and the target held
+# KV for the first `n − 1` (the last token is what the next forward brings). The step placed `k` drafts after
+# them, so the target's forward wrote KV for all `n + k` tokens, in block slots reserved for them (chapter 02's
+# paged cache: block `block_table[i]` holds tokens `i·block_size … (i+1)·block_size − 1`). Verification
+# accepted `accepted` drafts. The rollback:
+#
+# 1. drops the `k − accepted` rejected drafts from the end of `token_ids`, which keeps `n + accepted` tokens;
+# 2. cuts the target's cache back to exactly those tokens, `target.num_tokens = n + accepted`. The token the
+#    target emits now (the correction at the first rejection, or the bonus) is appended *after* the rollback,
+#    and like any new last token its KV comes with the next forward: keeping one more is the classic off-by-one;
+# 3. frees every block the shorter cache no longer reaches: pop it from `block_table`, append it to
+#    `free_blocks` (the pool other sequences allocate from). A block half-filled by accepted tokens stays;
+# 4. cuts the draft model's cache too, when there is one (`draft` is None for n-grams). The draft fed the
+#    context and its first `k − 1` guesses but never its last one (nothing needed that KV yet): it holds
+#    `n + k − 1` tokens and keeps `min(draft.num_tokens, n + accepted)`, never more than it computed.
+#
+# ```
+# block_size 4, n = 6 context tokens c, k = 4 drafts d, accepted = 1
+# token_ids   c c c c | c c d d | d d      target: 10 tokens in blocks [7, 2, 9]
+# after       c c c c | c c d              target:  7 tokens in blocks [7, 2]; block 9 goes to free_blocks
+# ```
+#
+# A `KVView` is one model's cache for one sequence: `num_tokens`, `block_table`, `block_size` and
+# `free_blocks`. Write `rollback`: it changes its arguments in place and returns nothing.
+
+# %%
+from minifer.course.workbench_spec import KVView
+
+
+def rollback(token_ids: list[int], k: int, accepted: int, target: KVView, draft: KVView | None) -> None:
+    """After verifying the ``k`` drafts at the end of ``token_ids``, of which the first ``accepted`` were kept:
+    drop the rejected ones, and cut the target's cache (and the draft's, when there is one) back to the KV of
+    the tokens that remain, freeing the blocks that empties."""
+    ### BEGIN SOLUTION
+    keep = len(token_ids) - k + accepted
+    del token_ids[keep:]
+
+    def cut(cache: KVView, num_tokens: int) -> None:
+        cache.num_tokens = num_tokens
+        while len(cache.block_table) > -(-num_tokens // cache.block_size):  # ceil: the blocks those tokens fill
+            cache.free_blocks.append(cache.block_table.pop())
+
+    cut(target, keep)
+    if draft is not None:
+        cut(draft, min(draft.num_tokens, keep))
+    ### END SOLUTION
+
+
+# %%
+# NBVAL_CHECK_OUTPUT
+from minifer.course.grading.spec_step import check_rollback
+
+check_rollback(rollback)
+
+# %% [markdown]
+# ### Now your rollback serves the chapter's workload
+#
+# The next cell saves your `rollback` (to `my_engine/rollback.py`), grades it again, then plugs it into a real
+# engine through `Components(rollback=...)`: `LLM("tinystories-target", components=...)` serves 8 greedy requests
+# of 16 tokens, speculating with the draft model (`tinystories-draft`, k = 4), so both caches go through your
+# function after every verification. The engine's allocators carry out your cut (their reference counts and
+# prefix-cache entries are theirs) and check after each step that their block table is the one you computed.
+# The tokens must be the reference engine's and transformers', and once every request has finished every
+# block of both caches must be free again.
+
+# %%
+# NBVAL_CHECK_OUTPUT
+from minifer.course.grading.engine import check_in_engine
+
+check_in_engine("rollback", rollback)
+
+# %%
+from minifer.course.workbench import piece_throughput
+
+piece_throughput("rollback", rollback)
+
+# %% [markdown]
+# ## 6 · A drafter on the target's own features: the EAGLE head
+#
+# A separate draft model sees only tokens and must rebuild, in its own small width, what the target has
+# already computed. EAGLE (Li et al., 2024) drafts from the target's **features** instead: its last hidden
+# state `f_t` at position `t`, post-norm, the vector its LM head turns into the next token's distribution.
+# minifer ships such a head for the bundled target (`tinystories-target-eagle`, trained by
+# `scripts/train_eagle.py`; `speculative_config={"method": "eagle", ...}`, vLLM's name). Its forward, for
+# one position:
+#
+# 1. read a pair: the feature `f_t` of the **previous** position and the token `x_{t+1}` sampled after it
+#    (the feature alone does not say which token the sampling picked). The input row is
+#    `[f_t, embed(x_{t+1})]`, concatenated in that order (`2·hidden` wide), and a linear map, `head.fc`, fuses
+#    it back to `hidden`. The embedding is the target's, `head.embed_tokens`;
+# 2. run one Llama decoder layer of the target's shape, `head.layer(x, cos, sin, attn)`, rotated for
+#    position `t` (`cos, sin = head.rotary(positions, x.dtype)`), attending over the head's own KV cache
+#    through `attn` as the target's layers do over theirs;
+# 3. apply the head's final RMSNorm, `head.norm`: the output is the predicted `f_{t+1}`, in the post-norm
+#    space of the target's features.
+#
+# The target's LM head turns the prediction into the draft distribution of `x_{t+2}` (`head.logits`, which the
+# proposer applies). To draft `k` tokens the proposer feeds the head its own predicted feature and the token
+# drafted from it, `k` times. Which feature goes with which token is the proposer's job (`EagleProposer`):
+# row `i` of `features` is `f_t` for `t = positions[i]`, row `i` of `input_ids` is `x_{t+1}`.
+#
+# Write `eagle_forward` for `N` packed rows (several positions and sequences at once, as the engine runs it).
+
+# %%
+def eagle_forward(head, features: torch.Tensor, input_ids: torch.Tensor, positions: torch.Tensor,
+                  attn) -> torch.Tensor:
+    """The EAGLE head's forward: ``features`` ``[N, hidden]`` (``f_t``), ``input_ids`` ``[N]`` (``x_{t+1}``),
+    ``positions`` ``[N]`` (``t``), ``attn`` the head's attention backend. Returns the predicted ``f_{t+1}``
+    ``[N, hidden]``."""
+    ### BEGIN SOLUTION
+    x = head.fc(torch.cat([features, head.embed_tokens(input_ids).to(features.dtype)], dim=-1))
+    cos, sin = head.rotary(positions, x.dtype)
+    return head.norm(head.layer(x, cos, sin, attn))
+    ### END SOLUTION
+
+
+# %% [markdown]
+# The check compares your output with the shipped head's along a story, the target's own features fed in
+# (teacher-forced, so both heads see the same inputs), then its logits, a forward split in two chunks over a
+# cache, and how often its greedy draft is the target's next token. A wrong output is compared with the classic
+# mistakes' (the concatenation order, the missing norm, the fusion or the layer skipped) to name the one made.
+
+# %%
+# NBVAL_CHECK_OUTPUT
+from minifer.course.grading.spec_step import check_eagle_forward
+
+check_eagle_forward(eagle_forward)
+
+# %% [markdown]
+# ### Now your EAGLE head serves the chapter's workload
+#
+# The next cell plugs your forward into the engine (`Components(eagle_forward=...)`), which serves 8 greedy
+# requests of 16 tokens with `speculative_config={"method": "eagle", "model": "tinystories-target-eagle",
+# "num_speculative_tokens": 4}`. The tokens alone cannot show a wrong head: whatever it drafts, the target
+# verifies, so the output is right either way. What a wrong head changes is how many drafts are accepted, so
+# the cell also compares your engine's acceptance rate with that of minifer's head on the same requests.
+
+# %%
+# NBVAL_CHECK_OUTPUT
+from minifer.course.grading.engine import check_in_engine
+
+check_in_engine("eagle_forward", eagle_forward)
+
+# %%
+from minifer.course.workbench import piece_throughput
+
+piece_throughput("eagle_forward", eagle_forward)
+
+# %% [markdown]
 # ## Where these live in the engine
 #
 # * `verify_greedy` is `minifer.spec.rejection.verify_greedy`, on the same ragged batch;
@@ -372,4 +527,8 @@ print(f"best k for draft cost {cost}: {best}")
 #   exactly as plain sampling does (a greedy row becomes a one-hot, so rejection sampling reduces to greedy
 #   verification), and `one_hot_draft_probs` gives the `q` of a deterministic proposer such as n-grams;
 # * `ngram_propose` is `minifer.spec.ngram.ngram_propose`;
-# * the formulas of section 4 are `minifer.spec.theory`.
+# * the formulas of section 4 are `minifer.spec.theory`;
+# * `rollback` is `Speculator.rollback` (`minifer/engine/speculative.py`), with the allocator's `truncate`
+#   (`minifer/engine/block_manager.py`) doing the block bookkeeping, prefix-cache entries included;
+# * `eagle_forward` is `EagleHead.forward` (`minifer/models/eagle.py`); `EagleProposer`
+#   (`minifer/engine/eagle.py`) pairs the features with the tokens and keeps the head's paged cache.

@@ -24,12 +24,16 @@
 # | `verify_greedy` | `04_speculative_decoding`, section 1 | its "now your verifier serves" cell |
 # | `rejection_sample` | `04_speculative_decoding`, section 2 | its "now your rejection sampler serves" cell |
 # | `ngram_propose` | `04_speculative_decoding`, section 3 | its "now your n-gram proposer serves" cell |
+# | `rollback` | `04_speculative_decoding`, section 5 | its "now your rollback serves" cell |
+# | `eagle_forward` (the EAGLE head) | `04_speculative_decoding`, section 6 | its "now your EAGLE head serves" cell; here, the third batch |
 #
 # The check below loads each saved piece, grades it again with its exercise's checks, and builds
 # `LLM("tinystories-target", components=...)` from them (`minifer.course.workbench.components_from` turns each
 # exercise's signature into the engine's seam). It then serves two batches, one greedy and one sampled with a
 # seed per request, both speculating, in a KV cache small enough that requests are preempted: the tokens must
-# be the reference engine's, request by request (and transformers' for two greedy prompts).
+# be the reference engine's, request by request (and transformers' for two greedy prompts). A third greedy batch
+# drafts with your EAGLE head instead of your n-gram proposer (an engine has one drafter), your rollback cutting
+# the caches back after every verification.
 #
 # Skipped an exercise? Set `SOLUTION = True`: minifer's piece takes the place of any piece that is not saved
 # or fails its checks (tiny-llm's `--solution` switch), and the cell after the check says which pieces ran.

@@ -32,6 +32,7 @@ from typing import Any
 
 import torch
 
+from minifer.course.workbench_spec import EAGLE_WORKLOAD, ROLLBACK_WORKLOAD, rollback_with
 from minifer.engine.block_manager import BlockManager
 from minifer.engine.components import Components
 from minifer.engine.proposers import NgramProposer
@@ -80,6 +81,8 @@ PIECES: dict[str, Piece] = {p.name: p for p in (
     Piece("verify_greedy", "04_speculative_decoding", "verifier"),
     Piece("rejection_sample", "04_speculative_decoding", "verifier"),
     Piece("ngram_propose", "04_speculative_decoding", "proposer"),
+    Piece("rollback", "04_speculative_decoding", "rollback"),
+    Piece("eagle_forward", "04_speculative_decoding", "eagle_forward"),
 )}
 
 # Given code a saved piece depends on (saved with it, so the file runs on its own).
@@ -385,8 +388,11 @@ NGRAM_SPEC = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max
 
 
 def components_from(pieces: dict[str, Any], spec: dict[str, Any] | None = None) -> Components:
-    """The ``Components`` that run these pieces (by exercise name); a seam none of them fills stays minifer's."""
+    """The ``Components`` that run these pieces (by exercise name); a seam none of them fills stays minifer's. The
+    proposer and the EAGLE head's forward apply to engines speculating with their method (``spec``, n-grams by
+    default)."""
     p = pieces.get
+    method = (spec or NGRAM_SPEC)["method"]
     alloc = p("ForkingAllocator") or p("PrefixCachingAllocator")
     verifier = None
     if p("verify_greedy") or p("rejection_sample"):
@@ -398,7 +404,9 @@ def components_from(pieces: dict[str, Any], spec: dict[str, Any] | None = None) 
         block_allocator=block_allocator_with(alloc) if alloc else None,
         scheduler=scheduler_with(p("schedule_step")) if p("schedule_step") else None,
         verifier=verifier,
-        proposer=proposer_with(p("ngram_propose"), spec or NGRAM_SPEC) if p("ngram_propose") else None)
+        proposer=proposer_with(p("ngram_propose"), spec or NGRAM_SPEC) if p("ngram_propose") and method == "ngram" else None,
+        rollback=rollback_with(p("rollback")) if p("rollback") else None,
+        eagle_forward=p("eagle_forward") if method == "eagle" else None)
 
 
 # --- the workloads the pieces serve, and their throughput ---------------------------------------------------
@@ -449,6 +457,7 @@ WORKLOADS: dict[str, Workload] = {
     "schedule_step": Workload(max_tokens=32, llm=(("num_kv_blocks", 12), ("max_num_batched_tokens", 64))),
     "verify_greedy": Workload(speculative=True), "ngram_propose": Workload(speculative=True),
     "rejection_sample": Workload(sampled=True, speculative=True),
+    "rollback": ROLLBACK_WORKLOAD, "eagle_forward": EAGLE_WORKLOAD,  # minifer.course.workbench_spec
 }
 # The capstone: both kinds of requests, speculating, in a cache small enough to preempt, admitted a few at a time
 # (so that later prompts find their prefixes cached).
@@ -508,4 +517,5 @@ def report_throughput(label: str, components: Callable[[], Components], workload
 
 def piece_throughput(name: str, piece: Any, rounds: int = 3) -> None:
     """The throughput cell after a piece's check: the engine with this one piece of yours against the reference."""
-    report_throughput(f"your {name}", lambda: components_from({name: piece}), WORKLOADS[name], rounds)
+    spec = getattr(WORKLOADS[name], "speculative_config", None)
+    report_throughput(f"your {name}", lambda: components_from({name: piece}, spec), WORKLOADS[name], rounds)

@@ -18,14 +18,17 @@ from minifer.layers.ops import LayerOps
 
 if TYPE_CHECKING:
     from minifer.engine.block_manager import KVBlockAllocator
+    from minifer.engine.eagle import EagleForward
     from minifer.engine.proposers import DraftProposer
     from minifer.engine.scheduler import SchedulerPolicy
+    from minifer.engine.speculative import Rollback
     from minifer.layers.paged_attention import PagedAttentionBackend
     from minifer.quant.linear import QuantKernel
     from minifer.sampling import Sampler
     from minifer.spec.rejection import Verifier
 
-SEAMS = ("block_allocator", "scheduler", "sampler", "proposer", "verifier", "attention_backend")
+SEAMS = ("block_allocator", "scheduler", "sampler", "proposer", "verifier", "attention_backend", "rollback",
+         "eagle_forward")
 
 
 @dataclass(frozen=True)
@@ -44,6 +47,8 @@ class Components:
     proposer: DraftProposer | None = None
     verifier: Verifier | None = None
     quant_kernel: QuantKernel | None = None
+    rollback: Rollback | None = None  # what a speculative step keeps of its drafts' KV (``speculative.Rollback``)
+    eagle_forward: EagleForward | None = None  # the EAGLE head's forward (``engine.eagle.EagleForward``)
 
     def given(self) -> dict[str, Any]:
         """The fields that are set, by name."""

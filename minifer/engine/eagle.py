@@ -22,7 +22,9 @@ whatever the head drafts, the target verifies.
 
 from __future__ import annotations
 
+import functools
 import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import torch
@@ -37,14 +39,20 @@ from minifer.layers.paged_attention import PagedAttentionMetadata, PagedKVCache
 if TYPE_CHECKING:
     from minifer.models.eagle import EagleHead
 
+# The seam that replaces the head's forward (``Components(eagle_forward=...)``): ``fn(head, features, input_ids,
+# positions, attn)`` with ``EagleHead.forward``'s contract, the head's weights in ``head``.
+EagleForward = Callable[..., torch.Tensor]
+
 
 class EagleProposer:
     """``feats[rid]``: ``(p0, [m, H])``, the target's features of positions ``p0 ...`` not yet read by the head;
     ``base[rid]``: the first position of the head's cache; ``computed[rid]``: positions ``base .. computed - 1`` of
     the head's cache hold entries built from real features (the adaptive controller reads ``computed`` too)."""
 
-    def __init__(self, head: EagleHead, target_runner: ModelRunner, num_blocks: int, block_size: int) -> None:
+    def __init__(self, head: EagleHead, target_runner: ModelRunner, num_blocks: int, block_size: int,
+                 forward: EagleForward | None = None) -> None:
         self.head = head
+        self.forward = head if forward is None else functools.partial(forward, head)  # the head's forward, or yours
         cfg, w = head.config, head.fc.weight
         self.target_blocks: KVBlockAllocator = target_runner.blocks
         self.blocks = BlockManager(num_blocks, block_size, enable_prefix_caching=False)
@@ -117,7 +125,7 @@ class EagleProposer:
             [self.blocks.block_table(r) for r in rids], [s + m - self.base[r] for r, s, m in zip(rids, starts, lens)],
             lens, self.cache.block_size, dev, null_slot=self.cache.null_slot)
         try:
-            out = self.head(torch.cat(feats), torch.tensor([t for c in ids for t in c], device=dev),
+            out = self.forward(torch.cat(feats), torch.tensor([t for c in ids for t in c], device=dev),
                             torch.tensor(positions, device=dev), self.cache)
         finally:
             self.cache.meta = None

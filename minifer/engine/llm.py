@@ -54,8 +54,9 @@ def _seams(batching: str, spec: SpeculativeConfig | None, **given: Any) -> dict[
     seams = {name: value for name, value in given.items() if value is not None}
     if seams and batching != "continuous":
         raise ValueError(f"{', '.join(seams)} plug into the continuous engine: use batching='continuous'")
-    if spec is None and ("proposer" in seams or "verifier" in seams):
-        raise ValueError("proposer and verifier are parts of speculative decoding: pass a speculative_config too "
+    if spec is None and {"proposer", "verifier", "rollback", "eagle_forward"} & set(seams):
+        raise ValueError("proposer and verifier are parts of speculative decoding (rollback and eagle_forward too): "
+                         "pass a speculative_config too "
                          "(its num_speculative_tokens is the k the proposer is asked for)")
     return seams
 

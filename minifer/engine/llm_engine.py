@@ -27,7 +27,8 @@ from minifer.engine.runner import ModelRunner
 from minifer.engine.scheduler import Scheduler, SchedulerConfig, SchedulerPolicy
 from minifer.engine.proposers import DraftProposer
 from minifer.engine.sequence import Sequence, SequenceGroup, SequenceStatus, sequences_of
-from minifer.engine.speculative import SpeculativeConfig, Speculator, build_speculator
+from minifer.engine.eagle import EagleForward
+from minifer.engine.speculative import Rollback, SpeculativeConfig, Speculator, build_speculator
 from minifer.layers.kv_quant import CALIBRATION_TEXT
 from minifer.layers.ops import REFERENCE_OPS, LayerOps
 from minifer.layers.paged_attention import PagedAttentionBackend, PagedKVCache
@@ -94,7 +95,8 @@ class LLMEngine:
     ``block_allocator(num_blocks, block_size, enable_prefix_caching)``: ``BlockManager``), ``scheduler``
     (``SchedulerPolicy``, built as ``scheduler(scheduler_config, allocator)``: ``Scheduler``), ``sampler``
     (``Sampler``: ``ModelRunner.sample``), and for speculation ``proposer`` (``DraftProposer``: the one
-    ``speculative_config`` names) and ``verifier`` (``Verifier``: ``RejectionVerifier``), and the paged attention
+    ``speculative_config`` names) and ``verifier`` (``Verifier``: ``RejectionVerifier``), ``rollback`` (``Rollback``: ``Speculator.rollback``'s own),
+    ``eagle_forward`` (``EagleForward``: ``EagleHead.forward``), and the paged attention
     backend the model attends through (``PagedAttentionBackend``, built like ``PagedKVCache``, the default). A
     quantized layer's kernel (``QuantKernel``) is the model's own seam (``LLM``'s ``quant_kernel``). ``layer_ops``
     (``LayerOps``): the RMSNorm and RoPE functions the target's forward passes use; given ones run eagerly (a CUDA
@@ -107,7 +109,8 @@ class LLMEngine:
                  block_allocator: Callable[[int, int, bool], KVBlockAllocator] = BlockManager,
                  scheduler: Callable[[SchedulerConfig, KVBlockAllocator], SchedulerPolicy] = Scheduler,
                  sampler: Sampler | None = None, proposer: DraftProposer | None = None,
-                 verifier: Verifier | None = None,
+                 verifier: Verifier | None = None, rollback: Rollback | None = None,
+                 eagle_forward: EagleForward | None = None,
                  attention_backend: Callable[..., PagedAttentionBackend] = PagedKVCache,
                  layer_ops: LayerOps | None = None) -> None:
         cfg, device = model.config, model.lm_head.weight.device
@@ -139,7 +142,8 @@ class LLMEngine:
         if speculative_config is not None:
             self.speculator = build_speculator(speculative_config, draft_model, self.runner, self.block_manager,
                                                cfg.vocab_size, num_blocks, cache_config.block_size, proposer=proposer,
-                                               verifier=verifier, sampler=self.sampler)
+                                               verifier=verifier, sampler=self.sampler, rollback=rollback,
+                                               eagle_forward=eagle_forward)
 
     @classmethod
     def from_llm(cls, llm, cache_config: CacheConfig | None = None,

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import time
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -39,7 +40,7 @@ import torch
 from minifer.engine.adaptive_k import AdaptiveK, Decision, DecodeBatch, StepRecord
 from minifer.engine.adaptive_ngram import NgramAdaptiveK
 from minifer.engine.block_manager import KVBlockAllocator
-from minifer.engine.eagle import EagleProposer
+from minifer.engine.eagle import EagleForward, EagleProposer
 from minifer.engine.proposers import Draft, DraftModelProposer, DraftProposer, NgramProposer
 from minifer.engine.runner import ModelRunner
 from minifer.engine.sequence import Sequence
@@ -50,6 +51,12 @@ from minifer.spec.rejection import RejectionVerifier, Verifier, probs_from_logit
 
 METHODS = ("draft_model", "ngram", "eagle")
 MAX_SPECULATIVE_TOKENS = 16
+
+# The seam that replaces ``Speculator.rollback`` (``Components(rollback=...)``): called after a verified sequence's
+# emitted tokens are appended, with the speculator (its ``target_blocks`` and ``proposer``), the sequence, the draft
+# tokens the target verified for it this step and how many of them it accepted. It must leave the target's block
+# table holding exactly the tokens whose KV is valid, and the proposer's cache likewise.
+Rollback = Callable[["Speculator", Sequence, list[int], int], None]
 
 
 @dataclass
@@ -139,8 +146,10 @@ class Speculator:
 
     def __init__(self, cfg: SpeculativeConfig, proposer: DraftProposer, target_blocks: KVBlockAllocator,
                  vocab_size: int, adaptive: AdaptiveK | None = None, verifier: Verifier | None = None,
-                 sampler: Sampler | None = None) -> None:
+                 sampler: Sampler | None = None, rollback: Rollback | None = None) -> None:
         self.cfg, self.proposer, self.adaptive = cfg, proposer, adaptive
+        self.custom_rollback = rollback
+        self.verified: dict[object, tuple[list[int], int]] = {}  # a custom rollback's inputs, by request id
         self.verifier: Verifier = verifier or RejectionVerifier()
         self.sampler: Sampler = sampler or ModelRunner.sample
         self.target_blocks, self.vocab_size = target_blocks, vocab_size
@@ -288,6 +297,8 @@ class Speculator:
         for r, toks in enumerate(emitted):
             if ks[r]:
                 self._count_verified(step.record, ks[r], len(toks) - 1, drafts[r].match_len)
+            if self.custom_rollback is not None:
+                self.verified[seqs[r].request_id] = (drafts[r].tokens, len(toks) - 1)
         return [(toks, logits[offsets[r] : offsets[r] + len(toks)]) for r, toks in enumerate(emitted)]
 
     def _count_verified(self, record: StepRecord, k: int, accepted: int, match_len: int) -> None:
@@ -306,11 +317,15 @@ class Speculator:
     def rollback(self, seq: Sequence) -> None:
         """After the tokens are appended: the target holds valid KV for ``num_computed_tokens``; free any
         block beyond (rejected drafts), and let the draft keep only what matches the sequence."""
+        if self.custom_rollback is not None:
+            self.custom_rollback(self, seq, *self.verified.pop(seq.request_id, ([], 0)))
+            return
         if self.target_blocks.has_seq(seq.request_id):
             self.target_blocks.truncate(seq.request_id, seq.num_computed_tokens)
         self.proposer.rollback(seq, seq.num_tokens - 1)
 
     def release(self, request_id: object) -> None:
+        self.verified.pop(request_id, None)
         self.proposer.release(request_id)
 
     def summary(self) -> dict[str, float | int]:
@@ -333,9 +348,13 @@ class Speculator:
 def build_speculator(cfg: SpeculativeConfig, draft_model: LlamaForCausalLM | None, target_runner: ModelRunner,
                      target_blocks: KVBlockAllocator, vocab_size: int, num_blocks: int, block_size: int, *,
                      proposer: DraftProposer | None = None, verifier: Verifier | None = None,
-                     sampler: Sampler | None = None) -> Speculator:
+                     sampler: Sampler | None = None, rollback: Rollback | None = None,
+                     eagle_forward: EagleForward | None = None) -> Speculator:
     """The proposer ``cfg`` asks for (or ``proposer``, handed in), wired to the target's runner; calibrated now when
-    adaptive."""
+    adaptive. ``eagle_forward`` replaces the EAGLE head's forward (method ``"eagle"`` only)."""
+    if eagle_forward is not None and (cfg.method != "eagle" or proposer is not None):
+        raise ValueError("eagle_forward is the forward of the EAGLE head that speculative_config method 'eagle' "
+                         f"builds; this engine speculates with {'a proposer handed in' if proposer else cfg.method!r}")
     if proposer is None and cfg.method == "draft_model":
         if draft_model is None:
             raise ValueError("method 'draft_model' needs the draft model")
@@ -343,7 +362,7 @@ def build_speculator(cfg: SpeculativeConfig, draft_model: LlamaForCausalLM | Non
     elif proposer is None and cfg.method == "eagle":
         if draft_model is None:
             raise ValueError("method 'eagle' needs the EAGLE head")
-        proposer = EagleProposer(draft_model, target_runner, num_blocks, block_size)
+        proposer = EagleProposer(draft_model, target_runner, num_blocks, block_size, eagle_forward)
     elif proposer is None:
         proposer = NgramProposer(cfg)
     draft_runner = getattr(proposer, "runner", None)  # a draft model's: its forwards are timed too
@@ -352,4 +371,4 @@ def build_speculator(cfg: SpeculativeConfig, draft_model: LlamaForCausalLM | Non
         controller = NgramAdaptiveK if isinstance(proposer, NgramProposer) else AdaptiveK
         adaptive = controller(cfg, target_runner, draft_runner, getattr(proposer, "cost", None))
         adaptive.calibrate()
-    return Speculator(cfg, proposer, target_blocks, vocab_size, adaptive, verifier, sampler)
+    return Speculator(cfg, proposer, target_blocks, vocab_size, adaptive, verifier, sampler, rollback)

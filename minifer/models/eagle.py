@@ -66,6 +66,11 @@ class EagleHead(nn.Module):
         return self.norm(self.layer(x, cos, sin, attn))
 
     @property
+    def embed_tokens(self) -> nn.Embedding:
+        """The target's token embedding (shared, frozen): what a forward written outside the class reads."""
+        return self._shared[0]
+
+    @property
     def lm_head(self) -> nn.Linear:
         """The target's (the engine sizes the head's KV blocks from its dtype, as for a draft model)."""
         return self._shared[1]

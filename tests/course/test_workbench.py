@@ -134,6 +134,18 @@ def _schedule_no_preemption(running, waiting, free_blocks, block_size, max_num_s
     return scheduled, []
 
 
+def _rollback_keeps_the_bonus_kv(token_ids, k, accepted, target, draft):
+    from minifer.course.grading.spec_step import reference_rollback
+
+    reference_rollback(token_ids, k, accepted, target, draft)
+    target.num_tokens += 1  # the off-by-one: the KV of the token the target emits next is not there yet
+
+
+def _eagle_without_norm(head, features, input_ids, positions, attn):
+    x = head.fc(torch.cat([features, head.embed_tokens(input_ids)], dim=-1))
+    return head.layer(x, *head.rotary(positions, x.dtype), attn)
+
+
 def _wrong(solutions) -> dict:
     """A classic mistake per piece (the graders' own tests hold many more)."""
     def paged_unscaled(q, k_cache, v_cache, block_table, context_len):
@@ -160,7 +172,8 @@ def _wrong(solutions) -> dict:
             "paged_attention": paged_unscaled, "PrefixCachingAllocator": NoVerifyAllocator,
             "ForkingAllocator": NoCopyOnWrite, "schedule_step": _schedule_no_preemption,
             "verify_greedy": _verify_no_bonus, "rejection_sample": rejection_always_accept,
-            "ngram_propose": _ngram_first_occurrence}
+            "ngram_propose": _ngram_first_occurrence,
+            "rollback": _rollback_keeps_the_bonus_kv, "eagle_forward": _eagle_without_norm}
 
 
 @pytest.mark.slow

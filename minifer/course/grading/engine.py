@@ -15,9 +15,10 @@ from collections.abc import Callable
 from typing import Any
 
 from minifer.course import workbench
-from minifer.course.grading import building_blocks, paging, spec
+from minifer.course.grading import building_blocks, paging, spec, spec_step
 from minifer.course.grading.base import run_checks
 from minifer.course.workbench import CAPSTONE, PROMPTS, WORKLOADS, Workload, engine, reference_llm, tokens
+from minifer.course.workbench_spec import CAPSTONE_EAGLE
 
 GRADERS: dict[str, Callable[[Any], None]] = {
     "rms_norm": building_blocks.check_rms_norm, "apply_rotary": building_blocks.check_apply_rotary,
@@ -26,6 +27,7 @@ GRADERS: dict[str, Callable[[Any], None]] = {
     "PrefixCachingAllocator": paging.check_prefix_allocator, "ForkingAllocator": paging.check_forking_allocator,
     "schedule_step": paging.check_schedule_step, "verify_greedy": spec.check_verify_greedy,
     "rejection_sample": spec.check_rejection_sample, "ngram_propose": spec.check_ngram_propose,
+    "rollback": spec_step.check_rollback, "eagle_forward": spec_step.check_eagle_forward,
 }
 
 
@@ -118,11 +120,17 @@ def _first_difference(got: list[list[int]], want: list[list[int]]) -> str:
 
 def _serve_checks(label: str, components: Callable[[], Any], workload: Workload, hint: str) -> list:
     """Run the workload on the engine with ``components``; compare with the reference engine and transformers."""
-    served: dict[str, list[list[int]]] = {}
+    def reference_engine():  # the reference engine, having served the workload (an engine check reads its stats)
+        llm = engine(None, workload)
+        tokens(llm, workload)
+        return llm
+
+    served: dict[str, Any] = {"reference": reference_engine}
 
     def run() -> None:
         try:
-            served["tokens"] = tokens(engine(components(), workload), workload)
+            served["llm"] = engine(components(), workload)
+            served["tokens"] = tokens(served["llm"], workload)
         except Exception as e:
             raise AssertionError(f"the engine stopped inside {label}: {type(e).__name__}: {e}\n"
                                  f"hint: {hint}") from e
@@ -142,7 +150,7 @@ def _serve_checks(label: str, components: Callable[[], Any], workload: Workload,
               ("its tokens are the reference engine's, request by request", same_as_reference)]
     if not workload.sampled:
         checks.append(("greedy tokens identical to transformers' (first 2 prompts)", same_as_transformers))
-    return checks
+    return checks + (workload.engine_checks(served) if hasattr(workload, "engine_checks") else [])
 
 
 def check_in_engine(name: str, piece: Any) -> None:
@@ -161,7 +169,9 @@ def check_in_engine(name: str, piece: Any) -> None:
     hint = (f"it passes the checks of {spec.notebook}, but the engine calls it on shapes or states they do not cover; "
             f"rerun the check cell of {name} after changing it")
     checks = [(f"your {name} passes its checks (saved for the capstone)", graded)]
-    checks += _serve_checks(f"your {name}", lambda: workbench.components_from({name: piece}), WORKLOADS[name], hint)
+    spec_config = getattr(WORKLOADS[name], "speculative_config", None)  # a workload with its own drafter
+    checks += _serve_checks(f"your {name}", lambda: workbench.components_from({name: piece}, spec_config),
+                            WORKLOADS[name], hint)
     run_checks(f"{name} in the engine", checks)
 
 
@@ -186,8 +196,9 @@ def check_capstone(solution: bool = False) -> None:
 
     checks = [("every piece is saved and passes its checks" if not solution else
                "the saved pieces are graded; minifer's fill the gaps (solution=True)", loaded)]
-    for workload in CAPSTONE:
-        checks += _serve_checks("your engine", lambda: workbench.components_from(pieces), workload,
+    for workload in CAPSTONE + CAPSTONE_EAGLE:  # the last: the same pieces, drafting with your EAGLE head
+        spec_config = getattr(workload, "speculative_config", None)
+        checks += _serve_checks("your engine", lambda s=spec_config: workbench.components_from(pieces, s), workload,
                                 "run each piece's own `in the engine` check cell to find the piece that differs")
     run_checks("your engine", checks)
 
