@@ -44,6 +44,9 @@ class Components:
     proposer: DraftProposer | None = None
     verifier: Verifier | None = None
     quant_kernel: QuantKernel | None = None
+    # what turns the loaded model's linear layers into QuantLinear ones: ``quantize_model``'s signature
+    # (``quantizer(model, method, kernel=...)``, in place); None: ``minifer.quant.model.quantize_model``
+    quantizer: Callable[..., Any] | None = None
 
     def given(self) -> dict[str, Any]:
         """The fields that are set, by name."""
