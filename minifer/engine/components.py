@@ -32,7 +32,8 @@ SEAMS = ("block_allocator", "scheduler", "sampler", "proposer", "verifier", "att
 class Components:
     """The engine's replaceable pieces; None keeps the reference. ``rms_norm``, ``apply_rotary`` and
     ``decoder_layer`` are ``LayerOps``' (``minifer.layers.ops``); the others are ``LLM``'s seams of the same names, with the same contracts
-    (``LLMEngine``'s docstring lists them; ``quant_kernel``: ``minifer.quant.linear.QuantKernel``)."""
+    (``LLMEngine``'s docstring lists them; ``quant_kernel``: ``minifer.quant.linear.QuantKernel``; ``quantizer``:
+    what the load path calls in place of ``minifer.quant.model.quantize_model``)."""
 
     rms_norm: Callable[[torch.Tensor, torch.Tensor, float], torch.Tensor] | None = None
     apply_rotary: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor] | None = None
