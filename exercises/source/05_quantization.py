@@ -14,9 +14,15 @@
 # Three pieces of minifer's quantization, rebuilt from scratch:
 #
 # 1. **int4 group-wise quantization**, in minifer's exact format: the bytes a kernel reads;
-# 2. **a Triton kernel** that multiplies by those bytes directly, unpacking and scaling them tile by tile
+# 2. **quantize and load**: the step that swaps a loaded model's float linear layers for `QuantLinear` layers
+#    holding those bytes;
+# 3. **a Triton kernel** that multiplies by those bytes directly, unpacking and scaling them tile by tile
 #    (a puzzle in the style of Sasha Rush's *Triton puzzles*: the skeleton is given, you fill in the body);
-# 3. **perplexity**, the measurement that says what the quantization cost.
+# 4. **perplexity**, the measurement that says what the quantization cost.
+#
+# The first three then run inside a real engine, `LLM("tinystories-target", quantization="int4", components=...)`:
+# its weights quantized by your function, loaded by your step, multiplied by your kernel, serving requests whose
+# tokens must be those of minifer's own int4 engine.
 #
 # Each exercise explains the idea, gives a function whose body you write, then a **check cell** that grades
 # it against minifer's own (`minifer/quant/formats.py`, `minifer/kernels/quant_matmul.py`, `minifer/eval.py`).
@@ -134,6 +140,23 @@ from minifer.course.grading.quant import check_quantize_int4
 check_quantize_int4(quantize_int4_groupwise)
 
 # %% [markdown]
+# ### Now your quantizer serves requests
+#
+# The next cell saves `quantize_int4_groupwise` to `my_engine/` (the capstone finds it there), grades it again,
+# then hands it to a real engine, `LLM("tinystories-target", quantization="int4", components=...)`: every weight the
+# engine quantizes on load goes through your function (minifer's load step and kernel do the rest). It serves 4
+# greedy requests of 8 tokens. int4 is not float32, so the reference is minifer's own int4 engine: the tokens must
+# be the same, request by request, and scored teacher-forced (each engine gives every token of the reference's
+# answers a log-probability) the two may differ by float rounding only. A function that fails its checks never
+# reaches the engine: the cell stops with the grader's hint.
+
+# %%
+# NBVAL_CHECK_OUTPUT
+from minifer.course.grading.quant_engine import check_quant_in_engine
+
+check_quant_in_engine("quantize_int4_groupwise", quantize_int4_groupwise)
+
+# %% [markdown]
 # What the formats cost and keep, on a real weight: the first MLP projection of the bundled model
 # (`gate_up_proj` of layer 0, `[1408, 256]`), with minifer's `quantize`. Bits per weight count the codes and
 # the scales and zero points; the error is `‖W − dequantize(Q)‖ / ‖W‖`. Smaller groups buy accuracy with
@@ -150,7 +173,78 @@ for name, qw in [("int8, per row", quantize(w, "int8")), ("fp8 e4m3, per row", q
     print(f"{name:<22}{8 * qw.nbytes() / w.numel():>14.3f}{err:>16.4f}")
 
 # %% [markdown]
-# ## 2 · The puzzle: a Triton kernel that multiplies by int4 bytes
+# ## 2 · Quantize and load: `QuantLinear` in place of `nn.Linear`
+#
+# A quantizer makes bytes; a model has to hold them. minifer loads a checkpoint into an ordinary float model, then,
+# when `LLM(..., quantization="int4")` asks for it, walks the decoder and swaps each projection for a `QuantLinear`
+# (`minifer/quant/linear.py`): a module that keeps the codes, scales and zero points as buffers and whose forward
+# multiplies through a **kernel** handed to it (`QuantLinear(qw, bias, kernel)`, `qw` a `QuantizedWeight`). Write
+# that step, `quantize_linears(model, quantize, group_size, symmetric, kernel)`, in place:
+#
+# * **which layers**: every `nn.Linear` inside the decoder layers, `model.model.layers[i]` (`self_attn.qkv_proj`,
+#   `self_attn.o_proj`, `mlp.gate_up_proj`, `mlp.down_proj`): 89% of the parameters, read once per generated
+#   token. Two stay in float, as in GPTQ, AWQ and vLLM: `model.model.embed_tokens` is a lookup that reads one row
+#   per token (quantizing it saves memory, not bandwidth), and `model.lm_head` writes the logits, where no later
+#   layer averages its error away;
+# * **groups along K**: quantize the weight as `nn.Linear` stores it, `[N, K]` (float32: `linear.weight.detach()
+#   .float()`), so that a group is `g` consecutive *inputs* of a row, the numbers one dot product sums. `group_size`
+#   must divide K, and `down_proj`'s K is 704 = 11 × 64: `group_for(name, K, group_size)` (`minifer.quant.model`)
+#   gives each layer its group, falling back to the largest power of two that divides K (64 here), as minifer does;
+# * **the bias**: only the weight is quantized; a layer's bias (Qwen2's `qkv_proj` has one) goes to the
+#   `QuantLinear` as it is;
+# * **replace the module**: `setattr(parent, child, QuantLinear(...))`, with `parent = layer.get_submodule(...)`.
+#   The float layer must then be gone: nothing may keep its weight, or the model holds the float bytes *and* the
+#   int4 ones, more than before quantizing;
+# * **the kernel**: each `QuantLinear` multiplies through `kernel` (None: minifer's reference).
+#
+# `QuantizedWeight("int4", packed, scales, zeros, group, (N, K))` wraps the three tensors your quantizer returns.
+# The check runs your step with minifer's quantizer on copies of the bundled model and compares the layers, their
+# bytes, the bytes the model holds and its logits with minifer's `quantize_model(model, "int4")`.
+
+# %%
+from torch import nn
+
+from minifer.quant import QuantizedWeight
+from minifer.quant.linear import QuantLinear
+from minifer.quant.model import group_for
+
+
+def quantize_linears(model, quantize, group_size=128, symmetric=True, kernel=None):
+    """In place: every nn.Linear of the decoder layers (model.model.layers) becomes a QuantLinear holding
+    quantize(weight [N, K], group, symmetric)'s int4 bytes (group: group_for), its bias kept, multiplying through
+    kernel; embed_tokens and lm_head stay as they are. Returns None."""
+    ### BEGIN SOLUTION
+    for i, layer in enumerate(model.model.layers):
+        for name, linear in list(layer.named_modules()):  # a list: the loop swaps modules
+            if not isinstance(linear, nn.Linear):
+                continue
+            group = group_for(f"model.layers.{i}.{name}", linear.in_features, group_size)
+            packed, scales, zeros = quantize(linear.weight.detach().float(), group, symmetric)
+            qw = QuantizedWeight("int4", packed, scales, zeros, group, tuple(linear.weight.shape))
+            bias = None if linear.bias is None else linear.bias.detach().clone()
+            parent, _, child = name.rpartition(".")
+            setattr(layer.get_submodule(parent), child, QuantLinear(qw, bias, kernel))
+    ### END SOLUTION
+
+
+# %%
+# NBVAL_CHECK_OUTPUT
+from minifer.course.grading.quant_load import check_quantize_linears
+
+check_quantize_linears(quantize_linears)
+
+# %% [markdown]
+# ### Now your load step serves requests
+#
+# The same engine and requests as for the quantizer, with your `quantize_linears` as the engine's load step
+# (minifer's quantizer and kernel around it): the tokens must be minifer's int4 engine's.
+
+# %%
+# NBVAL_CHECK_OUTPUT
+check_quant_in_engine("quantize_linears", quantize_linears)
+
+# %% [markdown]
+# ## 3 · The puzzle: a Triton kernel that multiplies by int4 bytes
 #
 # Dequantizing `W` into a float tensor and then calling `x @ W.T` would write the full-precision weight to
 # memory and read it back: more bytes than bf16 had to begin with. A **fused** kernel reads the packed bytes,
@@ -280,7 +374,32 @@ from minifer.course.grading.quant import check_int4_matmul_kernel
 check_int4_matmul_kernel(int4_matmul)
 
 # %% [markdown]
-# ## 3 · Perplexity: what did quantization cost?
+# ### Now your kernel serves requests
+#
+# Every `QuantLinear` of the int4 engine now multiplies through your `int4_matmul` (minifer's quantizer and load
+# step around it): 48 projections per step. Without a GPU each launch runs in Triton's interpreter, one program
+# after another, so the engine launches your kernel with large tiles (up to 64 × 512 × 256; with 16 × 16 tiles a
+# step would take ten times longer) and the cell takes a minute or so. The tokens must be minifer's int4 engine's,
+# and teacher-forced log-probabilities may differ by float32 rounding only (your kernel sums in another order).
+
+# %%
+# NBVAL_CHECK_OUTPUT
+check_quant_in_engine("int4_matmul", int4_matmul)
+
+# %% [markdown]
+# ### All three together
+#
+# Your quantizer makes the bytes, your load step puts them in the model, your kernel multiplies by them: the
+# engine's whole int4 path is yours (the capstone runs this cell again beside your other pieces).
+
+# %%
+# NBVAL_CHECK_OUTPUT
+from minifer.course.grading.quant_engine import check_int4_engine
+
+check_int4_engine()
+
+# %% [markdown]
+# ## 4 · Perplexity: what did quantization cost?
 #
 # A language model assigns each token a probability given the tokens before it. On a text of `T` predicted
 # tokens, the **mean negative log-likelihood** is `NLL = −(1/T) Σ_t log p(x_t | x_<t)` (nats per token), and
@@ -374,7 +493,8 @@ for label, method, group, symmetric in [("int8", "int8", 128, True), ("int4 g128
 # ## Where these live in the engine
 #
 # * `quantize_int4_groupwise` is `minifer.quant.formats.quantize_int4` (with `pack_int4`, `unpack_int4`,
-#   `dequantize`); `QuantLinear` and `quantize_model` (`minifer/quant/linear.py`) put it into a model;
+#   `dequantize`); `quantize_linears` is the int4 path of `quantize_model` (`minifer/quant/model.py`), which the
+#   loader calls (`Components.quantizer` is the seam your step went through);
 # * `int4_matmul_kernel` is a simple version of `minifer/kernels/quant_matmul.py`: its `tiled` path is the
 #   same loop with tensor-core tiles, and its `gemv` path for decode splits K across programs and decodes a
 #   32-bit word of eight codes at a time;

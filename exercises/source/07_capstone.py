@@ -38,6 +38,14 @@
 # Skipped an exercise? Set `SOLUTION = True`: minifer's piece takes the place of any piece that is not saved
 # or fails its checks (tiny-llm's `--solution` switch), and the cell after the check says which pieces ran.
 
+# %%
+import os
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported: your int4 kernel runs on the CPU
+
 # %% exercise-only
 SOLUTION = False  # True: minifer's pieces fill the gaps
 
@@ -73,11 +81,42 @@ from minifer.course.grading.engine import capstone_throughput
 capstone_throughput(solution=SOLUTION)
 
 # %% [markdown]
+# ## Your int4 engine
+#
+# Chapter 05's pieces change the weights themselves, so they run in an engine of their own,
+# `LLM("tinystories-target", quantization="int4", components=...)`: your `quantize_int4_groupwise` makes the bytes,
+# your `quantize_linears` swaps them into the model as it loads, your Triton `int4_matmul` multiplies by them in
+# every projection (`05_quantization`, sections 1, 2 and 3, each ending with its "now your ... serves requests"
+# cell). int4 is not float32, so the reference is minifer's own int4 engine: the same greedy tokens, request by
+# request, and teacher-forced log-probabilities equal up to float32 rounding. Without a GPU your kernel runs in
+# Triton's interpreter, so the batch is small (4 requests of 8 tokens) and the cell takes a minute or so.
+# `SOLUTION` works here too.
+
+# %%
+# NBVAL_CHECK_OUTPUT
+from minifer.course.grading.quant_engine import check_int4_engine, print_int4_origins
+
+check_int4_engine(solution=SOLUTION)
+
+# %%
+print_int4_origins()
+
+# %% [markdown]
+# Its speed as a ratio of minifer's int4 engine's, measured once (interleaved, never a check). Without a GPU it is
+# tiny, and says more about the interpreter (every program of the grid run in numpy, one after another) than about
+# your kernel; on a GPU the same cell compares two compiled kernels.
+
+# %%
+from minifer.course.grading.quant_engine import int4_throughput
+
+int4_throughput(solution=SOLUTION)
+
+# %% [markdown]
 # ## What is still minifer's
 #
 # The rest of the model's forward (`minifer/models/llama.py`: the embedding, the final norm, the logits), the
 # weight loader, the model runner that packs a batch into tensors (`minifer/engine/runner.py`), the engine step that
 # ties schedule → run → sample → append → free together (`minifer/engine/llm_engine.py`), the speculative loop
-# with its rollback (`minifer/engine/speculative.py`) and the quantized layers (`minifer/quant/`). Reading
-# them with your pieces in mind is the next step: each calls one of yours through a seam
-# (`minifer/engine/components.py` lists them).
+# with its rollback (`minifer/engine/speculative.py`) and the quantized layer itself (`QuantLinear`,
+# `minifer/quant/linear.py`). Reading them with your pieces in mind is the next step: each calls one of yours
+# through a seam (`minifer/engine/components.py` lists them).

@@ -25,7 +25,7 @@ import sys
 import textwrap
 import time
 import types
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -146,13 +146,14 @@ def save(*objs: Any, path: str | Path | None = None, name: str | None = None) ->
     return written
 
 
-def load_saved(path: str | Path | None = None, errors: dict[str, str] | None = None) -> dict[str, Any]:
-    """Every saved piece, by name, each file run in its own namespace (``ForkingAllocator``'s file finds the saved
-    ``PrefixCachingAllocator``, the class it extends). A file that does not run is left out, and why is put in
-    ``errors``."""
+def load_saved(path: str | Path | None = None, errors: dict[str, str] | None = None,
+               names: Iterable[str] | None = None) -> dict[str, Any]:
+    """Every saved piece (of ``names``, by default ``PIECES``), by name, each file run in its own namespace
+    (``ForkingAllocator``'s file finds the saved ``PrefixCachingAllocator``, the class it extends). A file that does
+    not run is left out, and why is put in ``errors``."""
     found: dict[str, Any] = {}
     root = folder(path)
-    for name in PIECES:
+    for name in names or PIECES:
         file = root / f"{name}.py"
         if not file.is_file():
             continue
@@ -488,15 +489,20 @@ def throughput(components: Components, workload: Workload, rounds: int = 3) -> f
     """Output tokens/s of an engine with ``components`` as a ratio of the reference engine's: rounds interleaved, each
     engine warmed up once first, the order alternating (reference first, then yours first) so that neither always
     runs in the other's wake; the median of the rounds' ratios."""
-    ref, mine = engine(None, workload), engine(components, workload)
+    return interleaved_ratio(engine(None, workload), engine(components, workload), lambda llm: tokens(llm, workload),
+                             rounds)
+
+
+def interleaved_ratio(ref: Any, mine: Any, run: Callable[[Any], list[list[int]]], rounds: int = 3) -> float:
+    """``throughput``'s method for any two engines: ``run(engine)`` serves a batch and returns its tokens."""
     for llm in (mine, ref):  # yours first: a piece that does not run yet fails before the reference is timed
-        tokens(llm, workload)  # warm-up: first-call costs are not the engine's speed
+        run(llm)  # warm-up: first-call costs are not the engine's speed
     ratios = []
     for r in range(rounds):
         rates = {}
         for llm in ((ref, mine) if r % 2 == 0 else (mine, ref)):
             t0 = time.perf_counter()
-            n = sum(len(t) for t in tokens(llm, workload))
+            n = sum(len(t) for t in run(llm))
             rates[id(llm)] = n / (time.perf_counter() - t0)
         ratios.append(rates[id(mine)] / rates[id(ref)])
     return statistics.median(ratios)
@@ -505,13 +511,20 @@ def throughput(components: Components, workload: Workload, rounds: int = 3) -> f
 def report_throughput(label: str, components: Callable[[], Components], workload: Workload, rounds: int = 3) -> float | None:
     """Print the ratio (a measurement for the learner's eyes, never asserted) and return it, or say why it was not
     measured."""
+    return print_ratio(label, lambda: throughput(components(), workload, rounds), workload.describe(), rounds)
+
+
+def print_ratio(label: str, measure: Callable[[], float], what: str, rounds: int,
+                reference: str = "the reference engine's") -> float | None:
+    """``report_throughput`` for any measurement: ``measure()`` returns the median ratio of ``rounds`` rounds of
+    ``what``; an exception (a piece that does not run yet) is reported, not raised."""
     try:
-        ratio = throughput(components(), workload, rounds)
+        ratio = measure()
     except Exception as e:  # a piece that does not run yet: its check cell has already said why
         print(f"{label}: not measured ({type(e).__name__}: {str(e)[:120]}); its check cell above says what is missing")
         return None
-    print(f"{label}: {ratio:.2f}x the reference engine's output tokens/s (median of {rounds} interleaved rounds of "
-          f"{workload.describe()}; measured on this machine now, not a check)")
+    print(f"{label}: {ratio:.3g}x {reference} output tokens/s (median of {rounds} interleaved round"
+          f"{'s' * (rounds != 1)} of {what}; measured on this machine now, not a check)")
     return ratio
 
 

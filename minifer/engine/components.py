@@ -35,7 +35,8 @@ SEAMS = ("block_allocator", "scheduler", "sampler", "proposer", "verifier", "att
 class Components:
     """The engine's replaceable pieces; None keeps the reference. ``rms_norm``, ``apply_rotary`` and
     ``decoder_layer`` are ``LayerOps``' (``minifer.layers.ops``); the others are ``LLM``'s seams of the same names, with the same contracts
-    (``LLMEngine``'s docstring lists them; ``quant_kernel``: ``minifer.quant.linear.QuantKernel``)."""
+    (``LLMEngine``'s docstring lists them; ``quant_kernel``: ``minifer.quant.linear.QuantKernel``; ``quantizer``:
+    what the load path calls in place of ``minifer.quant.model.quantize_model``)."""
 
     rms_norm: Callable[[torch.Tensor, torch.Tensor, float], torch.Tensor] | None = None
     apply_rotary: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor] | None = None
@@ -49,6 +50,9 @@ class Components:
     quant_kernel: QuantKernel | None = None
     rollback: Rollback | None = None  # what a speculative step keeps of its drafts' KV (``speculative.Rollback``)
     eagle_forward: EagleForward | None = None  # the EAGLE head's forward (``engine.eagle.EagleForward``)
+    # what turns the loaded model's linear layers into QuantLinear ones: ``quantize_model``'s signature
+    # (``quantizer(model, method, kernel=...)``, in place); None: ``minifer.quant.model.quantize_model``
+    quantizer: Callable[..., Any] | None = None
 
     def given(self) -> dict[str, Any]:
         """The fields that are set, by name."""

@@ -160,7 +160,8 @@ class LLM:
         if share_weights_with is not None:
             self.model = self._shared_model(share_weights_with, quantization, load_format)
         else:
-            self.model = self._load_model(quantization, load_format, parts.quant_kernel, limit, seed)
+            self.model = self._load_model(quantization, load_format, parts.quant_kernel, limit, seed,
+                                          quantizer=parts.quantizer)
         self.compilation_config = compile_model(self.model, compilation_config, share_weights_with)
         self.replicas = start_replicas(LLM, replica_kwargs, data_parallel_size, share_weights_with)
         self.quantization_config = getattr(self.model, "quantization_config", None)
@@ -198,7 +199,7 @@ class LLM:
         return None
 
     def _load_model(self, quantization: str | None, load_format: str, quant_kernel: QuantKernel | None,
-                    max_positions: int, seed: int) -> torch.nn.Module:
+                    max_positions: int, seed: int, quantizer: Callable[..., Any] | None = None) -> torch.nn.Module:
         """The target's weights (quantized as asked), its quantized layers on ``quant_kernel`` or the device's
         default (``kernels.quant_kernel_for``: the Triton kernel on CUDA, int8's integer matmul on the CPU, else the
         reference)."""
@@ -209,7 +210,7 @@ class LLM:
         )
 
         kernel = quant_kernel or quant_kernel_for(self.device) or int8_cpu_linear
-        return load_model(self.model_path, quantization, load_format=load_format, quant_kernel=kernel,
+        return load_model(self.model_path, quantization, load_format=load_format, quant_kernel=kernel, quantizer=quantizer,
                           dtype=self.dtype, device=self.device, max_positions=max_positions, seed=seed)
 
     def _shared_model(self, other: "LLM", quantization: str | None, load_format: str) -> torch.nn.Module:

@@ -90,11 +90,12 @@ def load_quantized(path: str | Path, *, dtype: torch.dtype = torch.float32, devi
 
 
 def load_model(path: Path, quantization: str | None = None, *, load_format: str = "auto",
-               quant_kernel: QuantKernel | None = None, **build_kw) -> nn.Module:
+               quant_kernel: QuantKernel | None = None, quantizer=None, **build_kw) -> nn.Module:
     """What ``LLM`` calls: a folder written by ``save_quantized``, or a GPTQ checkpoint (``gptq_checkpoint``),
     loads as saved (``quantization``, if given, must name its format); any other checkpoint loads with
     ``build_model`` and, when ``quantization`` is given, is quantized by round-to-nearest (``quantize_model``).
-    Quantized layers multiply through ``quant_kernel`` (``QuantKernel``; the PyTorch reference when None)."""
+    Quantized layers multiply through ``quant_kernel`` (``QuantKernel``; the PyTorch reference when None);
+    ``quantizer`` (``quantize_model``'s signature) replaces ``quantize_model``, e.g. with a learner's own."""
     if quantization is not None:
         check_quantization(quantization)
     saved_layout = load_quantized if is_quantized_checkpoint(path) else load_gptq if is_gptq_checkpoint(path) else None
@@ -109,5 +110,5 @@ def load_model(path: Path, quantization: str | None = None, *, load_format: str 
         return model
     model = build_model(path, load_format=load_format, **build_kw)
     if quantization is not None:
-        quantize_model(model, quantization, kernel=quant_kernel)
+        (quantizer or quantize_model)(model, quantization, kernel=quant_kernel)
     return model

@@ -29,10 +29,16 @@ NOTEBOOKS = sorted({p.notebook for p in workbench.PIECES.values()})
 
 
 def _pieces(variant: str) -> dict:
-    """The definitions (functions, classes, imports) of the exercises' cells in ``variant``, run as a notebook
-    would run them: each cell registered in ``linecache`` under its own name, so their source can be saved."""
-    scope: dict = {"__name__": f"cells_{variant}"}
-    for stem in NOTEBOOKS:
+    scope = definitions(variant, NOTEBOOKS)
+    return {name: scope[name] for name in workbench.PIECES}
+
+
+def definitions(variant: str, stems, scope: dict | None = None) -> dict:
+    """The definitions (functions, classes, imports) of the cells of exercises ``stems`` in ``variant``, run as a
+    notebook would run them (in ``scope``): each cell registered in ``linecache`` under its own name, so their
+    source can be saved."""
+    scope = {"__name__": f"cells_{variant}", **(scope or {})}
+    for stem in stems:
         text = (ROOT / "exercises" / "source" / f"{stem}.py").read_text()
         for i, cell in enumerate(bx.parse_source(text, stem)):
             code = bx.render_cell(cell, variant, stem)
@@ -48,7 +54,7 @@ def _pieces(variant: str) -> dict:
             name = f"<{variant} {stem} cell {i}>"
             linecache.cache[name] = (len(src), None, src.splitlines(True), name)
             exec(compile(src, name, "exec", dont_inherit=True), scope)
-    return {name: scope[name] for name in workbench.PIECES}
+    return scope
 
 
 @pytest.fixture(scope="module")

@@ -15,7 +15,7 @@ from collections.abc import Callable
 from typing import Any
 
 from minifer.course import workbench
-from minifer.course.grading import building_blocks, paging, spec, spec_step
+from minifer.course.grading import building_blocks, paging, quant, quant_load, spec, spec_step
 from minifer.course.grading.base import run_checks
 from minifer.course.workbench import CAPSTONE, PROMPTS, WORKLOADS, Workload, engine, reference_llm, tokens
 from minifer.course.workbench_spec import CAPSTONE_EAGLE
@@ -28,6 +28,8 @@ GRADERS: dict[str, Callable[[Any], None]] = {
     "schedule_step": paging.check_schedule_step, "verify_greedy": spec.check_verify_greedy,
     "rejection_sample": spec.check_rejection_sample, "ngram_propose": spec.check_ngram_propose,
     "rollback": spec_step.check_rollback, "eagle_forward": spec_step.check_eagle_forward,
+    "quantize_int4_groupwise": quant.check_quantize_int4, "quantize_linears": quant_load.check_quantize_linears,
+    "int4_matmul": quant.check_int4_matmul_kernel,
 }
 
 
@@ -52,10 +54,15 @@ def load_pieces(solution: bool = False, path=None) -> tuple[dict[str, Any], dict
     broken: dict[str, str] = {}
     saved = workbench.load_saved(path, broken)
     skip = "PrefixCachingAllocator" if "ForkingAllocator" in saved else "ForkingAllocator"
+    return sort_saved(saved, broken, {n: p for n, p in workbench.PIECES.items() if n != skip}, solution, path)
+
+
+def sort_saved(saved: dict[str, Any], broken: dict[str, str], wanted: dict[str, workbench.Piece], solution: bool,
+               path=None) -> tuple[dict[str, Any], dict[str, str]]:
+    """``load_pieces``' verdict on each ``wanted`` piece, saved (``saved``) or not, or saved but not running
+    (``broken``): graded, and kept, or replaced by minifer's (``solution``), or the reason raised."""
     pieces, origin = {}, {}
-    for name, piece in workbench.PIECES.items():
-        if name == skip:
-            continue
+    for name, piece in wanted.items():
         if name in broken:
             problem = broken[name]
         elif name not in saved:
@@ -153,22 +160,28 @@ def _serve_checks(label: str, components: Callable[[], Any], workload: Workload,
     return checks + (workload.engine_checks(served) if hasattr(workload, "engine_checks") else [])
 
 
-def check_in_engine(name: str, piece: Any) -> None:
-    """Save ``piece`` (the exercise's ``name``), grade it, and serve the chapter's workload with it in the engine."""
+def saved_and_graded(name: str, piece: Any, save: Callable[..., Any], notebook: str) -> tuple[list, str]:
+    """The start of every piece's check in the engine: ``save(piece, name=name)`` (for the capstone), the check that
+    it passes its grader (so a wrong piece stops with the grader's hint, before any engine runs it), and the hint for
+    a piece that passes and then fails in the engine."""
     try:
-        workbench.save(piece, name=name)
+        save(piece, name=name)
     except (OSError, TypeError):  # no source to save (a lambda, a built-in): it is graded and served all the same
         pass
-    spec = workbench.PIECES[name]
 
     def graded() -> None:
         problem = grade_quietly(name, piece)
         if problem is not None:
             raise AssertionError(f"it does not go into the engine until it passes its checks:\n{problem}")
 
-    hint = (f"it passes the checks of {spec.notebook}, but the engine calls it on shapes or states they do not cover; "
+    hint = (f"it passes the checks of {notebook}, but the engine calls it on shapes or states they do not cover; "
             f"rerun the check cell of {name} after changing it")
-    checks = [(f"your {name} passes its checks (saved for the capstone)", graded)]
+    return [(f"your {name} passes its checks (saved for the capstone)", graded)], hint
+
+
+def check_in_engine(name: str, piece: Any) -> None:
+    """Save ``piece`` (the exercise's ``name``), grade it, and serve the chapter's workload with it in the engine."""
+    checks, hint = saved_and_graded(name, piece, workbench.save, workbench.PIECES[name].notebook)
     spec_config = getattr(WORKLOADS[name], "speculative_config", None)  # a workload with its own drafter
     checks += _serve_checks(f"your {name}", lambda: workbench.components_from({name: piece}, spec_config),
                             WORKLOADS[name], hint)
