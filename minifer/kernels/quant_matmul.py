@@ -77,7 +77,7 @@ def _cfg(num_warps: int = 4, num_stages: int = 2, per_sm: int = 4, **kw) -> trit
     return triton.Config({**kw, "SPLIT_PER_SM": per_sm}, num_warps=num_warps, num_stages=num_stages)
 
 
-# The GPU's autotuning lists; the first of each is the one aot.py compiles (no spills on sm_80 or sm_90).
+# The GPU's autotuning lists; the first of each is the one bench/aot.py compiles (no spills on sm_80 or sm_90).
 # A chunk is 64 bytes of a row (an int4 group of 128, or 64 int8/fp8 codes): CHUNKS sets how long a
 # contiguous run of each row one step reads, BLOCK_N how many rows. Each tile config comes with several
 # programs per SM for the split (per_sm, see _cfg): the same compiled kernel, so each costs only a timing.
