@@ -54,7 +54,6 @@ class ModelConfig:
     qk_norm: bool
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
-    torch_dtype: str | None = None
     raw: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
 
     @property
@@ -119,7 +118,6 @@ class ModelConfig:
             qk_norm=family == "qwen3",
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=eos_ids,
-            torch_dtype=cfg.get("torch_dtype") or cfg.get("dtype"),
             raw=dict(cfg),
         )
 

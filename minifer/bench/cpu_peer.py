@@ -460,7 +460,7 @@ def _no_engine_kw() -> dict[str, Any]:
 
 
 def _step_gather_kw() -> dict[str, Any]:
-    from minifer.layers.cpu_attention import StepGatherKVCache
+    from minifer.bench.cpu_attention import StepGatherKVCache
 
     return {"attention_backend": StepGatherKVCache}
 

@@ -27,22 +27,13 @@ engine as in a plain one.
 
 N-gram drafts are looked up before deciding: ``adaptive_ngram.py``.
 
-The model can be wrong (a cost table from a calibration, acceptance that differs between requests), so measurement
-has the last word: per batch-size bucket the engine keeps the measured speedup of each recent speculative step (its
-tokens per second over a plain step's at the same batch size, counting the tokens such a step emits on average at
-the measured acceptance, so that one step's luck does not decide a trial; it mixes in a few plain steps to know
-those) and stops speculating in a bucket where, after a trial of 8 steps, the mean speedup does not clear the margin
-(or after 4 that lose outright). It tries again after 32, 64, ... 1024 plain steps. Why a margin rather than 1: the
-timings are noisy, the plain steps that measure the reference cost something, and speculation speeds sequences up
-unevenly, so a closed batch ends in a ragged tail of a few slow sequences that a step's own speedup does not see.
-
-Staying informed costs too: when plain decoding wins but not by much (the best prediction within 10% of the
-margin), now and then one sequence speculates anyway (a *probe*), so a stale acceptance or draft cost cannot
-switch speculation off for good. A draft-model probe first catches the draft up on every token it skipped,
-which at 32 sequences can cost a third of a step, so probes are rationed to 0.2% of the decode time of roughly
-the last thousand steps (``PROBE_BUDGET``, ``PROBE_DECAY``): time banked while speculating at small batches must
-not pay for a run of probes later. A prediction clearly short of the margin gets no probes: its decision is held
-for a few steps instead.
+The model can be wrong (a calibrated cost table, acceptance that differs between requests), so measurement has
+the last word: per batch-size bucket, speculative steps' measured speedup over plain ones must clear the margin in a
+trial of 8 steps, or speculation stops there until a retry (``measured_allows``). A margin, not 1: timings are noisy,
+the plain steps that measure the reference cost something, and a batch ends with its slowest sequence, which one
+step's speedup does not see. And when plain decoding wins by
+little, one sequence now and then speculates anyway (a *probe*, rationed by ``probe_due``), so a stale estimate
+cannot switch speculation off for good; a prediction clearly short of the margin is held for a few steps instead.
 """
 
 from __future__ import annotations
@@ -258,9 +249,8 @@ class AdaptiveK:
         """Predicted tokens per second of a step of ``b`` decodes with ``k`` drafts each. ``lag``: tokens per
         sequence the draft has not seen yet. Its first forward catches up on them: 1-2 after a speculative step,
         more after plain steps. That catch-up is the price of switching speculation back on, paid once for the
-        steps that follow, so it is spread over a trial's worth of them (``TRIAL_STEPS``). Charged in full to one
-        step, it grew with every plain step and, at 8 sequences here, kept speculation off for good where it
-        was worth 1.25x."""
+        steps that follow, so it is spread over a trial's worth of them (``TRIAL_STEPS``): charged to one step, it
+        would grow with every plain step and keep speculation off where it pays."""
         # Only a fraction `hit` of the sequences asked for drafts get any (n-gram lookup finds no match for
         # the others; a draft model always proposes): they alone add verify tokens and gain tokens.
         hit = (self._got + 4) / (self._asked + 4)  # a prior of 4 hits in 4 until measured
@@ -367,8 +357,6 @@ class AdaptiveK:
 
 
 def _beats(speedups, margin: float) -> bool:
-    """Did the recent speculative steps beat plain decoding by ``margin``? ``speedups``: each step's tokens per
-    second over plain decoding's at its batch size. Why a margin and not just 1 (the module docstring has the
-    measurements): a step's speedup overrates the batch's, which ends with its slowest sequence, and the plain
-    steps that measure it cost something too."""
+    """Did the recent speculative steps (``speedups``: each one's tokens per second over plain decoding's at its
+    batch size) beat plain decoding by ``margin``? (Why a margin and not 1: the module docstring.)"""
     return statistics.fmean(speedups) > margin

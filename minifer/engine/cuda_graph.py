@@ -103,22 +103,3 @@ class DecodeGraphs:
         self.graphs[size].replay()
         return self.outputs[size][:b]
 
-
-class EagerReplay:
-    """Stands in for a captured graph where there is no GPU (the tests): ``replay`` runs the same forward
-    on the same static buffers, so everything around the graph — padding, the scratch block, the
-    buffers' contents — is checked on a CPU with the Triton kernels under the interpreter."""
-
-    def __init__(self, graphs: DecodeGraphs, b: int) -> None:
-        self.graphs, self.b = graphs, b
-        graphs.outputs[b] = torch.empty(b, graphs.model.config.hidden_size,
-                                        dtype=graphs.model.model.embed_tokens.weight.dtype)
-
-    @torch.inference_mode()
-    def replay(self) -> None:
-        g, b = self.graphs, self.b
-        g.cache.meta = g._meta(b)
-        try:
-            g.outputs[b].copy_(g.model(g.ids[:b], g.positions[:b], g.cache))
-        finally:
-            g.cache.meta = None

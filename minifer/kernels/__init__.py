@@ -2,8 +2,8 @@
 
 Triton publishes Linux wheels only. ``HAS_TRITON`` says whether it imported; the CPU path never needs
 it. Kernels run on a CUDA GPU, or on CPU tensors under Triton's interpreter (``TRITON_INTERPRET=1``, set
-*before* triton is imported), which is how the tests and notebooks check them on a laptop. ``aot.py``
-compiles them ahead of time for sm_80 / sm_90 with no GPU present.
+*before* triton is imported), which is how the tests and notebooks check them on a laptop (``minifer.bench.aot``
+compiles them for GPU targets with no GPU present).
 """
 
 from __future__ import annotations

@@ -1,8 +1,8 @@
 """Paged-attention kernels in Triton: write new K/V into their cache slots, and decode attention.
 
 Both follow the reference in ``minifer/layers/paged_attention.py``; ``tests/kernels/test_kernels.py`` checks
-them against it under the interpreter on random and odd shapes, and ``aot.py`` compiles them for sm_80
-and sm_90.
+them against it under the interpreter on random and odd shapes, and ``minifer.bench.aot`` compiles them for
+GPU targets.
 
 Decode attention (one new query per sequence) is where paging matters most: a program handles one
 (sequence, KV head) pair and walks that sequence's block table, loading one KV block of ``block_size``

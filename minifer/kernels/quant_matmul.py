@@ -77,7 +77,7 @@ def _cfg(num_warps: int = 4, num_stages: int = 2, per_sm: int = 4, **kw) -> trit
     return triton.Config({**kw, "SPLIT_PER_SM": per_sm}, num_warps=num_warps, num_stages=num_stages)
 
 
-# The GPU's autotuning lists; the first of each is the one aot.py compiles (no spills on sm_80 or sm_90).
+# The GPU's autotuning lists; the first of each is the one bench/aot.py compiles (no spills on sm_80 or sm_90).
 # A chunk is 64 bytes of a row (an int4 group of 128, or 64 int8/fp8 codes): CHUNKS sets how long a
 # contiguous run of each row one step reads, BLOCK_N how many rows. Each tile config comes with several
 # programs per SM for the split (per_sm, see _cfg): the same compiled kernel, so each costs only a timing.
@@ -125,18 +125,13 @@ def gpu_configs(path: str, turing: bool = False) -> list[triton.Config]:
 # One config each under the interpreter (it runs every program in numpy: tuning would only cost time) or
 # with MINIFER_QUANT_AUTOTUNE=0 on a GPU (the first config of each list: quick start-up, fixed kernels).
 AUTOTUNE = not INTERPRETING and os.environ.get("MINIFER_QUANT_AUTOTUNE", "1") != "0"
-if INTERPRETING:
-    GEMV_CONFIGS = [_cfg(BLOCK_N=16, CHUNKS=2)]
-    SPLITK_CONFIGS = [_cfg(per_sm=2, BLOCK_M=16, BLOCK_N=32, BLOCK_K=64, GROUP_M=1)]
-    TILED_CONFIGS = [_cfg(per_sm=1, BLOCK_M=32, BLOCK_N=32, BLOCK_K=64, GROUP_M=4)]
-    INT4_MMA_CONFIGS = [_cfg(per_sm=2, BLOCK_M=16, BLOCK_N=32, BLOCK_K=64)]
-    INT4_MMA_TILED_CONFIGS = [_cfg(per_sm=1, BLOCK_M=32, BLOCK_N=32, BLOCK_K=64)]
-elif AUTOTUNE:
-    GEMV_CONFIGS, SPLITK_CONFIGS, TILED_CONFIGS = GPU_GEMV_CONFIGS, GPU_SPLITK_CONFIGS, GPU_TILED_CONFIGS
-    INT4_MMA_CONFIGS, INT4_MMA_TILED_CONFIGS = GPU_INT4_MMA_CONFIGS, GPU_INT4_MMA_TILED_CONFIGS
-else:
-    GEMV_CONFIGS, SPLITK_CONFIGS, TILED_CONFIGS = GPU_GEMV_CONFIGS[:1], GPU_SPLITK_CONFIGS[:1], GPU_TILED_CONFIGS[:1]
-    INT4_MMA_CONFIGS, INT4_MMA_TILED_CONFIGS = GPU_INT4_MMA_CONFIGS[:1], GPU_INT4_MMA_TILED_CONFIGS[:1]
+INTERPRETER_CONFIGS = {
+    "gemv": [_cfg(BLOCK_N=16, CHUNKS=2)],
+    "splitk": [_cfg(per_sm=2, BLOCK_M=16, BLOCK_N=32, BLOCK_K=64, GROUP_M=1)],
+    "tiled": [_cfg(per_sm=1, BLOCK_M=32, BLOCK_N=32, BLOCK_K=64, GROUP_M=4)],
+    "int4_mma": [_cfg(per_sm=2, BLOCK_M=16, BLOCK_N=32, BLOCK_K=64)],
+    "int4_mma_tiled": [_cfg(per_sm=1, BLOCK_M=32, BLOCK_N=32, BLOCK_K=64)],
+}
 
 
 def _cap_block_k(configs: list[triton.Config], cap: int) -> list[triton.Config]:
@@ -160,10 +155,7 @@ def _tuner(path: str, block_k_cap: int = 0, turing: bool = False):
     """The autotuned kernel of a path (``"int4_mma"`` / ``"int4_mma_tiled"``: int4's splitk / tiled paths,
     see ``plan``), and its configs (one tuner per BLOCK_K cap and config family, built on first use)."""
     if (path, block_k_cap, turing) not in _tuners:
-        configs = {"gemv": GEMV_CONFIGS, "splitk": SPLITK_CONFIGS, "tiled": TILED_CONFIGS,
-                   "int4_mma": INT4_MMA_CONFIGS, "int4_mma_tiled": INT4_MMA_TILED_CONFIGS}[path]
-        if turing and not INTERPRETING:
-            configs = gpu_configs(path, turing=True)[:None if AUTOTUNE else 1]
+        configs = INTERPRETER_CONFIGS[path] if INTERPRETING else gpu_configs(path, turing)[:None if AUTOTUNE else 1]
         if path == "gemv":
             kernel = quant_gemv_kernel
         elif path in ("int4_mma", "int4_mma_tiled"):

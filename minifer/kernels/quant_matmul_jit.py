@@ -274,12 +274,9 @@ def _int4_pairs(b, SHIFT: tl.constexpr, PTX: tl.constexpr):
     code c + 4 sits 16 bits above code c, so ``(b >> SHIFT) & 0x000F000F | 0x43004300`` is two bfloat16
     at once, and 0x4300 is 128.0 (its 7 mantissa bits count in units of 1, so 128 + q is exact).
 
-    ``PTX`` (a GPU, not the interpreter): the AND-OR written as one ``lop3`` (a logic op of three inputs,
-    0xEA being the truth table of ``a & b | c``). ptxas makes one instruction of the two by itself only
-    where it keeps a constant in a register: CUDA 13.4's ptxas (Triton 3.9's for sm_90) does, CUDA 12.8's
-    (Triton 3.6's) does not, and then emits 64 more instructions per K-step of the decode tile. The asm
-    hands back the word's halves as the two bfloat16 (an int32 result split afterwards made Triton 3.9
-    move halves between registers: 128 more ``PRMT`` per step)."""
+    ``PTX`` (a GPU, not the interpreter): the AND-OR written as one ``lop3`` (0xEA: ``a & b | c``) that hands
+    back the word's halves as the two bfloat16, because not every ptxas release fuses the two ops or keeps the
+    halves in place by itself (the counts: ``benchmarks/results/README.md``)."""
     v = b >> SHIFT
     if PTX:
         lo, hi = tl.inline_asm_elementwise(

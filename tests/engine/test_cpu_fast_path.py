@@ -74,7 +74,7 @@ def test_data_parallel_size_is_checked(target_llm):
 
 
 def test_step_gather_attention_gives_the_eager_tokens(prompts, eager_tokens):
-    from minifer.layers.cpu_attention import StepGatherKVCache
+    from minifer.bench.cpu_attention import StepGatherKVCache
 
     llm = minifer.LLM("tinystories-target", dtype="float32", device="cpu", attention_backend=StepGatherKVCache,
                       max_num_seqs=5)  # fewer slots than prompts: decode steps and mixed prefill steps alternate

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from minifer.kernels import aot
+from minifer.bench import aot
 from minifer.kernels import quant_matmul as qm
 
 REPORT = Path(__file__).resolve().parents[2] / "benchmarks" / "results" / "aot_report_archs.json"
@@ -41,7 +41,7 @@ def test_every_kernel_compiles_for_sm75_and_sm89_without_spills():
 
 
 def test_the_committed_report_covers_four_architectures_without_spills():
-    """``python -m minifer.kernels.aot --ccs 75 80 89 90 --out benchmarks/results/aot_report_archs.json``: every
+    """``python -m minifer.bench.aot --ccs 75 80 89 90 --out benchmarks/results/aot_report_archs.json``: every
     kernel as each
     architecture compiles it, none spilling. A config list changed without regenerating it fails here."""
     report = json.loads(REPORT.read_text())

@@ -1,0 +1,71 @@
+"""minifer's dependency graph between its subpackages (issue 24), from grimp, the graph import-linter checks.
+
+    python tools/dep_graph.py                  # one line per edge: importer -> imported (number of module imports)
+    python tools/dep_graph.py --mermaid        # the same as a mermaid flowchart (docs/dependency_graph.md)
+
+A subpackage is a first-level name under ``minifer`` (``minifer.engine``, ``minifer.config``...). An edge counts the
+module-to-module imports that cross it; imports that only a type checker runs are left out, as in the contracts in
+pyproject.toml. Cycles between subpackages are listed last: the "no cycles" contract should keep that list empty,
+so a non-empty one names the imports to cut. To see another checkout's graph, put it first on ``PYTHONPATH``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+from collections import Counter
+
+import grimp
+
+PACKAGE = "minifer"
+
+
+def subpackage(module: str) -> str:
+    parts = module.split(".")
+    return ".".join(parts[:2])
+
+
+def subpackage_edges(package: str = PACKAGE) -> Counter:
+    """(importer subpackage, imported subpackage) -> number of direct module imports between them."""
+    graph = grimp.build_graph(package, exclude_type_checking_imports=True)
+    edges: Counter = Counter()
+    for importer in graph.modules:
+        for imported in graph.find_modules_directly_imported_by(importer):
+            a, b = subpackage(importer), subpackage(imported)
+            if a != b and b != package:  # the package's own __init__ is not a layer
+                edges[(a, b)] += 1
+    return edges
+
+
+def cycles(edges: Counter) -> list[tuple[str, str]]:
+    """Pairs of subpackages that import each other (both directions present)."""
+    pairs = {frozenset(e) for e in edges if (e[1], e[0]) in edges}
+    return sorted(tuple(sorted(p)) for p in pairs)
+
+
+def as_text(edges: Counter) -> str:
+    short = lambda m: m.removeprefix(PACKAGE + ".")  # noqa: E731
+    lines = [f"{short(a):>16} -> {short(b):<16} {n:>3}" for (a, b), n in sorted(edges.items())]
+    found = cycles(edges)
+    lines.append(f"subpackages importing each other: {', '.join(' <-> '.join(map(short, c)) for c in found) or 'none'}")
+    return "\n".join(lines)
+
+
+def as_mermaid(edges: Counter) -> str:
+    short = lambda m: m.removeprefix(PACKAGE + ".")  # noqa: E731
+    nodes = sorted({short(m) for m in itertools.chain.from_iterable(edges)})
+    out = ["flowchart LR"] + [f"    {n}[{n}]" for n in nodes]
+    out += [f"    {short(a)} -->|{n}| {short(b)}" for (a, b), n in sorted(edges.items())]
+    return "\n".join(out)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--mermaid", action="store_true", help="print a mermaid flowchart instead of text")
+    args = parser.parse_args(argv)
+    edges = subpackage_edges()
+    print(as_mermaid(edges) if args.mermaid else as_text(edges))
+
+
+if __name__ == "__main__":
+    main()
