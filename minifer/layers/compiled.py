@@ -1,0 +1,83 @@
+"""The decoder compiled by ``torch.compile`` (inductor), attention left opaque: the CPU's fused layer path (issue 28).
+
+At batch 1 on a small model, a decode step is not limited by arithmetic or by memory but by the ~25 separate
+eager ops each layer runs around its two matmuls (RMSNorm, the q/k/v split, RoPE, SwiGLU, residual adds): every op
+is a dispatch, an allocation and a pass over a tiny tensor. ``torch.compile`` traces the model's own eager code once
+and inductor fuses those element-wise ops into a few C++ loops, as vLLM compiles its models by default.
+
+Attention is the part that cannot be traced: it reads and writes the paged cache through per-step metadata built
+in Python. As vLLM does, the graph calls it through one opaque custom op (``minifer::attend``) that looks up the
+step's attention backend in ``_current``, set around every compiled call (vLLM's "forward context"). The graph
+therefore does not depend on which cache or engine runs it, and the token count is a dynamic dimension, so a
+varied workload compiles a bounded number of graphs (one for a single token, one for any other count) instead
+of one per step. Weights stay module parameters the graph reads; with ``freezing`` inductor folds them in as
+constants and lays out the matmul weights for oneDNN once, when it compiles.
+
+This is a switch (``LLM(compilation_config={"level": 3})``; ``enforce_eager=True`` keeps the eager model): the model
+a learner reads is the eager one, and the suite checks that both give the same greedy tokens.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+
+import torch
+
+from minifer.layers.ops import REFERENCE_OPS
+
+_current: list = []  # the attention backend of the forward in progress (a stack: a drafter may run inside)
+
+
+@torch.library.custom_op("minifer::attend", mutates_args=())
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int) -> torch.Tensor:
+    """``AttentionBackend.attend`` of the step's backend, as one op the compiler does not look into. It writes the
+    step's keys and values into that backend's cache (which is not an input of the graph, so no mutation to declare)."""
+    return _current[-1].attend(layer, q, k, v)
+
+
+@attend.register_fake
+def _(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int) -> torch.Tensor:
+    return torch.empty_like(q)
+
+
+class _OpaqueAttention:
+    """The backend the traced model sees: every layer's ``attend`` becomes a call of the custom op."""
+
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        return attend(q, k, v, layer)
+
+
+@contextmanager
+def forward_context(backend):
+    _current.append(backend)
+    try:
+        yield
+    finally:
+        _current.pop()
+
+
+class CompiledDecoder:
+    """The compiled forward of one ``LlamaModel`` (the decoder without ``lm_head``), for ``LlamaForCausalLM.forward``.
+    Steps with other layer functions than minifer's own (a learner's ``LayerOps``) run the eager model."""
+
+    def __init__(self, decoder: torch.nn.Module, freezing: bool = True) -> None:
+        self.decoder = decoder
+        self._opaque = _OpaqueAttention()
+        self._compiled = torch.compile(self._trace, dynamic=True, options={"freezing": freezing})
+
+    def _trace(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        return self.decoder(input_ids, positions, self._opaque, REFERENCE_OPS)
+
+    def applies(self, ops) -> bool:
+        return ops == REFERENCE_OPS and not torch.is_grad_enabled()  # the reference functions, by value
+
+    def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, attn) -> torch.Tensor:
+        with forward_context(attn):
+            return self._compiled(input_ids, positions)
+
+
+def compile_decoder(model: torch.nn.Module, freezing: bool = True) -> CompiledDecoder:
+    """Attach a ``CompiledDecoder`` to ``model`` (a ``LlamaForCausalLM``): its forward uses it from then on, where
+    it applies. Compilation itself happens at the first forward of each graph (one token, several tokens)."""
+    model.compiled = CompiledDecoder(model.model, freezing)
+    return model.compiled
