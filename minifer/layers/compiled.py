@@ -11,7 +11,13 @@ step's attention backend in ``_current``, set around every compiled call (vLLM's
 therefore does not depend on which cache or engine runs it, and the token count is a dynamic dimension, so a
 varied workload compiles a bounded number of graphs (one for a single token, one for any other count) instead
 of one per step. Weights stay module parameters the graph reads; with ``freezing`` inductor folds them in as
-constants and lays out the matmul weights for oneDNN once, when it compiles.
+constants, once, when it compiles.
+
+Dynamo checks guards before every call to pick a graph, by default on every parameter of every layer: at batch 1
+that check cost more than a millisecond a step here, a large part of what compiling saves. As vLLM does, the guards
+on the modules are dropped (``skip_guard_on_all_nn_modules_unsafe``; the input shapes are still checked). That is
+safe only if no other model can reach these graphs, so each ``CompiledDecoder`` traces a function with its own code
+object (dynamo keeps its graphs per code object): two compiled models in one process never share a graph.
 
 This is a switch (``LLM(compilation_config={"level": 3})``; ``enforce_eager=True`` keeps the eager model): the model
 a learner reads is the eager one, and the suite checks that both give the same greedy tokens.
@@ -19,6 +25,7 @@ a learner reads is the eager one, and the suite checks that both give the same g
 
 from __future__ import annotations
 
+import types
 from contextlib import contextmanager
 
 import torch
@@ -62,11 +69,9 @@ class CompiledDecoder:
 
     def __init__(self, decoder: torch.nn.Module, freezing: bool = True) -> None:
         self.decoder = decoder
-        self._opaque = _OpaqueAttention()
-        self._compiled = torch.compile(self._trace, dynamic=True, options={"freezing": freezing})
-
-    def _trace(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        return self.decoder(input_ids, positions, self._opaque, REFERENCE_OPS)
+        trace = _own_code(_tracer(decoder, _OpaqueAttention()), f"decoder_{id(self):x}")
+        self._compiled = torch.compile(trace, dynamic=True, options={
+            "freezing": freezing, "guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe})
 
     def applies(self, ops) -> bool:
         return ops == REFERENCE_OPS and not torch.is_grad_enabled()  # the reference functions, by value
@@ -74,6 +79,18 @@ class CompiledDecoder:
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, attn) -> torch.Tensor:
         with forward_context(attn):
             return self._compiled(input_ids, positions)
+
+
+def _tracer(decoder: torch.nn.Module, opaque: _OpaqueAttention):
+    def trace(input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        return decoder(input_ids, positions, opaque, REFERENCE_OPS)
+    return trace
+
+
+def _own_code(fn, name: str):
+    """``fn`` with a code object of its own (see the module docstring: it keeps this model's graphs to itself)."""
+    code = fn.__code__.replace(co_name=name)
+    return types.FunctionType(code, fn.__globals__, name, fn.__defaults__, fn.__closure__)
 
 
 def compile_decoder(model: torch.nn.Module, freezing: bool = True) -> CompiledDecoder:
