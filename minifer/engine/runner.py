@@ -39,6 +39,9 @@ def compile_model(model: LlamaForCausalLM, config: dict | None, shared_with=None
     if unknown:
         raise ValueError(f"compilation_config: unknown key(s) {unknown}; minifer reads {list(COMPILATION_KEYS)}")
     level = _compilation_level(config, enforce_eager)
+    if level == 3 and config.get("pack_weights"):
+        raise ValueError("compilation_config: pack_weights and level 3 do not combine: the compiled graph multiplies "
+                         "the plain weights (inductor cannot lower oneDNN's packed ones); choose one")
     if shared_with is not None:
         if config != shared_with.compilation_config:
             raise ValueError(f"share_weights_with: the other LLM was compiled with {shared_with.compilation_config}, "

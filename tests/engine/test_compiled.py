@@ -70,7 +70,8 @@ def test_enforce_eager_keeps_the_eager_model(tiny):
 
 @pytest.mark.parametrize("config, message", [({"level": 2}, "level/mode must be one of"),
                                              ({"level": 3, "mode": 3}, "not both"),
-                                             ({"levels": 3}, "unknown key")])
+                                             ({"levels": 3}, "unknown key"),
+                                             ({"level": 3, "pack_weights": True}, "do not combine")])
 def test_bad_compilation_config_is_named(tiny, config, message):
     with pytest.raises(ValueError, match=message):
         minifer.LLM(tiny, dtype="float32", device="cpu", compilation_config=config)

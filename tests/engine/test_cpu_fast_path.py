@@ -48,7 +48,7 @@ def test_packed_linear_matches_linear_at_every_row_count():
 
 def test_compilation_config_is_checked(target_llm):
     with pytest.raises(ValueError, match="unknown key"):
-        minifer.LLM("tinystories-draft", device="cpu", compilation_config={"mode": 3})
+        minifer.LLM("tinystories-draft", device="cpu", compilation_config={"backend": "inductor"})
     with pytest.raises(ValueError, match="must match"):
         minifer.LLM("tinystories-target", dtype="float32", device="cpu", share_weights_with=target_llm,
                     compilation_config={"pack_weights": True})
@@ -115,3 +115,15 @@ def test_decode_buckets_pad_each_group_to_its_own_longest():
     assert decode_buckets([300, 12, 20, 9, 40], group_cost=10) == [[0], [4], [2], [1, 3]]
     assert decode_buckets([5, 5, 5]) == [[0, 1, 2]]
     assert sorted(sum(decode_buckets([3, 900, 64, 65, 7, 1]), [])) == list(range(6))  # every row, once
+
+
+def test_fast_options_merge_compilation_config_across_levers(monkeypatch):
+    from minifer.bench import cpu_peer
+
+    levers = {"a": ({"compilation_config": {"pack_weights": True}}, dict),
+              "b": ({"compilation_config": {"level": 3}, "max_num_seqs": 8}, dict),
+              "c": ({"compilation_config": {"level": 0}}, dict)}
+    monkeypatch.setattr(cpu_peer, "LEVERS", levers)
+    monkeypatch.setattr(cpu_peer, "REJECTED", {"c"})
+    assert cpu_peer.fast_options() == ({"compilation_config": {"pack_weights": True, "level": 3}, "max_num_seqs": 8},
+                                       {})
