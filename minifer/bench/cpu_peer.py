@@ -496,9 +496,9 @@ LEVERS: dict[str, tuple[dict[str, Any], Callable[[], dict[str, Any]]]] = {
 }
 # measured alone and slower, so left out of the fast path (still measured, so the result says so): the step's one
 # gather of every layer's keys and values (56 MB at 64 slots) measured 0.70x, rounds 0.66-1.00 (cpu_peer.json at
-# 64e1dd5), where the per-layer gathers it replaces stay in the caches their attention then reads. compile (the
-# decoder through torch.compile) does not combine with pack_weights, which gained more at 16-64 slots (1.32x against
-# ~1.15x in a trial run); it stays a switch of its own, measured alone at batch 1 and at 16/64 slots.
-# bucketed_attention: trial runs on the loaded machine ranged from slower to 1.14x, so it joins the fast path only
-# once a clean run shows it paying alone
+# 64e1dd5), where the per-layer gathers it replaces stay in the caches their attention then reads. Measured alone at
+# 02ed262 (128 requests, 3 rounds): compile (the decoder through torch.compile) 1.19x at batch 1 (rounds 1.13-1.26) but
+# 0.91x and 0.94x at 16 and 64 slots (rounds 0.67-1.06), and it does not combine with pack_weights (1.20x at 64
+# slots), so it stays a switch of its own; bucketed_attention 0.89x and 0.92x at 16 and 64 slots (rounds 0.64-1.00):
+# on this small model each extra group's gathers and SDPA call cost more than the padding they save
 REJECTED = {"step_gather_attention", "compile", "bucketed_attention"}

@@ -12,6 +12,11 @@ call, two gathers, a scatter of its outputs), counted in keys. Each sequence mee
 order, with fewer masked ones after them, so the tokens are the reference's. Select it with
 ``LLM(attention_backend=BucketedKVCache)``; prefill, mixed steps, 8-bit caches and the GPU's Triton path are the
 reference's, unchanged.
+
+Measured alone through the engine it is slower: 0.89x at 16 slots and 0.92x at 64 (``benchmarks/results/cpu_peer.json``
+at commit 02ed262, rounds 0.64-1.00). On the bundled model a layer's attention over a few hundred keys is cheap next
+to the fixed cost of each extra group (two gathers, an SDPA call, a scatter of its outputs), so, like
+``cpu_attention.StepGatherKVCache``, it is not part of the fast path: a measured counter-example.
 """
 
 from __future__ import annotations
