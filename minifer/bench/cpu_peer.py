@@ -323,15 +323,20 @@ def peer_configs(fast: Minifer, ct2: dict[str, CT2Engine] | None, workload: Work
     return configs, comps
 
 
-def batch1_configs(fast: Minifer, eager: Minifer, ct2: dict[str, CT2Engine] | None,
-                   n_tokens: int = 128) -> tuple[list[Config], list[tuple[str, str, str]]]:
-    """One request, a 16-token prompt, ``n_tokens`` greedy tokens: the latency a single user sees."""
+def batch1_configs(fast: Minifer, eager: Minifer, ct2: dict[str, CT2Engine] | None, n_tokens: int = 128,
+                   compiled: Minifer | None = None) -> tuple[list[Config], list[tuple[str, str, str]]]:
+    """One request, a 16-token prompt, ``n_tokens`` greedy tokens: the latency a single user sees. ``compiled``:
+    the ``torch.compile`` lever alone, where a batch-1 step is most overhead and least arithmetic."""
     llm = eager.llm
     w = make_workload(1, "fixed:16", f"fixed:{n_tokens}", seed=3, vocab_size=llm.model_config.vocab_size,
                       max_model_len=llm.max_model_len, bos_token_id=llm.tokenizer.bos_token_id)
     configs = [Config("minifer-batch1-fast", "minifer", lambda: fast.run(w, 1), n_tokens, 1, {"slots": 1}),
                Config("minifer-batch1-eager", "minifer", lambda: eager.run(w, 1), n_tokens, 1, {"slots": 1})]
     comps = [("batch 1: fast path vs eager", "minifer-batch1-fast", "minifer-batch1-eager")]
+    if compiled is not None:
+        configs.append(Config("minifer-batch1-compiled", "minifer", lambda: compiled.run(w, 1), n_tokens, 1,
+                              {"slots": 1, "levers": "compile"}))
+        comps.append(("lever alone: compile, batch 1 vs eager", "minifer-batch1-compiled", "minifer-batch1-eager"))
     if ct2:
         one = ct2["float32-1"]
         configs.append(Config("ct2-batch1", "ctranslate2", lambda: ct2_sorted(one, w, 1), n_tokens, 1, one.config))
@@ -352,7 +357,7 @@ def run(model: str = "tinystories-target", num_requests: int = 512, rounds: int 
     llm = LLM(model, device="cpu", dtype="float32", max_num_seqs=64)
     workload = default_workload(llm, num_requests)
     fast_llm_kw, fast_engine_kw = fast_options()
-    fast = Minifer(LLM(model, device="cpu", dtype="float32", **fast_llm_kw), fast_engine_kw)
+    fast = warm_compiled(Minifer(LLM(model, device="cpu", dtype="float32", **fast_llm_kw), fast_engine_kw))
     eager = Minifer(llm, {})
     ct2 = None
     result: dict[str, Any] = {"kind": "cpu_peer", "workload": workload.summary(),
@@ -379,7 +384,8 @@ def run(model: str = "tinystories-target", num_requests: int = 512, rounds: int 
         configs += c
         comps += r
     if "batch1" in sections:
-        c, r = batch1_configs(fast, eager, ct2)
+        compiled = warm_compiled(Minifer(LLM(model, device="cpu", dtype="float32", **LEVERS["compile"][0]), {}))
+        c, r = batch1_configs(fast, eager, ct2, compiled=compiled)
         configs += c
         comps += r
     if "levers" in sections:
@@ -401,15 +407,25 @@ def run(model: str = "tinystories-target", num_requests: int = 512, rounds: int 
 
 
 def fast_options() -> tuple[dict[str, Any], dict[str, Any]]:
-    """minifer with every CPU lever of issue 28 on: the ``LLM`` keyword arguments and the ``LLMEngine`` ones."""
+    """minifer with every CPU lever of issue 28 on: the ``LLM`` keyword arguments and the ``LLMEngine`` ones
+    (``compilation_config`` merged over the levers that set a key of it)."""
     llm_kw: dict[str, Any] = {}
     engine_kw: dict[str, Any] = {}
     for name, (lever_llm_kw, lever_engine_kw) in LEVERS.items():
         if name in REJECTED:
             continue
-        llm_kw.update(lever_llm_kw)
+        for key, value in lever_llm_kw.items():
+            llm_kw[key] = {**llm_kw.get(key, {}), **value} if key == "compilation_config" else value
         engine_kw.update(lever_engine_kw())
     return llm_kw, engine_kw
+
+
+def warm_compiled(m: "Minifer") -> "Minifer":
+    """Compile a ``torch.compile``d model's graphs (several tokens, then one) before anything is timed: the first
+    call of each takes tens of seconds, a cost paid once per process that no round should carry."""
+    if getattr(m.llm.model, "compiled", None) is not None:
+        minifer_greedy(m.llm, [[1, 2, 3]], 3, m.engine_kw)
+    return m
 
 
 def lever_configs(eager: Minifer, fast: Minifer, ct2: dict[str, CT2Engine] | None,
@@ -436,7 +452,7 @@ def lever_configs(eager: Minifer, fast: Minifer, ct2: dict[str, CT2Engine] | Non
                   (f"int8 (integer matmul) vs int8 dequantize-first, {slots} slots", f"int8-{slots}",
                    f"int8-reference-{slots}")]
     for name, (llm_kw, engine_kw) in LEVERS.items():
-        alone = Minifer(LLM(path, device="cpu", dtype="float32", **llm_kw), engine_kw())
+        alone = warm_compiled(Minifer(LLM(path, device="cpu", dtype="float32", **llm_kw), engine_kw()))
         for slots in (16, 64):
             configs.append(mf(f"lever-{name}-{slots}", alone, slots, levers=name))
             comps.append((f"lever alone: {name}, {slots} slots vs eager", f"lever-{name}-{slots}",
@@ -459,6 +475,12 @@ def _no_engine_kw() -> dict[str, Any]:
     return {}
 
 
+def _bucketed_kw() -> dict[str, Any]:
+    from minifer.bench.bucketed_attention import BucketedKVCache
+
+    return {"attention_backend": BucketedKVCache}
+
+
 def _step_gather_kw() -> dict[str, Any]:
     from minifer.bench.cpu_attention import StepGatherKVCache
 
@@ -469,8 +491,14 @@ def _step_gather_kw() -> dict[str, Any]:
 LEVERS: dict[str, tuple[dict[str, Any], Callable[[], dict[str, Any]]]] = {
     "pack_weights": ({"compilation_config": {"pack_weights": True}}, _no_engine_kw),
     "step_gather_attention": ({}, _step_gather_kw),
+    "compile": ({"compilation_config": {"level": 3}}, _no_engine_kw),
+    "bucketed_attention": ({}, _bucketed_kw),
 }
 # measured alone and slower, so left out of the fast path (still measured, so the result says so): the step's one
 # gather of every layer's keys and values (56 MB at 64 slots) measured 0.70x, rounds 0.66-1.00 (cpu_peer.json at
-# 64e1dd5), where the per-layer gathers it replaces stay in the caches their attention then reads
-REJECTED = {"step_gather_attention"}
+# 64e1dd5), where the per-layer gathers it replaces stay in the caches their attention then reads. Measured alone at
+# 02ed262 (128 requests, 3 rounds): compile (the decoder through torch.compile) 1.19x at batch 1 (rounds 1.13-1.26) but
+# 0.91x and 0.94x at 16 and 64 slots (rounds 0.67-1.06), and it does not combine with pack_weights (1.20x at 64
+# slots), so it stays a switch of its own; bucketed_attention 0.89x and 0.92x at 16 and 64 slots (rounds 0.64-1.00):
+# on this small model each extra group's gathers and SDPA call cost more than the padding they save
+REJECTED = {"step_gather_attention", "compile", "bucketed_attention"}

@@ -223,3 +223,31 @@ DECODE_COMPARISON_COLUMNS = {
     "model": "model", "mb": "weights MB:,.0f", "floor_ms": "bytes/bandwidth ms:.1f",
     "read_ms": "its matrix products ms:.1f", "ms": "decode step ms:.1f", "share": "products/step %:.0f",
     "tok_s": "tokens/s:,.1f", "of_bound": "% of bound:.0f"}
+
+
+def load_fused(llm: Any) -> Any:
+    """The same model compiled by ``torch.compile`` (``compilation_config={"level": 3}``, ``minifer.layers.compiled``:
+    the element-wise ops of each layer fused, attention left as it is), or None off the CPU, where CUDA graphs
+    remove the per-op overhead instead. Compiling happens at the first step (tens of seconds on a small CPU)."""
+    from minifer import LLM
+
+    if llm.device.type != "cpu":
+        return None
+    return LLM(llm.model_path, dtype=llm.dtype, device=llm.device, num_kv_blocks=16, compilation_config={"level": 3})
+
+
+def decode_eager_vs_fused(model: Any, fused: Any, context: int = 128, rounds: int = 7) -> dict[str, float]:
+    """Batch-1 decode steps of the eager model and of its compiled twin, alternating round by round so a burst of
+    load from elsewhere hits both; medians, and the median of the per-round ratios (eager time / fused time)."""
+    import statistics
+
+    from minifer.course import roofline as rl
+
+    rl.time_decode(fused, 1, context, repeats=1, warmup=1)  # compiles the one-token graph, outside the rounds
+    eager_s, fused_s = [], []
+    for _ in range(rounds):
+        eager_s.append(rl.time_decode(model, 1, context, repeats=1, warmup=1).seconds)
+        fused_s.append(rl.time_decode(fused, 1, context, repeats=1, warmup=1).seconds)
+    ratios = sorted(e / f for e, f in zip(eager_s, fused_s))
+    return {"eager_ms": 1e3 * statistics.median(eager_s), "fused_ms": 1e3 * statistics.median(fused_s),
+            "speedup": statistics.median(ratios), "speedup_min": ratios[0], "speedup_max": ratios[-1]}

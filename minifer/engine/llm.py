@@ -110,7 +110,9 @@ class LLM:
             process with one torch thread (``engine.data_parallel``: on a CPU, the way to use a second core).
         compilation_config: vLLM's name; minifer reads ``{"pack_weights": True}``: on the CPU, float linear layers
             keep their weights packed for oneDNN's matmul (``layers.packed_linear``), tested token-identical to
-            the eager model; off by default, so the model a learner reads is the one that runs.
+            the eager model; off by default, so the model a learner reads is the one that runs. ``{"level": 3}``
+            (or ``"mode"``): the decoder compiled by ``torch.compile``, attention left eager (``layers.compiled``;
+            the CPU, float weights; ``enforce_eager=True`` turns it off); 0, the default, keeps it eager.
         block_allocator, scheduler, sampler, proposer, verifier, attention_backend: the engine's seams
             (``LLMEngine`` lists their contracts); None builds the reference implementation a chapter shows.
         components: a ``Components`` holding any of those seams and ``quant_kernel``, plus the RMSNorm and RoPE
@@ -162,7 +164,7 @@ class LLM:
         else:
             self.model = self._load_model(quantization, load_format, parts.quant_kernel, limit, seed,
                                           quantizer=parts.quantizer)
-        self.compilation_config = compile_model(self.model, compilation_config, share_weights_with)
+        self.compilation_config = compile_model(self.model, compilation_config, share_weights_with, enforce_eager)
         self.replicas = start_replicas(LLM, replica_kwargs, data_parallel_size, share_weights_with)
         self.quantization_config = getattr(self.model, "quantization_config", None)
         self.tokenizer = load_tokenizer(resolve_model(tokenizer) if tokenizer is not None else self.model_path)

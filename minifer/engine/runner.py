@@ -21,27 +21,66 @@ from minifer.models.llama import LlamaForCausalLM
 from minifer.sampling import SampleResult, history_tensors, ranked_logprobs, sample
 
 
-COMPILATION_KEYS = ("pack_weights",)
+COMPILATION_KEYS = ("pack_weights", "level", "mode")
+# vLLM's compilation levels (``CompilationConfig.level``, later ``mode``): 0 runs the model eagerly, 3 is vLLM's own
+# compilation (the graph split at attention), which ``layers.compiled`` does; 1 and 2 are stages of vLLM's Dynamo
+# integration minifer has no separate meaning for
+COMPILATION_LEVELS = (0, 3)
 
 
-def compile_model(model: LlamaForCausalLM, config: dict | None, shared_with=None) -> dict:
+def compile_model(model: LlamaForCausalLM, config: dict | None, shared_with=None, enforce_eager: bool = False) -> dict:
     """Apply ``LLM``'s ``compilation_config`` to a freshly loaded model, in place, and return it as applied.
     ``pack_weights``: float linear layers keep their weights packed for oneDNN (``layers.packed_linear``; the CPU
-    only). An LLM sharing another's weights shares its model too, so it must ask for the same."""
-    from minifer.layers.packed_linear import pack_linears
-
+    only). ``level`` (or ``mode``, vLLM's newer name) 3: the decoder runs compiled by ``torch.compile`` with attention
+    left opaque (``layers.compiled``; the CPU only, float weights); 0, the default, and ``enforce_eager=True`` keep
+    the eager model. An LLM sharing another's weights shares its model too, so it must ask for the same."""
     config = dict(config or {})
     unknown = sorted(set(config) - set(COMPILATION_KEYS))
     if unknown:
         raise ValueError(f"compilation_config: unknown key(s) {unknown}; minifer reads {list(COMPILATION_KEYS)}")
+    level = _compilation_level(config, enforce_eager)
+    if level == 3 and config.get("pack_weights"):
+        raise ValueError("compilation_config: pack_weights and level 3 do not combine: the compiled graph multiplies "
+                         "the plain weights (inductor cannot lower oneDNN's packed ones); choose one")
     if shared_with is not None:
         if config != shared_with.compilation_config:
             raise ValueError(f"share_weights_with: the other LLM was compiled with {shared_with.compilation_config}, "
                              f"this one asks for {config}; both use one model, so they must match")
         return config
-    if config.get("pack_weights") and not pack_linears(model):
-        raise ValueError("compilation_config: pack_weights needs float weights on a CPU whose torch has oneDNN")
+    if config.get("pack_weights"):
+        from minifer.layers.packed_linear import pack_linears
+
+        if not pack_linears(model):
+            raise ValueError("compilation_config: pack_weights needs float weights on a CPU whose torch has oneDNN")
+    if level == 3:
+        _compile_decoder(model)
     return config
+
+
+def _compilation_level(config: dict, enforce_eager: bool) -> int:
+    """The level asked for (``level`` or ``mode``, not both), checked; ``enforce_eager`` turns it to 0, as in vLLM."""
+    if "level" in config and "mode" in config:
+        raise ValueError("compilation_config: give 'level' or 'mode' (vLLM's newer name for it), not both")
+    level = config.get("level", config.get("mode", 0))
+    if level not in COMPILATION_LEVELS:
+        raise ValueError(f"compilation_config: level/mode must be one of {list(COMPILATION_LEVELS)} (0: eager, "
+                         f"3: compiled with torch.compile), got {level!r}")
+    if enforce_eager:  # enforce_eager wins, as in vLLM; the applied config then says what runs
+        for key in ("level", "mode"):
+            config.pop(key, None)
+        return 0
+    return level
+
+
+def _compile_decoder(model: LlamaForCausalLM) -> None:
+    from minifer.layers.compiled import compile_decoder
+
+    weight = model.lm_head.weight
+    if weight.device.type != "cpu" or getattr(model, "quantization_config", None) is not None:
+        raise ValueError("compilation_config: level 3 (torch.compile) is minifer's CPU fast path for float weights; "
+                         f"this model is on {weight.device.type} with quantization "
+                         f"{getattr(model, 'quantization_config', None)} (on CUDA, CUDA graphs remove the overhead)")
+    compile_decoder(model)
 
 
 class ModelRunner:
