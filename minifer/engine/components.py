@@ -20,12 +20,13 @@ if TYPE_CHECKING:
     from minifer.engine.block_manager import KVBlockAllocator
     from minifer.engine.proposers import DraftProposer
     from minifer.engine.scheduler import SchedulerPolicy
+    from minifer.engine.step import EngineStep
     from minifer.layers.paged_attention import PagedAttentionBackend
     from minifer.quant.linear import QuantKernel
     from minifer.sampling import Sampler
     from minifer.spec.rejection import Verifier
 
-SEAMS = ("block_allocator", "scheduler", "sampler", "proposer", "verifier", "attention_backend")
+SEAMS = ("block_allocator", "scheduler", "sampler", "proposer", "verifier", "attention_backend", "step")
 
 
 @dataclass(frozen=True)
@@ -44,6 +45,7 @@ class Components:
     proposer: DraftProposer | None = None
     verifier: Verifier | None = None
     quant_kernel: QuantKernel | None = None
+    step: EngineStep | None = None  # the whole engine step (minifer.engine.step), not speculating; no vLLM counterpart
 
     def given(self) -> dict[str, Any]:
         """The fields that are set, by name."""
