@@ -504,6 +504,21 @@ from minifer.course.workbench import save
 
 save(ForkingAllocator)
 
+# %% [markdown]
+# ### Now your forking allocator serves requests that share blocks
+#
+# The next cell grades your `ForkingAllocator` again, then makes it the allocator of a real engine,
+# `LLM("tinystories-target", components=...)`, which serves two workloads whose sequences share blocks: 3 seeded
+# completions of each of 8 prompts (parallel sampling: the siblings take the prompt's blocks from your prefix cache)
+# and a beam search of width 4 on 2 prompts (the beams fork through your `fork` and copy a shared block through your
+# `copy_on_write` before writing into it). Every completion and every beam must be the reference engine's.
+
+# %%
+# NBVAL_CHECK_OUTPUT
+from minifer.course.grading.forking_engine import check_forking_in_engine
+
+check_forking_in_engine(ForkingAllocator)
+
 
 # %% [markdown]
 # ## Where these live in the engine

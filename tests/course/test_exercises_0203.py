@@ -458,3 +458,31 @@ def test_exercise_03_graders_reject_classic_mistakes(grader, wrong, match, capsy
 def test_exercise_03_graders_accept_the_notebooks_variants():
     batching.check_preempt(_preempt)
     batching.check_engine_step(_step)
+
+
+# --- exercise 02: the forking allocator serving shared blocks in the engine ----------------------------------
+
+
+@pytest.mark.slow
+def test_a_correct_forking_allocator_serves_parallel_sampling_and_beam_search(capsys):
+    from minifer.course.grading.forking_engine import check_forking_in_engine
+
+    check_forking_in_engine(_forking_with())
+    assert capsys.readouterr().out.rstrip().endswith("5/5 checks passed")
+
+
+@pytest.mark.slow
+def test_beams_that_never_copy_on_write_are_caught_in_the_engine(monkeypatch):
+    """A fork without copy-on-write, let past its grader: beam search in the engine tells."""
+    from minifer.course.grading import forking_engine
+
+    monkeypatch.setattr(forking_engine, "check_forking_allocator", lambda cls: None)
+    with pytest.raises(AssertionError, match="(?s)check 5/5.*the beams of prompt .*copy_on_write"):
+        forking_engine.check_forking_in_engine(_forking_with(copy_private=False, drop_ref=False, replace=False))
+
+
+def test_a_wrong_fork_never_reaches_the_engine():
+    from minifer.course.grading.forking_engine import check_forking_in_engine
+
+    with pytest.raises(AssertionError, match="(?s)check 1/5.*does not go into the engine.*ref_count"):
+        check_forking_in_engine(_forking_with(add_refs=False))
