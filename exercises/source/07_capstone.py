@@ -8,7 +8,8 @@
 # the notebooks) and ran it inside a real `LLM`, one piece at a time. Here all of them run **together**: every
 # layer of the model runs your decoder layer, which normalises with your RMSNorm and rotates with your RoPE,
 # attention reads the paged cache through your `paged_attention`, your allocator hands out the blocks and finds
-# cached prefixes, your `schedule_step` decides who runs at every step (and whom to preempt), your n-gram proposer
+# cached prefixes, your `schedule_step` decides who runs at every step (and whom to preempt, which your `preempt`
+# carries out), your `engine_step` drives the batch that does not speculate, your n-gram proposer
 # drafts, your verifier and rejection sampler decide which drafts stay, and your nucleus filter shapes the sampled
 # tokens.
 #
@@ -18,22 +19,28 @@
 # | `apply_rotary` (RoPE) | `00_building_blocks`, section 2b | its "now your RoPE serves" cell |
 # | `top_p_mask` (in the sampler) | `00_building_blocks`, section 3 | its "now your nucleus filter serves" cell |
 # | `decoder_layer` | `00_building_blocks`, section 4 | its "now your decoder layer serves" cell |
-# | `paged_attention` | `02_03_paging_and_batching`, section 2 | its "now your paged attention serves" cell |
-# | `PrefixCachingAllocator` / `ForkingAllocator` | `02_03_paging_and_batching`, sections 3 and 3c | its "now your allocator serves" cell |
-# | `schedule_step` | `02_03_paging_and_batching`, section 4 | its "now your scheduler step serves" cell |
+# | `paged_attention` | `02_kv_cache_and_paging`, section 2 | its "now your paged attention serves" cell |
+# | `PrefixCachingAllocator` / `ForkingAllocator` | `02_kv_cache_and_paging`, sections 3 and 3c | its "now your allocator serves" cell |
+# | `schedule_step` | `03_continuous_batching`, section 1 | its "now your scheduler step serves" cell |
+# | `preempt` (preemption by recompute) | `03_continuous_batching`, section 2 | its "now your preemption serves" cell |
+# | `engine_step` (the plain batch only) | `03_continuous_batching`, section 3 | its "now your engine step serves" cell |
 # | `verify_greedy` | `04_speculative_decoding`, section 1 | its "now your verifier serves" cell |
 # | `rejection_sample` | `04_speculative_decoding`, section 2 | its "now your rejection sampler serves" cell |
 # | `ngram_propose` | `04_speculative_decoding`, section 3 | its "now your n-gram proposer serves" cell |
 # | `rollback` | `04_speculative_decoding`, section 5 | its "now your rollback serves" cell |
-# | `eagle_forward` (the EAGLE head) | `04_speculative_decoding`, section 6 | its "now your EAGLE head serves" cell; here, the third batch |
+# | `eagle_forward` (the EAGLE head) | `04_speculative_decoding`, section 6 | its "now your EAGLE head serves" cell; here, the fourth batch |
+# | `quantize_int4_groupwise` | `05_quantization`, section 1 | its "now your quantizer serves requests" cell; here, "Your int4 engine" |
+# | `quantize_linears` (the load step) | `05_quantization`, section 2 | its "now your load step serves requests" cell; here, "Your int4 engine" |
+# | `int4_matmul` (the Triton kernel) | `05_quantization`, section 3 | its "now your kernel serves requests" cell; here, "Your int4 engine" |
 #
 # The check below loads each saved piece, grades it again with its exercise's checks, and builds
 # `LLM("tinystories-target", components=...)` from them (`minifer.course.workbench.components_from` turns each
 # exercise's signature into the engine's seam). It then serves two batches, one greedy and one sampled with a
-# seed per request, both speculating, in a KV cache small enough that requests are preempted: the tokens must
-# be the reference engine's, request by request (and transformers' for two greedy prompts). A third greedy batch
-# drafts with your EAGLE head instead of your n-gram proposer (an engine has one drafter), your rollback cutting
-# the caches back after every verification.
+# seed per request, both speculating, in a KV cache small enough that requests are preempted; a third, greedy
+# and not speculating, that your engine step drives (speculation's step stays minifer's); and a fourth, greedy,
+# that drafts with your EAGLE head instead of your n-gram proposer (an engine has one drafter), your rollback
+# cutting the caches back after every verification. The tokens must be the reference engine's, request by
+# request (and transformers' for the greedy prompts).
 #
 # Skipped an exercise? Set `SOLUTION = True`: minifer's piece takes the place of any piece that is not saved
 # or fails its checks (tiny-llm's `--solution` switch), and the cell after the check says which pieces ran.
@@ -115,8 +122,8 @@ int4_throughput(solution=SOLUTION)
 # ## What is still minifer's
 #
 # The rest of the model's forward (`minifer/models/llama.py`: the embedding, the final norm, the logits), the
-# weight loader, the model runner that packs a batch into tensors (`minifer/engine/runner.py`), the engine step that
-# ties schedule → run → sample → append → free together (`minifer/engine/llm_engine.py`), the speculative loop
-# with its rollback (`minifer/engine/speculative.py`) and the quantized layer itself (`QuantLinear`,
-# `minifer/quant/linear.py`). Reading them with your pieces in mind is the next step: each calls one of yours
-# through a seam (`minifer/engine/components.py` lists them).
+# weight loader, the model runner that packs a batch into tensors (`minifer/engine/runner.py`), the engine's own
+# step around yours (`minifer/engine/llm_engine.py`: timing, outputs, speculation), the speculative loop
+# around your verifier and rollback (`minifer/engine/speculative.py`) and the quantized layer itself
+# (`QuantLinear`, `minifer/quant/linear.py`). Reading them with your pieces in mind is the next step: each calls
+# one of yours through a seam (`minifer/engine/components.py` lists them).

@@ -637,7 +637,7 @@ def parallel_sampling_blocks(prompt_len: int, output_len: int, n: int, block_siz
     Unshared (no prefix caching, or a contiguous cache rounded to blocks), each holds all its blocks. Shared,
     the prompt's blocks are held once, except the one holding the prompt's last token: that token is always
     computed (its logits give the first output token), so no completion takes its block from the cache, and
-    ``(prompt_len - 1) // block_size`` blocks are shared. (Exercise 02_03 has you derive this.)"""
+    ``(prompt_len - 1) // block_size`` blocks are shared. (Exercise 02 has you derive this.)"""
     per_completion = blocks_for(prompt_len + output_len, block_size)
     if not shared:
         return n * per_completion

@@ -39,6 +39,7 @@ from minifer.engine.proposers import NgramProposer
 from minifer.engine.scheduler import ScheduledBatch, Scheduler
 from minifer.engine.sequence import SequenceStatus
 from minifer.engine.speculative import SpeculativeConfig
+from minifer.course.workbench_step import pieces_for, step_seams
 from minifer.layers.paged_attention import PagedKVCache
 from minifer.sampling import history_tensors, sample
 from minifer.spec.rejection import RejectionVerifier
@@ -56,6 +57,8 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+
+from minifer.engine.sequence import SequenceStatus
 """
 
 
@@ -74,10 +77,12 @@ PIECES: dict[str, Piece] = {p.name: p for p in (
     Piece("apply_rotary", "00_building_blocks", "apply_rotary"),
     Piece("top_p_mask", "00_building_blocks", "sampler"),
     Piece("decoder_layer", "00_building_blocks", "decoder_layer"),
-    Piece("paged_attention", "02_03_paging_and_batching", "attention_backend"),
-    Piece("PrefixCachingAllocator", "02_03_paging_and_batching", "block_allocator"),
-    Piece("ForkingAllocator", "02_03_paging_and_batching", "block_allocator"),
-    Piece("schedule_step", "02_03_paging_and_batching", "scheduler"),
+    Piece("paged_attention", "02_kv_cache_and_paging", "attention_backend"),
+    Piece("PrefixCachingAllocator", "02_kv_cache_and_paging", "block_allocator"),
+    Piece("ForkingAllocator", "02_kv_cache_and_paging", "block_allocator"),
+    Piece("schedule_step", "03_continuous_batching", "scheduler"),
+    Piece("preempt", "03_continuous_batching", "scheduler"),
+    Piece("engine_step", "03_continuous_batching", "step"),
     Piece("verify_greedy", "04_speculative_decoding", "verifier"),
     Piece("rejection_sample", "04_speculative_decoding", "verifier"),
     Piece("ngram_propose", "04_speculative_decoding", "proposer"),
@@ -287,7 +292,7 @@ class LearnersAllocator:
 
     def _needs(self, method: str) -> Callable[..., Any]:
         if not hasattr(self.mine, method):
-            raise NotImplementedError(f"{method} is ForkingAllocator's (exercise 02_03, section 3c): save that class "
+            raise NotImplementedError(f"{method} is ForkingAllocator's (exercise 02, section 3c): save that class "
                                       f"to run requests whose completions share blocks (n > 1, beam search)")
         return getattr(self.mine, method)
 
@@ -317,12 +322,13 @@ class StepRequest:
         return f"{self.name}({self.num_tokens}, {self.num_computed}, {self.num_blocks})"
 
 
-def scheduler_with(schedule_step: Callable[..., tuple[list[tuple[str, int]], list[str]]]) -> type[Scheduler]:
+def scheduler_with(schedule_step: Callable[..., tuple[list[tuple[str, int]], list[str]]],
+                   base: type[Scheduler] = Scheduler) -> type[Scheduler]:
     """A ``SchedulerPolicy``: each step describes the running and waiting sequences as the exercise's requests, asks
     the learner's ``schedule_step`` who runs and who is preempted, and carries that out on the allocator. A decision
     the allocator cannot honour (blocks that are not free) raises, naming the request."""
 
-    class LearnersScheduler(Scheduler):
+    class LearnersScheduler(base):
         def schedule(self) -> ScheduledBatch:
             blocks, cfg = self.blocks, self.config
             running = [StepRequest(s.request_id, s.num_tokens, s.num_computed_tokens,
@@ -332,8 +338,9 @@ def scheduler_with(schedule_step: Callable[..., tuple[list[tuple[str, int]], lis
                                                  cfg.max_num_seqs, cfg.max_num_batched_tokens)
             batch = ScheduledBatch()
             by_id = {s.request_id: s for s in [*self.running, *self.waiting]}
-            for name in preempted:
-                self._preempt(by_id[name], batch)
+            for name in preempted:  # victims, newest first: each is the newest still running when it goes
+                if self.preempt_newest(batch).request_id != name:
+                    raise RuntimeError(f"schedule_step preempted {name!r}, which is not the newest running request")
             for name, n in scheduled:
                 seq = by_id[name]
                 if seq.status is SequenceStatus.RUNNING:
@@ -388,10 +395,13 @@ NGRAM_SPEC = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max
               "adaptive": False}
 
 
-def components_from(pieces: dict[str, Any], spec: dict[str, Any] | None = None) -> Components:
+def components_from(pieces: dict[str, Any], spec: dict[str, Any] | None = None,
+                    speculative: bool | None = None) -> Components:
     """The ``Components`` that run these pieces (by exercise name); a seam none of them fills stays minifer's. The
     proposer and the EAGLE head's forward apply to engines speculating with their method (``spec``, n-grams by
-    default)."""
+    default); ``speculative``: whether the engine speculates, when some pieces cannot apply
+    (``workbench_step.pieces_for``)."""
+    pieces = pieces_for(pieces, speculative)
     p = pieces.get
     method = (spec or NGRAM_SPEC)["method"]
     alloc = p("ForkingAllocator") or p("PrefixCachingAllocator")
@@ -403,7 +413,7 @@ def components_from(pieces: dict[str, Any], spec: dict[str, Any] | None = None) 
         sampler=sampler_with_top_p(p("top_p_mask")) if p("top_p_mask") else None,
         attention_backend=attention_backend_with(p("paged_attention")) if p("paged_attention") else None,
         block_allocator=block_allocator_with(alloc) if alloc else None,
-        scheduler=scheduler_with(p("schedule_step")) if p("schedule_step") else None,
+        **step_seams(pieces, scheduler_with),
         verifier=verifier,
         proposer=proposer_with(p("ngram_propose"), spec or NGRAM_SPEC) if p("ngram_propose") and method == "ngram" else None,
         rollback=rollback_with(p("rollback")) if p("rollback") else None,
@@ -456,6 +466,8 @@ WORKLOADS: dict[str, Workload] = {
     "top_p_mask": Workload(sampled=True),
     "PrefixCachingAllocator": Workload(llm=(("max_num_seqs", 4),)), "ForkingAllocator": Workload(llm=(("max_num_seqs", 4),)),
     "schedule_step": Workload(max_tokens=32, llm=(("num_kv_blocks", 12), ("max_num_batched_tokens", 64))),
+    "preempt": Workload(max_tokens=32, llm=(("num_kv_blocks", 12), ("max_num_batched_tokens", 64))),
+    "engine_step": Workload(max_tokens=32, llm=(("num_kv_blocks", 12), ("max_num_batched_tokens", 64))),
     "verify_greedy": Workload(speculative=True), "ngram_propose": Workload(speculative=True),
     "rejection_sample": Workload(sampled=True, speculative=True),
     "rollback": ROLLBACK_WORKLOAD, "eagle_forward": EAGLE_WORKLOAD,  # minifer.course.workbench_spec
@@ -463,7 +475,8 @@ WORKLOADS: dict[str, Workload] = {
 # The capstone: both kinds of requests, speculating, in a cache small enough to preempt, admitted a few at a time
 # (so that later prompts find their prefixes cached).
 CAPSTONE = (Workload(speculative=True, llm=(("num_kv_blocks", 7), ("max_num_seqs", 4))),
-            Workload(sampled=True, speculative=True, llm=(("num_kv_blocks", 7), ("max_num_seqs", 4))))
+            Workload(sampled=True, speculative=True, llm=(("num_kv_blocks", 7), ("max_num_seqs", 4))),
+            WORKLOADS["engine_step"])  # not speculating: the engine runs your step
 
 
 @functools.lru_cache(maxsize=1)

@@ -100,6 +100,7 @@ class SpecWorkload:
     spec: tuple[tuple[str, Any], ...]
     max_tokens: int = 16
     sampled: bool = False
+    speculative: bool = True  # as ``workbench.Workload``'s: the engine speculates (the learner's step does not run)
 
     def params(self):
         from minifer import SamplingParams

@@ -22,13 +22,14 @@ if TYPE_CHECKING:
     from minifer.engine.proposers import DraftProposer
     from minifer.engine.scheduler import SchedulerPolicy
     from minifer.engine.speculative import Rollback
+    from minifer.engine.step import EngineStep
     from minifer.layers.paged_attention import PagedAttentionBackend
     from minifer.quant.linear import QuantKernel
     from minifer.sampling import Sampler
     from minifer.spec.rejection import Verifier
 
 SEAMS = ("block_allocator", "scheduler", "sampler", "proposer", "verifier", "attention_backend", "rollback",
-         "eagle_forward")
+         "eagle_forward", "step")
 
 
 @dataclass(frozen=True)
@@ -53,6 +54,7 @@ class Components:
     # what turns the loaded model's linear layers into QuantLinear ones: ``quantize_model``'s signature
     # (``quantizer(model, method, kernel=...)``, in place); None: ``minifer.quant.model.quantize_model``
     quantizer: Callable[..., Any] | None = None
+    step: EngineStep | None = None  # the whole engine step (minifer.engine.step), not speculating; no vLLM counterpart
 
     def given(self) -> dict[str, Any]:
         """The fields that are set, by name."""

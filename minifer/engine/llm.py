@@ -54,6 +54,9 @@ def _seams(batching: str, spec: SpeculativeConfig | None, **given: Any) -> dict[
     seams = {name: value for name, value in given.items() if value is not None}
     if seams and batching != "continuous":
         raise ValueError(f"{', '.join(seams)} plug into the continuous engine: use batching='continuous'")
+    if spec is not None and "step" in seams:
+        raise ValueError("a given engine step runs the plain step (schedule, run, sample, append, free): speculative "
+                         "decoding's step is the engine's own; drop speculative_config or the step")
     if spec is None and {"proposer", "verifier", "rollback", "eagle_forward"} & set(seams):
         raise ValueError("proposer and verifier are parts of speculative decoding (rollback and eagle_forward too): "
                          "pass a speculative_config too "

@@ -29,6 +29,7 @@ from minifer.engine.proposers import DraftProposer
 from minifer.engine.sequence import Sequence, SequenceGroup, SequenceStatus, sequences_of
 from minifer.engine.eagle import EagleForward
 from minifer.engine.speculative import Rollback, SpeculativeConfig, Speculator, build_speculator
+from minifer.engine.step import EngineStep, StepParts, run_checked
 from minifer.layers.kv_quant import CALIBRATION_TEXT
 from minifer.layers.ops import REFERENCE_OPS, LayerOps
 from minifer.layers.paged_attention import PagedAttentionBackend, PagedKVCache
@@ -112,7 +113,7 @@ class LLMEngine:
                  verifier: Verifier | None = None, rollback: Rollback | None = None,
                  eagle_forward: EagleForward | None = None,
                  attention_backend: Callable[..., PagedAttentionBackend] = PagedKVCache,
-                 layer_ops: LayerOps | None = None) -> None:
+                 layer_ops: LayerOps | None = None, step: EngineStep | None = None) -> None:
         cfg, device = model.config, model.lm_head.weight.device
         dtype = model.lm_head.weight.dtype
         num_blocks = cache_config.num_blocks(kv_block_bytes(model, cache_config, draft_model), device)
@@ -125,6 +126,7 @@ class LLMEngine:
         self.scheduler = scheduler(scheduler_config, self.block_manager)
         self.runner = ModelRunner(model, self.kv_cache, self.block_manager, layer_ops or REFERENCE_OPS)
         self.sampler: Sampler = sampler or ModelRunner.sample
+        self.custom_step = step  # a caller's step (minifer.engine.step) in place of the plain path of `step`
         if self.kv_cache.kv_cache_scales == "head":
             self._calibrate_kv_scales()
         self.owner: threading.Thread | None = None  # the one thread allowed to drive the engine (a server's loop)
@@ -272,6 +274,8 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """One forward pass over the scheduled batch. Returns outputs of the requests that got a token."""
         self._check_thread()
+        if self.custom_step is not None:
+            return self._custom_step()
         start = time.perf_counter()
         batch = self.scheduler.schedule()
         spec = self.speculator
@@ -325,6 +329,16 @@ class LLMEngine:
             spec.observe(plan, sum(len(c) for c in drafts or []) + sum(batch.num_new_tokens),
                          self.runner.last_forward_s, pure_decode, sum(len(t) for t in emitted),
                          time.perf_counter() - start)
+        return outputs
+
+    def _custom_step(self) -> list[RequestOutput]:
+        """The caller's step advances the sequences; the engine reports the ones it returns and forgets the finished."""
+        parts = StepParts(self.scheduler, self.runner.execute, self.sampler, self.block_manager, self.tokenizer)
+        sampled = run_checked(self.custom_step, parts)
+        outputs = self._group_outputs(sampled, [seq.to_output(self.tokenizer) for seq in sampled])
+        for seq in sampled:
+            if seq.is_finished:
+                self._retire(seq)
         return outputs
 
     @staticmethod

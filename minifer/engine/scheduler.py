@@ -17,6 +17,7 @@ at the next step. Each step here:
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -82,7 +83,30 @@ class SchedulerPolicy(Protocol):
     def schedule(self) -> ScheduledBatch: ...
 
 
+def preempt_by_recompute(running: list[Sequence], waiting: deque[Sequence], blocks: KVBlockAllocator) -> Sequence:
+    """Preempt the newest running sequence by recomputation (vLLM's default) and return it.
+
+    The newest has the least work to lose, and the oldest, which have waited longest, keep making progress: the
+    queue stays first come first served and nothing starves. Its blocks are freed outright (nothing is swapped out),
+    so its KV must be computed again: ``num_computed_tokens`` goes back to 0 and its tokens so far, generated ones
+    included, become the prompt it is re-admitted with (``all_token_ids``); nothing it generated is lost. It goes to
+    the *front* of the waiting queue: it arrived before every request still waiting."""
+    victim = running.pop()
+    blocks.free(victim.request_id)
+    victim.status, victim.num_computed_tokens = SequenceStatus.WAITING, 0
+    waiting.appendleft(victim)
+    return victim
+
+
+Preemption = Callable[[list[Sequence], "deque[Sequence]", KVBlockAllocator], Sequence]
+
+
 class Scheduler:
+    # Who is preempted and how, when a running sequence's blocks run out (a class attribute, so that a subclass, such
+    # as a course's, replaces only this): ``preempt(running, waiting, blocks)`` takes one sequence out of ``running``,
+    # frees its blocks, requeues it, and returns it.
+    preempt: Preemption = staticmethod(preempt_by_recompute)
+
     def __init__(self, config: SchedulerConfig, blocks: KVBlockAllocator) -> None:
         self.config, self.blocks = config, blocks
         self.waiting: deque[Sequence] = deque()
@@ -129,14 +153,15 @@ class Scheduler:
         self.running.remove(seq)
         self.blocks.free(seq.request_id)
 
-    def _preempt(self, seq: Sequence, batch: ScheduledBatch) -> None:
-        self.running.remove(seq)
-        self.blocks.free(seq.request_id)
-        seq.status, seq.num_computed_tokens = SequenceStatus.WAITING, 0
-        seq.num_preemptions += 1
+    def preempt_newest(self, batch: ScheduledBatch) -> Sequence:
+        """Preempt one running sequence through ``preempt`` (the newest, by default), and count it."""
+        victim = self.preempt(self.running, self.waiting, self.blocks)
+        if victim in self.running:  # it would be chosen again and again: the step would never end
+            raise RuntimeError(f"preempt returned {victim.request_id!r} but left it running")
+        victim.num_preemptions += 1
         self.num_preemptions += 1
-        self.waiting.appendleft(seq)
-        batch.preempted.append(seq)
+        batch.preempted.append(victim)
+        return victim
 
     def schedule(self) -> ScheduledBatch:
         batch = ScheduledBatch()
@@ -147,8 +172,7 @@ class Scheduler:
             seq = self.running[i]
             n = min(seq.num_tokens - seq.num_computed_tokens, budget)
             while not self.blocks.can_append(seq.request_id, seq.num_computed_tokens + n):
-                victim = self.running[-1]
-                self._preempt(victim, batch)
+                victim = self.preempt_newest(batch)
                 if victim is seq:
                     break
             if seq.status is not SequenceStatus.RUNNING:

@@ -15,7 +15,7 @@ from collections.abc import Callable
 from typing import Any
 
 from minifer.course import workbench
-from minifer.course.grading import building_blocks, paging, quant, quant_load, spec, spec_step
+from minifer.course.grading import batching, building_blocks, paging, quant, quant_load, spec, spec_step
 from minifer.course.grading.base import run_checks
 from minifer.course.workbench import CAPSTONE, PROMPTS, WORKLOADS, Workload, engine, reference_llm, tokens
 from minifer.course.workbench_spec import CAPSTONE_EAGLE
@@ -25,7 +25,8 @@ GRADERS: dict[str, Callable[[Any], None]] = {
     "top_p_mask": building_blocks.check_top_p, "decoder_layer": building_blocks.check_decoder_layer,
     "paged_attention": paging.check_paged_attention,
     "PrefixCachingAllocator": paging.check_prefix_allocator, "ForkingAllocator": paging.check_forking_allocator,
-    "schedule_step": paging.check_schedule_step, "verify_greedy": spec.check_verify_greedy,
+    "schedule_step": batching.check_schedule_step, "preempt": batching.check_preempt,
+    "engine_step": batching.check_engine_step, "verify_greedy": spec.check_verify_greedy,
     "rejection_sample": spec.check_rejection_sample, "ngram_propose": spec.check_ngram_propose,
     "rollback": spec_step.check_rollback, "eagle_forward": spec_step.check_eagle_forward,
     "quantize_int4_groupwise": quant.check_quantize_int4, "quantize_linears": quant_load.check_quantize_linears,
@@ -211,7 +212,8 @@ def check_capstone(solution: bool = False) -> None:
                "the saved pieces are graded; minifer's fill the gaps (solution=True)", loaded)]
     for workload in CAPSTONE + CAPSTONE_EAGLE:  # the last: the same pieces, drafting with your EAGLE head
         spec_config = getattr(workload, "speculative_config", None)
-        checks += _serve_checks("your engine", lambda s=spec_config: workbench.components_from(pieces, s), workload,
+        checks += _serve_checks("your engine", lambda w=workload, s=spec_config: workbench.components_from(
+            pieces, s, speculative=w.speculative), workload,
                                 "run each piece's own `in the engine` check cell to find the piece that differs")
     run_checks("your engine", checks)
 
@@ -227,6 +229,7 @@ def print_origins() -> None:
 def capstone_throughput(solution: bool = False, rounds: int = 3) -> None:
     """The capstone's throughput cell: every piece of yours (minifer's where ``solution`` fills a gap) at once."""
     def components():
-        return workbench.components_from(_last_pieces if _last_origin else load_pieces(solution)[0])
+        return workbench.components_from(_last_pieces if _last_origin else load_pieces(solution)[0],
+                                         speculative=CAPSTONE[0].speculative)
 
     workbench.report_throughput("your engine", components, CAPSTONE[0], rounds)

@@ -1,4 +1,5 @@
-"""Graders of exercise 02_03 (chapters 02-03): slot mapping, paged attention, block allocators, one scheduler step."""
+"""Graders of exercise 02 (the KV cache in blocks): slot mapping, paged attention, the prefix-caching and forking
+allocators, the blocks of parallel sampling."""
 
 from __future__ import annotations
 
@@ -8,14 +9,13 @@ from typing import Any
 
 import torch
 
-from minifer.course.workbench import StepRequest
 from minifer.course.grading.base import Check, as_int_list, assert_close, call_unmodified, randn, run_checks, seeded
 
 
-# --- chapter 02/03: slot mapping ---------------------------------------------------------------------
+# --- slot mapping ---------------------------------------------------------------------
 
-__all__ = ["check_slot_mapping", "check_paged_attention", "check_prefix_allocator", "check_schedule_step",
-            "SCHEDULER_SCENARIOS"]
+__all__ = ["check_slot_mapping", "check_paged_attention", "check_prefix_allocator", "check_parallel_sampling_blocks",
+           "check_forking_allocator"]
 
 
 def check_slot_mapping(fn: Callable[[list[int], list[int], int], list[int]]) -> None:
@@ -71,7 +71,7 @@ def check_slot_mapping(fn: Callable[[list[int], list[int], int], list[int]]) -> 
     run_checks("slot_mapping", checks)
 
 
-# --- chapter 02/03: paged attention ------------------------------------------------------------------
+# --- paged attention ------------------------------------------------------------------
 
 
 def check_paged_attention(fn: Callable[..., torch.Tensor]) -> None:
@@ -138,7 +138,7 @@ def check_paged_attention(fn: Callable[..., torch.Tensor]) -> None:
     run_checks("paged_attention", checks)
 
 
-# --- chapter 02/03: a block allocator with prefix caching -----------------------------------------------
+# --- a block allocator with prefix caching -----------------------------------------------
 
 
 def _allocator_ops_random(seed: int, block_size: int, num_prefixes: int = 3, steps: int = 80) -> list[tuple]:
@@ -443,7 +443,7 @@ def check_prefix_allocator(cls: Any) -> None:
     run_checks("prefix_allocator", checks)
 
 
-# --- chapter 02/03: parallel sampling in blocks -------------------------------------------------------------
+# --- parallel sampling in blocks -------------------------------------------------------------
 
 
 def check_parallel_sampling_blocks(fn: Callable[[int, int, int, int, bool], int]) -> None:
@@ -515,179 +515,3 @@ def check_parallel_sampling_blocks(fn: Callable[[int, int, int, int, bool], int]
         ("the engine agrees: its peak blocks in two runs (tinystories-draft)", engine),
     ]
     run_checks("parallel_sampling_blocks", checks)
-
-
-# --- chapter 02/03: one continuous-batching step -----------------------------------------------------------
-
-
-def _schedule_with_minifer(running: list[StepRequest], waiting: list[StepRequest], free_blocks: int,
-                           block_size: int, max_num_seqs: int, token_budget: int
-                           ) -> tuple[list[tuple[str, int]], list[str]]:
-    """The same state built in minifer's Scheduler (prefix caching off, chunked prefill on): its answer."""
-    from minifer.engine.block_manager import BlockManager
-    from minifer.engine.scheduler import Scheduler, SchedulerConfig
-    from minifer.engine.sequence import Sequence as EngineSequence
-    from minifer.engine.sequence import SequenceStatus
-    from minifer.sampling import SamplingParams
-
-    total = free_blocks + sum(r.num_blocks for r in running)
-    blocks = BlockManager(max(total, 1), block_size, enable_prefix_caching=False)
-    if total == 0:  # BlockManager needs at least one block: hold it in a sequence nobody schedules
-        blocks.allocate("__pad__", [0])
-    sched = Scheduler(SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=token_budget,
-                                      enable_chunked_prefill=True), blocks)
-
-    def seq(r: StepRequest) -> EngineSequence:
-        return EngineSequence(request_id=r.name, prompt=None, prompt_token_ids=list(range(r.num_tokens)),
-                              params=SamplingParams(), max_tokens=1, eos_token_ids=frozenset())
-
-    for r in running:
-        s = seq(r)
-        blocks.allocate(r.name, list(range(r.num_blocks * block_size)))
-        s.num_computed_tokens, s.status = r.num_computed, SequenceStatus.RUNNING
-        sched.running.append(s)
-    for r in waiting:
-        sched.waiting.append(seq(r))
-    assert blocks.num_free_blocks == free_blocks
-    batch = sched.schedule()
-    return ([(s.request_id, n) for s, n in zip(batch.seqs, batch.num_new_tokens)],
-            [s.request_id for s in batch.preempted])
-
-
-def _r(name: str, num_tokens: int, num_computed: int = 0, num_blocks: int = 0) -> StepRequest:
-    return StepRequest(name, num_tokens, num_computed, num_blocks)
-
-
-# (label, kwargs of schedule_step, expected (scheduled, preempted), hint). tests/course/test_exercises.py checks every
-# expected answer against minifer's Scheduler on the same state.
-SCHEDULER_SCENARIOS: list[tuple[str, dict[str, Any], tuple[list[tuple[str, int]], list[str]], str]] = [
-    ("decodes: each running request gets 1 token, oldest first",
-     dict(running=[_r("a", 9, 8, 2), _r("b", 14, 13, 4), _r("c", 5, 4, 1)], waiting=[], free_blocks=2,
-          block_size=4, max_num_seqs=8, token_budget=64),
-     ([("a", 1), ("b", 1), ("c", 1)], []),
-     "a running request gets num_tokens - num_computed new tokens (1 when decoding), in the order of `running`"),
-    ("a prompt in progress gets its next chunk, capped by the budget",
-     dict(running=[_r("a", 10, 9, 3), _r("b", 40, 16, 10)], waiting=[_r("w", 5)], free_blocks=0,
-          block_size=4, max_num_seqs=8, token_budget=10),
-     ([("a", 1), ("b", 9)], []),
-     "n = min(num_tokens - num_computed, budget left); nothing is admitted once the budget is spent"),
-    ("waiting requests are admitted first-come-first-served, up to max_num_seqs",
-     dict(running=[_r("a", 10, 9, 3)], waiting=[_r("w1", 6), _r("w2", 3), _r("w3", 5)], free_blocks=10,
-          block_size=4, max_num_seqs=3, token_budget=64),
-     ([("a", 1), ("w1", 6), ("w2", 3)], []),
-     "admit from the front of `waiting` while len(running) < max_num_seqs (admitted requests count too)"),
-    ("admission stops at the first request that does not fit (no skipping ahead)",
-     dict(running=[_r("a", 10, 9, 3)], waiting=[_r("w1", 20), _r("w2", 2)], free_blocks=3,
-          block_size=4, max_num_seqs=8, token_budget=64),
-     ([("a", 1)], []),
-     "w1 needs 5 blocks and only 3 are free: stop there (break, not continue), or big requests would starve"),
-    ("the token budget chunks the last admitted prompt",
-     dict(running=[_r("a", 10, 9, 3), _r("b", 7, 6, 2)], waiting=[_r("w1", 30), _r("w2", 4)], free_blocks=9,
-          block_size=4, max_num_seqs=8, token_budget=16),
-     ([("a", 1), ("b", 1), ("w1", 14)], []),
-     "chunked prefill: an admitted prompt gets min(num_tokens, budget left) tokens now, the rest in later steps"),
-    ("admission reserves blocks for the whole prompt, not just its first chunk",
-     dict(running=[_r("a", 10, 9, 3)], waiting=[_r("w1", 30)], free_blocks=5, block_size=4, max_num_seqs=8,
-          token_budget=9),
-     ([("a", 1)], []),
-     "admitting a request allocates ceil(num_tokens / block_size) blocks for its whole prompt (8 here, 5 free)"),
-    ("out of blocks: the newest running request is preempted, and nothing is admitted",
-     dict(running=[_r("a", 9, 8, 2), _r("b", 10, 9, 3), _r("c", 6, 5, 2)], waiting=[_r("w", 3)], free_blocks=0,
-          block_size=4, max_num_seqs=8, token_budget=64),
-     ([("a", 1), ("b", 1)], ["c"]),
-     "a needs a 3rd block and none is free: preempt running[-1] (c, the newest), add its blocks to the free "
-     "count, retry; after a preemption admit nobody this step"),
-    ("victims are preempted newest first, one at a time",
-     dict(running=[_r("a", 9, 8, 2), _r("b", 5, 4, 1), _r("c", 3, 2, 1), _r("d", 2, 1, 1)], waiting=[],
-          free_blocks=0, block_size=4, max_num_seqs=8, token_budget=64),
-     ([("a", 1), ("b", 1)], ["d", "c"]),
-     "preempt only until the request's blocks fit: d makes room for a, then c for b"),
-    ("a request that cannot get its block preempts itself",
-     dict(running=[_r("a", 10, 9, 3), _r("b", 9, 8, 2)], waiting=[_r("w", 2)], free_blocks=0, block_size=4,
-          max_num_seqs=8, token_budget=64),
-     ([("a", 1)], ["b"]),
-     "b is the newest: when it needs a block and none is free it is its own victim; stop the running loop"),
-    ("nothing running: a long prompt is chunked from its first step",
-     dict(running=[], waiting=[_r("w1", 50), _r("w2", 3)], free_blocks=20, block_size=4, max_num_seqs=4,
-          token_budget=32),
-     ([("w1", 32)], []),
-     "the first chunk of w1 spends the whole budget; w2 waits for the next step"),
-]
-
-
-def _random_schedule_state(rng: Any) -> dict[str, Any]:
-    """A random but reachable state: half of them short of blocks (preemption), half with room (admission)."""
-    bs = rng.choice([2, 4])
-    tight = rng.random() < 0.5
-    running = []
-    for i in range(rng.randrange(0, 6 if tight else 3)):
-        if rng.random() < 0.7:  # decoding: the last sampled token is not computed yet
-            computed = rng.randrange(1, 30)
-            if tight and rng.random() < 0.5:
-                computed = bs * rng.randrange(1, 8)  # its next token opens a new block
-            running.append(_r(f"r{i}", computed + 1, computed, -(-computed // bs)))
-        else:  # a prompt in progress: its blocks were all allocated when it was admitted
-            tokens = rng.randrange(2, 40)
-            running.append(_r(f"r{i}", tokens, rng.randrange(1, tokens), -(-tokens // bs)))
-    waiting = [_r(f"w{i}", rng.randrange(1, 30)) for i in range(rng.randrange(0, 5))]
-    return dict(running=running, waiting=waiting, free_blocks=rng.randrange(0, 3) if tight else rng.randrange(0, 25),
-                block_size=bs, max_num_seqs=max(1, len(running) + rng.randrange(0, 4)),
-                token_budget=rng.randrange(1, 48))
-
-
-def _fmt_plan(plan: tuple[list[tuple[str, int]], list[str]]) -> str:
-    scheduled, preempted = plan
-    return f"scheduled {[tuple(p) for p in scheduled]}, preempted {list(preempted)}"
-
-
-def check_schedule_step(fn: Callable[..., Any]) -> None:
-    """Grade ``fn(running, waiting, free_blocks, block_size, max_num_seqs, token_budget) -> (scheduled,
-    preempted)`` on hand-built scenarios (known answers, the same as minifer's Scheduler gives) and on random
-    states compared with :class:`minifer.engine.scheduler.Scheduler`."""
-    import random
-
-    def normalise(got: Any) -> tuple[list[tuple[str, int]], list[str]]:
-        try:
-            scheduled, preempted = got
-            return [(str(n), int(k)) for n, k in scheduled], [str(n) for n in preempted]
-        except (TypeError, ValueError):
-            raise AssertionError(f"expected (scheduled, preempted): a list of (name, num_new_tokens) pairs and a "
-                                 f"list of names, got {got!r:.200}") from None
-
-    def call(kwargs: dict[str, Any]) -> tuple[list[tuple[str, int]], list[str]]:
-        running, waiting = list(kwargs["running"]), list(kwargs["waiting"])
-        got = normalise(fn(running, waiting, kwargs["free_blocks"], kwargs["block_size"], kwargs["max_num_seqs"],
-                           kwargs["token_budget"]))
-        if running != kwargs["running"] or waiting != kwargs["waiting"]:
-            raise AssertionError("your function modified the `running` or `waiting` list: work on copies "
-                                 "(e.g. running = list(running)) and return the plan")
-        return got
-
-    def state(kwargs: dict[str, Any]) -> str:
-        return ("state (a request is name(num_tokens, num_computed, num_blocks), a waiting one name(num_tokens)):\n"
-                "  " + ", ".join(f"{k}={v!r}" for k, v in kwargs.items()))
-
-    def scenario(kwargs: dict[str, Any], want: tuple[list[tuple[str, int]], list[str]], hint: str) -> Check:
-        def run() -> None:
-            got = call(kwargs)
-            if got != (list(want[0]), list(want[1])):
-                raise AssertionError(f"{state(kwargs)}\ngot      {_fmt_plan(got)}\nexpected {_fmt_plan(want)}"
-                                     f"\nhint: {hint}")
-        return run
-
-    def random_states(seed: int, n: int) -> Check:
-        def run() -> None:
-            rng = random.Random(seed)
-            for _ in range(n):
-                kwargs = _random_schedule_state(rng)
-                want = _schedule_with_minifer(**kwargs)
-                got = call(kwargs)
-                if got != want:
-                    raise AssertionError(f"{state(kwargs)}\ngot      {_fmt_plan(got)}\nexpected "
-                                         f"{_fmt_plan(want)}\nhint: follow the policy step by step: running "
-                                         f"requests first, then admission")
-        return run
-
-    checks: list[Check] = [(label, scenario(kwargs, want, hint)) for label, kwargs, want, hint in SCHEDULER_SCENARIOS]
-    checks += [("200 random states, compared with minifer's Scheduler", random_states(0, 200))]
-    run_checks("schedule_step", checks)

@@ -1,32 +1,31 @@
-# Source of exercises/02_03_paging_and_batching.ipynb and solutions/02_03_paging_and_batching.ipynb.
+# Source of exercises/02_kv_cache_and_paging.ipynb and solutions/02_kv_cache_and_paging.ipynb.
 # Edit this file, never the notebooks, then run `make exercises` (see exercises/README.md).
 
 # %% [markdown]
-# # Exercises 02–03 · Paging the KV cache and batching continuously
+# # Exercises 02 · The KV cache in blocks: paging and prefix caching
 #
-# Chapter 02 cuts the KV cache into fixed-size blocks; chapter 03 decides, before every forward pass, which
-# requests the next step computes. Four pieces of the engine, rebuilt from scratch, and one count:
+# Chapter 02 cuts the KV cache into fixed-size blocks that any sequence can take, and shares the blocks of
+# prompts that start alike. Three pieces of the engine, rebuilt from scratch, and one count:
 #
 # 1. **slot mapping**: where in the block pool each token's keys and values go;
 # 2. **paged attention**: attention that reads its keys and values through a block table;
 # 3. **a block allocator with prefix caching**: free list, reference counts, hashed full blocks shared
 #    between requests, LRU eviction; then (3b) the blocks that `n` parallel completions of one prompt hold,
-#    and (3c) the fork and copy-on-write of beam search;
-# 4. **one scheduler step**: continuous batching with a token budget, chunked prefill and preemption.
+#    and (3c) the fork and copy-on-write of beam search.
 #
 # Each exercise explains the idea, gives a function (or a class) whose body you write, then a **check cell**
-# that grades it against minifer's own (`minifer/layers/paged_attention.py`, `minifer/engine/block_manager.py`,
-# `minifer/engine/scheduler.py`) on hand-built cases and random ones. A check prints `ok` per passing check
-# and stops at the first failure with what differs and a hint.
+# that grades it against minifer's own (`minifer/layers/paged_attention.py`, `minifer/engine/block_manager.py`)
+# on hand-built cases and random ones. A check prints `ok` per passing check and stops at the first failure with
+# what differs and a hint. Who runs at each step, and what happens when the blocks run out, is exercise 03's.
 
 # %% [markdown] exercise-only
 # Run the cells from the top. Stuck? The solved twin is
-# [`solutions/02_03_paging_and_batching.ipynb`](../solutions/02_03_paging_and_batching.ipynb).
+# [`solutions/02_kv_cache_and_paging.ipynb`](../solutions/02_kv_cache_and_paging.ipynb).
 
 # %% [markdown] solution-only
 # *This is the solved twin of
-# [`exercises/02_03_paging_and_batching.ipynb`](../exercises/02_03_paging_and_batching.ipynb), generated from
-# `exercises/source/02_03_paging_and_batching.py` by `make exercises`: edit the source, not this notebook.*
+# [`exercises/02_kv_cache_and_paging.ipynb`](../exercises/02_kv_cache_and_paging.ipynb), generated from
+# `exercises/source/02_kv_cache_and_paging.py` by `make exercises`: edit the source, not this notebook.*
 
 # %%
 import math
@@ -92,7 +91,7 @@ check_slot_mapping(slot_mapping)
 #
 # * `q` `[T, Hq, D]`: the queries of the step's `T` new tokens, which are the **last** `T` positions of a
 #   context of `context_len` tokens. `T = context_len` for a whole prompt, `T = 1` for a decode step,
-#   anything in between for a chunk of a long prompt (*chunked prefill*, section 4);
+#   anything in between for a chunk of a long prompt (*chunked prefill*, exercise 03);
 # * `k_cache`, `v_cache` `[num_blocks, block_size, Hkv, D]`: the pool, already holding the keys and values
 #   of all `context_len` positions (this step's included, written through the slot mapping);
 # * `block_table`, `context_len`: where the sequence's positions live, and how many there are.
@@ -506,129 +505,20 @@ from minifer.course.workbench import save
 save(ForkingAllocator)
 
 # %% [markdown]
-# ## 4 · One step of continuous batching
+# ### Now your forking allocator serves requests that share blocks
 #
-# **Static batching** runs a batch until its longest request finishes; the slots of requests that ended
-# early sit idle, and new requests wait for the whole batch. **Continuous batching** (Orca, OSDI 2022)
-# decides again before *every* forward pass, so a finished request's place is refilled at the next step.
-# minifer's `Scheduler.schedule` builds one step within two limits: at most `max_num_seqs` running requests,
-# and at most `token_budget` tokens in the forward pass (`max_num_batched_tokens`), which bounds its time
-# and activation memory.
-#
-# The policy, in order:
-#
-# 1. **Running requests first, oldest first.** Each gets `n = min(num_tokens − num_computed, budget left)`
-#    new tokens: 1 for a request that is decoding, the next **chunk** of its prompt for one still in
-#    prefill (**chunked prefill**: a long prompt is spread over several steps and shares them with decodes,
-#    instead of stalling every decode for one long step). Its KV then needs `ceil((num_computed + n) /
-#    block_size)` blocks; it takes the ones it lacks from the free ones. Stop when the budget is spent.
-# 2. **Preempt the newest when blocks run out.** If a running request cannot get its blocks, the **newest**
-#    running request (the last of `running`) is preempted: its blocks are freed and it goes back to the
-#    waiting queue, to be recomputed later from its tokens so far (vLLM's *recompute* preemption). Repeat
-#    until the blocks suffice; if the victim is the request itself, stop the loop. Why the newest? It has the
-#    least work to lose, and the oldest requests, which have waited longest, keep making progress, so the
-#    queue stays first-come-first-served and nothing starves.
-# 3. **Admit waiting requests first-come-first-served**, while the budget is not spent, fewer than
-#    `max_num_seqs` requests are running, and **no request was preempted in this step** (blocks were short a
-#    moment ago: admitting now would just preempt again). Admission allocates blocks for the **whole**
-#    prompt, `ceil(num_tokens / block_size)`, even when only its first chunk fits in the budget; if they are
-#    not free, stop: the head of the queue is never skipped, or a long request could wait forever behind a
-#    stream of short ones. An admitted request gets `min(num_tokens, budget left)` tokens.
-#
-# A request is a `Request` below (waiting requests have computed nothing and hold no blocks; there is no
-# prefix caching in this exercise). Write `schedule_step`: return `scheduled`, the `(name, new_tokens)` pairs
-# in the order above (running ones, then admitted ones), and `preempted`, the names of the preempted requests
-# in the order they were preempted. Do not modify the inputs.
-
-# %%
-@dataclass(frozen=True)
-class Request:
-    name: str
-    num_tokens: int  # prompt + generated tokens so far
-    num_computed: int = 0  # tokens whose KV is already in the cache
-    num_blocks: int = 0  # KV blocks it holds now (0 while waiting)
-
-
-def schedule_step(running: list[Request], waiting: list[Request], free_blocks: int, block_size: int,
-                  max_num_seqs: int, token_budget: int) -> tuple[list[tuple[str, int]], list[str]]:
-    """One continuous-batching step. ``running``: oldest first; ``waiting``: in arrival order.
-    Returns ``(scheduled, preempted)``: ``[(name, num_new_tokens), ...]`` and ``[name, ...]``."""
-    ### BEGIN SOLUTION
-    running = list(running)  # a copy: preemption removes from it
-    scheduled: list[tuple[str, int]] = []
-    preempted: list[str] = []
-    budget, free = token_budget, free_blocks
-    i = 0
-    while i < len(running) and budget > 0:
-        req = running[i]
-        n = min(req.num_tokens - req.num_computed, budget)
-        need = math.ceil((req.num_computed + n) / block_size) - req.num_blocks
-        while need > free:
-            victim = running.pop()  # the newest
-            free += victim.num_blocks
-            preempted.append(victim.name)
-            if victim is req:
-                break
-        if preempted and preempted[-1] == req.name:
-            break  # it preempted itself: nothing newer is left
-        free -= max(need, 0)
-        scheduled.append((req.name, n))
-        budget -= n
-        i += 1
-    for req in waiting:
-        if budget <= 0 or len(running) >= max_num_seqs or preempted:
-            break
-        need = math.ceil(req.num_tokens / block_size)
-        if need > free:
-            break  # first-come-first-served: never skip the head of the queue
-        free -= need
-        n = min(req.num_tokens, budget)
-        running.append(req)
-        scheduled.append((req.name, n))
-        budget -= n
-    return scheduled, preempted
-    ### END SOLUTION
-    ### BEGIN STUB
-    running = list(running)  # a copy: preemption removes from it
-    scheduled: list[tuple[str, int]] = []
-    preempted: list[str] = []
-    budget, free = token_budget, free_blocks
-    # YOUR CODE HERE: 1-2, the running requests (with preemption); 3, admission
-    raise NotImplementedError("implement schedule_step")
-    ### END STUB
-
+# The next cell grades your `ForkingAllocator` again, then makes it the allocator of a real engine,
+# `LLM("tinystories-target", components=...)`, which serves two workloads whose sequences share blocks: 3 seeded
+# completions of each of 8 prompts (parallel sampling: the siblings take the prompt's blocks from your prefix cache)
+# and a beam search of width 4 on 2 prompts (the beams fork through your `fork` and copy a shared block through your
+# `copy_on_write` before writing into it). Every completion and every beam must be the reference engine's.
 
 # %%
 # NBVAL_CHECK_OUTPUT
-from minifer.course.grading.paging import check_schedule_step
+from minifer.course.grading.forking_engine import check_forking_in_engine
 
-check_schedule_step(schedule_step)
+check_forking_in_engine(ForkingAllocator)
 
-# %% [markdown]
-# ### Now your scheduler step serves the chapter's workload
-#
-# The next cell saves your `schedule_step` to `my_engine/schedule_step.py` (next to this notebook, so it survives
-# a kernel restart and the capstone finds it), grades it again, then plugs it into a real engine,
-# `LLM("tinystories-target", components=...)`, which serves 8 greedy requests of 32 tokens in a KV cache of only
-# 12 blocks and 64 tokens per step, so requests are preempted and recomputed: every step, the engine describes its
-# running and waiting sequences as `Request`s, asks your `schedule_step` who runs, and carries out your plan. Its
-# tokens must be the reference engine's, request by request, and transformers' for the first two prompts. A piece
-# that fails its checks never reaches the engine: the cell stops with the grader's hint instead.
-
-# %%
-# NBVAL_CHECK_OUTPUT
-from minifer.course.grading.engine import check_in_engine
-
-check_in_engine("schedule_step", schedule_step)
-
-# %% [markdown]
-# And its speed: output tokens per second of the engine with your piece, as a ratio of the reference engine's,
-# measured in interleaved rounds on this machine (a measurement, not a check: it varies from run to run).
-
-# %%
-from minifer.course.workbench import piece_throughput
-
-piece_throughput("schedule_step", schedule_step)
 
 # %% [markdown]
 # ## Where these live in the engine
@@ -640,7 +530,4 @@ piece_throughput("schedule_step", schedule_step)
 # * `PrefixCachingAllocator` is `minifer.engine.block_manager.BlockManager`, which also grows sequences
 #   (`append_slots`) and rolls them back (`truncate`, for speculative decoding);
 # * `parallel_sampling_blocks` is `minifer.bench.kv_memory.parallel_sampling_blocks`; the sharing itself is
-#   `SequenceGroup` (`minifer/engine/sequence.py`) with the prefix cache doing the work;
-# * `schedule_step` is `minifer.engine.scheduler.Scheduler.schedule`, which works on `Sequence` objects and
-#   the `BlockManager` directly: admission asks `can_allocate` (prefix-cache hits included), and a preempted
-#   request returns to the *front* of the waiting queue with its generated tokens as part of its prompt.
+#   `SequenceGroup` (`minifer/engine/sequence.py`) with the prefix cache doing the work.
