@@ -21,7 +21,7 @@ if TYPE_CHECKING:
     from minifer.engine.eagle import EagleForward
     from minifer.engine.proposers import DraftProposer
     from minifer.engine.scheduler import SchedulerPolicy
-    from minifer.engine.speculative import Rollback
+    from minifer.engine.speculative import Rollback, SpeculativeConfig
     from minifer.engine.step import EngineStep
     from minifer.layers.paged_attention import PagedAttentionBackend
     from minifer.quant.linear import QuantKernel
@@ -80,3 +80,18 @@ def merge_components(components: Components | None, **explicit: Any) -> Componen
     if both:
         raise ValueError(f"{', '.join(both)} given both as an argument and in components: pass each piece once")
     return Components(**{**components.given(), **explicit})
+
+
+def check_seams(batching: str, spec: SpeculativeConfig | None, **given: Any) -> dict[str, Any]:
+    """The engine seams the caller handed in (``LLMEngine`` builds the others), after checking that they can apply."""
+    seams = {name: value for name, value in given.items() if value is not None}
+    if seams and batching != "continuous":
+        raise ValueError(f"{', '.join(seams)} plug into the continuous engine: use batching='continuous'")
+    if spec is not None and "step" in seams:
+        raise ValueError("a given engine step runs the plain step (schedule, run, sample, append, free): speculative "
+                         "decoding's step is the engine's own; drop speculative_config or the step")
+    if spec is None and {"proposer", "verifier", "rollback", "eagle_forward"} & set(seams):
+        raise ValueError("proposer and verifier are parts of speculative decoding (rollback and eagle_forward too): "
+                         "pass a speculative_config too "
+                         "(its num_speculative_tokens is the k the proposer is asked for)")
+    return seams

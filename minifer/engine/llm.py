@@ -18,7 +18,7 @@ import torch
 
 from minifer.config import ModelConfig, resolve_device, resolve_dtype
 from minifer.engine.beam_search import BeamSearch, BeamSearchOutput
-from minifer.engine.components import SEAMS, Components, merge_components
+from minifer.engine.components import SEAMS, Components, check_seams, merge_components
 from minifer.engine.data_parallel import start_replicas
 from minifer.engine.llm_engine import CacheConfig, LLMEngine
 from minifer.engine.runner import compile_model
@@ -47,21 +47,6 @@ if TYPE_CHECKING:
     from minifer.spec.rejection import Verifier
 
 Prompt = str | dict[str, Any]
-
-
-def _seams(batching: str, spec: SpeculativeConfig | None, **given: Any) -> dict[str, Any]:
-    """The engine seams the caller handed in (``LLMEngine`` builds the others), after checking that they can apply."""
-    seams = {name: value for name, value in given.items() if value is not None}
-    if seams and batching != "continuous":
-        raise ValueError(f"{', '.join(seams)} plug into the continuous engine: use batching='continuous'")
-    if spec is not None and "step" in seams:
-        raise ValueError("a given engine step runs the plain step (schedule, run, sample, append, free): speculative "
-                         "decoding's step is the engine's own; drop speculative_config or the step")
-    if spec is None and {"proposer", "verifier", "rollback", "eagle_forward"} & set(seams):
-        raise ValueError("proposer and verifier are parts of speculative decoding (rollback and eagle_forward too): "
-                         "pass a speculative_config too "
-                         "(its num_speculative_tokens is the k the proposer is asked for)")
-    return seams
 
 
 def _check_options(batching: str, max_num_seqs: Any, kv_cache_dtype: str, kv_cache_scales: str) -> None:
@@ -179,7 +164,7 @@ class LLM:
         if spec is not None and batching != "continuous":
             raise ValueError("speculative decoding runs inside the continuous engine: use batching='continuous'")
         self.draft_model = self._drafter(spec, share_weights_with)
-        seams = _seams(batching, spec, layer_ops=parts.layer_ops(), **{n: getattr(parts, n) for n in SEAMS})
+        seams = check_seams(batching, spec, layer_ops=parts.layer_ops(), **{n: getattr(parts, n) for n in SEAMS})
         if batching == "continuous":
             self.engine = LLMEngine(
                 self.model, self.tokenizer, self.make_sequence,
