@@ -131,6 +131,20 @@ from minifer.course.grading.building_blocks import check_rope_inv_freq
 check_rope_inv_freq(rope_inv_freq)
 
 # %% [markdown]
+# ### Now your frequencies serve the chapter's workload
+#
+# The engine normally looks up `cos`/`sin` in a table it computed once at load. Handed your `rope_inv_freq`, it
+# computes them from your frequencies at every forward instead (the same arithmetic as its table), so every
+# query and key of every layer turns at your speeds. The cell saves your function for the capstone, grades it
+# again, serves 8 greedy requests and compares the tokens with the reference engine's and transformers'.
+
+# %%
+# NBVAL_CHECK_OUTPUT
+from minifer.course.grading.engine import check_in_engine
+
+check_in_engine("rope_inv_freq", rope_inv_freq)
+
+# %% [markdown]
 # ### 2b · Applying the rotation
 #
 # A pair $(a, b)$ rotated by $\varphi$ becomes $(a\cos\varphi - b\sin\varphi,\; b\cos\varphi + a\sin\varphi)$.
@@ -181,7 +195,7 @@ check_apply_rotary(apply_rotary)
 # The next cell saves your `apply_rotary` to `my_engine/apply_rotary.py` (next to this notebook, so it survives a
 # kernel restart and the capstone finds it), grades it again, then plugs it into a real engine, `LLM("tinystories-
 # target", components=...)`, which serves 8 greedy requests of 16 tokens: your rotation turns the queries and keys
-# of every layer (`cos`/`sin` still come from minifer's precomputed table). Its tokens must be the reference
+# of every layer (`cos`/`sin` come from minifer's table here; the capstone pairs your rotation with your frequencies). Its tokens must be the reference
 # engine's, request by request, and transformers' for the first two prompts. A piece that fails its checks never
 # reaches the engine: the cell stops with the grader's hint instead.
 

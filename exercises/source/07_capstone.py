@@ -6,8 +6,8 @@
 #
 # Every exercise that rebuilt a piece of the engine ended with a cell that saved it to `my_engine/` (next to
 # the notebooks) and ran it inside a real `LLM`, one piece at a time. Here all of them run **together**: every
-# layer of the model runs your decoder layer, which normalises with your RMSNorm and rotates with your RoPE,
-# attention reads the paged cache through your `paged_attention`, your allocator hands out the blocks and finds
+# layer of the model runs your decoder layer, which normalises with your RMSNorm and rotates with your RoPE (your
+# frequencies, your rotation), attention reads the paged cache through your `paged_attention`, your allocator hands out the blocks and finds
 # cached prefixes, your `schedule_step` decides who runs at every step (and whom to preempt, which your `preempt`
 # carries out), your `engine_step` drives the batch that does not speculate, your n-gram proposer
 # drafts, your verifier and rejection sampler decide which drafts stay, and your nucleus filter shapes the sampled
@@ -16,6 +16,7 @@
 # | piece | where you wrote it | where it first served requests |
 # |---|---|---|
 # | `rms_norm` | `00_building_blocks`, section 1 | its "now your RMSNorm serves" cell |
+# | `rope_inv_freq` (RoPE's frequencies) | `00_building_blocks`, section 2a | its "now your frequencies serve" cell |
 # | `apply_rotary` (RoPE) | `00_building_blocks`, section 2b | its "now your RoPE serves" cell |
 # | `top_p_mask` (in the sampler) | `00_building_blocks`, section 3 | its "now your nucleus filter serves" cell |
 # | `decoder_layer` | `00_building_blocks`, section 4 | its "now your decoder layer serves" cell |

@@ -74,6 +74,7 @@ class Piece:
 
 PIECES: dict[str, Piece] = {p.name: p for p in (
     Piece("rms_norm", "00_building_blocks", "rms_norm"),
+    Piece("rope_inv_freq", "00_building_blocks", "rope_inv_freq"),
     Piece("apply_rotary", "00_building_blocks", "apply_rotary"),
     Piece("top_p_mask", "00_building_blocks", "sampler"),
     Piece("decoder_layer", "00_building_blocks", "decoder_layer"),
@@ -409,7 +410,8 @@ def components_from(pieces: dict[str, Any], spec: dict[str, Any] | None = None,
     if p("verify_greedy") or p("rejection_sample"):
         verifier = verifier_with(p("verify_greedy"), p("rejection_sample"))
     return Components(
-        rms_norm=p("rms_norm"), apply_rotary=p("apply_rotary"), decoder_layer=p("decoder_layer"),
+        rms_norm=p("rms_norm"), apply_rotary=p("apply_rotary"), rope_inv_freq=p("rope_inv_freq"),
+        decoder_layer=p("decoder_layer"),
         sampler=sampler_with_top_p(p("top_p_mask")) if p("top_p_mask") else None,
         attention_backend=attention_backend_with(p("paged_attention")) if p("paged_attention") else None,
         block_allocator=block_allocator_with(alloc) if alloc else None,
@@ -462,7 +464,7 @@ class Workload:
 # Each piece serves what its chapter is about: a small cache that forces preemption for the scheduler, shared
 # prefixes for the allocator, seeded sampling for top-p and rejection sampling, speculation for the verifier.
 WORKLOADS: dict[str, Workload] = {
-    "rms_norm": Workload(), "apply_rotary": Workload(), "decoder_layer": Workload(), "paged_attention": Workload(),
+    "rms_norm": Workload(), "rope_inv_freq": Workload(), "apply_rotary": Workload(), "decoder_layer": Workload(), "paged_attention": Workload(),
     "top_p_mask": Workload(sampled=True),
     "PrefixCachingAllocator": Workload(llm=(("max_num_seqs", 4),)), "ForkingAllocator": Workload(llm=(("max_num_seqs", 4),)),
     "schedule_step": Workload(max_tokens=32, llm=(("num_kv_blocks", 12), ("max_num_batched_tokens", 64))),

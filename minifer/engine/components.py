@@ -34,13 +34,14 @@ SEAMS = ("block_allocator", "scheduler", "sampler", "proposer", "verifier", "att
 
 @dataclass(frozen=True)
 class Components:
-    """The engine's replaceable pieces; None keeps the reference. ``rms_norm``, ``apply_rotary`` and
-    ``decoder_layer`` are ``LayerOps``' (``minifer.layers.ops``); the others are ``LLM``'s seams of the same names, with the same contracts
+    """The engine's replaceable pieces; None keeps the reference. ``rms_norm``, ``apply_rotary``, ``rope_inv_freq``
+    and ``decoder_layer`` are ``LayerOps``' (``minifer.layers.ops``); the others are ``LLM``'s seams of the same names, with the same contracts
     (``LLMEngine``'s docstring lists them; ``quant_kernel``: ``minifer.quant.linear.QuantKernel``; ``quantizer``:
     what the load path calls in place of ``minifer.quant.model.quantize_model``)."""
 
     rms_norm: Callable[[torch.Tensor, torch.Tensor, float], torch.Tensor] | None = None
     apply_rotary: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor] | None = None
+    rope_inv_freq: Callable[[int, float], torch.Tensor] | None = None
     decoder_layer: Callable[..., torch.Tensor] | None = None
     sampler: Sampler | None = None
     attention_backend: Callable[..., PagedAttentionBackend] | None = None
@@ -62,10 +63,12 @@ class Components:
 
     def layer_ops(self) -> LayerOps | None:
         """The layers' functions, or None when both are the reference (the engine may then use CUDA graphs)."""
-        if self.rms_norm is None and self.apply_rotary is None and self.decoder_layer is None:
+        if self.rms_norm is None and self.apply_rotary is None and self.decoder_layer is None \
+                and self.rope_inv_freq is None:
             return None
         ref = LayerOps()
-        return LayerOps(self.rms_norm or ref.rms_norm, self.apply_rotary or ref.apply_rotary, self.decoder_layer)
+        return LayerOps(self.rms_norm or ref.rms_norm, self.apply_rotary or ref.apply_rotary, self.decoder_layer,
+                        self.rope_inv_freq)
 
 
 def merge_components(components: Components | None, **explicit: Any) -> Components:

@@ -1,6 +1,6 @@
 """The per-token functions a decoder layer calls, as one value handed to the model's ``forward``.
 
-``LayerOps`` exists so that another implementation of RMSNorm or RoPE (a learner's, chapter 00's exercises) can run
+``LayerOps`` exists so that another implementation of RMSNorm or RoPE (its frequencies or its rotation; a learner's, chapter 00's exercises) can run
 inside the real model without monkey-patching a module: the engine passes its ``LayerOps`` with every forward, as it
 passes the attention backend, so two engines sharing one set of weights can use different functions at the same
 time. The defaults are minifer's references.
@@ -22,11 +22,13 @@ class LayerOps:
     """``rms_norm(x, weight, eps)`` as ``minifer.layers.norm.rms_norm``; ``apply_rotary(x, cos, sin)`` as
     ``minifer.layers.rotary.apply_rotary`` (``x`` ``[tokens, heads, head_dim]``, ``cos``/``sin`` ``[tokens,
     head_dim]``); ``decoder_layer(layer, x, cos, sin, attn, ops)``: a whole decoder layer's forward over that layer's
-    modules and weights, in place of ``DecoderLayer.forward`` (None: the model's own)."""
+    modules and weights, in place of ``DecoderLayer.forward`` (None: the model's own); ``rope_inv_freq(head_dim,
+    theta)``: RoPE's frequencies as ``minifer.layers.rotary.rope_inv_freq`` (None: the table the model precomputed)."""
 
     rms_norm: Callable[[torch.Tensor, torch.Tensor, float], torch.Tensor] = rms_norm
     apply_rotary: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor] = apply_rotary
     decoder_layer: Callable[..., torch.Tensor] | None = None
+    rope_inv_freq: Callable[[int, float], torch.Tensor] | None = None
 
 
 REFERENCE_OPS = LayerOps()

@@ -53,6 +53,7 @@ class RotaryEmbedding(nn.Module):
 
     def __init__(self, head_dim: int, max_positions: int, theta: float, scaling: dict | None = None) -> None:
         super().__init__()
+        self.head_dim, self.theta, self.scaling = head_dim, theta, scaling
         inv_freq = rope_inv_freq(head_dim, theta, scaling)
         freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32), inv_freq)
         emb = torch.cat((freqs, freqs), dim=-1)
@@ -61,3 +62,12 @@ class RotaryEmbedding(nn.Module):
 
     def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         return self.cos[positions].to(dtype), self.sin[positions].to(dtype)
+
+    def from_frequencies(self, positions: torch.Tensor, dtype: torch.dtype, inv_freq_fn) -> tuple[torch.Tensor, torch.Tensor]:
+        """``cos``/``sin`` from another ``rope_inv_freq(head_dim, theta)`` (a learner's), computed for these positions
+        with the same arithmetic as the table, so equal frequencies give equal tokens."""
+        if self.scaling:
+            raise ValueError(f"this model scales RoPE ({self.scaling}); a rope_inv_freq(head_dim, theta) has no scaling")
+        freqs = positions.float()[:, None] * inv_freq_fn(self.head_dim, self.theta).to(positions.device)[None, :]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        return emb.cos().to(dtype), emb.sin().to(dtype)

@@ -88,7 +88,10 @@ class LlamaModel(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionBackend,
                 ops: LayerOps = REFERENCE_OPS) -> torch.Tensor:
         x = self.embed_tokens(input_ids)
-        cos, sin = self.rotary(positions, x.dtype)
+        if ops.rope_inv_freq is None:
+            cos, sin = self.rotary(positions, x.dtype)
+        else:
+            cos, sin = self.rotary.from_frequencies(positions, x.dtype, ops.rope_inv_freq)
         for layer in self.layers:
             x = layer(x, cos, sin, attn, ops)
         return self.norm(x, ops.rms_norm)

@@ -186,7 +186,10 @@ def _wrong(solutions) -> dict:
     def rejection_always_accept(draft_tokens, q, p, generator):
         return list(draft_tokens) + [int(torch.multinomial(p[len(draft_tokens)], 1, generator=generator))]
 
-    return {"rms_norm": _rms_no_eps, "apply_rotary": _rotary_interleaved, "top_p_mask": _top_p_strict,
+    def inv_freq_over_pairs(head_dim, theta):  # the exponent 2i / (head_dim / 2): frequencies fall twice as fast
+        return 1.0 / theta ** (torch.arange(0, head_dim, 2).float() / (head_dim // 2))
+
+    return {"rms_norm": _rms_no_eps, "rope_inv_freq": inv_freq_over_pairs, "apply_rotary": _rotary_interleaved, "top_p_mask": _top_p_strict,
             "decoder_layer": _layer_without_residual,
             "paged_attention": paged_unscaled, "PrefixCachingAllocator": NoVerifyAllocator,
             "ForkingAllocator": NoCopyOnWrite, "schedule_step": _schedule_no_preemption,

@@ -8,6 +8,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 import pytest
+import torch
 
 from minifer import LLM, SamplingParams
 from minifer.engine.block_manager import BlockManager
@@ -143,6 +144,26 @@ def test_the_layers_call_the_rms_norm_and_rope_handed_in(reference):
     forwards = calls.count("rms_norm") // (2 * layers + 1)  # two norms per layer and the final one
     assert forwards >= GREEDY.max_tokens and calls.count("rms_norm") == forwards * (2 * layers + 1)
     assert calls.count("apply_rotary") == forwards * 2 * layers  # queries and keys of every layer
+
+
+def test_the_rope_frequencies_handed_in_build_every_forward_s_rotation(reference):
+    from minifer.layers.rotary import RotaryEmbedding, rope_inv_freq
+
+    calls: list[str] = []
+    mine = LLM("tinystories-target", share_weights_with=reference[0],
+               components=Components(rope_inv_freq=_counting(rope_inv_freq, calls, "rope_inv_freq")))
+    assert _tokens(mine) == reference[1]  # the same frequencies, the same arithmetic: the same tokens
+    assert calls.count("rope_inv_freq") >= GREEDY.max_tokens  # once per forward, not once at load
+
+    def reversed_order(head_dim, theta):  # the slowest rotation on the first pair: must show in the tokens
+        return rope_inv_freq(head_dim, theta).flip(0)
+
+    wrong = LLM("tinystories-target", share_weights_with=reference[0],
+                components=Components(rope_inv_freq=reversed_order))
+    assert _tokens(wrong) != reference[1]
+    scaled = RotaryEmbedding(8, 16, 10000.0, {"rope_type": "linear", "factor": 2.0})
+    with pytest.raises(ValueError, match="scales RoPE"):
+        scaled.from_frequencies(torch.arange(3), torch.float32, rope_inv_freq)
 
 
 def test_a_decoder_layer_handed_in_runs_every_layer_with_the_ops_it_is_given(reference):

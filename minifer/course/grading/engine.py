@@ -21,7 +21,8 @@ from minifer.course.workbench import CAPSTONE, PROMPTS, WORKLOADS, Workload, eng
 from minifer.course.workbench_spec import CAPSTONE_EAGLE
 
 GRADERS: dict[str, Callable[[Any], None]] = {
-    "rms_norm": building_blocks.check_rms_norm, "apply_rotary": building_blocks.check_apply_rotary,
+    "rms_norm": building_blocks.check_rms_norm, "rope_inv_freq": building_blocks.check_rope_inv_freq,
+    "apply_rotary": building_blocks.check_apply_rotary,
     "top_p_mask": building_blocks.check_top_p, "decoder_layer": building_blocks.check_decoder_layer,
     "paged_attention": paging.check_paged_attention,
     "PrefixCachingAllocator": paging.check_prefix_allocator, "ForkingAllocator": paging.check_forking_allocator,
