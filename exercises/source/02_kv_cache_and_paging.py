@@ -529,5 +529,5 @@ check_forking_in_engine(ForkingAllocator)
 #   steps use the Triton kernels of `minifer/kernels/paged_attention.py`, checked against it;
 # * `PrefixCachingAllocator` is `minifer.engine.block_manager.BlockManager`, which also grows sequences
 #   (`append_slots`) and rolls them back (`truncate`, for speculative decoding);
-# * `parallel_sampling_blocks` is `minifer.bench.kv_memory.parallel_sampling_blocks`; the sharing itself is
+# * `parallel_sampling_blocks` is `minifer.course.kv_memory.parallel_sampling_blocks`; the sharing itself is
 #   `SequenceGroup` (`minifer/engine/sequence.py`) with the prefix cache doing the work.

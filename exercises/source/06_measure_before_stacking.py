@@ -18,7 +18,7 @@
 #    to tell a lever's effect from the machine's noise.
 #
 # Each exercise explains the idea, gives a function whose body you write, then a **check cell** that grades it
-# against minifer's own (`minifer/bench/stacking.py`, `minifer/bench/speculative.py`) or on data it generates. A
+# against minifer's own (`minifer/course/stacking.py`, `minifer/bench/speculative.py`) or on data it generates. A
 # check prints `ok` per passing check and stops at the first failure with what differs and a hint.
 
 # %% [markdown] exercise-only
@@ -37,9 +37,9 @@ import statistics
 from pathlib import Path
 
 import minifer
-from minifer.bench.stacking import LEVERS, SHORT, configurations, label
-from minifer.bench.stacking import lever_analysis as minifer_lever_analysis
-from minifer.bench.stacking import split_budget
+from minifer.course.stacking import LEVERS, SHORT, configurations, label
+from minifer.course.stacking import lever_analysis as minifer_lever_analysis
+from minifer.course.stacking import split_budget
 
 RESULTS = Path(minifer.__file__).resolve().parents[1] / "benchmarks" / "results"
 
@@ -360,10 +360,10 @@ print("int8 weights:", verdict_of(lever, aa, 0.95))
 #
 # ## Where these live in the engine
 #
-# * `kv_blocks` is `minifer.bench.stacking.split_budget` (which also counts static batching's rows); the engine's
+# * `kv_blocks` is `minifer.course.stacking.split_budget` (which also counts static batching's rows); the engine's
 #   `CacheConfig.num_blocks` (`minifer/engine/llm_engine.py`) does the same from `kv_cache_memory` on a CPU or
 #   `gpu_memory_utilization` on a GPU, less the two blocks its cache holds back (`usable_blocks`);
-# * `lever_analysis` is `minifer.bench.stacking.lever_analysis`, which also reads each lever's gain in every
+# * `lever_analysis` is `minifer.course.stacking.lever_analysis`, which also reads each lever's gain in every
 #   context of the others (`contexts`) and the cumulative path in the course's order (`path`);
 # * `interleaved_speedups` is the method of `minifer.bench.speculative.run_interleaved`, which interleaves single
 #   engine *steps* in a fresh random order each turn; `median_ci` is `minifer.bench.speculative.median_ci`; the A/A

@@ -190,7 +190,7 @@ def decode_vs_weight_reads(model: Any, context: int = 128, rounds: int = 5) -> d
     import statistics
 
     import torch
-    from minifer.bench import roofline as rl
+    from minifer.course import roofline as rl
 
     w = model.lm_head.weight
     big = torch.full((4096, 4096 * 4 // w.element_size()), 0.01, dtype=w.dtype, device=w.device)

@@ -484,7 +484,7 @@ def literature_summary(*, qt: Sequence[Mapping[str, Any]], krows: Sequence[Mappi
          f"(Qwen3-0.6B shapes, ShareGPT-like lengths). Greedy tokens agreeing position by position: "
          f"{agree['int8', 'token']:.1%} / {agree['fp8', 'token']:.1%} (int8 / fp8, per token), "
          f"{agree['int8', 'head']:.1%} / {agree['fp8', 'head']:.1%} (static per head) on the bundled model "
-         f"(`python -m minifer.bench.kv_quant`)"),
+         f"(`python -m minifer.course.kv_quant`)"),
     ]
     return ("| claim (article) | literature (source, conditions) | ours (measured, conditions) |\n|---|---|---|\n"
             + "\n".join(f"| {a} | {b} | {c} |" for a, b, c in table))

@@ -60,7 +60,7 @@ class ModelPair:
 
     def kv_budget(self, llm_kwargs: Mapping[str, Any] | None = None) -> int:
         """KV bytes for one engine of this pair on the GPU (``load``'s rule), checked against the chapter's plan;
-        chapter 06 passes it to ``minifer.bench.stacking`` as its memory budget beyond the weights."""
+        chapter 06 passes it to ``minifer.course.stacking`` as its memory budget beyond the weights."""
         from minifer.course.gpu_plan import GPU_KV_CACHE_BYTES, kv_share
         from minifer.engine.llm import resolve_dtype
 

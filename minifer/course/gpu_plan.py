@@ -18,7 +18,7 @@ Two rules make the sums fit:
   in the model's own dtype: transformers' copy is a second 16-bit model, not a float32 one (6.9 GB for
   Qwen3-1.7B), and minifer's engine is compared as it is, without a float32 copy.
 
-Chapter 06 builds ten engines (``minifer.bench.stacking``); on a GPU they are built one at a time beside the
+Chapter 06 builds ten engines (``minifer.course.stacking``); on a GPU they are built one at a time beside the
 weights they share, and the share is the memory budget its cell passes (``ModelPair.kv_budget``).
 
 ``CHAPTERS`` lists what each chapter keeps alive at its peak, read from its cells; ``chapter_plan`` prices
@@ -92,7 +92,7 @@ class Resident:
     weights: str = "model"  # "model" (the track's dtype), "float32", "int8", "int4", "shared" (another engine's)
     kv_cache: bool = True  # an engine with its own KV cache (an equal share of what the models leave)
     with_draft: bool = False  # a speculating engine: each of its KV blocks also holds the draft's keys and values
-    stacking: bool = False  # chapter 06's engines (minifer.bench.stacking), built one at a time on a GPU: the share is
+    stacking: bool = False  # chapter 06's engines (minifer.course.stacking), built one at a time on a GPU: the share is
     # their memory budget ``kv_memory``; an int8-weights one's cache also gets the bytes int8 saves, a speculating
     # one's loses the draft's weights
 

@@ -319,7 +319,7 @@ class BlockManager:
         which blocks come back depends on history (rollbacks, the order sequences finish, a start-up calibration
         freeing its scratch blocks last-first), and a FIFO hands that order on, scattering a batch's KV over the
         whole pool. On the CPU, where attention gathers the keys token by token, a decode step at 64 sequences runs
-        a few percent slower on a shuffled free list than on an ordered one (``python -m minifer.bench.block_order``,
+        a few percent slower on a shuffled free list than on an ordered one (``python -m minifer.course.block_order``,
         ``benchmarks/results/block_order.json``);
         lowest-first keeps the blocks in use packed at the start of the pool whatever happened before. Cached
         blocks, parked for prefix hits, are not in this heap: they go out least recently used first, once no free

@@ -26,7 +26,7 @@ head, times :data:`STATIC_HEADROOM`; a later value beyond that range saturates. 
 range must now serve every token. On the bundled model greedy decoding agrees with the 16-bit cache's at 93.9% of
 token positions with static int8 (99.2% with per-token scales) and 72.1% with static fp8 (86.8%), compared
 position by position (after a first difference the continuations differ, so this mixes the flip rate with how
-early flips come): e4m3's 3 mantissa bits lose more than int8's headroom does (``python -m minifer.bench.kv_quant``).
+early flips come): e4m3's 3 mantissa bits lose more than int8's headroom does (``python -m minifer.course.kv_quant``).
 """
 
 from __future__ import annotations

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import minifer.engine.block_manager as _bm
-from minifer.bench.kv_memory import parallel_sampling_blocks
+from minifer.course.kv_memory import parallel_sampling_blocks
 from minifer.course.grading import batching, paging
 from minifer.engine.block_manager import BlockManager
 from minifer.layers.paged_attention import PagedAttentionMetadata, paged_attention_reference

@@ -8,7 +8,7 @@ import math
 import pytest
 
 from minifer.course.grading import stacking as gs
-from minifer.bench import stacking as st
+from minifer.course import stacking as st
 
 
 def _blocks(memory, weights, block):

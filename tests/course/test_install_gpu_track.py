@@ -152,7 +152,7 @@ def test_pair_load_sizes_the_cache_after_the_chapters_models(fake_cuda, monkeypa
 
 def test_chapter_06_builds_one_engine_at_a_time_within_the_budget(fake_cuda, monkeypatch):
     """Chapter 06's ten configurations would hold ten caches at once; on a GPU they are built one at a time
-    (minifer.bench.stacking), so a T4 holds the two weight sets, two drafts and the largest one cache: the memory
+    (minifer.course.stacking), so a T4 holds the two weight sets, two drafts and the largest one cache: the memory
     budget its cell passes (pair.kv_budget()) is what the models leave, and a speculating configuration, whose
     budget also pays for the draft's weights, still gets its MIN_KV_BLOCKS."""
     monkeypatch.setattr(notebook, "gpu_available_bytes", lambda device="cuda": gpu_plan.T4_VISIBLE_BYTES)

@@ -7,7 +7,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import minifer.engine.block_manager as bm
-from minifer.bench.block_order import FifoBlockManager
+from minifer.course.block_order import FifoBlockManager
 from minifer.engine.block_manager import BlockManager
 
 
