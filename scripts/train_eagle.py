@@ -17,9 +17,12 @@ and run once. Recipe (seeded, fixed step budget, one command, a few tens of minu
 5. the report records the held-out top-1 agreement with the target for each pass (draft position 1..k,
    teacher-forced tokens, self-fed features), the losses, wall time and hardware.
 
+Data: the shipped head read 1600 windows (the first ~410k tokens of the train split); the first head read 400,
+and its agreement on them (0.63) against held-out windows (0.52) said it had seen too little text.
+
 Usage::
 
-    python scripts/train_eagle.py --out minifer/assets/models/tinystories-target-eagle   # the shipped head
+    python scripts/train_eagle.py --out minifer/assets/models/tinystories-target-eagle   # the shipped head (~28 min on 2 busy shared cores, ~8 of them the features)
     python scripts/train_eagle.py --smoke --out /tmp/eagle                                 # seconds
 """
 
@@ -47,10 +50,10 @@ from minifer.models.eagle import EagleHead  # noqa: E402
 @dataclass
 class Recipe:
     seq_len: int = 256
-    train_windows: int = 400  # ~100k tokens of target features (sized for 2 shared CPU cores)
+    train_windows: int = 1600  # ~410k tokens of target features (~420 MB in bf16); 400 left the head data-bound
     heldout_windows: int = 48
     batch_size: int = 4
-    steps: int = 600
+    steps: int = 1000  # 2.5 passes over the windows (the 400-window recipe made six: it saw less, more often)
     warmup: int = 30
     lr: float = 2e-3
     weight_decay: float = 0.0

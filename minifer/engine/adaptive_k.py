@@ -250,7 +250,9 @@ class AdaptiveK:
         sequence the draft has not seen yet. Its first forward catches up on them: 1-2 after a speculative step,
         more after plain steps. That catch-up is the price of switching speculation back on, paid once for the
         steps that follow, so it is spread over a trial's worth of them (``TRIAL_STEPS``): charged to one step, it
-        would grow with every plain step and keep speculation off where it pays."""
+        would grow with every plain step and keep speculation off where it pays. A drafter with forwards (a draft
+        model, or the EAGLE head through ``eagle.HeadRunner``) is priced from its own cost table, timed at start-up
+        and refreshed by every proposal; n-gram lookup, which runs no forward, by its last measured lookup."""
         # Only a fraction `hit` of the sequences asked for drafts get any (n-gram lookup finds no match for
         # the others; a draft model always proposes): they alone add verify tokens and gain tokens.
         hit = (self._got + 4) / (self._asked + 4)  # a prior of 4 hits in 4 until measured

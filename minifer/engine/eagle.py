@@ -60,6 +60,8 @@ class EagleProposer:
         self.cost = CostTable()  # the head's forward time by tokens, refreshed by every proposal
         self.forward_s = 0.0  # the head's forwards, in total (the benchmark reads its cost per draft token)
         self.num_forwards = 0
+        self.last_forward_s = 0.0
+        self.runner = HeadRunner(self)  # what the adaptive controller calibrates and prices, as a draft model's
         self.feats: dict[object, tuple[int, torch.Tensor]] = {}
         self.base: dict[object, int] = {}
         self.computed: dict[object, int] = {}
@@ -113,29 +115,34 @@ class EagleProposer:
         self.blocks.append_slots(rid, entries)
         return True
 
-    def _run(self, rids: list[object], starts: list[int], feats: list[torch.Tensor],
-             ids: list[list[int]]) -> torch.Tensor:
-        """One head forward over ragged chunks (request ``i``: positions ``starts[i] ...``); returns the output of the
-        last position of each chunk ``[len(rids), H]``."""
+    def _run(self, rids: list[object], starts: list[int], feats: list[torch.Tensor], ids: list[list[int]],
+             bases: list[int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """One head forward over ragged chunks (request ``i``: positions ``starts[i] ...``, its cache from position
+        ``bases[i]``, ``self.base`` by default); returns the output of the last position of each chunk ``[len(rids),
+        H]`` and its logits. Timed with the LM head, which is part of every draft token's price (a draft model's
+        timed forward includes its own); a drafting forward (``bases`` None) refreshes the cost table."""
         dev = self.head.fc.weight.device
         lens = [len(c) for c in ids]
         positions = [p for s, m in zip(starts, lens) for p in range(s, s + m)]
+        drafting = bases is None
+        bases = [self.base[r] for r in rids] if drafting else bases
         t0 = time.perf_counter()
         self.cache.meta = PagedAttentionMetadata.build(
-            [self.blocks.block_table(r) for r in rids], [s + m - self.base[r] for r, s, m in zip(rids, starts, lens)],
+            [self.blocks.block_table(r) for r in rids], [s + m - b for b, s, m in zip(bases, starts, lens)],
             lens, self.cache.block_size, dev, null_slot=self.cache.null_slot)
         try:
             out = self.forward(torch.cat(feats), torch.tensor([t for c in ids for t in c], device=dev),
                             torch.tensor(positions, device=dev), self.cache)
         finally:
             self.cache.meta = None
-        last = torch.tensor(lens, device=dev).cumsum(0) - 1
-        out = out[last]
-        seconds = time.perf_counter() - t0
-        self.cost.observe(len(positions), seconds)
-        self.forward_s += seconds
-        self.num_forwards += 1
-        return out
+        out = out[torch.tensor(lens, device=dev).cumsum(0) - 1]
+        logits = self.head.logits(out)
+        self.last_forward_s = seconds = time.perf_counter() - t0
+        if drafting:
+            self.cost.observe(len(positions), seconds)
+            self.forward_s += seconds
+            self.num_forwards += 1
+        return out, logits
 
     @torch.inference_mode()
     def propose(self, seqs: list[Sequence], ks: list[int], vocab_size: int) -> list[Draft]:
@@ -154,11 +161,11 @@ class EagleProposer:
                 starts = [seqs[i].num_tokens - 2 + step for i in active]
                 feats = [out[r : r + 1] for r in range(len(active))]
                 ids = [drafts[i].tokens[-1:] for i in active]
-            out = self._run(rids, starts, feats, ids)
+            out, logits = self._run(rids, starts, feats, ids)
             if step == 0:
                 for r, i in zip(rids, active):
                     self.computed[r] = seqs[i].num_tokens - 1
-            draw_drafts(seqs, active, self.head.logits(out), drafts, probs)
+            draw_drafts(seqs, active, logits, drafts, probs)
             step += 1
             keep = [r for r, i in enumerate(active) if len(drafts[i].tokens) < ks[i]]
             active, out = [active[r] for r in keep], out[keep]
@@ -191,3 +198,27 @@ class EagleProposer:
         self.computed.pop(request_id, None)
         if self.blocks.has_seq(request_id):
             self.blocks.free(request_id)
+
+
+class HeadRunner:
+    """The head's forwards behind a draft model runner's interface (``blocks``, ``forward``, ``last_forward_s``), so
+    that ``cost_table.calibrate_decode`` times them at start-up and the adaptive controller prices a proposal of
+    ``k`` tokens as it prices a draft model's: one catch-up forward and ``k - 1`` self-fed ones of the batch's size.
+    Without that price the head's drafting looked free, and adaptive k speculated at batch 16, where it loses."""
+
+    def __init__(self, proposer: EagleProposer) -> None:
+        self.proposer, self.blocks = proposer, proposer.blocks
+
+    @property
+    def last_forward_s(self) -> float:
+        return self.proposer.last_forward_s
+
+    def forward(self, request_ids: list[object], starts: list[int], tokens: list[list[int]],
+                num_logits: list[int]) -> torch.Tensor:
+        """A timing forward over scratch sequences (their caches start at position 0; zero features: the time
+        depends on the shapes, not the values); it leaves the cost table and the drafting totals alone."""
+        p = self.proposer
+        w = p.head.fc.weight
+        feats = [torch.zeros(len(c), w.shape[1] // 2, dtype=w.dtype, device=w.device) for c in tokens]
+        with torch.inference_mode():
+            return p._run(request_ids, starts, feats, tokens, bases=[0] * len(request_ids))[1]
