@@ -18,7 +18,7 @@ stores it as is. Symmetric int4 has zero point 8 everywhere, so a v1 ``qzeros`` 
 cannot store a zero point of 0 (it would be -1, which a 4-bit field cannot hold): an asymmetric group whose
 values are all >= 0 has one (``formats.py`` widens a group's range to include 0), so such a weight needs v2.
 
-Why 4 bits only, and why ``desc_act=False``: ``minifer.quant.gptq``'s act-order keeps every group's columns
+Why 4 bits only, and why ``desc_act=False``: ``minifer.compress.gptq``'s act-order keeps every group's columns
 contiguous along K ("static groups"), so ``g_idx`` is always ``k // g`` and the checkpoint is the plain layout
 every kernel reads fastest. A checkpoint made elsewhere with a permuted ``g_idx`` is refused by ``from_gptq``
 rather than silently misread.
