@@ -27,9 +27,10 @@ import minifer
 from conftest import REPO, minifer_forward
 from minifer.eval import greedy_continuations
 from minifer.loader import ModelLoadError
-from minifer.loader.gptq_checkpoint import is_gptq_checkpoint, load_gptq, save_gptq
+from minifer.compress.gptq_export import save_gptq, to_gptq
+from minifer.loader.gptq_checkpoint import is_gptq_checkpoint, load_gptq
 from minifer.quant.formats import QuantizedWeight, dequantize, quantize_int4
-from minifer.quant.gptq_layout import from_gptq, to_gptq
+from minifer.quant.gptq_layout import from_gptq
 from minifer.quant.linear import decoder_linears
 from minifer.compress import gptq_quantize_model
 from minifer.quant.model import quantize_model
