@@ -31,13 +31,12 @@ FEATURES = {
     "beam search": ["engine/beam_search.py"],
     "speculative decoding (fixed k: verify, n-gram, draft model)": [
         "spec/__init__.py", "spec/rejection.py", "spec/ngram.py", "spec/theory.py", "engine/proposers.py",
-        "engine/speculative.py"],
+        "engine/speculative.py", "engine/spec_step.py"],
     "adaptive k": ["engine/adaptive_k.py", "engine/adaptive_ngram.py", "engine/cost_table.py"],
     "EAGLE draft head": ["engine/eagle.py", "models/eagle.py"],
     "weight quantization (int8/int4/fp8 formats, QuantLinear, RTN, saved checkpoints)": [
         "quant/__init__.py", "quant/formats.py", "quant/linear.py", "quant/model.py", "loader/quantized.py",
         "loader/quant_fill.py"],
-    "GPTQ (the algorithm)": ["quant/gptq.py"],
     "GPTQ checkpoints (vLLM/transformers layout)": ["loader/gptq_checkpoint.py", "quant/gptq_layout.py"],
     "Triton quantized-matmul kernels (int8/int4/fp8)": [
         "kernels/quant_matmul.py", "kernels/quant_matmul_jit.py", "kernels/fp8.py"],

@@ -334,6 +334,7 @@ piece_throughput("engine_step", engine_step)
 #   the `BlockManager` directly: admission asks `can_allocate` (prefix-cache hits included), and a preempted
 #   request returns to the *front* of the waiting queue with its generated tokens as part of its prompt;
 # * `preempt` is `minifer.engine.scheduler.preempt_by_recompute`, the `Scheduler`'s `preempt`;
-# * `engine_step` is `minifer.engine.step.engine_step`, the plain path of `LLMEngine.step`
-#   (`minifer/engine/llm_engine.py`), which also times the step, speculates when asked (chapter 04: propose, verify,
-#   roll back), and merges the `n` completions of one request into one output.
+# * `engine_step` is `minifer.engine.step.engine_step`, the function `LLMEngine.step` (`minifer/engine/llm_engine.py`)
+#   runs every step, adding the step's timing and the merging of a request's `n` completions around it; when
+#   speculating (chapter 04) it runs through hooks that propose drafts before the forward and verify them after
+#   (`minifer/engine/spec_step.py`).

@@ -487,7 +487,7 @@ for label, method, group, symmetric in [("int8", "int8", 128, True), ("int4 g128
 # (a perplexity far above its 2048-token vocabulary: it is confidently wrong), and there the quantized models
 # move by several percent, in both directions. Far from its training data a model's predictions are fragile,
 # and the change measured on one workload says little about another: measure quantization on *your*
-# workload before shipping it. Calibrated methods (GPTQ, `minifer/quant/gptq.py`; AWQ) lose less than
+# workload before shipping it. Calibrated methods (GPTQ, `minifer/compress/gptq.py`; AWQ) lose less than
 # round-to-nearest.
 #
 # ## Where these live in the engine

@@ -15,7 +15,7 @@ saw. Variants:
 - ``int8``, ``fp8``: one scale per output channel, round-to-nearest (RTN);
 - ``int4 g32/g64/g128``, symmetric and asymmetric (zero points), RTN;
 - ``int4 g128 ... gptq``: GPTQ with act order on ``--calib-sequences`` x ``--calib-len`` tokens of the
-  *training* split (``minifer.quant.gptq``).
+  *training* split (``minifer.compress.gptq``).
 
 On the code the fp32 model is worse than a uniform guess (perplexity above the 2048-token vocabulary: it is
 confidently wrong), so small changes to its logits move that perplexity by several percent either way;
@@ -45,6 +45,7 @@ from minifer.eval import (STDLIB_FILES, WindowScores, greedy_continuations, held
                           prefix_agreement, score_windows, stdlib_windows)
 from minifer.kernels import quant_kernel_for
 from minifer.quant.linear import decoder_linears, weight_bytes
+from minifer.compress import gptq_quantize_model
 from minifer.quant.model import quantize_model
 
 
@@ -75,8 +76,11 @@ def build_variant(base: torch.nn.Module, v: Variant, calib: torch.Tensor | None)
             for lin in decoder_linears(model).values():
                 lin.weight.copy_(lin.weight.to(torch.bfloat16).float())
         return model, {"note": "decoder linear weights rounded to bf16, computed in float32; bytes = 2 / param"}
-    cfg = quantize_model(model, v.fmt, v.group_size or 128, v.symmetric, v.calibration, calib,
-                         kernel=quant_kernel_for(model.lm_head.weight.device))
+    kernel = quant_kernel_for(model.lm_head.weight.device)
+    if v.calibration == "gptq":
+        cfg = gptq_quantize_model(model, v.fmt, v.group_size or 128, v.symmetric, calib_data=calib, kernel=kernel)
+    else:
+        cfg = quantize_model(model, v.fmt, v.group_size or 128, v.symmetric, kernel=kernel)
     return model, cfg.to_dict()
 
 

@@ -1,4 +1,4 @@
-"""Engine replicas behind one front: vLLM's ``data_parallel_size`` on the CPU's cores (issue 28).
+"""Engine replicas behind one front: vLLM's ``data_parallel_size`` on the CPU's cores.
 
 Splitting every op over two OpenMP threads scales a small model's decode poorly: each op is a few microseconds
 of work, the threads meet at its end, and the Python between ops runs on one core anyway (1.1-1.4x measured on

@@ -24,18 +24,19 @@ import torch
 
 from minifer.engine.block_manager import BlockManager, KVBlockAllocator
 from minifer.engine.runner import ModelRunner
-from minifer.engine.scheduler import Scheduler, SchedulerConfig, SchedulerPolicy
+from minifer.engine.scheduler import ScheduledBatch, Scheduler, SchedulerConfig, SchedulerPolicy
 from minifer.engine.proposers import DraftProposer
 from minifer.engine.sequence import Sequence, SequenceGroup, SequenceStatus, sequences_of
 from minifer.engine.eagle import EagleForward
 from minifer.engine.speculative import Rollback, SpeculativeConfig, Speculator, build_speculator
-from minifer.engine.step import EngineStep, StepParts, run_checked
+from minifer.engine.spec_step import speculative_step
+from minifer.engine.step import EngineStep, StepParts, engine_step, run_checked
 from minifer.layers.kv_quant import CALIBRATION_TEXT
 from minifer.layers.ops import REFERENCE_OPS, LayerOps
 from minifer.layers.paged_attention import PagedAttentionBackend, PagedKVCache
 from minifer.models.llama import LlamaForCausalLM
 from minifer.outputs import RequestOutput
-from minifer.sampling import Sampler, token_logprobs
+from minifer.sampling import Sampler
 from minifer.spec.rejection import Verifier
 
 
@@ -126,7 +127,8 @@ class LLMEngine:
         self.scheduler = scheduler(scheduler_config, self.block_manager)
         self.runner = ModelRunner(model, self.kv_cache, self.block_manager, layer_ops or REFERENCE_OPS)
         self.sampler: Sampler = sampler or ModelRunner.sample
-        self.custom_step = step  # a caller's step (minifer.engine.step) in place of the plain path of `step`
+        self.custom_step = step  # a caller's step (minifer.engine.step) in place of engine_step
+        self._scheduled = False  # whether the current step's scheduler gave it a batch to execute
         if self.kv_cache.kv_cache_scales == "head":
             self._calibrate_kv_scales()
         self.owner: threading.Thread | None = None  # the one thread allowed to drive the engine (a server's loop)
@@ -272,88 +274,42 @@ class LLMEngine:
     # --- the step -------------------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
-        """One forward pass over the scheduled batch. Returns outputs of the requests that got a token."""
-        self._check_thread()
-        if self.custom_step is not None:
-            return self._custom_step()
-        start = time.perf_counter()
-        batch = self.scheduler.schedule()
-        spec = self.speculator
-        if spec is not None:
-            for seq in batch.preempted:
-                spec.release(seq.request_id)
-        if not batch.seqs:
-            if self.scheduler.has_unfinished():
-                raise RuntimeError("scheduler made no progress: no request fits in the free KV blocks")
-            return []
-        now = time.perf_counter()
-        for seq in batch.seqs:
-            seq.metrics.first_scheduled_time = seq.metrics.first_scheduled_time or now
-        drafts = plan = None
-        if spec is not None:
-            budget = self.scheduler.config.max_num_batched_tokens - sum(batch.num_new_tokens)
-            plan = spec.propose(batch.seqs, batch.num_new_tokens, budget, self._num_waiting())
-            drafts = plan.drafts
-        rows, logits = self.runner.execute(batch, drafts)
-        for seq, n in zip(batch.seqs, batch.num_new_tokens):
-            seq.num_computed_tokens += n
-        sampled = [batch.seqs[i] for i in rows]
-        if drafts is None:
-            result = self.sampler(sampled, logits)
-            emitted = [[(t, lp, e)] for t, lp, e in zip(result.token_ids, result.sampled_logprob, result.logprobs)]
-        else:
-            emitted = self._verified_entries(sampled, spec.verify(plan, sampled, logits))
-        pure_decode = all(n == 1 for n in batch.num_new_tokens)
-        outputs = []
-        for seq, tokens in zip(sampled, emitted):
-            for j, (token, logprob, entry) in enumerate(tokens):
-                if j:  # the token before this one was an accepted draft: its KV is already in the cache
-                    seq.num_computed_tokens += 1
-                seq.append_token(token, logprob, entry, self.tokenizer)
-                if seq.is_finished:
-                    break
-            if drafts is not None and not seq.is_finished:  # a plain step left nothing to roll back
-                spec.rollback(seq)  # free the blocks that held rejected drafts
-            outputs.append(seq.to_output(self.tokenizer))
-        for seq in batch.seqs:  # full blocks of computed tokens join the prefix cache (finished ones too)
-            self.block_manager.register_computed(seq.request_id, seq.token_slice(0, seq.num_computed_tokens))
-        outputs = self._group_outputs(sampled, outputs)  # and the siblings of a computed prompt are queued
-        for seq in batch.seqs:
-            if seq.is_finished:
-                self.scheduler.finish(seq)
-                if spec is not None:
-                    spec.release(seq.request_id)
-                self._retire(seq)
-        if spec is not None:
-            # the whole step, scheduling and bookkeeping included: fewer, longer steps save those too
-            spec.observe(plan, sum(len(c) for c in drafts or []) + sum(batch.num_new_tokens),
-                         self.runner.last_forward_s, pure_decode, sum(len(t) for t in emitted),
-                         time.perf_counter() - start)
-        return outputs
+        """One forward pass over the scheduled batch. Returns outputs of the requests that got a token.
 
-    def _custom_step(self) -> list[RequestOutput]:
-        """The caller's step advances the sequences; the engine reports the ones it returns and forgets the finished."""
-        parts = StepParts(self.scheduler, self.runner.execute, self.sampler, self.block_manager, self.tokenizer)
-        sampled = run_checked(self.custom_step, parts)
+        The step itself is ``engine_step`` (``engine/step.py``, chapter 03), or a caller's (``step=``), or, when
+        speculating, ``engine_step`` with drafts (``engine/spec_step.py``); around it the engine times the step,
+        reports the outputs and merges a request's ``n`` completions."""
+        self._check_thread()
+        start = time.perf_counter()
+        self._scheduled = False
+        spec = self.speculator
+        parts = StepParts(self.scheduler, self._execute, self.sampler, self.block_manager, self.tokenizer)
+        if spec is not None:
+            result = speculative_step(parts, spec, self._num_waiting)
+            sampled = result.sampled
+        elif self.custom_step is not None:
+            sampled = run_checked(self.custom_step, parts)
+        else:
+            sampled = engine_step(parts)
+        if not self._scheduled and self.custom_step is None and self.scheduler.has_unfinished():
+            raise RuntimeError("scheduler made no progress: no request fits in the free KV blocks")
         outputs = self._group_outputs(sampled, [seq.to_output(self.tokenizer) for seq in sampled])
         for seq in sampled:
             if seq.is_finished:
                 self._retire(seq)
+        if spec is not None and result.plan is not None:
+            # the whole step, scheduling and bookkeeping included: fewer, longer steps save those too
+            spec.observe(result.plan, result.forward_tokens, self.runner.last_forward_s, result.pure_decode,
+                         result.emitted, time.perf_counter() - start)
         return outputs
 
-    @staticmethod
-    def _verified_entries(sampled: list[Sequence], verified: list[tuple[list[int], torch.Tensor]]) -> list[list[tuple]]:
-        """Per sequence, (token, logprob, logprobs entry) of each token its verification emitted: one call for every
-        emitted token of the batch (a log-softmax per sequence would cost more than the verification itself at large
-        batches)."""
-        r = token_logprobs(torch.cat([rows for _, rows in verified]), [t for toks, _ in verified for t in toks],
-                           [seq.params for seq, (toks, _) in zip(sampled, verified) for _ in toks])
-        entries = list(zip(r.token_ids, r.sampled_logprob, r.logprobs))
-        emitted, at = [], 0
-        for toks, _ in verified:
-            emitted.append(entries[at : at + len(toks)])
-            at += len(toks)
-        return emitted
+    def _execute(self, batch: ScheduledBatch, drafts: list[list[int]] | None = None) -> tuple[list[int], torch.Tensor]:
+        """The step's ``execute``: the runner's, noting when each sequence was first scheduled (TTFT's queueing)."""
+        self._scheduled = True
+        now = time.perf_counter()
+        for seq in batch.seqs:
+            seq.metrics.first_scheduled_time = seq.metrics.first_scheduled_time or now
+        return self.runner.execute(batch, drafts)
 
     def _num_waiting(self) -> int:
         """Sequences waiting for a slot: the scheduler's queue plus siblings held until their prompt is computed."""

@@ -7,12 +7,10 @@ paged cache; :mod:`minifer.spec.rejection` keeps the longest acceptable prefix a
 target's own, so a step emits between 1 and ``k + 1`` tokens and the output is exactly what plain decoding
 would give (greedy: the same tokens; sampled: the same distribution).
 
-Two proposers (vLLM's ``speculative_config`` names):
-
-- ``{"method": "draft_model", "model": "tinystories-draft", "num_speculative_tokens": 4}``: a small model
-  with the same tokenizer runs ``k`` cheap decode steps over its *own* paged cache;
-- ``{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 1}``:
-  prompt-lookup decoding, free to compute, good on input-grounded text (summaries, code edits, RAG).
+The proposers (``speculative_config["method"]``, vLLM's names; ``proposers.py``, ``eagle.py``): ``"draft_model"``,
+a small model with the same tokenizer running ``k`` decode steps over its *own* paged cache; ``"ngram"``,
+prompt-lookup decoding, free to compute, good on input-grounded text; ``"eagle"``, a head reading the target's
+hidden states.
 
 Rejected guesses leave KV behind: the target's (and draft's) block tables are truncated back to the
 tokens that are really there, freeing blocks that the rollback empties (``BlockManager.truncate``).

@@ -1,9 +1,9 @@
-"""The engine step without speculation, written from the engine's public parts: schedule, run, sample, append, free.
+"""The engine step, written from the engine's public parts: schedule, run, sample, append, free.
 
-``LLMEngine.step`` does this and more (it times the step, speculates when asked, builds the caller's outputs and
-merges a request's ``n`` completions). ``engine_step`` is its core, small enough to read in one screen and to write
-again: a course hands its own through ``Components(step=...)`` and the engine then calls it for every step with a
-``StepParts``, building the outputs from the sequences it returns (``LLMEngine._custom_step``).
+``LLMEngine.step`` runs this very function every step and adds only what a caller needs around it: the outputs,
+the merging of a request's ``n`` completions, the step's timing. Speculation runs it too, through its ``execute``
+and ``sampler`` (``engine/spec_step.py``). A course hands its own step through ``Components(step=...)``; the engine
+then calls that one with the same ``StepParts``, checked by ``run_checked``.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Linear layers whose weights are stored the way the CPU's matmul kernels read them (issue 28).
+"""Linear layers whose weights are stored the way the CPU's matmul kernels read them.
 
 ``nn.Linear`` on the CPU hands its ``[out, in]`` float weight to the BLAS library on every call, and the library
 re-lays it out ("packs" it into the blocked order its inner loop reads) every time: for the bundled target's

@@ -20,7 +20,7 @@ A quantized checkpoint is a folder::
 The projections stay fused (``qkv_proj``, ``gate_up_proj``), as minifer runs them; so the folder is not a
 transformers checkpoint (transformers would look for ``q_proj``), and ``quantization_config`` lives in its
 own file rather than in ``config.json``, where transformers would try to interpret it. For a folder vLLM and
-transformers read, write int4 models with ``gptq_checkpoint.save_gptq`` (the GPTQ layout).
+transformers read, write int4 models with ``minifer.compress.save_gptq`` (the GPTQ layout, offline).
 
 ``LLM(folder)`` loads such a folder, and a GPTQ checkpoint, transparently (``load_model``). Loading trusts
 nothing: every layer of ``quantization_config.json`` must exist in the architecture with the recorded shape,

@@ -18,7 +18,7 @@ stores it as is. Symmetric int4 has zero point 8 everywhere, so a v1 ``qzeros`` 
 cannot store a zero point of 0 (it would be -1, which a 4-bit field cannot hold): an asymmetric group whose
 values are all >= 0 has one (``formats.py`` widens a group's range to include 0), so such a weight needs v2.
 
-Why 4 bits only, and why ``desc_act=False``: ``minifer.quant.gptq``'s act-order keeps every group's columns
+Why 4 bits only, and why ``desc_act=False``: ``minifer.compress.gptq``'s act-order keeps every group's columns
 contiguous along K ("static groups"), so ``g_idx`` is always ``k // g`` and the checkpoint is the plain layout
 every kernel reads fastest. A checkpoint made elsewhere with a permuted ``g_idx`` is refused by ``from_gptq``
 rather than silently misread.
@@ -28,26 +28,17 @@ from __future__ import annotations
 
 import torch
 
-from minifer.quant.formats import QuantizedWeight, pack_int4, unpack_int4
+from minifer.quant.formats import QuantizedWeight, pack_int4
 
 CHECKPOINT_FORMATS = ("gptq", "gptq_v2")
 PACK = 8  # 4-bit codes per int32 word
-_SHIFTS = torch.arange(0, 32, 4, dtype=torch.int32)  # bit offset of nibble j
-
-
-def _pack_words(codes: torch.Tensor, dim: int) -> torch.Tensor:
-    """Eight 4-bit codes (ints 0..15) along ``dim`` -> one int32 word, the first code in the low nibble."""
-    c = codes.to(torch.int64).movedim(dim, -1)
-    c = c.reshape(*c.shape[:-1], c.shape[-1] // PACK, PACK)
-    words = (c << _SHIFTS.to(torch.int64)).sum(-1)  # disjoint bit fields: the sum is the bitwise or
-    words = torch.where(words >= 2**31, words - 2**32, words)  # bits 28..31 set: the word's int32 value is negative
-    return words.to(torch.int32).movedim(-1, dim).contiguous()
+SHIFTS = torch.arange(0, 32, 4, dtype=torch.int32)  # bit offset of nibble j
 
 
 def _unpack_words(words: torch.Tensor, dim: int) -> torch.Tensor:
-    """Inverse of ``_pack_words``: int32 words -> int64 codes 0..15, eight per word along ``dim``."""
+    """Inverse of ``minifer.compress.gptq_export``'s packing: int32 words -> int64 codes 0..15, eight per word along ``dim``."""
     w = words.to(torch.int64).movedim(dim, -1)
-    codes = (w[..., None] >> _SHIFTS.to(torch.int64)) & 0xF
+    codes = (w[..., None] >> SHIFTS.to(torch.int64)) & 0xF
     return codes.reshape(*w.shape[:-1], w.shape[-1] * PACK).movedim(-1, dim)
 
 
@@ -60,46 +51,10 @@ def check_gptq_shape(name: str, n: int, k: int, group_size: int) -> None:
         raise ValueError(f"{name}: group_size {group_size} does not divide K={k}")
 
 
-def to_gptq(qw: QuantizedWeight, group_size: int | None = None, checkpoint_format: str = "gptq",
-            name: str = "weight") -> dict[str, torch.Tensor]:
-    """``qweight``, ``qzeros``, ``scales`` and ``g_idx`` of an int4 ``QuantizedWeight`` in the GPTQ layout.
-
-    ``group_size`` (default the weight's own) may be any divisor of the weight's group: a g128 group is then
-    written as two g64 groups with the same scale and zero point, which is exact. A checkpoint has one
-    group size for every layer, and ``quantize_model`` falls back to a smaller group where 128 does not
-    divide K. Scales are rounded to float16 (the layout's dtype); one that float16 cannot hold is refused."""
-    if qw.fmt != "int4":
-        raise ValueError(f"{name}: only int4 weights have a GPTQ layout here, got {qw.fmt}")
-    if checkpoint_format not in CHECKPOINT_FORMATS:
-        raise ValueError(f"checkpoint_format must be one of {CHECKPOINT_FORMATS}, got {checkpoint_format!r}")
-    qw.validate(check_values=False)
-    n, k = qw.shape
-    g = qw.group_size if group_size is None else group_size
-    if qw.group_size % g:
-        raise ValueError(f"{name}: group_size {g} does not divide the weight's own group of {qw.group_size}")
-    check_gptq_shape(name, n, k, g)
-    repeat = qw.group_size // g
-    zeros = torch.full_like(qw.scales, 8.0) if qw.zeros is None else qw.zeros.float()
-    zeros = zeros.repeat_interleave(repeat, dim=1).to(torch.int64).T  # [K / g, N]
-    if checkpoint_format == "gptq":
-        if int(zeros.min()) == 0:
-            raise ValueError(f"{name}: a group has zero point 0, which checkpoint_format='gptq' (zero points "
-                             f"stored minus one) cannot hold; save with checkpoint_format='gptq_v2'")
-        zeros = zeros - 1
-    scales = qw.scales.repeat_interleave(repeat, dim=1).T.to(torch.float16)
-    if not bool(torch.isfinite(scales).all() & (scales > 0).all()):
-        raise ValueError(f"{name}: a scale is outside float16's range (the GPTQ layout stores float16 scales): "
-                         f"smallest {float(qw.scales.min()):.3g}, largest {float(qw.scales.max()):.3g}")
-    return {"qweight": _pack_words(unpack_int4(qw.qweight).T, dim=0),
-            "qzeros": _pack_words(zeros, dim=1),
-            "scales": scales.contiguous(),
-            "g_idx": torch.arange(k, dtype=torch.int32) // g}
-
-
 def from_gptq(tensors: dict[str, torch.Tensor], group_size: int, symmetric: bool,
               checkpoint_format: str = "gptq", name: str = "weight") -> QuantizedWeight:
     """The ``QuantizedWeight`` a GPTQ layer's ``qweight``/``qzeros``/``scales``/``g_idx`` stand for (inverse of
-    ``to_gptq``, up to the float16 rounding of the scales). ``symmetric``: the checkpoint's ``sym``; its zero
+    ``minifer.compress.gptq_export.to_gptq``, up to the float16 rounding of the scales). ``symmetric``: the checkpoint's ``sym``; its zero
     points must then all be 8. Raises ``ValueError`` naming what does not fit minifer's int4."""
     if checkpoint_format not in CHECKPOINT_FORMATS:
         raise ValueError(f"{name}: checkpoint_format must be one of {CHECKPOINT_FORMATS}, got {checkpoint_format!r}")

@@ -1,4 +1,8 @@
-"""``quantize_model``: weight-only quantization of a loaded decoder, in place, by round-to-nearest or GPTQ.
+"""``quantize_model``: weight-only quantization of a loaded decoder, in place, by round-to-nearest.
+
+A calibrated method (GPTQ) is an offline step that runs once before serving, as vLLM leaves it to llm-compressor
+and GPTQModel: it lives in ``minifer.compress``, which hands its per-layer quantizer in through ``calibrate``; the
+engine core never imports it, and serves its results like any other quantized checkpoint.
 
 Group sizes. int4 scales groups of ``group_size`` consecutive inputs (``formats.py``), so the group must
 divide K. A power-of-two ``group_size`` that does not divide a layer's K falls back, for that layer only,
@@ -13,6 +17,7 @@ the layer.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -20,10 +25,9 @@ import torch
 from torch import nn
 
 from minifer.quant.formats import FORMATS
-from minifer.quant.gptq import gptq_quantize_model
 from minifer.quant.linear import QuantKernel, QuantLinear, decoder_linears, set_module, set_quant_kernel
 
-CALIBRATIONS = ("rtn", "gptq")  # rtn: round-to-nearest, no data
+CALIBRATIONS = ("rtn", "gptq")  # the methods a saved checkpoint may name; rtn: round-to-nearest, no data
 
 
 @dataclass
@@ -91,25 +95,24 @@ def check_quantization(method: str, group_size: int = 128, calibration: str | No
 
 
 @torch.no_grad()
-def quantize_model(model: nn.Module, method: str = "int8", group_size: int = 128, symmetric: bool = True,
-                   calibration: str | None = None, calib_data: torch.Tensor | None = None,
-                   kernel: QuantKernel | None = None, **gptq_kw) -> QuantizationConfig:
+def quantize_model(model: nn.Module, method: str = "int8", group_size: int = 128, symmetric: bool = True, *,
+                   kernel: QuantKernel | None = None,
+                   calibrate: Callable[[nn.Module, str, dict[str, int | None], bool], dict[str, Any]] | None = None
+                   ) -> QuantizationConfig:
     """Replace every decoder-layer ``nn.Linear`` of ``model`` (a ``LlamaForCausalLM``) by a ``QuantLinear``.
 
     Args:
         method: the weight format, ``"int8"``, ``"int4"`` or ``"fp8"`` (``formats.py``).
         group_size, symmetric: int4 only (see the module docstring for K that ``group_size`` does not divide).
-        calibration: None or ``"rtn"`` (round-to-nearest, no data) or ``"gptq"`` (``gptq.py``), which needs
-            ``calib_data``: token ids ``[num_sequences, seq_len]`` (``minifer.eval.calibration_data`` makes them
-            from the training split); ``gptq_kw`` go to ``gptq.gptq_quantize_model``.
         kernel: what the new ``QuantLinear`` layers multiply through (``QuantKernel``; the reference by default).
+        calibrate: a calibrated method in place of round-to-nearest, ``calibrate(model, method, groups,
+            symmetric)`` (``groups``: module name -> int4 group size): it replaces the linears itself and returns
+            what it saw, with its ``"method"`` (``minifer.compress.gptq_quantize_model`` passes GPTQ's).
 
     The model is changed in place; the returned ``QuantizationConfig`` lists what was quantized and how (it
     is also stored as ``model.quantization_config``).
     """
-    check_quantization(method, group_size, calibration)
-    if gptq_kw and calibration != "gptq":
-        raise ValueError(f"{sorted(gptq_kw)} apply to calibration='gptq' only")
+    check_quantization(method, group_size)
     if hasattr(model, "quantization_config"):
         raise ValueError(f"model is already quantized ({model.quantization_config.summary()})")
     targets = decoder_linears(model)
@@ -117,13 +120,10 @@ def quantize_model(model: nn.Module, method: str = "int8", group_size: int = 128
     if wrong:
         raise ValueError(f"expected nn.Linear layers, found {wrong}")
     groups = {n: group_for(n, m.in_features, group_size) if method == "int4" else None for n, m in targets.items()}
-    cfg = QuantizationConfig(method, group_size if method == "int4" else None, symmetric if method == "int4" else True,
-                             calibration or "rtn")
-    if calibration == "gptq":
-        if calib_data is None:
-            raise ValueError("calibration='gptq' needs calib_data: token ids [num_sequences, seq_len] "
-                             "(see minifer.eval.calibration_data)")
-        cfg.calibration = gptq_quantize_model(model, method, groups, cfg.symmetric, calib_data, **gptq_kw)
+    cfg = QuantizationConfig(method, group_size if method == "int4" else None, symmetric if method == "int4" else True)
+    if calibrate is not None:
+        cfg.calibration = calibrate(model, method, groups, cfg.symmetric)
+        cfg.method = cfg.calibration["method"]
         if kernel is not None:
             set_quant_kernel(model, kernel)
     else:

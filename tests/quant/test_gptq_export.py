@@ -27,10 +27,12 @@ import minifer
 from conftest import REPO, minifer_forward
 from minifer.eval import greedy_continuations
 from minifer.loader import ModelLoadError
-from minifer.loader.gptq_checkpoint import is_gptq_checkpoint, load_gptq, save_gptq
+from minifer.compress.gptq_export import save_gptq, to_gptq
+from minifer.loader.gptq_checkpoint import is_gptq_checkpoint, load_gptq
 from minifer.quant.formats import QuantizedWeight, dequantize, quantize_int4
-from minifer.quant.gptq_layout import from_gptq, to_gptq
+from minifer.quant.gptq_layout import from_gptq
 from minifer.quant.linear import decoder_linears
+from minifer.compress import gptq_quantize_model
 from minifer.quant.model import quantize_model
 
 
@@ -152,7 +154,7 @@ def test_biases_and_tied_embeddings_round_trip(tiny_checkpoint, tmp_path, fmt):
     _, folder = tiny_checkpoint("qwen2")
     llm = minifer.LLM(str(folder), device="cpu")
     calib = torch.randint(0, 97, (4, 24), generator=torch.Generator().manual_seed(0))
-    quantize_model(llm.model, "int4", group_size=16, symmetric=False, calibration="gptq", calib_data=calib)
+    gptq_quantize_model(llm.model, "int4", group_size=16, symmetric=False, calib_data=calib)
     save_gptq(llm, tmp_path, checkpoint_format=fmt)
     from safetensors.torch import load_file
 

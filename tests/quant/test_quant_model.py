@@ -22,7 +22,7 @@ from minifer.loader import ModelLoadError
 from minifer.loader.quantized import load_quantized, save_quantized
 from minifer.quant.formats import dequantize, quantize
 from minifer.eval import calibration_data
-from minifer.quant.gptq import gptq_quantize_weight, output_error
+from minifer.compress import gptq_quantize_model, gptq_quantize_weight, output_error
 from minifer.quant.linear import QuantLinear, decoder_linears, set_quant_kernel, weight_bytes
 from minifer.quant.model import quantize_model
 
@@ -38,9 +38,9 @@ def reference(target_llm, windows):
     return score_windows(target_llm.model, windows)
 
 
-def quantized_copy(llm, *args, **kw) -> nn.Module:
+def quantized_copy(llm, *args, quantizer=quantize_model, **kw) -> nn.Module:
     model = copy.deepcopy(llm.model)
-    quantize_model(model, *args, **kw)
+    quantizer(model, *args, **kw)
     return model
 
 
@@ -189,12 +189,9 @@ def test_bad_quantization_arguments(target_llm, draft_llm, tmp_path):
         quantize_model(model, "int4", group_size=96)
     with pytest.raises(ValueError, match="positive even"):
         quantize_model(model, "int4", group_size=7)
-    with pytest.raises(ValueError, match="unknown calibration 'awq'"):
-        quantize_model(model, "int4", calibration="awq")
-    with pytest.raises(ValueError, match="needs calib_data"):
-        quantize_model(model, "int4", calibration="gptq")
-    with pytest.raises(ValueError, match=r"\['damp'\] apply to calibration='gptq' only"):
-        quantize_model(model, "int4", damp=0.1)
+    with pytest.raises(ValueError, match=r"calib_data must be token ids \[num_sequences, seq_len\] \(int64\), got "
+                       r"torch.float32 of shape \(4,\)"):
+        gptq_quantize_model(model, "int4", calib_data=torch.zeros(4))
     assert all(type(m) is nn.Linear for m in decoder_linears(model).values())  # nothing was half-done
     with pytest.raises(ValueError, match="group_size 32 must be even and divide K=100"):
         QuantLinear.from_linear(nn.Linear(100, 8), "int4", group_size=32)
@@ -312,7 +309,7 @@ def test_gptq_beats_round_to_nearest_on_int4_g128(target_llm):
     tok = target_llm.tokenizer
     calib = calibration_data(tok, num_sequences=16, seq_len=256)  # from train.txt
     assert calib.shape == (16, 256)
-    gptq = quantized_copy(target_llm, "int4", 128, calibration="gptq", calib_data=calib)
+    gptq = quantized_copy(target_llm, "int4", 128, quantizer=gptq_quantize_model, calib_data=calib)
     rtn = quantized_copy(target_llm, "int4", 128)
     info = gptq.quantization_config.calibration
     assert info["tokens"] == 4096 and info["output_error_vs_rtn"]["max"] < 0.8  # measured 0.62: every layer

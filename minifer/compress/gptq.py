@@ -34,8 +34,8 @@ groups"): the stored layout stays contiguous groups along K, and kernels need no
 Calibration, layer by layer. Hooks record the inputs of a decoder layer's four linears while the layer runs
 on the calibration activations; each linear is quantized with its ``H``; the layer is then run again,
 quantized, to produce the inputs of the next layer. Every layer thus compensates for the errors of the
-layers before it. Calibration text comes from the *training* split (``minifer.eval.calibration_data``), never from the
-held-out text the result is judged on.
+layers before it. The calibration tokens are the caller's: the course takes them from the *training* split
+(``minifer.eval.calibration_data``), never from the held-out text the result is judged on.
 """
 
 from __future__ import annotations
@@ -47,7 +47,8 @@ from torch import nn
 
 from minifer.layers.attention import causal_backend
 from minifer.quant.formats import FP8_MAX, QuantizedWeight, dequantize, pack_int4, quantize
-from minifer.quant.linear import LINEAR_NAMES, QuantLinear, set_module
+from minifer.quant.linear import LINEAR_NAMES, QuantKernel, QuantLinear, set_module
+from minifer.quant.model import QuantizationConfig, quantize_model
 
 
 DAMP = 0.1  # times the mean of diag(H), added to its diagonal
@@ -121,17 +122,33 @@ def output_error(w: torch.Tensor, qw: QuantizedWeight, h: torch.Tensor) -> float
     return float(((d @ h.float()) * d).sum())
 
 
+def gptq_quantize_model(model: nn.Module, method: str = "int4", group_size: int = 128, symmetric: bool = True, *,
+                        calib_data: torch.Tensor, kernel: QuantKernel | None = None, damp: float = DAMP,
+                        block_size: int = 128, act_order: bool = True, true_sequential: bool = False,
+                        batch_size: int = 8) -> QuantizationConfig:
+    """``quantize_model`` with GPTQ in place of round-to-nearest: the same formats, groups and result (a model
+    whose decoder linears are ``QuantLinear``), calibrated on ``calib_data``, token ids ``[num_sequences,
+    seq_len]``. The returned config's ``calibration`` says what the calibration saw and, per linear, its output
+    error relative to round-to-nearest's on the same inputs. ``true_sequential``: quantize q/k/v first, then
+    o_proj on inputs computed with the quantized q/k/v, and so on (each linear also compensates for the linears
+    before it in the same layer)."""
+    if not isinstance(calib_data, torch.Tensor) or calib_data.dim() != 2 or calib_data.dtype != torch.long:
+        raise ValueError("calib_data must be token ids [num_sequences, seq_len] (int64), got "
+                         f"{getattr(calib_data, 'dtype', type(calib_data).__name__)} of shape "
+                         f"{tuple(getattr(calib_data, 'shape', ()))}")
+
+    def calibrate(model: nn.Module, fmt: str, groups: dict[str, int | None], symmetric: bool) -> dict[str, Any]:
+        return _quantize_layers(model, fmt, groups, symmetric, calib_data, damp, block_size, act_order,
+                                true_sequential, batch_size)
+
+    return quantize_model(model, method, group_size, symmetric, kernel=kernel, calibrate=calibrate)
+
+
 @torch.no_grad()
-def gptq_quantize_model(model: nn.Module, fmt: str, groups: dict[str, int | None], symmetric: bool,
-                        calib_data: torch.Tensor, damp: float = DAMP, block_size: int = 128,
-                        act_order: bool = True, true_sequential: bool = False,
-                        batch_size: int = 8) -> dict[str, Any]:
-    """Quantize the decoder linears named in ``groups`` (name -> int4 group size) with GPTQ, layer by layer,
-    in place (``quantize_model(..., calibration="gptq")`` calls this). Returns what the calibration saw
-    and, per linear, its output error relative to round-to-nearest's on the same inputs."""
-    if calib_data.dim() != 2 or calib_data.dtype != torch.long:
-        raise ValueError(f"calib_data must be token ids [num_sequences, seq_len] (int64), got {calib_data.dtype} "
-                         f"of shape {tuple(calib_data.shape)}")
+def _quantize_layers(model: nn.Module, fmt: str, groups: dict[str, int | None], symmetric: bool,
+                     calib_data: torch.Tensor, damp: float, block_size: int, act_order: bool,
+                     true_sequential: bool, batch_size: int) -> dict[str, Any]:
+    """GPTQ of the decoder linears named in ``groups`` (name -> int4 group size), layer by layer, in place."""
     device, dtype = model.lm_head.weight.device, model.lm_head.weight.dtype
     chunks = list(calib_data.to(device).split(batch_size))
     xs = [model.model.embed_tokens(c.reshape(-1)) for c in chunks]
@@ -141,8 +158,6 @@ def gptq_quantize_model(model: nn.Module, fmt: str, groups: dict[str, int | None
     def run(layer: nn.Module) -> list[torch.Tensor]:
         return [layer(x, cos, sin, causal_backend(model, *c.shape)[0]) for x, (cos, sin), c in zip(xs, rope, chunks)]
 
-    # true_sequential: quantize q/k/v first, then o_proj on inputs computed with the quantized q/k/v, and
-    # so on, so that each linear also compensates for the linears before it in the same layer.
     steps = tuple((n,) for n in LINEAR_NAMES) if true_sequential else (LINEAR_NAMES,)
     for i, layer in enumerate(model.model.layers):
         for names in steps:
