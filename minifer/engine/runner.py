@@ -21,7 +21,7 @@ from minifer.models.llama import LlamaForCausalLM
 from minifer.sampling import SampleResult, history_tensors, ranked_logprobs, sample
 
 
-COMPILATION_KEYS = ("pack_weights", "level", "mode")
+COMPILATION_KEYS = ("pack_weights", "column_major_weights", "level", "mode")
 # vLLM's compilation levels (``CompilationConfig.level``, later ``mode``): 0 runs the model eagerly, 3 is vLLM's own
 # compilation (the graph split at attention), which ``layers.compiled`` does; 1 and 2 are stages of vLLM's Dynamo
 # integration minifer has no separate meaning for
@@ -33,7 +33,9 @@ def compile_model(model: LlamaForCausalLM, config: dict | None, shared_with=None
     ``pack_weights``: float linear layers keep their weights packed for oneDNN (``layers.packed_linear``; the CPU
     only). ``level`` (or ``mode``, vLLM's newer name) 3: the decoder runs compiled by ``torch.compile`` with attention
     left opaque (``layers.compiled``; the CPU only, float weights); 0, the default, and ``enforce_eager=True`` keep
-    the eager model. An LLM sharing another's weights shares its model too, so it must ask for the same."""
+    the eager model. ``column_major_weights``: float linear weights re-stored column-major, the layout a batch-1
+    matrix-vector product streams fastest (``layers.weight_layout``; the CPU only). An LLM sharing another's weights
+    shares its model too, so it must ask for the same."""
     config = dict(config or {})
     unknown = sorted(set(config) - set(COMPILATION_KEYS))
     if unknown:
@@ -52,6 +54,11 @@ def compile_model(model: LlamaForCausalLM, config: dict | None, shared_with=None
 
         if not pack_linears(model):
             raise ValueError("compilation_config: pack_weights needs float weights on a CPU whose torch has oneDNN")
+    if config.get("column_major_weights"):
+        from minifer.layers.weight_layout import column_major_linears
+
+        if model.lm_head.weight.device.type != "cpu" or not column_major_linears(model):
+            raise ValueError("compilation_config: column_major_weights is a CPU layout for float linear weights")
     if level == 3:
         _compile_decoder(model)
     return config
