@@ -108,10 +108,12 @@ def small_model_dir(root: str | Path) -> Path:
 
 def step_overhead(num_requests: int = 256, slots: int = 16, repeats: int = 3, log: Callable[[str], None] = print,
                   **llm_kw: Any) -> dict[str, Any]:
-    """Static vs continuous batching on the small model (every request at t = 0, 1 thread): both engines' ms per
-    step, the continuous step's overhead over the static one, and the continuous/static ratio against its bound."""
+    """Static vs continuous batching on the small model (every request at t = 0, 1 thread), in interleaved rounds:
+    each engine's ms per step, the continuous step's overhead over the static one, and the continuous/static
+    throughput ratio against its bound; the continuous engine as it is and with each of ``STEP_CUTS`` turned off
+    alone (its gain: ``levers_ms_saved``)."""
     from minifer import LLM
-    from minifer.bench.serving import throughput_benchmark
+    from minifer.bench.serving import run_static, step_bound
     from minifer.bench.workloads import make_workload
 
     torch.set_num_threads(1)
@@ -120,14 +122,49 @@ def step_overhead(num_requests: int = 256, slots: int = 16, repeats: int = 3, lo
                   max_num_seqs=slots, **llm_kw)
     workload = make_workload(num_requests, "uniform:8:32", "exp:64:4:256", seed=0, vocab_size=SMALL_QWEN3["vocab_size"],
                              max_model_len=llm.max_model_len, bos_token_id=0)
-    res = throughput_benchmark(llm, workload, repeats=repeats, max_num_seqs=slots, progress=False, log=log)
-    per, ratio = res["summary"]["per_mode"], res["summary"]["ratios"]["continuous/static"]
-    overheads = [c["ms_per_step"] - s["ms_per_step"] for c, s in zip(
-        (r for r in res["runs"] if r["mode"] == "continuous"), (r for r in res["runs"] if r["mode"] == "static"))]
-    return {"model": {k: SMALL_QWEN3[k] for k in ("hidden_size", "num_hidden_layers", "intermediate_size")},
-            "llm_kw": {k: str(v) for k, v in llm_kw.items()}, "num_requests": num_requests, "slots": slots,
-            "threads": 1, "static_ms_per_step": per["static"]["ms_per_step"],
-            "continuous_ms_per_step": per["continuous"]["ms_per_step"],
-            "overhead_ms": statistics.median(overheads), "overhead_ms_rounds": overheads,
-            "continuous_over_static": ratio["median_of_round_ratios"], "step_bound": ratio["bound"],
-            "fraction_of_bound": ratio["fraction_of_bound"], "rounds": repeats}
+    runs = {"static": lambda: run_static(llm, workload, max_num_seqs=slots, progress=False),
+            "continuous": lambda: _continuous(llm, workload, slots, {}),
+            **{f"continuous-without-{cut}": (lambda cut=cut: _continuous(llm, workload, slots, {cut: False}))
+               for cut in STEP_CUTS}}
+    for run in runs.values():  # warm-up
+        run()
+    per: dict[str, list] = {name: [] for name in runs}
+    for k in range(repeats):
+        for name in (list(runs) if k % 2 == 0 else list(runs)[::-1]):
+            res = runs[name]()
+            per[name].append((res.duration, res.steps))
+            log(f"round {k + 1}/{repeats} small model, {name}: {1e3 * res.seconds_per_step:.2f} ms/step, "
+                f"{res.steps} steps")
+    bound = step_bound(workload.output_lens, slots)["ratio"]
+    ms = {name: [1e3 * d / n for d, n in rs] for name, rs in per.items()}
+    out = {"model": {k: SMALL_QWEN3[k] for k in ("hidden_size", "num_hidden_layers", "intermediate_size")},
+           "llm_kw": {k: str(v) for k, v in llm_kw.items()}, "num_requests": num_requests, "slots": slots,
+           "threads": 1, "rounds": repeats, "step_bound": bound,
+           "static_ms_per_step": statistics.median(ms["static"])}
+    for name in ("continuous", *(f"continuous-without-{cut}" for cut in STEP_CUTS)):
+        speed = [ds / dc for (dc, _), (ds, _) in zip(per[name], per["static"])]  # same tokens: time ratio
+        over = [c - st for c, st in zip(ms[name], ms["static"])]
+        out[name] = {"ms_per_step": statistics.median(ms[name]), "overhead_ms": statistics.median(over),
+                     "overhead_ms_rounds": over, "over_static": statistics.median(speed),
+                     "fraction_of_bound": statistics.median(speed) / bound}
+    out["levers_ms_saved"] = {cut: statistics.median([g - f for g, f in zip(ms[f"continuous-without-{cut}"],
+                                                                          ms["continuous"])]) for cut in STEP_CUTS}
+    return out
+
+
+# the engine's step-overhead cuts, each a ``ModelRunner`` switch (on by default) that the benchmark turns off alone
+STEP_CUTS = ("fast_decode_metadata", "fast_greedy")
+
+
+def _continuous(llm, workload, slots: int, switches: dict[str, bool]):
+    from minifer.bench.serving import run_continuous
+    from minifer.engine.runner import ModelRunner
+
+    saved = {name: getattr(ModelRunner, name) for name in switches}
+    for name, value in switches.items():
+        setattr(ModelRunner, name, value)
+    try:
+        return run_continuous(llm, workload, max_num_seqs=slots, progress=False)
+    finally:
+        for name, value in saved.items():
+            setattr(ModelRunner, name, value)
