@@ -423,7 +423,7 @@ def run(model: str = "tinystories-target", num_requests: int = 512, rounds: int 
         from minifer.bench.cpu_bounds import real_shape_decode, step_overhead
 
         result["real_shape_decode"] = real_shape_decode(rounds, log=log)
-        result["step_overhead"] = step_overhead(2 * num_requests, 16, rounds, log=log)
+        result["step_overhead"] = step_overhead(256, 16, rounds, log=log)  # the 256 requests, 16 slots
     return result
 
 
