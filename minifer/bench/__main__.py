@@ -216,8 +216,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--model", default="tinystories-target")
     p.add_argument("--num-requests", "-n", type=int, default=512)
     p.add_argument("--repeats", type=int, default=3, help="interleaved rounds")
-    p.add_argument("--sections", nargs="+", default=["peer", "batch1", "levers"],
-                   choices=["peer", "batch1", "levers"])
+    p.add_argument("--sections", nargs="+", default=["peer", "batch1", "levers", "bounds"],
+                   choices=["peer", "batch1", "levers", "bounds"])
     p.add_argument("--ct2-dir", default="runs/ct2", help="where converted CTranslate2 models are kept")
     p.add_argument("--no-identity", action="store_true", help="skip the greedy identity check against CT2")
     p.add_argument("--no-warmup", action="store_true", help="no warm-up run of each configuration")

@@ -14,6 +14,7 @@ import time
 import torch
 
 from minifer.engine.block_manager import KVBlockAllocator
+from minifer.engine.decode_metadata import DecodeMetadataBuilder
 from minifer.engine.scheduler import ScheduledBatch
 from minifer.layers.ops import REFERENCE_OPS, LayerOps
 from minifer.layers.paged_attention import PagedAttentionMetadata, PagedKVCache
@@ -21,7 +22,7 @@ from minifer.models.llama import LlamaForCausalLM
 from minifer.sampling import SampleResult, history_tensors, ranked_logprobs, sample
 
 
-COMPILATION_KEYS = ("pack_weights", "level", "mode")
+COMPILATION_KEYS = ("pack_weights", "column_major_weights", "level", "mode")
 # vLLM's compilation levels (``CompilationConfig.level``, later ``mode``): 0 runs the model eagerly, 3 is vLLM's own
 # compilation (the graph split at attention), which ``layers.compiled`` does; 1 and 2 are stages of vLLM's Dynamo
 # integration minifer has no separate meaning for
@@ -33,7 +34,9 @@ def compile_model(model: LlamaForCausalLM, config: dict | None, shared_with=None
     ``pack_weights``: float linear layers keep their weights packed for oneDNN (``layers.packed_linear``; the CPU
     only). ``level`` (or ``mode``, vLLM's newer name) 3: the decoder runs compiled by ``torch.compile`` with attention
     left opaque (``layers.compiled``; the CPU only, float weights); 0, the default, and ``enforce_eager=True`` keep
-    the eager model. An LLM sharing another's weights shares its model too, so it must ask for the same."""
+    the eager model. ``column_major_weights``: float linear weights re-stored column-major, the layout a batch-1
+    matrix-vector product streams fastest (``layers.weight_layout``; the CPU only). An LLM sharing another's weights
+    shares its model too, so it must ask for the same."""
     config = dict(config or {})
     unknown = sorted(set(config) - set(COMPILATION_KEYS))
     if unknown:
@@ -52,6 +55,11 @@ def compile_model(model: LlamaForCausalLM, config: dict | None, shared_with=None
 
         if not pack_linears(model):
             raise ValueError("compilation_config: pack_weights needs float weights on a CPU whose torch has oneDNN")
+    if config.get("column_major_weights"):
+        from minifer.layers.weight_layout import column_major_linears
+
+        if model.lm_head.weight.device.type != "cpu" or not column_major_linears(model):
+            raise ValueError("compilation_config: column_major_weights is a CPU layout for float linear weights")
     if level == 3:
         _compile_decoder(model)
     return config
@@ -84,6 +92,14 @@ def _compile_decoder(model: LlamaForCausalLM) -> None:
 
 
 class ModelRunner:
+    # pure decode steps build their attention metadata with ``DecodeMetadataBuilder`` (the same tensors as
+    # ``PagedAttentionMetadata.build``, from fewer ops); False: every step through ``build``, the general path
+    fast_decode_metadata: bool = True
+    # a batch whose every row is plain greedy (no bias, penalty, truncation or logprobs) takes the argmax and its
+    # log-probability directly (``_greedy_sample``: what ``sample`` returns for it, without building the per-row
+    # parameter tensors of its processors); False: every batch through ``sample``
+    fast_greedy: bool = True
+
     def __init__(self, model: LlamaForCausalLM, cache: PagedKVCache, blocks: KVBlockAllocator,
                  ops: LayerOps = REFERENCE_OPS) -> None:
         self.model, self.cache, self.blocks = model, cache, blocks
@@ -94,6 +110,7 @@ class ModelRunner:
         # called after each forward with (request_ids, starts, tokens, hidden [N, H]): the last hidden state of every
         # packed token, for a drafter that reads the target's features (EAGLE, ``engine/eagle.py``)
         self.hidden_observers: list = []
+        self._decode_meta = DecodeMetadataBuilder(cache.block_size, self.device)
 
     def enable_cuda_graphs(self, max_batch: int, max_model_len: int) -> None:
         from minifer.engine.cuda_graph import DecodeGraphs
@@ -124,9 +141,12 @@ class ModelRunner:
             hidden = self.graphs.run(ids, positions, slots, tables, [p + 1 for p in positions])
             self._notify(request_ids, starts, tokens, hidden[: len(ids)])
             return self._logits(hidden, rows, t0)
-        self.cache.meta = PagedAttentionMetadata.build(
-            [self.blocks.block_table(r) for r in request_ids], [s + len(c) for s, c in zip(starts, tokens)],
-            [len(c) for c in tokens], self.cache.block_size, dev, null_slot=self.cache.null_slot)
+        tables, ctx = [self.blocks.block_table(r) for r in request_ids], [s + len(c) for s, c in zip(starts, tokens)]
+        if self.fast_decode_metadata and all(len(c) == 1 for c in tokens):
+            self.cache.meta = self._decode_meta.build(tables, ctx, self.cache.null_slot)
+        else:
+            self.cache.meta = PagedAttentionMetadata.build(tables, ctx, [len(c) for c in tokens], self.cache.block_size,
+                                                           dev, null_slot=self.cache.null_slot)
         try:
             hidden = self.model(torch.tensor(ids, device=dev), torch.tensor(positions, device=dev), self.cache,
                                 self.ops)
@@ -190,5 +210,20 @@ class ModelRunner:
     @staticmethod
     def sample(seqs: list, logits: torch.Tensor) -> SampleResult:
         """Plain sampling, one token per sequence (penalties and ``min_tokens`` over each one's tokens so far)."""
+        if ModelRunner.fast_greedy and all(_plain_greedy(s.params) for s in seqs):
+            return _greedy_sample(logits)
         history = history_tensors(seqs, logits.shape[-1], logits.device)
         return sample(logits, [s.params for s in seqs], [s.generator for s in seqs], *history)
+
+
+def _plain_greedy(p) -> bool:
+    """Greedy with nothing that could move the argmax or ask for more than the chosen token's log-probability."""
+    return (p.greedy and not p.logit_bias and not p.reads_history and p.logprobs is None and p.top_k <= 0
+            and p.top_p >= 1 and p.min_p <= 0)
+
+
+def _greedy_sample(logits: torch.Tensor) -> SampleResult:
+    raw = logits.float()
+    tokens = raw.argmax(dim=-1)
+    chosen = raw.log_softmax(dim=-1).gather(-1, tokens[:, None])[:, 0]
+    return SampleResult(tokens.tolist(), [None] * len(raw), chosen.tolist())
