@@ -6,7 +6,7 @@ position ``t`` (the vector its LM head turns into the next-token distribution) i
 the text, so one layer is enough to extrapolate it one step. The head reads ``[f_t, embed(x_{t+1})]`` (the
 feature of position ``t`` and the token sampled from it: the feature alone does not say which token the
 sampling picked), fuses them with one linear map, runs one Llama decoder layer over its own KV cache and
-returns a predicted ``f_{t+1}``; the *target's* LM head turns it into the draft distribution of ``x_{t+2}``.
+returns a predicted ``f_{t+1}``; an LM head turns it into the draft distribution of ``x_{t+2}``.
 
 To draft ``k`` tokens the head feeds itself: the predicted feature and the token drawn from it go back in.
 The target's embedding is shared and frozen; the head stores the fusion map, the layer, a final norm and its
@@ -15,7 +15,9 @@ predicts most often on the training data. ``d2t`` maps a draft id to its target 
 and vLLM do (``target = draft + d2t[draft]``, an offset per draft id); ``t2d`` marks the target ids it covers.
 ``logits`` scatters the draft logits into the target's vocabulary with ``-inf`` elsewhere, so a token outside the
 draft vocabulary is never proposed; that stays lossless because the target verifies every draft (it only costs
-acceptance where the target picks such a token, ~1-4% of its greedy picks at half the vocabulary here).
+acceptance where the target picks such a token: 5% of its greedy picks on held-out text for the shipped head's
+768 of 2048 tokens). The shipped head's MLP is narrower than the target's too (256 against 704): a drafting
+forward streams every weight of the head, so its weights per token, 0.077 of the target's, set its price.
 
 The head's attention goes through the same ``AttentionBackend`` as the target's layers: the engine hands it
 a paged cache (``minifer.engine.proposers.EagleProposer``), training a contiguous causal one.

@@ -107,7 +107,7 @@ def missing(plain, tmp_path_factory, heldout_stories):
     banned = counts.argsort(descending=True)[:40]
     shipped = load_eagle_head(resolve_model("tinystories-target-eagle"), plain.model, torch.float32)
     keep = shipped.draft_ids[~torch.isin(shipped.draft_ids, banned)]
-    cut = EagleHead(plain.model, draft_vocab=keep)
+    cut = EagleHead(plain.model, draft_vocab=keep, intermediate_size=shipped.config.intermediate_size)
     state = {k: v for k, v in shipped.state_dict().items() if k not in ("d2t", "t2d", "lm_head.weight")}
     cut.load_state_dict({**state, "d2t": cut.d2t, "t2d": cut.t2d,
                          "lm_head.weight": shipped.lm_head.weight[~torch.isin(shipped.draft_ids, banned)]})
