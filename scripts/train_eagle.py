@@ -29,7 +29,7 @@ on held-out windows (0.648 / 0.635 / 0.633 per draft position, against 0.610 / 0
 
 Usage::
 
-    python scripts/train_eagle.py --out minifer/assets/models/tinystories-target-eagle   # the shipped head (~26 min on 1 thread of 2 busy shared cores, ~7 of them the features)
+    python scripts/train_eagle.py --out minifer/assets/models/tinystories-target-eagle   # the shipped head (~33 min on 1 thread of 2 busy shared cores: ~7 the features, ~26 the 2000 steps)
     python scripts/train_eagle.py --smoke --out /tmp/eagle                                 # seconds
 
 ``--features FILE`` keeps the target's features (and its greedy-token counts) in FILE and reads them back on a
