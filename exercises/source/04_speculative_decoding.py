@@ -459,14 +459,17 @@ piece_throughput("rollback", rollback)
 #    (the feature alone does not say which token the sampling picked). The input row is
 #    `[f_t, embed(x_{t+1})]`, concatenated in that order (`2·hidden` wide), and a linear map, `head.fc`, fuses
 #    it back to `hidden`. The embedding is the target's, `head.embed_tokens`;
-# 2. run one Llama decoder layer of the target's shape, `head.layer(x, cos, sin, attn)`, rotated for
+# 2. run one Llama decoder layer at the target's width, `head.layer(x, cos, sin, attn)`, rotated for
 #    position `t` (`cos, sin = head.rotary(positions, x.dtype)`), attending over the head's own KV cache
 #    through `attn` as the target's layers do over theirs;
 # 3. apply the head's final RMSNorm, `head.norm`: the output is the predicted `f_{t+1}`, in the post-norm
 #    space of the target's features.
 #
-# The target's LM head turns the prediction into the draft distribution of `x_{t+2}` (`head.logits`, which the
-# proposer applies). To draft `k` tokens the proposer feeds the head its own predicted feature and the token
+# The head's own LM head turns the prediction into the draft distribution of `x_{t+2}` (`head.logits`, which the
+# proposer applies). It covers a **draft vocabulary**, the target tokens the target itself predicts most often
+# (EAGLE-3's `draft_vocab_size`; `head.d2t` maps a draft id back to its target id, as vLLM loads it), and gives
+# every other token `-inf`: those are never drafted, and the target's verification keeps the output exact
+# anyway. To draft `k` tokens the proposer feeds the head its own predicted feature and the token
 # drafted from it, `k` times. Which feature goes with which token is the proposer's job (`EagleProposer`):
 # row `i` of `features` is `f_t` for `t = positions[i]`, row `i` of `input_ids` is `x_{t+1}`.
 #

@@ -10,7 +10,8 @@ Leviathan's formula at that alpha, the speedup over plain (median over rounds of
 distribution-free interval), and the drafter's cost: its mean forward time against the plain engine's mean
 target forward (one decode token), both timed in the same run; EAGLE with adaptive k (up to the largest k) runs
 beside them. Then, at batches 4, 16 and 64 (``--batches``), the best k of each method and EAGLE with adaptive k.
-``targets`` reads the issue's table off the numbers.
+``targets`` reads the issue's table off the numbers. ``head_profile`` says where a drafting forward's time goes:
+the weights each part reads per token against the target's, and each part timed against the target's forward.
 
 The workload is story openings from the held-out split (the draft model's home ground); the bundled n-gram
 proposer gets the same prompts (it thrives on input-grounded text, which ``minifer.bench.speculative`` measures).
@@ -27,7 +28,12 @@ from typing import Any
 import torch
 
 from minifer.bench.provenance import save_result
-from minifer.bench.speculative import _engine, median_ci, run_interleaved, story_openings
+from minifer.bench.speculative import (
+    _engine,
+    median_ci,
+    run_interleaved,
+    story_openings,
+)
 from minifer.sampling import SamplingParams
 from minifer.spec.theory import expected_tokens_per_forward
 
@@ -129,6 +135,67 @@ def at_batch(batch: int, prompts: list[str], ks: dict[str, list[int]], max_token
             "wall_s": round(time.time() - t0, 1), "rows": rows}
 
 
+def _weights(*modules) -> int:
+    """Matrix elements of ``modules``: what a decode step streams per token (and its multiply-adds)."""
+    return sum(p.numel() for m in modules for p in m.parameters() if p.dim() == 2)
+
+
+@torch.inference_mode()
+def head_profile(llm, context: int = 128, reps: int = 200) -> dict[str, Any]:
+    """One drafting forward of the head, part by part, against one decode forward of the target at the same
+    context: the weight elements each part reads per token, and each part's median time over ``reps`` interleaved
+    calls as a share of the target's (its metadata build included, as the engine's forward includes it). The
+    self-fed metadata is one step's share of a ``k = 4`` proposal's three (``SelfFedSteps``)."""
+    from types import SimpleNamespace
+
+    from minifer.engine.eagle import SelfFedSteps
+    from minifer.layers.paged_attention import PagedAttentionMetadata, PagedKVCache
+
+    head, target = llm.engine.speculator.proposer.head, llm.model
+    cfg, dtype, dev = head.config, head.fc.weight.dtype, head.fc.weight.device
+    weights = {"fc": _weights(head.fc), "attention": _weights(head.layer.self_attn), "mlp": _weights(head.layer.mlp),
+               "lm_head": _weights(head.lm_head)}
+    table = list(range(-(-context // 16)))
+    caches = [PagedKVCache(n, len(table) + 1, 16, cfg.num_key_value_heads, cfg.head_dim, dtype, dev)
+              for n in (1, target.config.num_hidden_layers)]
+    for c in caches:
+        c.k.zero_(), c.v.zero_()
+        c.meta = PagedAttentionMetadata.build([table], [context], [1], 16, dev, null_slot=c.null_slot)
+    hc, tc = caches
+    x, ids, pos = torch.randn(1, cfg.hidden_size, dtype=dtype, device=dev), torch.tensor([5]), torch.tensor([context - 1])
+    cos, sin = head.rotary(pos, dtype)
+    fake = SimpleNamespace(blocks=SimpleNamespace(block_table=lambda r: table), cache=hc, base={0: 0}, head=head)
+
+    def self_fed_x3() -> None:
+        steps = SelfFedSteps(fake, [0], [context - 3], [3])
+        for j in (1, 2, 3):
+            steps.meta(j, [0])
+
+    parts = {"target_forward": lambda: (PagedAttentionMetadata.build([table], [context], [1], 16, dev,
+                                                                     null_slot=tc.null_slot), target(ids, pos, tc)),
+             "metadata_build": lambda: PagedAttentionMetadata.build([table], [context], [1], 16, dev,
+                                                                    null_slot=hc.null_slot),
+             "metadata_self_fed_x3": self_fed_x3,
+             "fc_and_embedding": lambda: head.fc(torch.cat([x, head.embed_tokens(ids).to(dtype)], -1)),
+             "rotary": lambda: head.rotary(pos, dtype), "decoder_layer": lambda: head.layer(x, cos, sin, hc),
+             "final_norm": lambda: head.norm(x), "lm_head_to_target_vocab": lambda: head.logits(x),
+             "whole_forward": lambda: head.logits(head(x, ids, pos, hc))}
+    seconds: dict[str, list[float]] = {k: [] for k in parts}
+    for _ in range(reps):
+        for k, fn in parts.items():
+            t0 = time.perf_counter()
+            fn()
+            seconds[k].append(time.perf_counter() - t0)
+    med = {k: statistics.median(v) for k, v in seconds.items()}
+    med["metadata_self_fed"] = med.pop("metadata_self_fed_x3") / 3
+    total, t = sum(weights.values()), med["target_forward"]
+    target_weights = _weights(*target.model.layers, target.lm_head)
+    return {"context": context, "reps": reps, "draft_vocab_size": head.draft_vocab_size,
+            "intermediate_size": cfg.intermediate_size,
+            "weights_per_token": {**weights, "total": total, "target": target_weights, "vs_target": total / target_weights},
+            "seconds": med, "vs_target_forward": {k: v / t for k, v in med.items() if k != "target_forward"}}
+
+
 def targets(b1: dict[str, Any], larger: list[dict[str, Any]] | None = None) -> dict[str, Any]:
     """The issue's table, EAGLE's row: measured value, target, met, and by how much. Adaptive k "never loses" is
     read against the measurement's resolution: the lowest upper end of adaptive EAGLE's intervals over the batches
@@ -170,6 +237,7 @@ def run(smoke: bool = False, rounds: int = 2, device: str | None = None,
     result["larger_batches"] = [at_batch(b, story_openings(max(8, b)), {m: [best[m]] for m in METHODS}, max_tokens,
                                          rounds, device, best["eagle"]) for b in ([2] if smoke else batches)]
     result["targets"] = targets(b1, result["larger_batches"])
+    result["head_profile"] = head_profile(build("eagle", 4, 1, device, None), reps=20 if smoke else 200)
     return result
 
 
@@ -199,6 +267,7 @@ def main(argv: list[str] | None = None) -> None:
         for row in b["rows"]:
             print(f"b{b['batch']} {row['engine']:>14}: speedup {row['speedup']:.2f}x ci {row['ci'][:2]}")
     print(result["targets"])
+    print({k: round(v, 4) for k, v in result["head_profile"]["vs_target_forward"].items()})
 
 
 if __name__ == "__main__":

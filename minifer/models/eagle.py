@@ -6,11 +6,18 @@ position ``t`` (the vector its LM head turns into the next-token distribution) i
 the text, so one layer is enough to extrapolate it one step. The head reads ``[f_t, embed(x_{t+1})]`` (the
 feature of position ``t`` and the token sampled from it: the feature alone does not say which token the
 sampling picked), fuses them with one linear map, runs one Llama decoder layer over its own KV cache and
-returns a predicted ``f_{t+1}``; the *target's* LM head turns it into the draft distribution of ``x_{t+2}``.
+returns a predicted ``f_{t+1}``; an LM head turns it into the draft distribution of ``x_{t+2}``.
 
 To draft ``k`` tokens the head feeds itself: the predicted feature and the token drawn from it go back in.
-The target's embedding and LM head are shared and frozen (the head stores only the fusion map, the layer and
-a final norm), so the head costs a twelfth of the target's layers plus the LM head per drafted token.
+The target's embedding is shared and frozen; the head stores the fusion map, the layer, a final norm and its
+own LM head over a **draft vocabulary** (EAGLE-3's ``draft_vocab_size``): the target tokens the target itself
+predicts most often on the training data. ``d2t`` maps a draft id to its target id the way EAGLE-3's checkpoints
+and vLLM do (``target = draft + d2t[draft]``, an offset per draft id); ``t2d`` marks the target ids it covers.
+``logits`` scatters the draft logits into the target's vocabulary with ``-inf`` elsewhere, so a token outside the
+draft vocabulary is never proposed; that stays lossless because the target verifies every draft (it only costs
+acceptance where the target picks such a token: 5% of its greedy picks on held-out text for the shipped head's
+768 of 2048 tokens). The shipped head's MLP is narrower than the target's too (256 against 704): a drafting
+forward streams every weight of the head, so its weights per token, 0.077 of the target's, set its price.
 
 The head's attention goes through the same ``AttentionBackend`` as the target's layers: the engine hands it
 a paged cache (``minifer.engine.proposers.EagleProposer``), training a contiguous causal one.
@@ -35,19 +42,42 @@ HEAD_FILE = "model.safetensors"
 CONFIG_FILE = "config.json"
 
 
-def head_config(target: ModelConfig) -> ModelConfig:
-    """The head's layer has the target's shapes (its features are the target's width), one layer deep."""
-    return replace(target, num_hidden_layers=1)
+def head_config(target: ModelConfig, intermediate_size: int | None = None) -> ModelConfig:
+    """The head's layer has the target's shapes (its features are the target's width), one layer deep; its MLP
+    may be narrower (``intermediate_size``): at one layer against the target's twelve, the MLP is most of the
+    head's weight bytes, which a decode step reads in full."""
+    if intermediate_size is not None and intermediate_size <= 0:
+        raise ValueError(f"the head's intermediate_size must be positive, got {intermediate_size}")
+    return replace(target, num_hidden_layers=1, intermediate_size=intermediate_size or target.intermediate_size)
+
+
+def draft_to_target_offsets(draft_vocab: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """EAGLE-3's ``d2t`` for a draft vocabulary (its target ids): ``d2t[i] = draft_vocab[i] - i``. The ids must be
+    distinct target ids, in the order of the head's LM head rows (EAGLE-3 sorts them, which makes every offset
+    non-negative; any order maps back correctly)."""
+    ids = torch.as_tensor(draft_vocab, dtype=torch.long).flatten()
+    if ids.numel() == 0:
+        raise ValueError("the draft vocabulary is empty: it must hold at least one target token id")
+    if int(ids.min()) < 0 or int(ids.max()) >= vocab_size:
+        raise ValueError(f"draft vocabulary ids must be target ids in [0, {vocab_size}), got "
+                         f"[{int(ids.min())}, {int(ids.max())}]")
+    if len(ids.unique()) != len(ids):
+        raise ValueError("the draft vocabulary repeats a target id: each draft id must map to its own target token")
+    return ids - torch.arange(len(ids))
 
 
 class EagleHead(nn.Module):
     """``forward(features, input_ids, positions, attn)``: packed ``[N, hidden]`` features of positions ``t`` and
-    the tokens ``x_{t+1}`` ``[N]`` -> predicted features of positions ``t + 1`` ``[N, hidden]``. ``logits`` applies
-    the target's (shared) LM head."""
+    the tokens ``x_{t+1}`` ``[N]`` -> predicted features of positions ``t + 1`` ``[N, hidden]``. ``draft_logits``
+    applies the head's LM head (``[N, draft_vocab_size]``); ``logits`` puts those in the target's vocabulary.
 
-    def __init__(self, target: LlamaForCausalLM, max_positions: int | None = None) -> None:
+    ``draft_vocab``: the target ids the head can propose (default: all of them); its LM head starts as the
+    target's rows for them. ``intermediate_size``: its MLP's (default: the target's)."""
+
+    def __init__(self, target: LlamaForCausalLM, max_positions: int | None = None,
+                 draft_vocab: torch.Tensor | None = None, intermediate_size: int | None = None) -> None:
         super().__init__()
-        cfg = head_config(target.config)
+        cfg = head_config(target.config, intermediate_size)
         self.config = cfg
         h = cfg.hidden_size
         self.fc = nn.Linear(2 * h, h, bias=False)
@@ -55,12 +85,22 @@ class EagleHead(nn.Module):
         self.norm = RMSNorm(h, cfg.rms_norm_eps)  # the target's features are post-norm: predict in that space
         self.rotary = RotaryEmbedding(cfg.head_dim, max_positions or cfg.max_position_embeddings, cfg.rope_theta,
                                       cfg.rope_scaling)
-        # shared with the target, not registered as parameters: neither trained nor saved with the head
-        self._shared = (target.model.embed_tokens, target.lm_head)
+        vocab = target.lm_head.weight.shape[0]
+        d2t = draft_to_target_offsets(torch.arange(vocab) if draft_vocab is None else draft_vocab, vocab)
+        ids = d2t + torch.arange(len(d2t))
+        self.register_buffer("d2t", d2t)  # EAGLE-3's names and layout: what vLLM loads
+        self.register_buffer("t2d", torch.zeros(vocab, dtype=torch.bool).index_fill_(0, ids, True))
+        self.register_buffer("draft_ids", ids, persistent=False)  # draft id -> target id, precomputed
+        self._whole_vocab = len(ids) == vocab and bool((d2t == 0).all())  # draft ids are target ids: no scatter
+        self.lm_head = nn.Linear(h, len(ids), bias=False)
+        with torch.no_grad():
+            self.lm_head.weight.copy_(target.lm_head.weight[ids.to(target.lm_head.weight.device)].to(torch.float32))
+        # shared with the target, not registered as a parameter: neither trained nor saved with the head
+        self._shared = (target.model.embed_tokens,)
 
     def forward(self, features: torch.Tensor, input_ids: torch.Tensor, positions: torch.Tensor,
                 attn: AttentionBackend) -> torch.Tensor:
-        embed, _ = self._shared
+        embed = self._shared[0]
         x = self.fc(torch.cat([features, embed(input_ids).to(features.dtype)], dim=-1))
         cos, sin = self.rotary(positions, x.dtype)
         return self.norm(self.layer(x, cos, sin, attn))
@@ -71,12 +111,26 @@ class EagleHead(nn.Module):
         return self._shared[0]
 
     @property
-    def lm_head(self) -> nn.Linear:
-        """The target's (the engine sizes the head's KV blocks from its dtype, as for a draft model)."""
-        return self._shared[1]
+    def draft_vocab_size(self) -> int:
+        return self.lm_head.weight.shape[0]
+
+    def draft_logits(self, features: torch.Tensor) -> torch.Tensor:
+        """``[N, draft_vocab_size]``: what training scores (a full-vocabulary softmax would spend most of the
+        LM head's work on tokens the head never proposes)."""
+        return self.lm_head(features)
+
+    def to_target(self, draft_ids: torch.Tensor) -> torch.Tensor:
+        """Target token ids of draft ids (``draft + d2t[draft]``)."""
+        return draft_ids + self.d2t[draft_ids]
 
     def logits(self, features: torch.Tensor) -> torch.Tensor:
-        return self._shared[1](features)
+        """``[N, vocab_size]``: the draft logits at their target ids, ``-inf`` at every id outside the draft
+        vocabulary (probability 0: never proposed), as vLLM's EAGLE-3 ``compute_logits`` does."""
+        draft = self.draft_logits(features)
+        if self._whole_vocab:
+            return draft
+        out = draft.new_full((draft.shape[0], len(self.t2d)), float("-inf"))
+        return out.index_copy_(1, self.draft_ids, draft)
 
     def save(self, dest: str | Path, info: dict) -> None:
         """The head's own weights (bf16 safetensors) and a config naming the target it reads."""
@@ -84,15 +138,16 @@ class EagleHead(nn.Module):
 
         dest = Path(dest)
         dest.mkdir(parents=True, exist_ok=True)
-        save_file({k: v.detach().to(torch.bfloat16).contiguous() for k, v in self.state_dict().items()},
-                  str(dest / HEAD_FILE))
+        save_file({k: (v.detach().to(torch.bfloat16) if v.is_floating_point() else v.detach()).contiguous()
+                   for k, v in self.state_dict().items()}, str(dest / HEAD_FILE))
         (dest / CONFIG_FILE).write_text(json.dumps({"architectures": ["EagleHead"], **info}, indent=2) + "\n")
 
 
 def load_eagle_head(path: str | Path, target: LlamaForCausalLM, dtype: torch.dtype,
                     max_positions: int | None = None) -> EagleHead:
     """A trained head from ``path`` (a folder with ``config.json`` and ``model.safetensors``), bound to ``target``
-    (whose hidden size it must share), on the target's device."""
+    (whose hidden size and vocabulary it must share), on the target's device. A head saved without its own LM head
+    and ``d2t`` (the first heads read the target's full LM head) gets the target's, over the whole vocabulary."""
     from safetensors.torch import load_file
 
     path = Path(path)
@@ -102,7 +157,19 @@ def load_eagle_head(path: str | Path, target: LlamaForCausalLM, dtype: torch.dty
     if cfg.get("hidden_size") != target.config.hidden_size:
         raise ValueError(f"the head reads {cfg.get('hidden_size')}-wide features but the target's are "
                          f"{target.config.hidden_size} wide: a head is trained for one target")
-    head = EagleHead(target, max_positions)
-    head.load_state_dict({k: v for k, v in load_file(str(path / HEAD_FILE)).items()}, strict=True)
+    state = load_file(str(path / HEAD_FILE))
+    vocab = target.lm_head.weight.shape[0]
+    if cfg.get("vocab_size", vocab) != vocab:
+        raise ValueError(f"the head drafts over a {cfg['vocab_size']}-token vocabulary but the target's has {vocab}")
+    width = cfg.get("intermediate_size")
+    if "d2t" in state:
+        d2t = state["d2t"].long()
+        head = EagleHead(target, max_positions, d2t + torch.arange(len(d2t)), width)
+    else:
+        head = EagleHead(target, max_positions, intermediate_size=width)
+        state = {**state, **{k: v for k, v in head.state_dict().items() if k in ("d2t", "t2d", "lm_head.weight")}}
+    head.load_state_dict(state, strict=True)
+    if int(head.t2d.sum()) != head.draft_vocab_size or not bool(head.t2d[head.draft_ids].all()):
+        raise ValueError(f"{path}: t2d does not mark exactly the target ids that d2t maps the draft ids to")
     device = target.lm_head.weight.device
     return head.to(device=device, dtype=dtype).eval()
