@@ -201,16 +201,10 @@ def test_bundled_pair_generates_text(target_llm, draft_llm):
         assert len(out.text.split()) >= 5 and out.text.isascii()
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "known defect of the shipped target: the first run of scripts/train_pair.py built it with pad_token_id = "
-    "<|endoftext|> = 0, so nn.Embedding(padding_idx=0) never trained that row (the BOS of every prompt); at "
-    "position 0 the logits are all 0 and '' generates nothing. train_pair.py no longer sets a pad token. A "
-    "repair of the shipped weights (scripts/repair_bos_row.py) learns the first token (7.62 -> 1.54 nats) but "
-    "moves the target away from the draft distilled from it (greedy agreement at k=4 2.52 -> 2.26) and costs "
-    "+0.015 nats of held-out loss, so it refuses to save (self-distilled to keep the shipped predictions: agreement "
-    "2.49, held-out +0.015, still short); the fix is retraining the pair (target, then the draft "
-    "distilled from it). Strict: this test fails the suite once the shipped pair is fixed, to be unmarked then."))
 def test_every_token_of_the_bundled_pair_has_a_trained_embedding(target_llm, draft_llm):
+    """The first training left the target's ``<|endoftext|>`` row (every prompt's BOS) at zero through
+    ``nn.Embedding(padding_idx=0)``; ``scripts/repair_bos_row.py`` trained it (its record is in the target's
+    ``training.json``). A zero row would make position 0's logits all zero and ``""`` generate nothing."""
     for llm in (target_llm, draft_llm):
         rows = llm.model.model.embed_tokens.weight.abs().sum(dim=1)
         assert bool((rows > 0).all()), f"{llm.model_path.name}: untrained embedding rows {rows.eq(0).nonzero()}"
