@@ -101,6 +101,8 @@ class LLM:
             the eager model; off by default, so the model a learner reads is the one that runs. ``{"level": 3}``
             (or ``"mode"``): the decoder compiled by ``torch.compile``, attention left eager (``layers.compiled``;
             the CPU, float weights; ``enforce_eager=True`` turns it off); 0, the default, keeps it eager.
+            ``{"column_major_weights": True}``: float linear weights re-stored column-major, the layout MKL reads
+            without re-laying it per call at one row (``layers.weight_layout``; combines with level 3).
         block_allocator, scheduler, sampler, proposer, verifier, attention_backend: the engine's seams
             (``LLMEngine`` lists their contracts); None builds the reference implementation a chapter shows.
         components: a ``Components`` holding any of those seams and ``quant_kernel``, plus the RMSNorm and RoPE
