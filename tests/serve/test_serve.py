@@ -138,10 +138,11 @@ def test_n_and_several_prompts_number_their_choices(server, llm):
 
 
 def test_penalties_and_min_tokens_reach_the_engine(server, llm):
-    body = greedy(20, prompt="Once upon a time", frequency_penalty=0.8, presence_penalty=0.4, ignore_eos=True)
+    # Penalties strong enough to change the bundled target's first 20 greedy tokens (0.8/0.4 no longer do).
+    body = greedy(20, prompt="Once upon a time", frequency_penalty=1.2, presence_penalty=0.6, ignore_eos=True)
     status, got = post(server, "/v1/completions", body)
-    want = llm.generate(["Once upon a time"], SamplingParams(temperature=0, max_tokens=20, frequency_penalty=0.8,
-                                                             presence_penalty=0.4, ignore_eos=True),
+    want = llm.generate(["Once upon a time"], SamplingParams(temperature=0, max_tokens=20, frequency_penalty=1.2,
+                                                             presence_penalty=0.6, ignore_eos=True),
                         use_tqdm=False)[0].outputs[0].text
     plain = llm.generate(["Once upon a time"], SamplingParams(temperature=0, max_tokens=20, ignore_eos=True),
                          use_tqdm=False)[0].outputs[0].text
