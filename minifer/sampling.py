@@ -346,6 +346,26 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[
     return token_logprobs(logits, tokens, params)
 
 
+def sample_sequences(seqs: list, logits: torch.Tensor, fast_greedy: bool = True) -> SampleResult:
+    """One token per sequence (each brings its ``params``, ``generator`` and tokens so far), as :func:`sample` draws
+    it. A batch whose every row is plain greedy (no bias, penalty, truncation or logprobs) takes the argmax and its
+    log-probability directly: what ``sample`` returns for it, without the per-row tensors of its processors, which on
+    a small model are a visible share of a step. ``fast_greedy=False`` always goes through ``sample``."""
+    if fast_greedy and all(_plain_greedy(s.params) for s in seqs):
+        raw = logits.float()
+        tokens = raw.argmax(dim=-1)
+        chosen = raw.log_softmax(dim=-1).gather(-1, tokens[:, None])[:, 0]
+        return SampleResult(tokens.tolist(), [None] * len(raw), chosen.tolist())
+    history = history_tensors(seqs, logits.shape[-1], logits.device)
+    return sample(logits, [s.params for s in seqs], [s.generator for s in seqs], *history)
+
+
+def _plain_greedy(p: SamplingParams) -> bool:
+    """Greedy with nothing that could move the argmax or ask for more than the chosen token's log-probability."""
+    return (p.greedy and not p.logit_bias and not p.reads_history and p.logprobs is None and p.top_k <= 0
+            and p.top_p >= 1 and p.min_p <= 0)
+
+
 def ranked_logprobs(logits: torch.Tensor, tokens: list[int], top: int) -> list[dict[int, Logprob]]:
     """For row ``i`` of ``logits``: ``tokens[i]``'s log-probability and rank, and the ``top`` most likely candidates
     (vLLM's prompt_logprobs entries)."""

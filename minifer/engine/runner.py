@@ -19,7 +19,7 @@ from minifer.engine.scheduler import ScheduledBatch
 from minifer.layers.ops import REFERENCE_OPS, LayerOps
 from minifer.layers.paged_attention import PagedAttentionMetadata, PagedKVCache
 from minifer.models.llama import LlamaForCausalLM
-from minifer.sampling import SampleResult, history_tensors, ranked_logprobs, sample
+from minifer.sampling import SampleResult, ranked_logprobs, sample_sequences
 
 
 COMPILATION_KEYS = ("pack_weights", "column_major_weights", "level", "mode")
@@ -95,9 +95,8 @@ class ModelRunner:
     # pure decode steps build their attention metadata with ``DecodeMetadataBuilder`` (the same tensors as
     # ``PagedAttentionMetadata.build``, from fewer ops); False: every step through ``build``, the general path
     fast_decode_metadata: bool = True
-    # a batch whose every row is plain greedy (no bias, penalty, truncation or logprobs) takes the argmax and its
-    # log-probability directly (``_greedy_sample``: what ``sample`` returns for it, without building the per-row
-    # parameter tensors of its processors); False: every batch through ``sample``
+    # a batch whose every row is plain greedy takes the argmax and its log-probability directly
+    # (``sampling.sample_sequences``, which the static engine uses too); False: every batch through ``sample``
     fast_greedy: bool = True
 
     def __init__(self, model: LlamaForCausalLM, cache: PagedKVCache, blocks: KVBlockAllocator,
@@ -210,20 +209,4 @@ class ModelRunner:
     @staticmethod
     def sample(seqs: list, logits: torch.Tensor) -> SampleResult:
         """Plain sampling, one token per sequence (penalties and ``min_tokens`` over each one's tokens so far)."""
-        if ModelRunner.fast_greedy and all(_plain_greedy(s.params) for s in seqs):
-            return _greedy_sample(logits)
-        history = history_tensors(seqs, logits.shape[-1], logits.device)
-        return sample(logits, [s.params for s in seqs], [s.generator for s in seqs], *history)
-
-
-def _plain_greedy(p) -> bool:
-    """Greedy with nothing that could move the argmax or ask for more than the chosen token's log-probability."""
-    return (p.greedy and not p.logit_bias and not p.reads_history and p.logprobs is None and p.top_k <= 0
-            and p.top_p >= 1 and p.min_p <= 0)
-
-
-def _greedy_sample(logits: torch.Tensor) -> SampleResult:
-    raw = logits.float()
-    tokens = raw.argmax(dim=-1)
-    chosen = raw.log_softmax(dim=-1).gather(-1, tokens[:, None])[:, 0]
-    return SampleResult(tokens.tolist(), [None] * len(raw), chosen.tolist())
+        return sample_sequences(seqs, logits, fast_greedy=ModelRunner.fast_greedy)

@@ -17,7 +17,7 @@ import torch
 from minifer.engine.sequence import Sequence, SequenceStatus
 from minifer.layers.attention import ContiguousKVCache
 from minifer.models.llama import LlamaForCausalLM
-from minifer.sampling import history_tensors, sample
+from minifer.sampling import sample_sequences
 
 
 @torch.inference_mode()
@@ -46,11 +46,9 @@ def run_static_batch(model: LlamaForCausalLM, batch: list[Sequence], tokenizer, 
     logits = model.compute_logits(hidden.view(b, p, -1)[:, -1])
     step = 0
     ones = torch.ones(b, 1, dtype=torch.bool, device=device)
-    params = [s.params for s in batch]
     while True:
         # The penalties and min_tokens read each row's own tokens (the padding is not among them).
-        history = history_tensors(batch, cfg.vocab_size, device)
-        result = sample(logits, params, [s.generator for s in batch], *history)
+        result = sample_sequences(batch, logits)
         for i, s in enumerate(batch):
             if not s.is_finished:
                 s.append_token(result.token_ids[i], result.sampled_logprob[i], result.logprobs[i], tokenizer)
