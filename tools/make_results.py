@@ -75,6 +75,11 @@ PARTS = [
                             "--plot", 15, "the HTTP server against the direct engine (ch00)"),
     Part("server_sweep", f"python -m minifer.bench.server_sweep --concurrency 1 2 4 8 16 --out {RESULTS}/server_sweep.json "
                          "--plot", 10, "TTFT and inter-token latency through the server by concurrency (ch00, README)"),
+    Part("eagle", f"python -m minifer.bench.eagle --out {RESULTS}/eagle.json --rounds 2", 25,
+         "the EAGLE head against the draft model and n-gram: alpha, tokens per forward, speedup (ch04, README)"),
+    Part("cpu_peer", _bench(f"cpu_peer -n 64 --repeats 3 --out {RESULTS}/cpu_peer.json"), 30,
+         "minifer against CTranslate2 on the same model and workload, and the CPU levers (ch01, ch03; needs the "
+         "`peer` extra)"),
     Part("notebooks", "python tools/make_results.py --execute-notebooks", 25,
          "re-execute every chapter and solution notebook, storing outputs"),
 ]

@@ -2,7 +2,7 @@
 
 A committed number is only worth as much as our ability to say what produced it. Every result JSON carries
 ``metadata.git`` (the commit, and whether the tree differed from it) and ``metadata.code``: the sha256 of each
-``minifer`` source module the run had imported and of each bundled checkpoint, taken when the result is saved.
+``minifer`` source module the run had imported and of each bundled checkpoint it read, taken when the result is saved.
 :func:`stale_sources` compares such a record with the tree as it is now, so a result whose engine code or
 weights changed since it was measured is named instead of silently standing (``tests/course/test_claims.py``
 reports them; ``make results`` measures them again).
@@ -21,7 +21,6 @@ from typing import Any, Sequence
 
 ROOT = Path(__file__).resolve().parents[2]
 PACKAGE = ROOT / "minifer"
-BUNDLED_MODELS = PACKAGE / "assets" / "models"
 
 
 def _sha(path: Path) -> str:
@@ -49,10 +48,11 @@ def git_commit() -> dict[str, Any]:
 
 
 def code_fingerprint() -> dict[str, str]:
-    """``{path: sha256[:16]}`` of every ``minifer`` module imported so far and every bundled checkpoint file.
+    """``{path: sha256[:16]}`` of every ``minifer`` module imported so far and every bundled checkpoint it read.
 
     Taken at save time, the imported modules are the code the run executed (a benchmark imports what it
-    measures); the checkpoints are hashed whether or not the run loaded them, since they are few and small."""
+    measures), and the checkpoints are the bundled folders the loader was asked for
+    (:func:`minifer.loader.bundled_used`): retraining the EAGLE head leaves a throughput result fresh."""
     files: dict[str, str] = {}
     for module in list(sys.modules.values()):
         f = getattr(module, "__file__", None)
@@ -61,7 +61,9 @@ def code_fingerprint() -> dict[str, str]:
         path = Path(f).resolve()
         if path.suffix == ".py" and path.is_relative_to(PACKAGE) and path.exists():
             files[path.relative_to(ROOT).as_posix()] = _sha(path)
-    for path in sorted(BUNDLED_MODELS.glob("*/*")):
+    loader = sys.modules.get("minifer.loader")
+    used = loader.bundled_used() if loader is not None else []
+    for path in sorted(p for folder in used for p in folder.glob("*")):
         if path.suffix in (".safetensors", ".json") and path.name != "training.json":
             files[path.relative_to(ROOT).as_posix()] = _sha(path)
     return dict(sorted(files.items()))

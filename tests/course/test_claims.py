@@ -167,14 +167,21 @@ def test_stale_sources_name_a_changed_or_moved_file(tmp_path, monkeypatch):
     assert provenance.stale_sources(recorded) == ["a.py", "b.py"]
 
 
-def test_a_saved_result_records_the_code_it_ran(tmp_path):
+def test_a_saved_result_records_the_code_it_ran_and_the_checkpoints_it_read(tmp_path, monkeypatch):
     import minifer.engine.scheduler  # noqa: F401  (a module the "run" executed)
+    from minifer import loader
 
+    monkeypatch.setattr(loader, "_bundled_used", set())  # a fresh process: nothing read yet
+    loader.load_config(loader.resolve_model("tinystories-target"))
     path = provenance.save_result({"kind": "t", "metadata": {"git": {}}}, tmp_path / "r.json")
     code = json.loads(path.read_text())["metadata"]["code"]
     assert code["minifer/engine/scheduler.py"] == provenance._sha(ROOT / "minifer/engine/scheduler.py")
     assert "minifer/assets/models/tinystories-target/model.safetensors" in code
+    assert not any("tinystories-target-eagle" in f or "tinystories-draft" in f for f in code), \
+        "a checkpoint the run never read is not part of what it measured"
     assert provenance.stale_sources(code) == []
+    loader.read_checkpoint(ROOT / "minifer/assets/models/tinystories-draft")  # a path, not a name, counts too
+    assert "minifer/assets/models/tinystories-draft/model.safetensors" in provenance.code_fingerprint()
 
 
 @pytest.fixture
