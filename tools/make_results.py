@@ -80,6 +80,10 @@ PARTS = [
     Part("cpu_peer", _bench(f"cpu_peer -n 64 --repeats 3 --out {RESULTS}/cpu_peer.json"), 30,
          "minifer against CTranslate2 on the same model and workload, and the CPU levers (ch01, ch03; needs the "
          "`peer` extra)"),
+    Part("aot", f"python -m minifer.bench.aot --out {RESULTS}/aot_report.json", 10,
+         "every Triton kernel compiled ahead of time for sm_80 and sm_90: registers, spills, SASS (ch05 appendix)"),
+    Part("aot_archs", f"python -m minifer.bench.aot --ccs 75 80 89 90 --out {RESULTS}/aot_report_archs.json", 20,
+         "the same for every GPU CI checks (T4, A100, L4, H100/H200; README, tests/kernels/test_aot_archs.py)"),
     Part("notebooks", "python tools/make_results.py --execute-notebooks", 25,
          "re-execute every chapter and solution notebook, storing outputs"),
 ]

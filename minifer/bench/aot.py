@@ -331,9 +331,11 @@ def main() -> None:
             print(f"{r['kernel']:<44} {r['arch']}  regs {r['registers']:>3}  smem {r['shared_bytes']:>6} B"
                   f"{per_w}{flag}")
     if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
+        from minifer.bench.provenance import metadata, save_result
+
         ptxas = {f"sm_{cc}": ptxas_version(cc) for cc in args.ccs}
-        args.out.write_text(json.dumps({"triton": triton.__version__, "ptxas": ptxas, "kernels": rows}, indent=2))
+        save_result({"kind": "aot", "metadata": metadata(module="minifer.bench.aot"), "triton": triton.__version__,
+                     "ptxas": ptxas, "kernels": rows}, args.out, indent=2)
 
 
 if __name__ == "__main__":
