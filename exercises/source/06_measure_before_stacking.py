@@ -177,10 +177,11 @@ for x in LEVERS:
 print(", ".join(f"{key} {median([a[key] for a in rounds]):.2f}" for key in ("product", "stacked", "overlap")))
 
 # %% [markdown]
-# The product promises more than half again what the stack delivers. Two of the levers buy the same thing (cache
+# The product promises about a quarter more than the stack delivers. Two of the levers buy the same thing (cache
 # blocks), and once the cache holds everything the workload keeps in flight the second buys nothing; speculation's
 # gain depends on the concurrency the others raise. Read `in_stack` before you decide which levers to keep: here
-# int8 weights earn their place on top of the others, the int8 cache (for this workload and budget) does not.
+# int8 weights earn their place on top of the others (on this CPU they also make the step faster); the int8 cache
+# and speculation (for this workload and budget) do not: added last, neither is clear of the A/A band.
 #
 # ## 4 · Is a difference real? An A/A control and the median's interval
 #
