@@ -47,8 +47,8 @@ def _bench(args: str) -> str:
 PARTS = [
     Part("bound", _bench(f"bound --out {RESULTS}/bound.json --plot"), 1,
          "computed: the scheduler-step bound of continuous over static batching (ch03)", measured=True),
-    Part("kv_memory", f"python -m minifer.course.kv_memory --out {RESULTS}/kv_memory.json", 6,
-         "KV memory wasted by contiguous vs paged caches, prefix sharing, parallel sampling (ch02)"),
+    Part("kv_memory", f"python -m minifer.course.kv_memory --out {RESULTS}/kv_memory.json", 1,
+         "KV memory wasted by contiguous vs paged caches, prefix sharing, parallel sampling (ch02)", measured=True),
     Part("kv_quant", f"python -m minifer.course.kv_quant --out {RESULTS}/kv_quant.json", 1,
          "sequences that fit with an 8-bit KV cache, and free-running greedy agreement (ch05)", measured=True),
     Part("throughput", _bench(f"throughput -n 512 --repeats 3 --modes static continuous hf --no-progress "
@@ -57,29 +57,30 @@ PARTS = [
     Part("serve_sweep", _bench(f"serve --rate 1 2 4 6 8 -n 96 --no-progress --out {RESULTS}/serve_sweep.json "
                                "--plot"), 40, "TTFT/TPOT/ITL under Poisson arrivals (ch03)"),
     Part("profile", _bench(f"profile -n 128 --modes static continuous hf --out {RESULTS}/profile_128.json --plot"),
-         10, "where a step's time goes, per engine (ch03)"),
-    Part("block_order", f"python -m minifer.course.block_order --out {RESULTS}/block_order.json", 12,
-         "the cost of a shuffled free list (ch04 appendix)"),
+         1, "where a step's time goes, per engine (ch03)", measured=True),
+    Part("block_order", f"python -m minifer.course.block_order --out {RESULTS}/block_order.json", 1,
+         "the cost of a shuffled free list (ch04 appendix)", measured=True),
     Part("speculative", f"python -m minifer.bench.speculative --out {RESULTS}/speculative.json --plot --repeats 4",
-         45, "speculative decoding: alpha, tokens per forward, wall speedup by batch size (ch04, README)"),
+         20, "speculative decoding: alpha, tokens per forward, wall speedup by batch size (ch04, README)", measured=True),
     Part("speculative_confirm", f"python -m minifer.bench.speculative --out {RESULTS}/speculative_confirm.json "
                                 "--plot --repeats 4", 45, "an independent replicate of the speculative run"),
     Part("speculative_bookkeeping", f"python -m minifer.bench.speculative --bookkeeping --repeats 4 "
-                                    f"--out {RESULTS}/speculative_bookkeeping.json", 15,
-         "the speculator's bookkeeping cost (ch04)"),
+                                    f"--out {RESULTS}/speculative_bookkeeping.json", 1,
+         "the speculator's bookkeeping cost (ch04)", measured=True),
     Part("quality", f"python -m minifer.bench.quality --out {RESULTS}/quant_quality.json --plot", 5,
          "weight quantization: bytes, perplexity, agreement (ch05, README)", measured=True),
     Part("stacking", f"python -m minifer.course.stacking -n 96 --rounds 3 --out {RESULTS}/stacking.json --plot", 3,
          "the levers alone and stacked (ch06, README)", measured=True),
     Part("server_overhead", f"python -m minifer.bench.server_overhead --rounds 5 --out {RESULTS}/server_overhead.json "
-                            "--plot", 15, "the HTTP server against the direct engine (ch00)"),
+                            "--plot", 2, "the HTTP server against the direct engine (ch00)", measured=True),
     Part("server_sweep", f"python -m minifer.bench.server_sweep --concurrency 1 2 4 8 16 --out {RESULTS}/server_sweep.json "
                          "--plot", 10, "TTFT and inter-token latency through the server by concurrency (ch00, README)"),
-    Part("eagle", f"python -m minifer.bench.eagle --out {RESULTS}/eagle.json --rounds 2", 25,
-         "the EAGLE head against the draft model and n-gram: alpha, tokens per forward, speedup (ch04, README)"),
-    Part("cpu_peer", _bench(f"cpu_peer -n 64 --repeats 3 --out {RESULTS}/cpu_peer.json"), 30,
+    Part("eagle", f"python -m minifer.bench.eagle --out {RESULTS}/eagle.json --rounds 2", 2,
+         "the EAGLE head against the draft model and n-gram: alpha, tokens per forward, speedup (ch04, README)",
+         measured=True),
+    Part("cpu_peer", _bench(f"cpu_peer -n 64 --repeats 3 --out {RESULTS}/cpu_peer.json"), 10,
          "minifer against CTranslate2 on the same model and workload, and the CPU levers (ch01, ch03; needs the "
-         "`peer` extra)"),
+         "`peer` extra)", measured=True),
     Part("aot", f"python -m minifer.bench.aot --out {RESULTS}/aot_report.json", 10,
          "every Triton kernel compiled ahead of time for sm_80 and sm_90: registers, spills, SASS (ch05 appendix)"),
     Part("aot_archs", f"python -m minifer.bench.aot --ccs 75 80 89 90 --out {RESULTS}/aot_report_archs.json", 20,
