@@ -63,7 +63,8 @@ PARTS = [
     Part("speculative", f"python -m minifer.bench.speculative --out {RESULTS}/speculative.json --plot --repeats 4",
          20, "speculative decoding: alpha, tokens per forward, wall speedup by batch size (ch04, README)", measured=True),
     Part("speculative_confirm", f"python -m minifer.bench.speculative --out {RESULTS}/speculative_confirm.json "
-                                "--plot --repeats 4", 45, "an independent replicate of the speculative run"),
+                                "--plot --repeats 4", 20, "an independent replicate of the speculative run",
+         measured=True),
     Part("speculative_bookkeeping", f"python -m minifer.bench.speculative --bookkeeping --repeats 4 "
                                     f"--out {RESULTS}/speculative_bookkeeping.json", 1,
          "the speculator's bookkeeping cost (ch04)", measured=True),
