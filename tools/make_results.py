@@ -86,7 +86,7 @@ PARTS = [
          "every Triton kernel compiled ahead of time for sm_80 and sm_90: registers, spills, SASS (ch05 appendix)"),
     Part("aot_archs", f"python -m minifer.bench.aot --ccs 75 80 89 90 --out {RESULTS}/aot_report_archs.json", 20,
          "the same for every GPU CI checks (T4, A100, L4, H100/H200; README, tests/kernels/test_aot_archs.py)"),
-    Part("notebooks", "python tools/make_results.py --execute-notebooks", 25,
+    Part("notebooks", "python tools/make_results.py --execute-notebooks", 12,
          "re-execute every chapter and solution notebook, storing outputs"),
 ]
 
@@ -98,16 +98,18 @@ def dirty_files() -> list[str]:
 
 
 def execute_notebooks() -> None:
-    """Chapters, their appendices and the solutions, executed in place (outputs stored for readers)."""
-    books = sorted((ROOT / "notebooks").rglob("*.ipynb")) + sorted((ROOT / "solutions").glob("*.ipynb"))
+    """Chapters and their appendices executed in place (outputs stored for readers), then the solutions through
+    ``tools/build_exercises.py --force``, which executes them in order and stores them in the form its sync check
+    expects (nbconvert's own metadata would make every solution "differ from its source")."""
+    books = [nb for nb in sorted((ROOT / "notebooks").rglob("*.ipynb")) if ".ipynb_checkpoints" not in nb.parts]
     for i, nb in enumerate(books, 1):
-        if ".ipynb_checkpoints" in nb.parts:
-            continue
         t0 = time.time()
         print(f"  [{i}/{len(books)}] {nb.relative_to(ROOT)}", flush=True)
         subprocess.run([sys.executable, "-m", "jupyter", "nbconvert", "--to", "notebook", "--execute", "--inplace",
                         "--ExecutePreprocessor.timeout=1800", str(nb)], cwd=nb.parent, check=True)
         print(f"      {time.time() - t0:.0f} s", flush=True)
+    print("  solutions: python3 tools/build_exercises.py --force", flush=True)
+    subprocess.run([sys.executable, "tools/build_exercises.py", "--force"], cwd=ROOT, check=True)
 
 
 def main(argv: list[str] | None = None) -> int:
