@@ -289,10 +289,22 @@ def waiver_problems(claims: list[Claim], accepted: dict[str, str] | None = None)
     return problems
 
 
+def reported(claims: list[Claim]) -> list[str]:
+    """The results whose provenance is reported: every cited one, and every JSON in benchmarks/results/ (the
+    notebooks read some of them in code cells, so a result no prose cites can still reach a reader)."""
+    return sorted({c.result for c in claims} | {p.name for p in RESULTS.glob("*.json")})
+
+
+def uncited_dirty(claims: list[Claim]) -> list[str]:
+    """Results nobody cites that were measured at a dirty tree (a cited one is a mismatch instead)."""
+    cited = {c.result for c in claims}
+    return [name for name in reported(claims) if name not in cited and measured_dirty(result_data(name))]
+
+
 def unrecorded(claims: list[Claim]) -> list[str]:
-    """Cited results with no git record at all (written before results recorded their commit)."""
+    """Results with no git record at all (written before results recorded their commit)."""
     out = []
-    for name in sorted({c.result for c in claims}):
+    for name in reported(claims):
         try:
             if git_record(result_data(name)) is None:
                 out.append(name)
@@ -302,12 +314,12 @@ def unrecorded(claims: list[Claim]) -> list[str]:
 
 
 def stale(claims: list[Claim]) -> dict[str, list[str]]:
-    """Cited results whose code or weights changed since they were measured: ``{result: [changed files]}``."""
+    """Results whose code or weights changed since they were measured: ``{result: [changed files]}``."""
     sys.path.insert(0, str(ROOT))
     from minifer.bench.provenance import stale_sources
 
     out: dict[str, list[str]] = {}
-    for name in sorted({c.result for c in claims}):
+    for name in reported(claims):
         try:
             meta = result_data(name).get("metadata", {})
         except FileNotFoundError:
@@ -350,6 +362,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"STALE {name}: {', '.join(changed[:6])}{' ...' if len(changed) > 6 else ''}")
     for name in unrecorded(claims):
         print(f"UNRECORDED {name}: no git record of the commit it was measured at")
+    for name in uncited_dirty(claims):
+        print(f"DIRTY {name}: measured at a modified tree (no claim cites it; a notebook may read it)")
     for name, why in accepted_dirty().items():
         print(f"DIRTY-ACCEPTED {name}: {why}")
     print(f"{len(claims)} claims, {len(problems)} mismatched")
