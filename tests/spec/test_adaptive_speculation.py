@@ -92,6 +92,21 @@ def test_lookups_are_skipped_when_every_sequence_would_need_a_match(spec):
     assert spec.ngram_may_pay(4, require_all=True)  # below 8 sequences lookups always run
 
 
+def test_a_trial_waits_for_a_plain_step_of_its_own_bucket(spec):
+    """Measured against a plain time scaled from another batch size, a trial would read the scaling's error as
+    speedup: the first speculative choice in a bucket without a plain time of its own decodes plainly."""
+    _step(spec, 8, 0.010, 8)  # bucket 4 only
+    spec.spec_choices = 1
+    assert not spec.measured_allows(16)  # bucket 5: no plain step measured there yet
+    _step(spec, 16, 0.012, 16)
+    spec.spec_choices = 1
+    assert spec.measured_allows(16)
+    spec.spec_choices = 1
+    assert spec.measured_allows(24)  # the same bucket: 16's plain time, scaled, is its reference
+    spec.spec_choices = 1
+    assert spec.measured_allows(8)
+
+
 def test_cost_table_medians_follow_every_observation():
     rng = random.Random(0)
     table, seen = CostTable(window=5), {}
@@ -110,7 +125,8 @@ def test_cost_table_medians_follow_every_observation():
 
 
 def test_a_loss_at_a_smaller_batch_holds_off_larger_ones_until_their_retry(spec):
-    _step(spec, 4, 0.010, 4)
+    for b in (2, 4, 16):  # each bucket has a plain reference of its own
+        _step(spec, b, 0.010, b)
     for _ in range(4):  # batch 4 (bucket 3) loses outright
         spec.spec_choices = 1
         spec.measured_allows(4)
