@@ -82,7 +82,6 @@ def main() -> None:
         n_batches = max(1, -(-8 // b))
         batches = [[prompts[(j * b + i) % len(prompts)] for i in range(b)] for j in range(n_batches)]
         times = {m: [] for m in engines}
-        ks = {v: Counter() for v in args.variants}
         before = {v: Counter(engines[v].engine.speculator.stats.k_counts) for v in args.variants}
         identical = True
         for r in range(args.repeats * (4 if b >= 8 else 1)):

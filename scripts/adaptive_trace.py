@@ -7,7 +7,7 @@ taken at 12 or more sequences with the speedup the controller measured for it (`
 Batches of 1, 4, 8 and then 16 sequences, 64 tokens, the steps of a plain and an adaptive engine interleaved
 (``run_interleaved``), as in the speculative benchmark.
 """
-import torch, statistics
+import torch
 from collections import Counter
 torch.set_num_threads(1)
 from minifer.bench.speculative import _engine, DRAFT, story_openings, run_interleaved
@@ -22,7 +22,6 @@ ctl = ad.engine.speculator.adaptive
 orig = ctl.observe_realized
 log = []
 def obs(r):
-    n = len(ctl.realized.get(r.decodes.bit_length(), ()))
     orig(r)
     if r.decodes >= 12 and r.speculated:
         d = ctl.realized.get(r.decodes.bit_length(), ())

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import statistics
+import time
 
 import torch
 
@@ -56,13 +57,12 @@ def main() -> None:
             logs = {m: [] for m in engines}
             for m, llm in engines.items():
                 recorder(llm, logs[m])
-            import time
             stamps = {m: [] for m in engines}
             # time each step: wrap once more around the recorder
             for m, llm in engines.items():
                 inner = llm.engine.step
 
-                def t(inner=inner, m=m):
+                def t(inner=inner, m=m, stamps=stamps):
                     t0 = time.perf_counter()
                     out = inner()
                     stamps[m].append(time.perf_counter() - t0)

@@ -338,7 +338,7 @@ class AdaptiveK:
         measured against a plain time scaled from another batch size, the trial reads the scaling's error as
         speedup. With the draft model, the first speculative steps at 16 sequences against a plain time scaled
         from 8 read 1.17-1.36x, those after a plain step at 16 was measured 1.03-1.05x, and the trial passed the
-        10% margin on the first few (``scripts/adaptive_ab.py``): speculation ran at 16, where it loses."""
+        10% margin on the first few (``scripts/adaptive_trace.py``): speculation ran at 16, where it loses."""
         margin = self.cfg.margin
         bucket = num_decodes.bit_length()
         on = self.realized.get(bucket, ())
