@@ -152,15 +152,16 @@ def time_engines(engines: Mapping[str, "LLM"], prompts: Sequence[Any], batch_siz
 def adaptive_k_table(speculator: Any, batch_sizes: Sequence[int]) -> list[dict[str, Any]]:
     """What the engine's adaptive rule picks for ``b`` decoding sequences, at its current acceptance
     estimate and measured cost tables (``speculator``: the engine's ``AdaptiveK``, ``llm.engine.speculator.adaptive``):
-    ``AdaptiveK.choose_k(b)`` itself, with its periodic probe
-    held off while the table is made (so the rows show the rule, and the engine's probe counter is left as
-    it was). Per row: the chosen k, the predicted speedup over plain decoding of that k and of the largest
+    ``AdaptiveK.choose_k(b)`` itself, with its periodic probe and the measured trials' veto
+    (``measured_allows``) held off while the table is made (so the rows show the rule, and the engine's counters
+    are left as they were). Per row: the chosen k, the predicted speedup over plain decoding of that k and of the largest
     k, and the target's measured time for ``b`` and ``b (k_max + 1)`` tokens."""
     k_max = speculator.cfg.num_speculative_tokens
     alpha = speculator.alpha_estimate()
     saved = speculator.probe_every, speculator.plain_choices, speculator.plain_hold
     speculator.probe_every = 2**62
     speculator.plain_hold = {}  # every row predicted afresh, not a decision held from the engine's last steps
+    speculator.measured_allows = lambda b: True  # an instance attribute over the method, deleted below
     try:
         rows = []
         for b in batch_sizes:
@@ -175,6 +176,7 @@ def adaptive_k_table(speculator: Any, batch_sizes: Sequence[int]) -> list[dict[s
         return rows
     finally:
         speculator.probe_every, speculator.plain_choices, speculator.plain_hold = saved
+        del speculator.measured_allows
 
 
 def plot_adaptive_k(speculator: Any, rows: Sequence[Mapping[str, Any]]) -> "Figure":

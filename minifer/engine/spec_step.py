@@ -60,6 +60,12 @@ def speculative_step(parts: StepParts, spec: Speculator, waiting: Callable[[], i
         return SampleResult([e[0][0] for e in emitted], [e[0][2] for e in emitted], [e[0][1] for e in emitted])
 
     out.sampled = engine_step(replace(parts, execute=execute, sampler=first_tokens))
+    if out.plan is None or out.plan.drafts is None:  # plain decoding: one token each, nothing to append or roll back
+        out.emitted = len(emitted)
+        for seq in out.sampled:
+            if seq.is_finished:
+                spec.release(seq.request_id)
+        return out
     out.emitted = sum(len(tokens) for tokens in emitted)
     for seq, tokens in zip(out.sampled, emitted):
         if seq.is_finished:  # on its first token: engine_step freed its blocks
@@ -70,7 +76,7 @@ def speculative_step(parts: StepParts, spec: Speculator, waiting: Callable[[], i
             seq.append_token(token, logprob, entry, parts.tokenizer)
             if seq.is_finished:
                 break
-        if not seq.is_finished and out.plan.drafts is not None:
+        if not seq.is_finished:
             spec.rollback(seq)  # free the blocks that held rejected drafts
         if len(tokens) > 1:  # the accepted drafts' full blocks join the prefix cache too
             parts.blocks.register_computed(seq.request_id, seq.token_slice(0, seq.num_computed_tokens))

@@ -232,7 +232,7 @@ class Speculator:
         self.k_in_use = 0 if decision.probe else decision.k
         self.stats.k_counts[self.k_in_use] += 1
         self.stats.num_probes += decision.probe
-        return StepRecord(decodes=b, k=self.k_in_use, probe=decision.probe)
+        return StepRecord(decodes=b, k=self.k_in_use, probe=decision.probe, held=decision.held)
 
     def observe(self, step: SpecStep, forward_tokens: int, forward_s: float, pure_decode: bool, emitted: int,
                 seconds: float) -> None:

@@ -92,6 +92,21 @@ def test_lookups_are_skipped_when_every_sequence_would_need_a_match(spec):
     assert spec.ngram_may_pay(4, require_all=True)  # below 8 sequences lookups always run
 
 
+def test_a_trial_waits_for_a_plain_step_of_its_own_bucket(spec):
+    """Measured against a plain time scaled from another batch size, a trial would read the scaling's error as
+    speedup: the first speculative choice in a bucket without a plain time of its own decodes plainly."""
+    _step(spec, 8, 0.010, 8)  # bucket 4 only
+    spec.spec_choices = 1
+    assert not spec.measured_allows(16)  # bucket 5: no plain step measured there yet
+    _step(spec, 16, 0.012, 16)
+    spec.spec_choices = 1
+    assert spec.measured_allows(16)
+    spec.spec_choices = 1
+    assert spec.measured_allows(24)  # the same bucket: 16's plain time, scaled, is its reference
+    spec.spec_choices = 1
+    assert spec.measured_allows(8)
+
+
 def test_cost_table_medians_follow_every_observation():
     rng = random.Random(0)
     table, seen = CostTable(window=5), {}
@@ -110,7 +125,8 @@ def test_cost_table_medians_follow_every_observation():
 
 
 def test_a_loss_at_a_smaller_batch_holds_off_larger_ones_until_their_retry(spec):
-    _step(spec, 4, 0.010, 4)
+    for b in (2, 4, 16):  # each bucket has a plain reference of its own
+        _step(spec, b, 0.010, b)
     for _ in range(4):  # batch 4 (bucket 3) loses outright
         spec.spec_choices = 1
         spec.measured_allows(4)
@@ -166,19 +182,25 @@ def test_ngram_lookups_that_cannot_pay_are_skipped_for_a_few_steps(monkeypatch):
     assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in plain]
 
 
-def test_held_plain_steps_are_measured_in_full(spec):
-    """A held plain step skips the prediction, not the measurement: its timing reaches the cost table, the plain
-    step time and the probe budget."""
+def test_held_plain_steps_are_timed_one_in_light_every(spec):
+    """A held plain step skips the prediction and, except every ``LIGHT_EVERY``-th, the measurement: every one of
+    them adds its time to the probe budget, and one in ``LIGHT_EVERY`` reaches the cost table and the plain step
+    time."""
+    from minifer.engine.adaptive_k import LIGHT_EVERY
+
     _step(spec, 8, 0.010, 8)
     before = len(spec.target_cost.samples[8])
-    spec.plain_hold[8] = 3
-    for _ in range(3):
+    n = 2 * LIGHT_EVERY
+    spec.plain_hold[8] = n
+    for _ in range(n):
         decision = spec.held_step(8)
-        assert decision.k == 0 and not decision.probe
-        _step(spec, 8, 0.020, 8)
+        assert decision.k == 0 and not decision.probe and decision.held
+        spec.observe(StepRecord(decodes=8, held=True, forward_tokens=8, forward_s=0.020, pure_decode=True,
+                                emitted=8, seconds=0.020))
     assert spec.held_step(8) is None  # used up
-    assert spec.decode_s == pytest.approx(0.010 + 3 * 0.020, rel=0.01)
-    assert len(spec.target_cost.samples[8]) == before + 3 and spec.plain_step_s[8] == pytest.approx(0.020)
+    assert spec.decode_s == pytest.approx(0.010 + n * 0.020, rel=0.05)
+    assert len(spec.target_cost.samples[8]) == before + 2
+    assert spec.plain_step_s[8] == pytest.approx(0.020)  # the median of 0.010 and the two timed held steps
 
 
 def test_the_probe_budget_is_a_sliding_window(spec):

@@ -47,6 +47,7 @@ def test_the_heads_cost_decides_at_batch_1(llm, head_cost, speculates):
     draft cannot pay at alpha 0.7 (1.7 tokens for two forwards' time at k = 1), so the same table says plain."""
     ctl = llm.engine.speculator.adaptive
     _inject(ctl, head_cost)
+    ctl.plain_step_s[1] = ctl.target_cost(1)  # batch 1's plain reference, which a trial waits for (measured_allows)
     k, probe = ctl.choose_k(1)
     assert (k > 0 and not probe) == speculates
 

@@ -211,6 +211,7 @@ def test_adaptive_turns_speculation_off_when_verification_is_not_cheap():
     for n in (1, 2, 4, 8, 16, 32, 64, 128, 256, 512):
         spec.target_cost.observe(n, 0.010 if n <= 8 else 0.010 * n / 8)  # flat up to 8 tokens, then linear
         spec.draft_cost.observe(n, 0.001 if n <= 8 else 0.001 * n / 8)
+    spec.plain_step_s[1] = 0.010  # batch 1's plain reference, which a trial waits for (measured_allows)
     assert spec.choose_k(1) == (spec.choose_k(1)[0], False) and spec.choose_k(1)[0] >= 3  # batch 1: speculate deeply
     spec.plain_choices = 0
     choices = [spec.choose_k(64) for _ in range(64)]  # loaded: plain decoding, with a rare one-sequence probe
