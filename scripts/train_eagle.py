@@ -33,8 +33,8 @@ Usage::
     python scripts/train_eagle.py --out minifer/assets/models/tinystories-target-eagle   # the shipped head (~13 min: --threads 1 on one core of 2 busy shared cores, ~2 the features, ~11 the 2000 steps)
     python scripts/train_eagle.py --smoke --out /tmp/eagle                                 # seconds
 
-``--eagle3`` (or ``--aux-layers 2,6,9``) trains EAGLE-3's fused head (``minifer/assets/models/tinystories-target-eagle3``,
-``speculative_config`` method ``"eagle3"``) with the same recipe: its first pass reads the inputs of the named target
+``--eagle3`` (or ``--aux-layers 2,6,9``) trains EAGLE-3's fused head (``tinystories-target-eagle3``, ``speculative_config``
+method ``"eagle3"``) with the same recipe: its first pass reads the inputs of the named target
 layers, concatenated, through the head's ``combine`` map instead of the last hidden state (the feature noise scaled
 to each layer's spread); the losses and the agreement are the same, on the target's last hidden state::
 

@@ -248,7 +248,8 @@ def run(smoke: bool = False, rounds: int = 2, device: str | None = None,
             for m in METHODS}
     result["best_k_batch1"] = best
     result["larger_batches"] = [at_batch(b, story_openings(max(8, b)), {m: [best[m]] for m in METHODS}, max_tokens,
-                                         rounds, device, {m: best[m] for m in EAGLES}) for b in ([2] if smoke else batches)]
+                                         rounds, device, {m: best[m] for m in EAGLES})
+                                for b in ([2] if smoke else batches)]
     result["targets"] = targets(b1, result["larger_batches"])
     result["targets_eagle3"] = targets(b1, result["larger_batches"], "eagle3")
     result["head_profile"] = head_profile(build("eagle", 4, 1, device, None), reps=20 if smoke else 200)
@@ -260,7 +261,10 @@ def run(smoke: bool = False, rounds: int = 2, device: str | None = None,
 def fusion(b1: dict[str, Any], plain_head: dict[str, Any], fused_head: dict[str, Any]) -> dict[str, Any]:
     """Does EAGLE-3's fusion pay on this model: the fused head against the last-layer one at each fixed k of the
     same interleaved run (alpha, tokens per forward, cost per forward, speedup over plain), and per drafting forward
-    (the profile's whole forward against the target's). ``speedup_ratio`` > 1: the fused head was faster."""
+    (the profile's whole forward against the target's). ``speedup_ratio`` > 1: the fused head was faster. ``verdict``
+    reads the per-round ratio of the two heads' best-k times (the same rounds, the same plain engine) against its
+    distribution-free interval: ``"pays"`` only when the whole interval is above 1, ``"costs"`` when below, else
+    ``"no resolvable difference"`` (at the interval's coverage, which two rounds keep at 0.5)."""
     rows = {r["engine"]: r for r in b1["rows"]}
     per_k = []
     for name, e3 in rows.items():
@@ -271,9 +275,12 @@ def fusion(b1: dict[str, Any], plain_head: dict[str, Any], fused_head: dict[str,
                           "speedup_ratio": e3["speedup"] / e["speedup"]})
     best = {m: max((r for r in b1["rows"] if r["engine"].startswith(f"{m}_k")), key=lambda r: r["speedup"])
             for m in EAGLES}
+    ratios = [f / p for f, p in zip(best["eagle3"]["round_speedups"], best["eagle"]["round_speedups"])]
+    ci = median_ci(ratios)
     return {"per_k": per_k, "best_speedup": {m: r["speedup"] for m, r in best.items()},
             "best_k": {m: r["k"] for m, r in best.items()},
-            "pays": best["eagle3"]["speedup"] > best["eagle"]["speedup"],
+            "best_ratio": statistics.median(ratios), "best_ratio_ci": ci,
+            "verdict": "pays" if ci[0] > 1 else "costs" if ci[1] < 1 else "no resolvable difference",
             "whole_forward_vs_target": {"eagle": plain_head["vs_target_forward"]["whole_forward"],
                                         "eagle3": fused_head["vs_target_forward"]["whole_forward"],
                                         "eagle3_combine": fused_head["vs_target_forward"]["combine"]}}

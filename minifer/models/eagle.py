@@ -209,8 +209,9 @@ def load_eagle_head(path: str | Path, target: LlamaForCausalLM, dtype: torch.dty
         raise ValueError(f"the head drafts over a {cfg['vocab_size']}-token vocabulary but the target's has {vocab}")
     width, aux = cfg.get("intermediate_size"), cfg.get(AUX_KEY)
     if fused is not None and fused != (aux is not None):
-        raise ValueError(f"{path} is an {'EAGLE-3 head fusing target layers ' + str(aux) if aux else 'EAGLE head reading the last hidden state'}: "
-                         f"load it with speculative_config method {'eagle3' if aux else 'eagle'!r}")
+        kind = f"EAGLE-3 head fusing target layers {aux}" if aux else "EAGLE head reading the last hidden state"
+        raise ValueError(f"{path} is an {kind}: load it with speculative_config method "
+                         f"{'eagle3' if aux else 'eagle'!r}")
     if "d2t" in state:
         d2t = state["d2t"].long()
         head = EagleHead(target, max_positions, d2t + torch.arange(len(d2t)), width, aux)
