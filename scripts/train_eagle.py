@@ -33,6 +33,13 @@ Usage::
     python scripts/train_eagle.py --out minifer/assets/models/tinystories-target-eagle   # the shipped head (~13 min: --threads 1 on one core of 2 busy shared cores, ~2 the features, ~11 the 2000 steps)
     python scripts/train_eagle.py --smoke --out /tmp/eagle                                 # seconds
 
+``--eagle3`` (or ``--aux-layers 2,6,9``) trains EAGLE-3's fused head (``tinystories-target-eagle3``, ``speculative_config``
+method ``"eagle3"``) with the same recipe: its first pass reads the inputs of the named target
+layers, concatenated, through the head's ``combine`` map instead of the last hidden state (the feature noise scaled
+to each layer's spread); the losses and the agreement are the same, on the target's last hidden state::
+
+    python scripts/train_eagle.py --eagle3 --threads 1 --out minifer/assets/models/tinystories-target-eagle3
+
 ``--features FILE`` keeps the target's features (and its greedy-token counts) in FILE and reads them back on a
 rerun: they depend only on the target and the windows, so a recipe change (the head's shape, its steps) need not
 recompute them. The shipped head's run read them from the file an earlier run of the same windows wrote.
@@ -56,7 +63,7 @@ from train_pair import DATA, encode_stream, fixed_windows, hardware, read_storie
 
 from minifer.layers.attention import causal_backend
 from minifer.loader import build_model, load_tokenizer, resolve_model
-from minifer.models.eagle import EagleHead
+from minifer.models.eagle import EagleHead, eagle3_aux_layers
 
 
 @dataclass
@@ -75,6 +82,7 @@ class Recipe:
     feature_noise: float = 0.1  # uniform noise on the real input features (EAGLE-1's augmentation), x feature std
     reg_weight: float = 1.0
     seed: int = 0
+    aux_layers: tuple[int, ...] | None = None  # EAGLE-3's fusion: the target layers whose inputs the head reads
 
 
 class TTTAttention:
@@ -114,10 +122,14 @@ class TTTAttention:
 
 
 @torch.inference_mode()
-def target_features(target, windows: torch.Tensor, bs: int, log) -> tuple[torch.Tensor, torch.Tensor]:
-    """The target's post-norm last hidden state at every position of every window, ``[W, T+1, H]`` (bf16), and how
-    often the target's greedy token is each vocabulary id over them ``[V]`` (what the draft vocabulary ranks)."""
+def target_features(target, windows: torch.Tensor, bs: int, log) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The target's post-norm last hidden state at every position of every window, ``[W, T+1, H]`` (bf16), how
+    often the target's greedy token is each vocabulary id over them ``[V]`` (what the draft vocabulary ranks), and
+    the inputs of the layers ``target.model.aux_hidden_state_layers`` names, concatenated ``[W, T+1, A*H]`` (empty
+    when it names none)."""
+    layers = target.model.aux_hidden_state_layers
     out = torch.empty(windows.shape[0], windows.shape[1], target.config.hidden_size, dtype=torch.bfloat16)
+    aux = torch.empty(windows.shape[0], windows.shape[1], len(layers) * target.config.hidden_size, dtype=torch.bfloat16)
     counts = torch.zeros(target.lm_head.weight.shape[0], dtype=torch.long)
     t0 = time.time()
     for i in range(0, len(windows), bs):
@@ -126,9 +138,11 @@ def target_features(target, windows: torch.Tensor, bs: int, log) -> tuple[torch.
         hidden = target(w.reshape(-1), positions, cache)
         counts += torch.bincount(target.lm_head(hidden).argmax(-1), minlength=len(counts))
         out[i : i + bs] = hidden.view(w.shape[0], w.shape[1], -1).to(torch.bfloat16)
+        if layers:
+            aux[i : i + bs] = torch.cat(target.model.aux_hidden_states, -1).view(w.shape[0], w.shape[1], -1)
         if (i // bs) % 20 == 0:
             log(f"features {i + len(w)}/{len(windows)} windows ({time.time() - t0:.0f}s)")
-    return out, counts
+    return out, counts, aux
 
 
 def draft_vocabulary(counts: torch.Tensor, size: int) -> torch.Tensor:
@@ -140,19 +154,23 @@ def draft_vocabulary(counts: torch.Tensor, size: int) -> torch.Tensor:
 
 
 def run_passes(head: EagleHead, tokens: torch.Tensor, feats: torch.Tensor, passes: int, noise: float,
-               gen: torch.Generator | None):
+               gen: torch.Generator | None, aux: torch.Tensor | None = None):
     """All passes over a batch of windows. ``tokens`` ``[B, T+1]``, ``feats`` ``[B, T+1, H]`` (float). Yields, per
     pass ``s``, the head's predicted features ``[B, T-1, H]`` at positions ``0..T-2`` (predicting ``f[1..T-1]``) and
-    the mask of rows that are real draft steps (position ``p >= s - 1``)."""
+    the mask of rows that are real draft steps (position ``p >= s - 1``). A fused head's first pass reads ``aux``
+    ``[B, T+1, A*H]`` (the target layers it fuses) through ``combine_hidden_states``; the noise is scaled to each
+    layer's spread, since the residual stream grows with depth."""
     b, t1, h = feats.shape
     t = t1 - 1  # positions 0..T-1 hold (f_p, x_{p+1}); the last has no target to compare with, so T - 1 used
     n = t - 1
     attn = TTTAttention(n, feats.device)
     positions = torch.arange(n, device=feats.device).repeat(b)
     ids = tokens[:, 1 : n + 1].reshape(-1)
-    inp = feats[:, :n]
+    inp = feats[:, :n] if aux is None else aux[:, :n]
     if noise and gen is not None:
-        inp = inp + (torch.rand(inp.shape, generator=gen) - 0.5) * 2 * noise * feats.std()
+        spread = feats.std() if aux is None else aux.unflatten(-1, (-1, h)).std(dim=(0, 1, 3)).repeat_interleave(h)
+        inp = inp + (torch.rand(inp.shape, generator=gen) - 0.5) * 2 * noise * spread
+    inp = head.combine_hidden_states(inp)
     for s in range(1, passes + 1):
         attn.begin_pass(s)
         out = head(inp.reshape(-1, h), ids, positions, attn).view(b, n, h)
@@ -185,19 +203,42 @@ def pass_losses(head: EagleHead, target_lm_head, out: torch.Tensor, feats: torch
 
 @torch.no_grad()
 def heldout_agreement(head: EagleHead, target_lm_head, tokens: torch.Tensor, feats: torch.Tensor,
-                      passes: int) -> list[float]:
+                      passes: int, aux: torch.Tensor | None = None) -> list[float]:
     head.eval()
     hits = [0.0] * passes
     count = [0] * passes
     for i in range(0, len(tokens), 8):
         f = feats[i : i + 8].float()
-        for s, (out, valid) in enumerate(run_passes(head, tokens[i : i + 8], f, passes, 0.0, None)):
+        a = None if aux is None else aux[i : i + 8].float()
+        for s, (out, valid) in enumerate(run_passes(head, tokens[i : i + 8], f, passes, 0.0, None, a)):
             _, _, agree = pass_losses(head, target_lm_head, out, f, valid, 0.0)
             rows = int(valid.sum()) * len(f)
             hits[s] += float(agree) * rows
             count[s] += rows
     head.train()
     return [h / c for h, c in zip(hits, count)]
+
+
+def all_features(target, train_w: torch.Tensor, held_w: torch.Tensor, aux_layers: tuple[int, ...] | None,
+                 cache: Path | None, log) -> tuple:
+    """The target's features of the train and held-out windows (``target_features``; the layers ``aux_layers``
+    names too, else None), read from ``cache`` when it holds them, written there when it does not."""
+    if cache is not None and cache.is_file():
+        train_f, counts, held_f, held_counts, *auxes = torch.load(cache)
+        train_a, held_a = auxes if auxes else (None, None)
+        width = 0 if train_a is None else train_a.shape[-1]
+        if width != len(aux_layers or ()) * train_f.shape[-1]:
+            raise ValueError(f"{cache} holds other target layers than --aux-layers asks for: recompute them")
+        log(f"features read from {cache}")
+        return train_f, counts, held_f, held_counts, train_a, held_a
+    target.model.aux_hidden_state_layers = aux_layers or ()
+    train_f, counts, train_a = target_features(target, train_w, 16, log)
+    held_f, held_counts, held_a = target_features(target, held_w, 16, log)
+    if aux_layers is None:
+        train_a = held_a = None
+    if cache is not None:
+        torch.save((train_f, counts, held_f, held_counts, train_a, held_a), cache)
+    return train_f, counts, held_f, held_counts, train_a, held_a
 
 
 def lr_at(step: int, r: Recipe) -> float:
@@ -216,13 +257,17 @@ def main() -> None:
     ap.add_argument("--passes", type=int)
     ap.add_argument("--draft-vocab-size", type=int, help="target tokens the head can propose (EAGLE-3's draft_vocab_size)")
     ap.add_argument("--intermediate-size", type=int, help="the head's MLP width")
+    ap.add_argument("--aux-layers", type=lambda v: tuple(int(i) for i in v.split(",")), metavar="I,J,K",
+                    help="EAGLE-3's fusion: the target layers whose inputs the head reads (e.g. 2,6,9); "
+                         "without it the head reads the last hidden state")
+    ap.add_argument("--eagle3", action="store_true", help="--aux-layers EAGLE-3's default low, middle and high layers")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--features", type=Path, help="cache the target's features here (a rerun reads them back)")
     args = ap.parse_args()
     r = Recipe()
     if args.smoke:
         r = Recipe(seq_len=64, train_windows=16, heldout_windows=4, batch_size=4, steps=4, warmup=1)
-    for name in ("steps", "train_windows", "passes", "draft_vocab_size", "intermediate_size"):
+    for name in ("steps", "train_windows", "passes", "draft_vocab_size", "intermediate_size", "aux_layers"):
         if getattr(args, name) is not None:
             setattr(r, name, getattr(args, name))
     torch.set_num_threads(args.threads)
@@ -240,6 +285,8 @@ def main() -> None:
 
     path = resolve_model(args.target)
     target = build_model(path, load_format="auto", dtype=torch.float32, device=torch.device("cpu"))
+    if args.eagle3:
+        r.aux_layers = r.aux_layers or eagle3_aux_layers(target.config.num_hidden_layers)
     for p in target.parameters():
         p.requires_grad_(False)
     tok = load_tokenizer(path)
@@ -248,14 +295,8 @@ def main() -> None:
     train_w = fixed_windows(train_stream, r.seq_len, r.train_windows)
     held_w = fixed_windows(held_stream, r.seq_len, r.heldout_windows)
     log(f"recipe {asdict(r)}; {len(train_w)} train windows, {len(held_w)} held-out windows")
-    if args.features is not None and args.features.is_file():
-        train_f, counts, held_f, held_counts = torch.load(args.features)
-        log(f"features read from {args.features}")
-    else:
-        train_f, counts = target_features(target, train_w, 16, log)
-        held_f, held_counts = target_features(target, held_w, 16, log)
-        if args.features is not None:
-            torch.save((train_f, counts, held_f, held_counts), args.features)
+    train_f, counts, held_f, held_counts, train_a, held_a = all_features(target, train_w, held_w, r.aux_layers,
+                                                                         args.features, log)
     t_features = time.time() - t_start
     vocab = draft_vocabulary(counts, r.draft_vocab_size)
     coverage = {"train": float(counts[vocab].sum() / counts.sum()), "heldout": float(held_counts[vocab].sum() /
@@ -263,19 +304,21 @@ def main() -> None:
     log(f"draft vocabulary: {len(vocab)} of {len(counts)} target ids, holding this share of the target's greedy "
         f"tokens: {coverage}")
 
-    head = EagleHead(target, max_positions=r.seq_len + 1, draft_vocab=vocab, intermediate_size=r.intermediate_size)
+    head = EagleHead(target, max_positions=r.seq_len + 1, draft_vocab=vocab, intermediate_size=r.intermediate_size,
+                     aux_layers=r.aux_layers)
     lm_head = target.lm_head
     opt = torch.optim.AdamW(head.parameters(), lr=r.lr, weight_decay=r.weight_decay, betas=(0.9, 0.95))
     gen = torch.Generator().manual_seed(r.seed)
     log(f"head: {sum(p.numel() for p in head.parameters())} trained parameters; "
-        f"held-out agreement before training {heldout_agreement(head, lm_head, held_w, held_f, r.passes)}")
+        f"held-out agreement before training {heldout_agreement(head, lm_head, held_w, held_f, r.passes, held_a)}")
     for step in range(r.steps):
         idx = torch.randint(0, len(train_w), (r.batch_size,), generator=gen)
         tokens, feats = train_w[idx], train_f[idx].float()
+        aux = None if train_a is None else train_a[idx].float()
         for g in opt.param_groups:
             g["lr"] = lr_at(step, r)
         total, parts = 0.0, []
-        for out_s, valid in run_passes(head, tokens, feats, r.passes, r.feature_noise, gen):
+        for out_s, valid in run_passes(head, tokens, feats, r.passes, r.feature_noise, gen, aux):
             loss, ce, agree = pass_losses(head, lm_head, out_s, feats, valid, r.reg_weight)
             total = total + loss
             parts.append(f"{float(ce.detach()):.3f}/{float(agree):.2f}")
@@ -286,7 +329,7 @@ def main() -> None:
         if step % 25 == 0 or step == r.steps - 1:
             log(f"step {step} lr {lr_at(step, r):.2e} loss {float(total.detach()) / r.passes:.3f} "
                 f"ce/agree per pass {' '.join(parts)}")
-    agreement = heldout_agreement(head, lm_head, held_w, held_f, r.passes)
+    agreement = heldout_agreement(head, lm_head, held_w, held_f, r.passes, held_a)
     log(f"held-out top-1 agreement with the target per draft position: {[round(a, 4) for a in agreement]}")
     report = {
         "target": args.target,

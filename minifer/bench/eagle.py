@@ -8,10 +8,13 @@ the same greedy requests, their engine steps interleaved in a random order (``sp
 the machine's drift lands on all of them alike). Per engine: alpha and tokens per target forward beside
 Leviathan's formula at that alpha, the speedup over plain (median over rounds of the per-round ratio, with its
 distribution-free interval), and the drafter's cost: its mean forward time against the plain engine's mean
-target forward (one decode token), both timed in the same run; EAGLE with adaptive k (up to the largest k) runs
-beside them. Then, at batches 4, 16 and 64 (``--batches``), the best k of each method and EAGLE with adaptive k.
-``targets`` reads the issue's table off the numbers. ``head_profile`` says where a drafting forward's time goes:
-the weights each part reads per token against the target's, and each part timed against the target's forward.
+target forward (one decode token), both timed in the same run; each EAGLE head with adaptive k (up to the largest
+k) runs beside them. Then, at batches 4, 16 and 64 (``--batches``), the best k of each method and each EAGLE head
+with adaptive k. Two EAGLE heads: ``"eagle"`` reads the target's last hidden state, ``"eagle3"`` fuses the inputs
+of its layers 2, 6 and 9 (EAGLE-3's low, middle and high features); ``fusion`` says whether the fusion pays here.
+``targets`` (``targets_eagle3``) reads the issue's table off the numbers. ``head_profile`` (``head_profile_eagle3``)
+says where a drafting forward's time goes: the weights each part reads per token against the target's, and each
+part timed against the target's forward.
 
 The workload is story openings from the held-out split (the draft model's home ground); the bundled n-gram
 proposer gets the same prompts (it thrives on input-grounded text, which ``minifer.bench.speculative`` measures).
@@ -38,8 +41,10 @@ from minifer.sampling import SamplingParams
 from minifer.spec.theory import expected_tokens_per_forward
 
 METHODS = {"eagle": {"method": "eagle", "model": "tinystories-target-eagle"},
+           "eagle3": {"method": "eagle3", "model": "tinystories-target-eagle3"},
            "draft_model": {"method": "draft_model", "model": "tinystories-draft"},
            "ngram": {"method": "ngram", "prompt_lookup_max": 4, "prompt_lookup_min": 1}}
+EAGLES = ("eagle", "eagle3")  # the methods whose heads read the target's features: adaptive k and a profile each
 
 
 class ForwardClock:
@@ -113,15 +118,17 @@ def engine_row(name: str, llm, times: dict[str, list[float]], target_forward_s: 
 
 
 def at_batch(batch: int, prompts: list[str], ks: dict[str, list[int]], max_tokens: int, rounds: int,
-             device: str | None, adaptive_eagle_k: int | None, min_requests: int = 8) -> dict[str, Any]:
+             device: str | None, adaptive_ks: dict[str, int], min_requests: int = 8) -> dict[str, Any]:
+    """Plain decoding, each method at each of its ``ks`` and each EAGLE method with adaptive k up to
+    ``adaptive_ks[method]``, interleaved at one batch size."""
     plain = _engine("tinystories-target", None, batch, device)
     clock = ForwardClock(plain.engine.runner)
     engines: dict[str, Any] = {"plain": plain}
     for method, method_ks in ks.items():
         for k in method_ks:
             engines[f"{method}_k{k}"] = build(method, k, batch, device, plain)
-    if adaptive_eagle_k:
-        engines["eagle_adaptive"] = build("eagle", adaptive_eagle_k, batch, device, plain, adaptive=True)
+    for method, k in adaptive_ks.items():
+        engines[f"{method}_adaptive"] = build(method, k, batch, device, plain, adaptive=True)
     for llm in engines.values():  # warm-up
         llm.generate(prompts[:1], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True), use_tqdm=False)
     clock.n, clock.seconds = 0, 0.0
@@ -155,6 +162,8 @@ def head_profile(llm, context: int = 128, reps: int = 200) -> dict[str, Any]:
     cfg, dtype, dev = head.config, head.fc.weight.dtype, head.fc.weight.device
     weights = {"fc": _weights(head.fc), "attention": _weights(head.layer.self_attn), "mlp": _weights(head.layer.mlp),
                "lm_head": _weights(head.lm_head)}
+    if head.combine is not None:  # EAGLE-3's fusion: read once per real feature (the catch-up), not per self-fed step
+        weights["combine"] = _weights(head.combine)
     table = list(range(-(-context // 16)))
     caches = [PagedKVCache(n, len(table) + 1, 16, cfg.num_key_value_heads, cfg.head_dim, dtype, dev)
               for n in (1, target.config.num_hidden_layers)]
@@ -180,6 +189,9 @@ def head_profile(llm, context: int = 128, reps: int = 200) -> dict[str, Any]:
              "rotary": lambda: head.rotary(pos, dtype), "decoder_layer": lambda: head.layer(x, cos, sin, hc),
              "final_norm": lambda: head.norm(x), "lm_head_to_target_vocab": lambda: head.logits(x),
              "whole_forward": lambda: head.logits(head(x, ids, pos, hc))}
+    if head.combine is not None:
+        fused = torch.randn(1, head.feature_size, dtype=dtype, device=dev)
+        parts["combine"] = lambda: head.combine_hidden_states(fused)
     seconds: dict[str, list[float]] = {k: [] for k in parts}
     for _ in range(reps):
         for k, fn in parts.items():
@@ -196,11 +208,11 @@ def head_profile(llm, context: int = 128, reps: int = 200) -> dict[str, Any]:
             "seconds": med, "vs_target_forward": {k: v / t for k, v in med.items() if k != "target_forward"}}
 
 
-def targets(b1: dict[str, Any], larger: list[dict[str, Any]] | None = None) -> dict[str, Any]:
-    """The issue's table, EAGLE's row: measured value, target, met, and by how much. Adaptive k "never loses" is
-    read against the measurement's resolution: the lowest upper end of adaptive EAGLE's intervals over the batches
-    must reach 1.0 (no batch measurably slower than plain decoding)."""
-    eagle = [r for r in b1["rows"] if r["engine"].startswith("eagle_k")]
+def targets(b1: dict[str, Any], larger: list[dict[str, Any]] | None = None, method: str = "eagle") -> dict[str, Any]:
+    """The issue's table, ``method``'s row (``"eagle"`` or ``"eagle3"``): measured value, target, met, and by how
+    much. Adaptive k "never loses" is read against the measurement's resolution: the lowest upper end of the adaptive
+    engine's intervals over the batches must reach 1.0 (no batch measurably slower than plain decoding)."""
+    eagle = [r for r in b1["rows"] if r["engine"].startswith(f"{method}_k")]
     best = max(eagle, key=lambda r: r["speedup"])
     k4 = next((r for r in eagle if r["k"] == 4), None)
     out = {"wall_speedup_batch1_best_k": {"value": best["speedup"], "k": best["k"], "ci": best["ci"], "target": 2.0}}
@@ -208,7 +220,8 @@ def targets(b1: dict[str, Any], larger: list[dict[str, Any]] | None = None) -> d
         out["tokens_per_forward_k4"] = {"value": k4["tokens_per_forward"], "target": 3.5}
         out["drafter_cost_per_forward"] = {"value": k4["drafter_cost_vs_target_forward"], "target": 0.08,
                                            "lower_is_better": True}
-    adaptive = [(b["batch"], r) for b in [b1, *(larger or [])] for r in b["rows"] if r["engine"] == "eagle_adaptive"]
+    adaptive = [(b["batch"], r) for b in [b1, *(larger or [])] for r in b["rows"]
+                if r["engine"] == f"{method}_adaptive"]
     if adaptive:
         batch, worst = min(adaptive, key=lambda br: br[1]["ci"][1])
         out["adaptive_ci_high_min"] = {"value": worst["ci"][1], "batch": batch, "speedup": worst["speedup"],
@@ -229,16 +242,48 @@ def run(smoke: bool = False, rounds: int = 2, device: str | None = None,
     result: dict[str, Any] = {"kind": "eagle", "metadata": metadata(module="minifer.bench.eagle"),
                               "config": {"torch_threads": torch.get_num_threads(), "smoke": smoke,
                                          "prompts": len(prompts), "max_tokens": max_tokens, "methods": METHODS}}
-    b1 = at_batch(1, prompts, {m: ks for m in METHODS}, max_tokens, rounds, device, max(ks))
+    b1 = at_batch(1, prompts, {m: ks for m in METHODS}, max_tokens, rounds, device, dict.fromkeys(EAGLES, max(ks)))
     result["batch1"] = b1
     best = {m: max((r for r in b1["rows"] if r["engine"].startswith(m + "_k")), key=lambda r: r["speedup"])["k"]
             for m in METHODS}
     result["best_k_batch1"] = best
     result["larger_batches"] = [at_batch(b, story_openings(max(8, b)), {m: [best[m]] for m in METHODS}, max_tokens,
-                                         rounds, device, best["eagle"]) for b in ([2] if smoke else batches)]
+                                         rounds, device, {m: best[m] for m in EAGLES})
+                                for b in ([2] if smoke else batches)]
     result["targets"] = targets(b1, result["larger_batches"])
+    result["targets_eagle3"] = targets(b1, result["larger_batches"], "eagle3")
     result["head_profile"] = head_profile(build("eagle", 4, 1, device, None), reps=20 if smoke else 200)
+    result["head_profile_eagle3"] = head_profile(build("eagle3", 4, 1, device, None), reps=20 if smoke else 200)
+    result["fusion"] = fusion(b1, result["head_profile"], result["head_profile_eagle3"])
     return result
+
+
+def fusion(b1: dict[str, Any], plain_head: dict[str, Any], fused_head: dict[str, Any]) -> dict[str, Any]:
+    """Does EAGLE-3's fusion pay on this model: the fused head against the last-layer one at each fixed k of the
+    same interleaved run (alpha, tokens per forward, cost per forward, speedup over plain), and per drafting forward
+    (the profile's whole forward against the target's). ``speedup_ratio`` > 1: the fused head was faster. ``verdict``
+    reads the per-round ratio of the two heads' best-k times (the same rounds, the same plain engine) against its
+    distribution-free interval: ``"pays"`` only when the whole interval is above 1, ``"costs"`` when below, else
+    ``"no resolvable difference"`` (at the interval's coverage, which two rounds keep at 0.5)."""
+    rows = {r["engine"]: r for r in b1["rows"]}
+    per_k = []
+    for name, e3 in rows.items():
+        if name.startswith("eagle3_k") and (e := rows.get("eagle_k" + name.removeprefix("eagle3_k"))):
+            per_k.append({"k": e3["k"], **{f"{key}_{tag}": r[key] for key in ("alpha", "tokens_per_forward", "speedup",
+                                                                                "drafter_cost_vs_target_forward")
+                                           for tag, r in (("eagle", e), ("eagle3", e3))},
+                          "speedup_ratio": e3["speedup"] / e["speedup"]})
+    best = {m: max((r for r in b1["rows"] if r["engine"].startswith(f"{m}_k")), key=lambda r: r["speedup"])
+            for m in EAGLES}
+    ratios = [f / p for f, p in zip(best["eagle3"]["round_speedups"], best["eagle"]["round_speedups"])]
+    ci = median_ci(ratios)
+    return {"per_k": per_k, "best_speedup": {m: r["speedup"] for m, r in best.items()},
+            "best_k": {m: r["k"] for m, r in best.items()},
+            "best_ratio": statistics.median(ratios), "best_ratio_ci": ci,
+            "verdict": "pays" if ci[0] > 1 else "costs" if ci[1] < 1 else "no resolvable difference",
+            "whole_forward_vs_target": {"eagle": plain_head["vs_target_forward"]["whole_forward"],
+                                        "eagle3": fused_head["vs_target_forward"]["whole_forward"],
+                                        "eagle3_combine": fused_head["vs_target_forward"]["combine"]}}
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -267,7 +312,10 @@ def main(argv: list[str] | None = None) -> None:
         for row in b["rows"]:
             print(f"b{b['batch']} {row['engine']:>14}: speedup {row['speedup']:.2f}x ci {row['ci'][:2]}")
     print(result["targets"])
+    print(result["targets_eagle3"])
     print({k: round(v, 4) for k, v in result["head_profile"]["vs_target_forward"].items()})
+    print({k: round(v, 4) for k, v in result["head_profile_eagle3"]["vs_target_forward"].items()})
+    print({k: v for k, v in result["fusion"].items() if k != "per_k"})
 
 
 if __name__ == "__main__":

@@ -1,5 +1,5 @@
-"""The EAGLE proposer (vLLM's ``"method": "eagle"``): the draft head of ``minifer/models/eagle.py`` run inside the
-engine, over its own one-layer paged KV cache.
+"""The EAGLE proposer (vLLM's ``"method": "eagle"`` and ``"eagle3"``): the draft head of ``minifer/models/eagle.py``
+run inside the engine, over its own one-layer paged KV cache.
 
 Where its inputs come from: the head at position ``t`` reads the target's last hidden state ``f_t`` and the
 token ``x_{t+1}``. The target computes ``f_t`` in the forward the engine runs anyway (prefill chunks, plain
@@ -14,6 +14,11 @@ draft. Draft step ``j`` then reads the head's own predicted feature and the draf
 ``n - 2 + j``. Those entries rest on guesses, so the head's cache is cut back to position ``n - 2`` after every
 proposal; the next proposal re-reads the positions the verification accepted, now with the target's real
 features (one catch-up chunk per sequence, batched with the others).
+
+An EAGLE-3 head (vLLM's ``"method": "eagle3"``, ``split_eagle3``) reads the inputs of the target layers it names
+instead of ``f_t``: the proposer asks the target's model for them (``aux_hidden_state_layers``), keeps them as it
+keeps ``f_t``, and fuses them (``combine_hidden_states``) inside the timed catch-up forward, so the fusion is part of
+the head's price.
 
 A request whose first positions came from the prefix cache has no target features for them: its head cache
 starts at the first position with features (``base``), and attends only from there. Less context, still lossless:
@@ -48,6 +53,20 @@ if TYPE_CHECKING:
 EagleForward = Callable[..., torch.Tensor]
 
 
+def split_eagle3(speculative_config: dict | None) -> tuple[dict | None, bool | None]:
+    """vLLM's ``"method": "eagle3"`` (a head fusing low, middle and high target layers) runs on the same proposer as
+    ``"eagle"``: it becomes ``"eagle"`` for the engine, and the second value says which kind of head the method
+    asks for (True: EAGLE-3, False: EAGLE, None: not an EAGLE method), which ``load_eagle_head`` enforces."""
+    if not isinstance(speculative_config, dict) or speculative_config.get("method") not in ("eagle", "eagle3"):
+        return speculative_config, None
+    if speculative_config["method"] == "eagle":
+        return speculative_config, False
+    if speculative_config.get("model") is None:
+        raise ValueError("method 'eagle3' needs speculative_config['model'] (the fused head, e.g. "
+                         "'tinystories-target-eagle3')")
+    return {**speculative_config, "method": "eagle"}, True
+
+
 class EagleProposer:
     """``feats[rid]``: ``(p0, [m, H])``, the target's features of positions ``p0 ...`` not yet read by the head;
     ``base[rid]``: the first position of the head's cache; ``computed[rid]``: positions ``base .. computed - 1`` of
@@ -69,6 +88,14 @@ class EagleProposer:
         self.feats: dict[object, tuple[int, torch.Tensor]] = {}
         self.base: dict[object, int] = {}
         self.computed: dict[object, int] = {}
+        self.target = target_runner.model.model if head.aux_layers else None  # where an EAGLE-3 head's layers ride
+        if self.target is not None:
+            if not hasattr(self.target, "aux_hidden_state_layers"):
+                raise ValueError(f"the target ({type(self.target).__name__}) cannot expose the layers an EAGLE-3 head "
+                                 "reads (aux_hidden_state_layers)")
+            # the union: engines that share the target's weights may read other layers (the list is in layer order)
+            self.target.aux_hidden_state_layers = tuple(sorted({*self.target.aux_hidden_state_layers,
+                                                                *head.aux_layers}))
         target_runner.hidden_observers.append(self.observe)
 
     # --- the target's features ----------------------------------------------------------------------------
@@ -77,7 +104,10 @@ class EagleProposer:
                 hidden: torch.Tensor) -> None:
         """A target forward ran: keep each chunk's features. A chunk starting at ``start`` overwrites what was kept
         from ``start`` on (the features of rejected drafts); a chunk that does not continue what is kept (the
-        request was preempted and recomputed) starts afresh."""
+        request was preempted and recomputed) starts afresh. An EAGLE-3 head keeps the concatenated layers it fuses
+        (``[N, 3 * H]``) instead of the last hidden state."""
+        if self.target is not None:
+            hidden = self._aux_features(len(hidden))
         at = 0
         for rid, start, chunk in zip(request_ids, starts, tokens):
             rows = hidden[at : at + len(chunk)]
@@ -90,6 +120,16 @@ class EagleProposer:
             else:
                 p0, f = kept
                 self.feats[rid] = (p0, torch.cat([f[: start - p0], rows]))
+
+    def _aux_features(self, rows: int) -> torch.Tensor:
+        """This forward's inputs of the head's layers, concatenated; taken, so that a forward that did not run the
+        layers (a replayed CUDA graph) cannot hand over a previous forward's."""
+        aux, self.target.aux_hidden_states = self.target.aux_hidden_states, None
+        layers = self.target.aux_hidden_state_layers
+        if aux is None or len(aux) != len(layers) or aux[0].shape[0] != rows:
+            raise RuntimeError("the target's forward did not expose the layers the EAGLE-3 head reads "
+                               f"({self.head.aux_layers}): CUDA graphs replay without them; use enforce_eager=True")
+        return torch.cat([aux[layers.index(i)] for i in self.head.aux_layers], dim=-1)
 
     def _forget_gone(self) -> None:
         """Features of forwards that were no request's (the adaptive controller's timing runs) are dropped here."""
@@ -141,7 +181,7 @@ class EagleProposer:
                 [self.blocks.block_table(r) for r in rids], [s + m - b for b, s, m in zip(bases, starts, lens)],
                 lens, self.cache.block_size, dev, null_slot=self.cache.null_slot)
         try:
-            out = self.forward(feats if steps is not None else torch.cat(feats),
+            out = self.forward(feats if steps is not None else self.head.combine_hidden_states(torch.cat(feats)),
                                torch.tensor([t for c in ids for t in c], device=dev),
                                torch.tensor(positions, device=dev), self.cache)
         finally:
@@ -232,7 +272,7 @@ class HeadRunner:
         depends on the shapes, not the values); it leaves the cost table and the drafting totals alone."""
         p = self.proposer
         w = p.head.fc.weight
-        feats = [torch.zeros(len(c), w.shape[1] // 2, dtype=w.dtype, device=w.device) for c in tokens]
+        feats = [torch.zeros(len(c), p.head.feature_size, dtype=w.dtype, device=w.device) for c in tokens]
         with torch.inference_mode():
             return p._run(request_ids, starts, feats, tokens, bases=[0] * len(request_ids))[1]
 

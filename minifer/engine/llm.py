@@ -20,6 +20,7 @@ from minifer.config import ModelConfig, resolve_device, resolve_dtype
 from minifer.engine.beam_search import BeamSearch, BeamSearchOutput
 from minifer.engine.components import SEAMS, Components, check_seams, merge_components
 from minifer.engine.data_parallel import start_replicas
+from minifer.engine.eagle import split_eagle3
 from minifer.engine.llm_engine import CacheConfig, LLMEngine
 from minifer.engine.runner import compile_model
 from minifer.engine.scheduler import SchedulerConfig
@@ -79,7 +80,8 @@ class LLM:
         max_num_batched_tokens, enable_chunked_prefill: the scheduler's per-step token budget.
         speculative_config: vLLM's dict, e.g. ``{"method": "draft_model", "model": "tinystories-draft",
             "num_speculative_tokens": 4}`` or ``{"method": "ngram", "num_speculative_tokens": 4,
-            "prompt_lookup_max": 4, "prompt_lookup_min": 1}``; ``"adaptive": False`` fixes k (chapter 04).
+            "prompt_lookup_max": 4, "prompt_lookup_min": 1}``; ``"adaptive": False`` fixes k (chapter 04). ``"eagle"``
+            / ``"eagle3"`` take a trained head as ``model`` (``"tinystories-target-eagle"``, ``"-eagle3"``).
         kv_cache_dtype: ``"auto"`` (the model's dtype) or ``"int8"`` / ``"fp8"``: 8-bit keys and values with a
             float16 scale per (token, head), about twice the sequences in the same memory (chapter 05).
         kv_cache_scales: ``"token"`` (the default: a scale per token and head, chosen as it is written) or
@@ -162,6 +164,7 @@ class LLM:
         self._generator = torch.Generator(device=self.device).manual_seed(seed)
         self._counter = itertools.count()
         self.engine: LLMEngine | None = None
+        speculative_config, self._eagle3 = split_eagle3(speculative_config)  # "eagle3": an "eagle" of fused layers
         spec = SpeculativeConfig.from_dict(speculative_config) if speculative_config is not None else None
         if spec is not None and batching != "continuous":
             raise ValueError("speculative decoding runs inside the continuous engine: use batching='continuous'")
@@ -187,7 +190,7 @@ class LLM:
             from minifer.models.eagle import load_eagle_head
 
             return load_eagle_head(resolve_model(spec.model), self.model, self.dtype,
-                                   self.max_model_len + MAX_SPECULATIVE_TOKENS)
+                                   self.max_model_len + MAX_SPECULATIVE_TOKENS, fused=self._eagle3)
         return None
 
     def _load_model(self, quantization: str | None, load_format: str, quant_kernel: QuantKernel | None,

@@ -25,7 +25,8 @@ from minifer.models.llama import LlamaForCausalLM
 ASSETS = Path(__file__).resolve().parents[1] / "assets"
 BUNDLED_MODELS = {"tinystories-target": ASSETS / "models" / "tinystories-target",
                   "tinystories-draft": ASSETS / "models" / "tinystories-draft",
-                  "tinystories-target-eagle": ASSETS / "models" / "tinystories-target-eagle"}
+                  "tinystories-target-eagle": ASSETS / "models" / "tinystories-target-eagle",
+                  "tinystories-target-eagle3": ASSETS / "models" / "tinystories-target-eagle3"}
 SHIPPED_CONFIGS = {p.stem.replace("--", "/"): p for p in sorted((ASSETS / "configs").glob("*.json"))}
 _BUNDLED_ROOT = ASSETS / "models"
 _bundled_used: set[Path] = set()

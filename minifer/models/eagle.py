@@ -19,6 +19,13 @@ acceptance where the target picks such a token: 5% of its greedy picks on held-o
 768 of 2048 tokens). The shipped head's MLP is narrower than the target's too (256 against 704): a drafting
 forward streams every weight of the head, so its weights per token, 0.077 of the target's, set its price.
 
+EAGLE-3 (Li et al. 2025) feeds the head more than the last layer: the target's low, middle and high features
+(vLLM's ``eagle_aux_hidden_state_layer_ids``; the inputs of layers 2, 6 and 9 of the bundled 12-layer target), fused
+by one linear map (``combine``, ``3 * hidden -> hidden``) into the feature the head reads in place of ``f_t``. The last
+layer is tuned to the next token only; earlier layers still carry what the tokens after it need. A fused head is
+method ``"eagle3"`` and shipped apart (``tinystories-target-eagle3``); whether the fusion pays on this small model is
+the benchmark's question (``minifer.bench.eagle``).
+
 The head's attention goes through the same ``AttentionBackend`` as the target's layers: the engine hands it
 a paged cache (``minifer.engine.proposers.EagleProposer``), training a contiguous causal one.
 """
@@ -40,6 +47,23 @@ from minifer.models.llama import DecoderLayer, LlamaForCausalLM
 
 HEAD_FILE = "model.safetensors"
 CONFIG_FILE = "config.json"
+AUX_KEY = "eagle_aux_hidden_state_layer_ids"  # vLLM's config key for the target layers an EAGLE-3 head reads
+
+
+def eagle3_aux_layers(num_layers: int) -> tuple[int, ...]:
+    """EAGLE-3's default low, middle and high layers (vLLM's ``get_eagle3_aux_hidden_state_layers``): the inputs of
+    layers 2, ``L // 2`` and ``L - 3``; (2, 6, 9) on the bundled 12-layer target."""
+    return check_aux_layers((2, num_layers // 2, num_layers - 3), num_layers)
+
+
+def check_aux_layers(ids, num_layers: int) -> tuple[int, ...]:
+    """The layer ids as a sorted tuple (the order the target's forward meets them, which is the order of the
+    concatenation ``combine`` reads), or a clear error: distinct layers of the target, at least one."""
+    ids = tuple(sorted(int(i) for i in ids))
+    if not ids or len(set(ids)) != len(ids) or not all(0 <= i < num_layers for i in ids):
+        raise ValueError(f"{AUX_KEY} must name distinct layers of the {num_layers}-layer target, "
+                         f"in [0, {num_layers}), got {list(ids)}")
+    return ids
 
 
 def head_config(target: ModelConfig, intermediate_size: int | None = None) -> ModelConfig:
@@ -72,14 +96,22 @@ class EagleHead(nn.Module):
     applies the head's LM head (``[N, draft_vocab_size]``); ``logits`` puts those in the target's vocabulary.
 
     ``draft_vocab``: the target ids the head can propose (default: all of them); its LM head starts as the
-    target's rows for them. ``intermediate_size``: its MLP's (default: the target's)."""
+    target's rows for them. ``intermediate_size``: its MLP's (default: the target's).
+
+    ``aux_layers`` (EAGLE-3's fusion, vLLM's ``eagle_aux_hidden_state_layer_ids``): the head reads the inputs of these
+    target layers instead of the last hidden state, and ``combine_hidden_states`` fuses their concatenation
+    (``[N, len(aux_layers) * hidden]``) into one feature with one linear map before ``forward``, as vLLM's EAGLE-3
+    proposer does; self-fed steps read the head's own output, already ``hidden`` wide."""
 
     def __init__(self, target: LlamaForCausalLM, max_positions: int | None = None,
-                 draft_vocab: torch.Tensor | None = None, intermediate_size: int | None = None) -> None:
+                 draft_vocab: torch.Tensor | None = None, intermediate_size: int | None = None,
+                 aux_layers: tuple[int, ...] | None = None) -> None:
         super().__init__()
         cfg = head_config(target.config, intermediate_size)
         self.config = cfg
         h = cfg.hidden_size
+        self.aux_layers = None if aux_layers is None else check_aux_layers(aux_layers, target.config.num_hidden_layers)
+        self.combine = None if aux_layers is None else nn.Linear(len(self.aux_layers) * h, h, bias=False)
         self.fc = nn.Linear(2 * h, h, bias=False)
         self.layer = DecoderLayer(cfg, 0)
         self.norm = RMSNorm(h, cfg.rms_norm_eps)  # the target's features are post-norm: predict in that space
@@ -104,6 +136,17 @@ class EagleHead(nn.Module):
         x = self.fc(torch.cat([features, embed(input_ids).to(features.dtype)], dim=-1))
         cos, sin = self.rotary(positions, x.dtype)
         return self.norm(self.layer(x, cos, sin, attn))
+
+    @property
+    def feature_size(self) -> int:
+        """The width of the target features the head reads: ``hidden`` (the last hidden state), or the fused
+        head's concatenated low, middle and high ones."""
+        return self.combine.in_features if self.combine is not None else self.fc.in_features // 2
+
+    def combine_hidden_states(self, features: torch.Tensor) -> torch.Tensor:
+        """The target's features as ``forward`` reads them: the fused head's one linear map over the concatenated
+        layers (vLLM's name); the last hidden state as it is otherwise."""
+        return features if self.combine is None else self.combine(features)
 
     @property
     def embed_tokens(self) -> nn.Embedding:
@@ -140,14 +183,17 @@ class EagleHead(nn.Module):
         dest.mkdir(parents=True, exist_ok=True)
         save_file({k: (v.detach().to(torch.bfloat16) if v.is_floating_point() else v.detach()).contiguous()
                    for k, v in self.state_dict().items()}, str(dest / HEAD_FILE))
-        (dest / CONFIG_FILE).write_text(json.dumps({"architectures": ["EagleHead"], **info}, indent=2) + "\n")
+        aux = {AUX_KEY: list(self.aux_layers)} if self.aux_layers else {}
+        (dest / CONFIG_FILE).write_text(json.dumps({"architectures": ["EagleHead"], **info, **aux}, indent=2) + "\n")
 
 
 def load_eagle_head(path: str | Path, target: LlamaForCausalLM, dtype: torch.dtype,
-                    max_positions: int | None = None) -> EagleHead:
+                    max_positions: int | None = None, fused: bool | None = None) -> EagleHead:
     """A trained head from ``path`` (a folder with ``config.json`` and ``model.safetensors``), bound to ``target``
     (whose hidden size and vocabulary it must share), on the target's device. A head saved without its own LM head
-    and ``d2t`` (the first heads read the target's full LM head) gets the target's, over the whole vocabulary."""
+    and ``d2t`` (the first heads read the target's full LM head) gets the target's, over the whole vocabulary.
+    ``fused``: the method asked for an EAGLE-3 head (True, ``"eagle3"``) or an EAGLE one (False, ``"eagle"``): the
+    two read different target features, so a head of the other kind is an error, not a silent swap."""
     from safetensors.torch import load_file
 
     path = Path(path)
@@ -161,12 +207,16 @@ def load_eagle_head(path: str | Path, target: LlamaForCausalLM, dtype: torch.dty
     vocab = target.lm_head.weight.shape[0]
     if cfg.get("vocab_size", vocab) != vocab:
         raise ValueError(f"the head drafts over a {cfg['vocab_size']}-token vocabulary but the target's has {vocab}")
-    width = cfg.get("intermediate_size")
+    width, aux = cfg.get("intermediate_size"), cfg.get(AUX_KEY)
+    if fused is not None and fused != (aux is not None):
+        kind = f"EAGLE-3 head fusing target layers {aux}" if aux else "EAGLE head reading the last hidden state"
+        raise ValueError(f"{path} is an {kind}: load it with speculative_config method "
+                         f"{'eagle3' if aux else 'eagle'!r}")
     if "d2t" in state:
         d2t = state["d2t"].long()
-        head = EagleHead(target, max_positions, d2t + torch.arange(len(d2t)), width)
+        head = EagleHead(target, max_positions, d2t + torch.arange(len(d2t)), width, aux)
     else:
-        head = EagleHead(target, max_positions, intermediate_size=width)
+        head = EagleHead(target, max_positions, intermediate_size=width, aux_layers=aux)
         state = {**state, **{k: v for k, v in head.state_dict().items() if k in ("d2t", "t2d", "lm_head.weight")}}
     head.load_state_dict(state, strict=True)
     if int(head.t2d.sum()) != head.draft_vocab_size or not bool(head.t2d[head.draft_ids].all()):

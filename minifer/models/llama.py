@@ -84,15 +84,25 @@ class LlamaModel(nn.Module):
         self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.rotary = RotaryEmbedding(cfg.head_dim, max_positions, cfg.rope_theta, cfg.rope_scaling)
+        # vLLM's ``aux_hidden_state_layers``: an EAGLE-3 head reads the inputs of these layers (the residual stream
+        # after layers ``i - 1``); empty unless a head asks, and then every forward leaves them, in order, in
+        # ``aux_hidden_states`` (the runner's contract is one hidden state, so they ride beside it)
+        self.aux_hidden_state_layers: tuple[int, ...] = ()
+        self.aux_hidden_states: list[torch.Tensor] | None = None
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionBackend,
                 ops: LayerOps = REFERENCE_OPS) -> torch.Tensor:
         x = self.embed_tokens(input_ids)
+        aux = self.aux_hidden_state_layers
+        if aux:
+            self.aux_hidden_states = []
         if ops.rope_inv_freq is None:
             cos, sin = self.rotary(positions, x.dtype)
         else:
             cos, sin = self.rotary.from_frequencies(positions, x.dtype, ops.rope_inv_freq)
-        for layer in self.layers:
+        for i, layer in enumerate(self.layers):
+            if aux and i in aux:
+                self.aux_hidden_states.append(x)
             x = layer(x, cos, sin, attn, ops)
         return self.norm(x, ops.rms_norm)
 
@@ -114,7 +124,7 @@ class LlamaForCausalLM(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionBackend,
                 ops: LayerOps = REFERENCE_OPS) -> torch.Tensor:
-        if self.compiled is not None and self.compiled.applies(ops):
+        if self.compiled is not None and self.compiled.applies(ops) and not self.model.aux_hidden_state_layers:
             return self.compiled(input_ids, positions, attn)
         return self.model(input_ids, positions, attn, ops)
 

@@ -1,7 +1,7 @@
-"""The EAGLE head as a speculative method (``"method": "eagle"``): lossless inside continuous batching (greedy tokens
-identical to the target alone, sampled tokens distributed as the target's by a chi-squared test), its own paged
-cache rolled back and freed, under preemption and prefix caching too; the shipped head agrees with the target
-as its training record says; the training script still runs."""
+"""The EAGLE head as a speculative method (``"method": "eagle"``, and the fused ``"eagle3"`` where marked): lossless
+inside continuous batching (greedy tokens identical to the target alone, sampled tokens distributed as the target's
+by a chi-squared test), its own paged cache rolled back and freed, under preemption and prefix caching too; the
+shipped head agrees with the target as its training record says; the training script still runs."""
 
 from __future__ import annotations
 
@@ -21,6 +21,7 @@ from minifer.loader import resolve_model
 from minifer.models.eagle import load_eagle_head
 
 EAGLE = {"method": "eagle", "model": "tinystories-target-eagle", "num_speculative_tokens": 4}
+EAGLE3 = {"method": "eagle3", "model": "tinystories-target-eagle3", "num_speculative_tokens": 4}  # test_eagle3.py
 
 
 @pytest.fixture(scope="module")
@@ -54,12 +55,13 @@ def test_greedy_tokens_identical_in_a_mixed_batch(plain, heldout_stories, config
         assert 1 <= stats["spec_mean_tokens_per_forward"] <= config["num_speculative_tokens"] + 1
 
 
-def test_greedy_identical_under_preemption_and_prefix_caching(plain):
+@pytest.mark.parametrize("config", [EAGLE, EAGLE3], ids=["eagle", "eagle3"])
+def test_greedy_identical_under_preemption_and_prefix_caching(plain, config):
     system = [0] + list(range(100, 140))  # cached blocks: the head starts where the target's features start
     prompts = [{"prompt_token_ids": system + [300 + i] * (1 + i % 3)} for i in range(10)]
     want = tokens(plain.generate(prompts, GREEDY, use_tqdm=False))
     tight = LLM("tinystories-target", max_num_seqs=10, block_size=4, num_kv_blocks=40, max_num_batched_tokens=64,
-                speculative_config={**EAGLE, "adaptive": False})
+                speculative_config={**config, "adaptive": False})
     assert tokens(tight.generate(prompts, GREEDY, use_tqdm=False)) == want
     stats = tight.stats()
     assert stats["num_preemptions"] > 0 and stats["prefix_cache_hit_rate"] > 0
@@ -67,11 +69,12 @@ def test_greedy_identical_under_preemption_and_prefix_caching(plain):
 
 
 @pytest.mark.slow
-def test_sampled_distribution_equals_the_targets(target_llm):
-    llm = LLM("tinystories-target", max_num_seqs=64, speculative_config={**EAGLE, "num_speculative_tokens": 3,
+@pytest.mark.parametrize("config", [EAGLE, EAGLE3], ids=["eagle", "eagle3"])
+def test_sampled_distribution_equals_the_targets(target_llm, config):
+    llm = LLM("tinystories-target", max_num_seqs=64, speculative_config={**config, "num_speculative_tokens": 3,
                                                                           "adaptive": False})
     p = _second_token_test(llm, target_llm, PROMPT, SamplingParams(temperature=1.0), n=1200)
-    assert p > 0.01, f"EAGLE speculative sampling changed the distribution (chi-squared p = {p:.2g})"
+    assert p > 0.01, f"{config['method']} speculative sampling changed the distribution (chi-squared p = {p:.2g})"
     assert llm.stats()["spec_num_accepted"] > 0
 
 
@@ -118,9 +121,17 @@ def test_eagle_benchmark_smoke(tmp_path):
     main(["--smoke", "--rounds", "1", "--out", str(out)])
     result = json.loads(out.read_text())
     names = {r["engine"] for r in result["batch1"]["rows"]}
-    assert names == {"eagle_k2", "draft_model_k2", "ngram_k2", "eagle_adaptive"}
+    assert names == {"eagle_k2", "eagle3_k2", "draft_model_k2", "ngram_k2", "eagle_adaptive", "eagle3_adaptive"}
     # k = 4 is not measured in smoke mode; adaptive EAGLE is, at batch 1 and 2
     assert set(result["targets"]) == {"wall_speedup_batch1_best_k", "adaptive_ci_high_min"}
     assert result["targets"]["adaptive_ci_high_min"]["batches"] == [1, 2]
-    eagle = next(r for r in result["batch1"]["rows"] if r["engine"] == "eagle_k2")
-    assert eagle["drafter_forwards"] > 0 and eagle["drafter_cost_vs_target_forward"] > 0
+    for name in ("eagle_k2", "eagle3_k2"):
+        eagle = next(r for r in result["batch1"]["rows"] if r["engine"] == name)
+        assert eagle["drafter_forwards"] > 0 and eagle["drafter_cost_vs_target_forward"] > 0
+    assert set(result["targets_eagle3"]) == set(result["targets"])
+    fusion = result["fusion"]
+    assert [r["k"] for r in fusion["per_k"]] == [2]
+    lo, hi, _ = fusion["best_ratio_ci"]
+    assert lo <= fusion["best_ratio"] <= hi
+    assert fusion["verdict"] == ("pays" if lo > 1 else "costs" if hi < 1 else "no resolvable difference")
+    assert result["head_profile_eagle3"]["weights_per_token"]["combine"] == 3 * 256 * 256
