@@ -12,6 +12,7 @@ import torch
 
 import minifer
 from minifer import SamplingParams
+from minifer.bench.decode_attention import shuffled_block_tables
 from minifer.engine.decode_metadata import DecodeMetadataBuilder
 from minifer.layers import decode_attention
 from minifer.layers.decode_attention import BucketedDecodeIndexer, length_buckets
@@ -25,15 +26,10 @@ def _step(seed: int, mixed: bool):
     hq, d, bs, b = hkv * rng.choice([1, 2, 4]), rng.choice([8, 12, 32]), rng.choice([1, 3, 5, 16]), rng.randint(1, 9)
     ctx = [rng.randint(1, 70) for _ in range(b)]
     qlens = [rng.randint(2, c) if mixed and c > 1 and rng.random() < 0.4 else 1 for c in ctx]
-    ids = list(range(sum(-(-c // bs) for c in ctx) + 3))
-    rng.shuffle(ids)
-    tables, at = [], 0
-    for c in ctx:
-        tables.append(ids[at : at + -(-c // bs)])
-        at += len(tables[-1])
-    cache = PagedKVCache(1, len(ids), bs, hkv, d, torch.float32, "cpu")
-    cache.k[:, : len(ids)] = float("nan")
-    cache.v[:, : len(ids)] = float("nan")
+    tables, num_blocks = shuffled_block_tables(ctx, bs, rng, spare=3)
+    cache = PagedKVCache(1, num_blocks, bs, hkv, d, torch.float32, "cpu")
+    cache.k[:, :num_blocks] = float("nan")
+    cache.v[:, :num_blocks] = float("nan")
     g = torch.Generator().manual_seed(seed)
     for t, c, n in zip(tables, ctx, qlens):  # the cached keys before this step's
         for p in range(c - n):
