@@ -351,6 +351,7 @@ def batch1_configs(fast: Minifer, eager: Minifer, ct2: dict[str, CT2Engine] | No
 # matrix-vector products streamed); pack_weights does not combine with compiling, and pays only from 2 rows
 BATCH1_LATENCY = "compile+column_major_weights"
 BATCH1_LEVERS = {"compile": {"level": 3}, "column_major_weights": {"column_major_weights": True},
+                 "decode_attention": {"decode_attention": "bucketed"},
                  BATCH1_LATENCY: {"level": 3, "column_major_weights": True}}
 
 
@@ -515,6 +516,9 @@ LEVERS: dict[str, tuple[dict[str, Any], Callable[[], dict[str, Any]]]] = {
     "compile": ({"compilation_config": {"level": 3}}, _no_engine_kw),
     "column_major_weights": ({"compilation_config": {"column_major_weights": True}}, _no_engine_kw),
     "bucketed_attention": ({}, _bucketed_kw),
+    # the engine's own bucketed decode attention (layers.decode_attention), bucketed_attention's successor: one index
+    # per step for every layer, the decode rows of mixed steps too, gather buffers kept from step to step
+    "decode_attention": ({"compilation_config": {"decode_attention": "bucketed"}}, _no_engine_kw),
 }
 # measured alone and slower, so left out of the fast path (still measured, so the result says so): the step's one
 # gather of every layer's keys and values (56 MB at 64 slots) measured 0.70x, rounds 0.66-1.00 (cpu_peer.json at

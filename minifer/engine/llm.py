@@ -105,6 +105,8 @@ class LLM:
             the CPU, float weights; ``enforce_eager=True`` turns it off); 0, the default, keeps it eager.
             ``{"column_major_weights": True}``: float linear weights re-stored column-major, the layout MKL reads
             without re-laying it per call at one row (``layers.weight_layout``; combines with level 3).
+            ``{"decode_attention": "bucketed"}``: decode rows attend in length buckets indexed once per step, not
+            padded to the batch's longest context (``layers.decode_attention``; the CPU; ``"padded"``, the default).
         block_allocator, scheduler, sampler, proposer, verifier, attention_backend: the engine's seams
             (``LLMEngine`` lists their contracts); None builds the reference implementation a chapter shows.
         components: a ``Components`` holding any of those seams and ``quant_kernel``, plus the RMSNorm and RoPE

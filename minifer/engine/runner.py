@@ -16,13 +16,14 @@ import torch
 from minifer.engine.block_manager import KVBlockAllocator
 from minifer.engine.decode_metadata import DecodeMetadataBuilder
 from minifer.engine.scheduler import ScheduledBatch
+from minifer.layers.decode_attention import decode_indexer
 from minifer.layers.ops import REFERENCE_OPS, LayerOps
 from minifer.layers.paged_attention import PagedAttentionMetadata, PagedKVCache
 from minifer.models.llama import LlamaForCausalLM
 from minifer.sampling import SampleResult, ranked_logprobs, sample_sequences
 
 
-COMPILATION_KEYS = ("pack_weights", "column_major_weights", "level", "mode")
+COMPILATION_KEYS = ("pack_weights", "column_major_weights", "level", "mode", "decode_attention")
 # vLLM's compilation levels (``CompilationConfig.level``, later ``mode``): 0 runs the model eagerly, 3 is vLLM's own
 # compilation (the graph split at attention), which ``layers.compiled`` does; 1 and 2 are stages of vLLM's Dynamo
 # integration minifer has no separate meaning for
@@ -35,7 +36,9 @@ def compile_model(model: LlamaForCausalLM, config: dict | None, shared_with=None
     only). ``level`` (or ``mode``, vLLM's newer name) 3: the decoder runs compiled by ``torch.compile`` with attention
     left opaque (``layers.compiled``; the CPU only, float weights); 0, the default, and ``enforce_eager=True`` keep
     the eager model. ``column_major_weights``: float linear weights re-stored column-major, the layout a batch-1
-    matrix-vector product streams fastest (``layers.weight_layout``; the CPU only). An LLM sharing another's weights
+    matrix-vector product streams fastest (``layers.weight_layout``; the CPU only). ``decode_attention``:
+    ``"padded"`` (the default, the reference) or ``"bucketed"``, decode steps attending in length buckets indexed
+    once per step (``layers.decode_attention``; the CPU only). An LLM sharing another's weights
     shares its model too, so it must ask for the same."""
     config = dict(config or {})
     unknown = sorted(set(config) - set(COMPILATION_KEYS))
@@ -62,6 +65,10 @@ def compile_model(model: LlamaForCausalLM, config: dict | None, shared_with=None
             raise ValueError("compilation_config: column_major_weights is a CPU layout for float linear weights")
     if level == 3:
         _compile_decoder(model)
+    if config.get("decode_attention", "padded") != "padded":
+        from minifer.layers.decode_attention import set_decode_attention
+
+        set_decode_attention(model, config["decode_attention"])
     return config
 
 
@@ -110,6 +117,7 @@ class ModelRunner:
         # packed token, for a drafter that reads the target's features (EAGLE, ``engine/eagle.py``)
         self.hidden_observers: list = []
         self._decode_meta = DecodeMetadataBuilder(cache.block_size, self.device)
+        self._decode_index = decode_indexer(model, cache)  # decode_attention="bucketed", else None
 
     def enable_cuda_graphs(self, max_batch: int, max_model_len: int) -> None:
         from minifer.engine.cuda_graph import DecodeGraphs
@@ -146,6 +154,8 @@ class ModelRunner:
         else:
             self.cache.meta = PagedAttentionMetadata.build(tables, ctx, [len(c) for c in tokens], self.cache.block_size,
                                                            dev, null_slot=self.cache.null_slot)
+        if self._decode_index is not None:
+            self._decode_index.attach(self.cache.meta, ctx)
         try:
             hidden = self.model(torch.tensor(ids, device=dev), torch.tensor(positions, device=dev), self.cache,
                                 self.ops)

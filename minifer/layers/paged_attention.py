@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from minifer.layers.attention import AttentionBackend
+from minifer.layers.decode_attention import BucketedDecodeIndex, bucketed_decode_attention
 
 from minifer.layers.kv_quant import (bytes_per_value, check_kv_cache_dtype, code_dtype, dequantize_kv, quantize_kv,
                                      static_scale)
@@ -60,6 +61,7 @@ class PagedAttentionMetadata:
     null_slot: int | None  # masked keys read this all-zero slot (no zeroing needed after the gather)
     covers_all_in_order: bool  # a single group whose outputs are the packed tokens in order
     query_lens: list[int] | None = None  # new tokens of each sequence (for a backend that attends sequence by sequence)
+    decode_index: BucketedDecodeIndex | None = None  # decode_attention="bucketed": this step's (layers/decode_attention.py)
 
     @classmethod
     def decode_only(cls, slot_mapping: torch.Tensor, block_tables: torch.Tensor, context_lens: torch.Tensor,
@@ -281,6 +283,10 @@ class PagedKVCache:
                                              self.v_scale[layer], self.kv_cache_dtype)
         self.k[layer].view(-1, hkv, d).index_copy_(0, meta.slot_mapping, k)
         self.v[layer].view(-1, hkv, d).index_copy_(0, meta.slot_mapping, v)
+        if meta.decode_index is not None:  # compilation_config={"decode_attention": "bucketed"}
+            rest = meta.decode_index.rest  # a mixed step's prompt chunks: the reference's
+            into = None if rest is None else paged_attention_reference(q, self.k[layer], self.v[layer], rest)
+            return bucketed_decode_attention(q, self.k[layer], self.v[layer], meta.decode_index, into)
         return paged_attention_reference(q, self.k[layer], self.v[layer], meta)
 
     def _store_quantized(self, layer: int, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
