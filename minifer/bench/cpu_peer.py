@@ -526,5 +526,8 @@ LEVERS: dict[str, tuple[dict[str, Any], Callable[[], dict[str, Any]]]] = {
 # 02ed262 (128 requests, 3 rounds): compile (the decoder through torch.compile) 1.19x at batch 1 (rounds 1.13-1.26) but
 # 0.91x and 0.94x at 16 and 64 slots (rounds 0.67-1.06), and it does not combine with pack_weights (1.20x at 64
 # slots), so it stays a switch of its own; bucketed_attention 0.89x and 0.92x at 16 and 64 slots (rounds 0.64-1.00):
-# on this small model each extra group's gathers and SDPA call cost more than the padding they save
-REJECTED = {"step_gather_attention", "compile", "bucketed_attention"}
+# on this small model each extra group's gathers and SDPA call cost more than the padding they save. decode_attention
+# (the engine's switch) at 270383a (64 requests, 3 rounds, the other core busy): 1.00x at batch 1, 0.95x at 16 slots
+# (rounds 0.92-0.96), 1.00x at 64, though its attention alone ran 1.08-1.45x faster (python -m
+# minifer.bench.decode_attention): the per-step sort and index cost what the padding saved
+REJECTED = {"step_gather_attention", "compile", "bucketed_attention", "decode_attention"}
