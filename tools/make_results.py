@@ -79,7 +79,7 @@ PARTS = [
     Part("eagle", f"python -m minifer.bench.eagle --out {RESULTS}/eagle.json --rounds 2", 2,
          "the EAGLE head against the draft model and n-gram: alpha, tokens per forward, speedup (ch04, README)",
          measured=True),
-    Part("cpu_peer", _bench(f"cpu_peer -n 64 --repeats 3 --out {RESULTS}/cpu_peer.json"), 10,
+    Part("cpu_peer", _bench(f"cpu_peer -n 512 --repeats 3 --out {RESULTS}/cpu_peer.json"), 40,
          "minifer against CTranslate2 on the same model and workload, and the CPU levers (ch01, ch03; needs the "
          "`peer` extra)", measured=True),
     Part("aot", f"python -m minifer.bench.aot --out {RESULTS}/aot_report.json", 10,

@@ -201,44 +201,50 @@ def minifer_generate(llm, workload: Workload) -> float:
 
 @dataclass
 class Config:
-    """One thing to time: ``run()`` returns wall seconds for ``tokens`` useful output tokens on ``threads``."""
+    """One thing to time: ``run(workload)`` returns wall seconds for the workload's useful output tokens on
+    ``threads``. A configuration with its own fixed request (batch 1) ignores the workload and names its ``tokens``."""
 
     name: str
     engine: str  # "minifer" | "ctranslate2"
-    run: Callable[[], float]
-    tokens: int
+    run: Callable[[Workload], float]
+    tokens: int | None = None  # None: the workload's output tokens
     threads: int = 1
     describe: dict[str, Any] = field(default_factory=dict)
 
-    def timed(self) -> float:
+    def timed(self, workload: Workload) -> float:
         torch.set_num_threads(self.threads)
-        return self.run()
+        return self.run(workload)
+
+    def tokens_of(self, workload: Workload) -> int:
+        return self.tokens if self.tokens is not None else _tokens(workload)
 
 
-def interleaved(configs: list[Config], rounds: int, log: Callable[[str], None] = print) -> dict[str, list[float]]:
-    """Wall seconds of every configuration in every round; round ``k`` runs them in reverse order when ``k`` is odd
-    (A B C, C B A, ...), so a drift in the machine's speed does not favour whoever runs first."""
+def interleaved(configs: list[Config], rounds: int, workload: Workload,
+                log: Callable[[str], None] = print) -> dict[str, list[float]]:
+    """Wall seconds of every configuration over ``workload`` in every round; round ``k`` runs them in reverse order
+    when ``k`` is odd (A B C, C B A, ...), so a drift in the machine's speed does not favour whoever runs first."""
     times: dict[str, list[float]] = {c.name: [] for c in configs}
     for k in range(rounds):
         for c in (configs if k % 2 == 0 else configs[::-1]):
-            s = c.timed()
+            s = c.timed(workload)
             times[c.name].append(s)
-            log(f"round {k + 1}/{rounds} {c.name}: {c.tokens / s:,.0f} tok/s ({s:.2f} s)")
+            log(f"round {k + 1}/{rounds} {c.name}: {c.tokens_of(workload) / s:,.0f} tok/s ({s:.2f} s)")
     return times
 
 
-def summarize(configs: list[Config], times: dict[str, list[float]],
-              comparisons: list[tuple[str, str, str]]) -> dict[str, Any]:
+def summarize(configs: list[Config], times: dict[str, list[float]], comparisons: list[tuple[str, str, str]],
+              workload: Workload) -> dict[str, Any]:
     """Median tok/s of each configuration and, for each ``(label, a, b)``, the median over rounds of a's speed
     over b's (> 1: a is faster) with its range."""
     by_name = {c.name: c for c in configs}
     per = {}
     for name, ts in times.items():
         c = by_name[name]
-        speeds = [c.tokens / t for t in ts]
-        per[name] = {"engine": c.engine, "threads": c.threads, **c.describe, "tokens": c.tokens,
+        tokens = c.tokens_of(workload)
+        speeds = [tokens / t for t in ts]
+        per[name] = {"engine": c.engine, "threads": c.threads, **c.describe, "tokens": tokens,
                      "seconds": ts, "tok_per_s": statistics.median(speeds), "tok_per_s_min": min(speeds),
-                     "tok_per_s_max": max(speeds), "ms_per_token": 1e3 * statistics.median(ts) / c.tokens}
+                     "tok_per_s_max": max(speeds), "ms_per_token": 1e3 * statistics.median(ts) / tokens}
     ratios = {}
     for label, a, b in comparisons:
         if a in times and b in times:
@@ -257,6 +263,16 @@ def default_workload(llm, num_requests: int, seed: int = 0) -> Workload:
 
 def _tokens(workload: Workload) -> int:
     return workload.total_output_tokens
+
+
+WARMUP_REQUESTS = 16  # the warm-up run of every configuration: enough to reach each code path once
+
+
+def two_worker_batch(num_requests: int, workers: int = 2, slots: int = 64) -> int:
+    """CT2's ``max_batch_size`` on ``workers`` single-thread workers: ``slots`` (minifer's replicas hold as many
+    each), but never so large that a worker gets no batch. CT2 cuts the sorted workload into batches of this size
+    and hands whole batches to free workers, so 64 requests in batches of 64 would leave one of two cores idle."""
+    return max(1, min(slots, -(-num_requests // workers)))
 
 
 def identity_check(m: "Minifer", ct2: CT2Engine, n_prompts: int = 16, n_tokens: int = 32, seed: int = 1) -> dict[str, Any]:
@@ -284,32 +300,33 @@ class Minifer:
         return minifer_offline(self.llm, workload, slots, self.engine_kw)
 
 
-def peer_configs(fast: Minifer, ct2: dict[str, CT2Engine] | None, workload: Workload, replicas=None,
+def peer_configs(fast: Minifer, ct2: dict[str, CT2Engine] | None, num_requests: int, replicas=None,
                  two_threads: bool = False) -> tuple[list[Config], list[tuple[str, str, str]]]:
     """The headline comparisons of issue 28: 16 and 64 slots on one core, 64 slots on two, each beside CT2's
-    matching configuration, minifer with every lever on."""
-    n = _tokens(workload)
+    matching configuration, minifer with every lever on. ``num_requests``: the timed workload's size, which sets
+    the batch CT2's two workers are handed (``two_worker_batch``)."""
+    two_batch = two_worker_batch(num_requests)
 
     def mf(slots: int, threads: int) -> Config:
-        return Config(f"minifer-fast-{slots}slots-{threads}t", "minifer", lambda: fast.run(workload, slots), n,
+        return Config(f"minifer-fast-{slots}slots-{threads}t", "minifer", lambda w: fast.run(w, slots), None,
                       threads, {"slots": slots, "levers": "all"})
 
     configs = [mf(16, 1), mf(64, 1)]
     if two_threads:  # one engine, two torch threads per op (slow on a shared machine: see default_threads)
         configs.append(mf(64, 2))
     if replicas is not None:
-        configs.append(Config("minifer-fast-64slots-dp2", "minifer", lambda: minifer_generate(replicas, workload), n,
+        configs.append(Config("minifer-fast-64slots-dp2", "minifer", lambda w: minifer_generate(replicas, w), None,
                               2, {"slots": 64, "levers": "all", "data_parallel_size": 2}))
     comps: list[tuple[str, str, str]] = []
     if ct2:
         one, two = ct2["float32-1"], ct2["float32-2"]
         configs += [
-            Config("ct2-static16-1t", "ctranslate2", lambda: ct2_static(one, workload, 16), n, 1,
+            Config("ct2-static16-1t", "ctranslate2", lambda w: ct2_static(one, w, 16), None, 1,
                    {"batching": "in-order static batches of 16", **one.config}),
-            Config("ct2-sorted64-1t", "ctranslate2", lambda: ct2_sorted(one, workload, 64), n, 1,
+            Config("ct2-sorted64-1t", "ctranslate2", lambda w: ct2_sorted(one, w, 64), None, 1,
                    {"batching": "max_batch_size=64 (CT2 sorts by length)", **one.config}),
-            Config("ct2-sorted64-2workers", "ctranslate2", lambda: ct2_sorted(two, workload, 64), n, 2,
-                   {"batching": "max_batch_size=64 over two single-thread workers", **two.config}),
+            Config("ct2-sorted64-2workers", "ctranslate2", lambda w: ct2_sorted(two, w, two_batch), None, 2,
+                   {"batching": f"max_batch_size={two_batch} over two single-thread workers", **two.config}),
         ]
         comps += [("16 slots vs CT2 static batches of 16, 1 thread", "minifer-fast-16slots-1t", "ct2-static16-1t"),
                   ("64 slots vs CT2 max_batch_size=64, 1 thread", "minifer-fast-64slots-1t", "ct2-sorted64-1t"),
@@ -331,17 +348,17 @@ def batch1_configs(fast: Minifer, eager: Minifer, ct2: dict[str, CT2Engine] | No
     llm = eager.llm
     w = make_workload(1, "fixed:16", f"fixed:{n_tokens}", seed=3, vocab_size=llm.model_config.vocab_size,
                       max_model_len=llm.max_model_len, bos_token_id=llm.tokenizer.bos_token_id)
-    configs = [Config("minifer-batch1-fast", "minifer", lambda: fast.run(w, 1), n_tokens, 1, {"slots": 1}),
-               Config("minifer-batch1-eager", "minifer", lambda: eager.run(w, 1), n_tokens, 1, {"slots": 1})]
+    configs = [Config("minifer-batch1-fast", "minifer", lambda _: fast.run(w, 1), n_tokens, 1, {"slots": 1}),
+               Config("minifer-batch1-eager", "minifer", lambda _: eager.run(w, 1), n_tokens, 1, {"slots": 1})]
     comps = [("batch 1: fast path vs eager", "minifer-batch1-fast", "minifer-batch1-eager")]
     for name, m in (alone or {}).items():
-        configs.append(Config(f"minifer-batch1-{name}", "minifer", lambda m=m: m.run(w, 1), n_tokens, 1,
+        configs.append(Config(f"minifer-batch1-{name}", "minifer", lambda _, m=m: m.run(w, 1), n_tokens, 1,
                               {"slots": 1, "levers": name}))
         comps.append((f"lever alone: {name}, batch 1 vs eager", f"minifer-batch1-{name}", "minifer-batch1-eager"))
     if ct2:
         one = ct2["float32-1"]
         best = f"minifer-batch1-{BATCH1_LATENCY}" if BATCH1_LATENCY in (alone or {}) else "minifer-batch1-fast"
-        configs.append(Config("ct2-batch1", "ctranslate2", lambda: ct2_sorted(one, w, 1), n_tokens, 1, one.config))
+        configs.append(Config("ct2-batch1", "ctranslate2", lambda _: ct2_sorted(one, w, 1), n_tokens, 1, one.config))
         comps += [("batch 1, ms per token: minifer / CT2 speed", best, "ct2-batch1"),
                   ("batch 1, ms per token: minifer fast path / CT2 speed", "minifer-batch1-fast", "ct2-batch1")]
     return configs, comps
@@ -398,7 +415,7 @@ def run(model: str = "tinystories-target", num_requests: int = 512, rounds: int 
     if "peer" in sections:
         replicas = LLM(model, device="cpu", dtype="float32", max_num_seqs=64, data_parallel_size=2, **fast_llm_kw,
                        **fast_engine_kw)  # LLM takes the engine's seams (attention_backend) by the same names
-        c, r = peer_configs(fast, ct2, workload, replicas, two_threads)
+        c, r = peer_configs(fast, ct2, num_requests, replicas, two_threads)
         configs += c
         comps += r
     if "batch1" in sections:
@@ -406,18 +423,18 @@ def run(model: str = "tinystories-target", num_requests: int = 512, rounds: int 
         configs += c
         comps += r
     if "levers" in sections:
-        c, r = lever_configs(eager, fast, ct2, workload)
+        c, r = lever_configs(eager, fast, ct2, num_requests)
         configs += c
         comps += r
-    if warmup:
-        for c in configs:  # first calls allocate, load kernels and fill caches
-            torch.set_num_threads(c.threads)
-            c.run()
-    result["warmup"] = warmup
-    times = interleaved(configs, rounds, log)
+    if warmup:  # first calls allocate, load kernels and fill caches: a short workload does it
+        warm = default_workload(llm, min(num_requests, WARMUP_REQUESTS), seed=2)
+        for c in configs:
+            c.timed(warm)
+    result["warmup"] = {"requests": min(num_requests, WARMUP_REQUESTS)} if warmup else False
+    times = interleaved(configs, rounds, workload, log)
     if replicas is not None:
         replicas.replicas.close()
-    result.update(summarize(configs, times, comps))
+    result.update(summarize(configs, times, comps, workload))
     for label, r in result["ratios"].items():
         log(f"{label}: {r['median_of_round_ratios']:.2f}x (rounds {min(r['rounds']):.2f}-{max(r['rounds']):.2f})")
     if "bounds" in sections:  # after the timed rounds: the real-shape model takes 2.4 GB while it runs
@@ -425,6 +442,9 @@ def run(model: str = "tinystories-target", num_requests: int = 512, rounds: int 
 
         result["real_shape_decode"] = real_shape_decode(rounds, log=log)
         result["step_overhead"] = step_overhead(256, 16, rounds, log=log)  # the issue's 256 requests, 16 slots
+    from minifer.bench.cpu_targets import targets
+
+    result["targets"] = targets(result)
     return result
 
 
@@ -451,19 +471,19 @@ def warm_compiled(m: "Minifer") -> "Minifer":
 
 
 def lever_configs(eager: Minifer, fast: Minifer, ct2: dict[str, CT2Engine] | None,
-                  workload: Workload) -> tuple[list[Config], list[tuple[str, str, str]]]:
+                  num_requests: int) -> tuple[list[Config], list[tuple[str, str, str]]]:
     """Each lever alone against the eager engine, and int8 weights: the integer matmul against float32 and
     against the dequantize-first reference, at 16 and 64 slots, and against CT2's int8 on two cores."""
     from minifer import LLM
     from minifer.quant.formats import quant_linear_reference
 
-    n, path = _tokens(workload), eager.llm.model_path
+    path, two_batch = eager.llm.model_path, two_worker_batch(num_requests)
     int8 = Minifer(LLM(path, device="cpu", dtype="float32", quantization="int8"), {})
     int8_ref = Minifer(LLM(path, device="cpu", dtype="float32", quantization="int8",
                            quant_kernel=quant_linear_reference), {})
 
     def mf(name: str, m: Minifer, slots: int, threads: int = 1, **describe) -> Config:
-        return Config(name, "minifer", lambda: m.run(workload, slots), n, threads, {"slots": slots, **describe})
+        return Config(name, "minifer", lambda w: m.run(w, slots), None, threads, {"slots": slots, **describe})
 
     configs, comps = [], []
     for slots in (16, 64):
@@ -485,10 +505,10 @@ def lever_configs(eager: Minifer, fast: Minifer, ct2: dict[str, CT2Engine] | Non
         two = ct2["int8-2"]
         int8_dp = LLM(path, device="cpu", dtype="float32", quantization="int8", max_num_seqs=64,
                       data_parallel_size=2, **fast_options()[0], **fast.engine_kw)
-        configs += [Config("int8-fast-64slots-dp2", "minifer", lambda: minifer_generate(int8_dp, workload), n, 2,
+        configs += [Config("int8-fast-64slots-dp2", "minifer", lambda w: minifer_generate(int8_dp, w), None, 2,
                            {"slots": 64, "weights": "int8", "levers": "all", "data_parallel_size": 2}),
-                    Config("ct2-int8-sorted64-2workers", "ctranslate2", lambda: ct2_sorted(two, workload, 64), n, 2,
-                           {"batching": "max_batch_size=64 over two workers", **two.config})]
+                    Config("ct2-int8-sorted64-2workers", "ctranslate2", lambda w: ct2_sorted(two, w, two_batch), None,
+                           2, {"batching": f"max_batch_size={two_batch} over two workers", **two.config})]
         comps.append(("minifer int8 vs CT2 int8, 2 cores", "int8-fast-64slots-dp2", "ct2-int8-sorted64-2workers"))
     return configs, comps
 
