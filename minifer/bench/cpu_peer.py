@@ -444,7 +444,7 @@ def run(model: str = "tinystories-target", num_requests: int = 512, rounds: int 
         result["step_overhead"] = step_overhead(256, 16, rounds, log=log)  # the 256 requests, 16 slots
     from minifer.bench.cpu_targets import targets
 
-    result["targets"] = targets(result)
+    result["targets"] = targets(result, REJECTED)
     return result
 
 
