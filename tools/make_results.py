@@ -82,6 +82,8 @@ PARTS = [
     Part("cpu_peer", _bench(f"cpu_peer -n 512 --repeats 3 --out {RESULTS}/cpu_peer.json"), 40,
          "minifer against CTranslate2 on the same model and workload, and the CPU levers (ch01, ch03; needs the "
          "`peer` extra)", measured=True),
+    Part("cpu_peer_replicate", _bench(f"cpu_peer -n 512 --repeats 3 --out {RESULTS}/cpu_peer_replicate.json"), 40,
+         "the same comparison again: how far single levers move between runs (ch01)", measured=True),
     Part("aot", f"python -m minifer.bench.aot --out {RESULTS}/aot_report.json", 10,
          "every Triton kernel compiled ahead of time for sm_80 and sm_90: registers, spills, SASS (ch05 appendix)"),
     Part("aot_archs", f"python -m minifer.bench.aot --ccs 75 80 89 90 --out {RESULTS}/aot_report_archs.json", 20,
