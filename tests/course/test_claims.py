@@ -170,6 +170,36 @@ def test_stale_sources_name_a_changed_or_moved_file(tmp_path, monkeypatch):
     assert provenance.stale_sources(recorded) == ["a.py", "b.py"]
 
 
+def test_code_only_sees_code_and_not_docstrings_or_comments():
+    base = '"""Module."""\nimport os\n\n\ndef f(x):\n    """Why f."""\n    return x + 1  # one more\n'
+    same = '"""A longer module docstring."""\nimport os\n\n\ndef f(x):\n    return x + 1\n'
+    assert claims.code_only(base) == claims.code_only(same)
+    assert claims.code_only(base) != claims.code_only(base.replace("x + 1", "x + 2"))
+    assert claims.code_only(base) != claims.code_only(base.replace('"""Why f."""', 'print("Why f.")'))
+
+
+def test_a_docstring_edit_leaves_a_result_fresh_and_a_code_edit_does_not(tmp_path, monkeypatch):
+    import subprocess
+
+    def git(*args):
+        subprocess.run(["git", "-c", "user.name=t", "-c", "user.email=t@t", *args], cwd=tmp_path, check=True,
+                       capture_output=True)
+
+    (tmp_path / "m.py").write_text('"""Old words."""\nX = 1\n')
+    git("init", "-q")
+    git("add", "m.py")
+    git("commit", "-qm", "m")
+    commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=tmp_path, capture_output=True, text=True).stdout.strip()
+    monkeypatch.setattr(claims, "ROOT", tmp_path)
+    recorded = provenance._sha(tmp_path / "m.py")
+    (tmp_path / "m.py").write_text('"""New words, and more of them."""\nX = 1  # why one\n')
+    assert claims.docs_only("m.py", recorded, commit)
+    assert not claims.docs_only("m.py", recorded, None), "a run at a modified tree has no commit to compare with"
+    assert not claims.docs_only("m.py", "0" * 16, commit), "the commit's file must be the one that ran"
+    (tmp_path / "m.py").write_text('"""Old words."""\nX = 2\n')
+    assert not claims.docs_only("m.py", recorded, commit)
+
+
 def test_a_saved_result_records_the_code_it_ran_and_the_checkpoints_it_read(tmp_path, monkeypatch):
     import minifer.engine.scheduler  # noqa: F401  (a module the "run" executed)
     from minifer import loader
