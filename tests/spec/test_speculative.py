@@ -355,3 +355,23 @@ def test_adaptive_verdict_reads_the_intervals():
     assert v["aa_intervals_missing_1"] == [] and v["aa_misses_expected"] == pytest.approx(2 * 0.02)
     bad = {"draft_model": {"rows": [row(1, 1.6, 1.5, 1.7), row(16, 0.984, 0.975, 0.999)]}}
     assert adaptive_verdict(bad)["measurably_slower"] == [("draft_model", 16)]
+
+
+def test_adaptive_control_benchmark_smoke(tmp_path):
+    """The adaptive-k control end to end at tiny sizes: four engines per cell, the two plain controls read against
+    ``plain`` like the adaptive engine, the same greedy tokens everywhere, and the verdict over every cell."""
+    import json
+
+    from minifer.bench import adaptive_control as bench
+
+    out = tmp_path / "ac.json"
+    bench.main(["--smoke", "--out", str(out)])
+    result = json.loads(out.read_text())
+    assert result["kind"] == "adaptive_control" and result["config"]["engines"] == list(bench.ENGINES)
+    rows = [r for sw in result["sweeps"].values() for r in sw["rows"]]
+    assert len(rows) == 4 and all(r["identical_tokens"] for r in rows)
+    for r in rows:
+        for m in bench.ENGINES[1:]:
+            lo, hi, _ = r[f"ci_{m}"]
+            assert lo <= r[f"speedup_{m}"] <= hi and len(r[f"round_speedups_{m}"]) == r["rounds"]
+    assert result["verdict"]["cells"] == 4 and "after_intervals_missing_1" in result["verdict"]
