@@ -1,39 +1,24 @@
 """Adaptive k: how many tokens to speculate this step, decided from measured costs (``"adaptive": True``, the default).
 
-The controller meets the speculator (``speculative.py``) through two calls: ``decide(batch, waiting)`` returns the
-step's ``Decision`` (k, a probe, or held plain decoding; for n-gram drafts, which drafts to verify), and
-``observe(record)`` takes the ``StepRecord`` of the step once it ran (its drafts' acceptance, its forward's and its
-whole time). Nothing else passes between them. A fixed-k engine (``"adaptive": False``) has no controller.
+The speculator (``speculative.py``) calls ``decide(batch, waiting)`` for the step's ``Decision`` (k, a probe, or held
+plain decoding; for n-gram drafts, which drafts to verify) and ``observe(record)`` with the ``StepRecord`` of the step
+once it ran; nothing else passes between them. Speculation pays only while the wider verify forward is nearly free,
+i.e. at low concurrency. For ``B`` decoding sequences the controller picks the ``k`` in ``0..num_speculative_tokens``
+that maximises the predicted tokens per second
 
-Speculation costs the draft's steps and a wider verify
-forward; it pays only while that wider forward is nearly free, i.e. at low concurrency. Each step, for the
-``B`` sequences decoding, the engine picks the ``k`` in ``0..num_speculative_tokens`` that maximises the
-predicted tokens per second
+    B * (1 + h * (E(alpha, k) - 1)) / (T(B * (1 + h * k)) + t_draft(B, k)),   E = (1 - alpha^(k+1)) / (1 - alpha)
 
-    B * (1 + h * (E(alpha, k) - 1)) / (T(B * (1 + h * k)) + t_draft(B, k))
-    E = (1 - alpha^(k+1)) / (1 - alpha)
+with ``h`` the measured share of sequences that get drafts, ``alpha`` the recent per-token acceptance and ``T(n)``
+a whole step's predicted time when its forward covers ``n`` tokens (``step_time``). ``k = 0`` wins unless
+speculation beats it by ``cfg.margin`` (10%: timings are noisy, the plain reference steps cost something, and a
+batch ends with its slowest sequence), so under load speculation turns itself off. A clear plain decision is reused
+for a few steps (``PLAIN_HOLD``), so plain decoding costs what it does in a plain engine.
 
-where ``h`` is the measured fraction of sequences that get drafts at all (1 for a draft model), ``alpha`` the
-measured per-token acceptance (over roughly the last 200 verifications) and ``T(n)`` the predicted time of a whole
-engine step whose target forward covers ``n`` tokens: the forward's time from a table (by powers of two,
-interpolated) filled at start-up by a short calibration shaped like decode steps and refreshed by every pure-decode
-step, times the measured ratio of whole steps to their forwards (larger for speculative steps: verification,
-rollback and more tokens to append). ``k = 0`` (plain decoding) wins unless the prediction beats it by a margin
-(``cfg.margin``, 10%), so under load, when ``T`` grows with the tokens, speculation turns itself off instead of
-becoming the 1.4-1.8x slowdown that fixed-k speculation shows at high QPS. A clear plain decision is reused for the
-next few steps at the same batch size (``PLAIN_HOLD``): deciding every step afresh cost 1.5-2% at 16-32 sequences
-here (noisy readings start speculative trials that lose), and plain decoding should cost the same in an adaptive
-engine as in a plain one.
-
-N-gram drafts are looked up before deciding: ``adaptive_ngram.py``.
-
-The model can be wrong (a calibrated cost table, acceptance that differs between requests), so measurement has
-the last word: per batch-size bucket, speculative steps' measured speedup over plain ones must clear the margin in a
-trial of 8 steps, or speculation stops there until a retry (``measured_allows``). A margin, not 1: timings are noisy,
-the plain steps that measure the reference cost something, and a batch ends with its slowest sequence, which one
-step's speedup does not see. And when plain decoding wins by
-little, one sequence now and then speculates anyway (a *probe*, rationed by ``probe_due``), so a stale estimate
-cannot switch speculation off for good; a prediction clearly short of the margin is held for a few steps instead.
+The model can be wrong, so measurement has the last word: per batch-size bucket, speculative steps' measured
+speedup over plain ones must clear the margin in a trial of ``TRIAL_STEPS`` steps, or speculation stops there until
+a retry (``measured_allows``). When plain decoding wins by little, one sequence now and then speculates anyway (a
+*probe*, ``probe_due``), so a stale estimate cannot switch speculation off for good. N-gram drafts are looked up
+before deciding: ``adaptive_ngram.py``.
 """
 
 from __future__ import annotations
@@ -164,10 +149,8 @@ class AdaptiveK:
         token count says), the cost table and the measured speedup (``observe_realized``).
 
         A held plain step (``PLAIN_HOLD``) only adds its time to the probe budget, except every ``LIGHT_EVERY``-th,
-        which is measured in full. Why: a plain step of an adaptive engine should cost what a plain engine's does,
-        and this bookkeeping (medians, the cost table's curve) was the larger part of what an adaptive engine that
-        never speculated added to each step; timed every step, it was measurably slower than plain decoding
-        (``scripts/adaptive_ab.py``, variant ``never``). One step in eight still keeps the tables current."""
+        which is measured in full: this bookkeeping (medians, the cost table's curve) is most of what an adaptive
+        engine adds to a plain step, and a plain step should cost what a plain engine's does."""
         if r.held:
             self._held_steps += 1
             if self._held_steps % LIGHT_EVERY:
@@ -263,12 +246,11 @@ class AdaptiveK:
 
     def predicted_rate(self, b: int, k: int, alpha: float, lag: float = 1.0) -> float:
         """Predicted tokens per second of a step of ``b`` decodes with ``k`` drafts each. ``lag``: tokens per
-        sequence the draft has not seen yet. Its first forward catches up on them: 1-2 after a speculative step,
-        more after plain steps. That catch-up is the price of switching speculation back on, paid once for the
-        steps that follow, so it is spread over a trial's worth of them (``TRIAL_STEPS``): charged to one step, it
-        would grow with every plain step and keep speculation off where it pays. A drafter with forwards (a draft
-        model, or the EAGLE head through ``eagle.HeadRunner``) is priced from its own cost table, timed at start-up
-        and refreshed by every proposal; n-gram lookup, which runs no forward, by its last measured lookup."""
+        sequence the draft has not read yet (1-2 after a speculative step, more after plain ones). Catching up on
+        them is the price of switching speculation back on, paid once, so it is spread over ``TRIAL_STEPS`` steps:
+        charged to one step, it would grow with every plain step and keep speculation off where it pays. A drafter
+        with forwards (a draft model, the EAGLE head through ``eagle.HeadRunner``) is priced from its cost table;
+        n-gram lookup by its last measured lookup."""
         # Only a fraction `hit` of the sequences asked for drafts get any (n-gram lookup finds no match for
         # the others; a draft model always proposes): they alone add verify tokens and gain tokens.
         hit = (self._got + 4) / (self._asked + 4)  # a prior of 4 hits in 4 until measured
@@ -320,25 +302,19 @@ class AdaptiveK:
     def probe_due(self) -> bool:
         """A probe may run: ``probe_every`` plain choices since the last one, and probes have added at most
         ``PROBE_BUDGET`` (0.2%) to the decode time of roughly the last thousand steps (``PROBE_DECAY``). A
-        draft-model probe first catches the draft up on every token it skipped, so at a large batch one probe
-        can cost a third of a step; the budget keeps the price of staying informed below what a measurement
-        can see."""
+        draft-model probe first catches the draft up on every token it skipped, which is dear at a large batch:
+        the budget keeps the price of staying informed below what a measurement can see."""
         return (self.plain_choices - self.last_probe >= self.probe_every
                 and self.probe_extra_s <= PROBE_BUDGET * self.decode_s)
 
     def measured_allows(self, num_decodes: int) -> bool:
-        """The cost model says speculate; do the measured steps of this batch size agree? Keep a few plain
-        steps in the mix (every 8th until the batch size has a plain time, then every 32nd) and speculate
-        only while the measured speculative steps beat them by the margin (``_beats``; a trial stops after 4
-        steps that lose outright). Once overruled, try again after 32, 64, ... (at most 1024) plain steps,
-        with a fresh trial of 8 speculative steps: a batch size where speculation loses then costs little,
-        and one where it starts to win (acceptance rose, an unlucky first trial) is found again.
-
-        A bucket's first trial waits for a plain step of its own (``plain_step_s`` at a batch size in the bucket):
-        measured against a plain time scaled from another batch size, the trial reads the scaling's error as
-        speedup. With the draft model, the first speculative steps at 16 sequences against a plain time scaled
-        from 8 read 1.17-1.36x, those after a plain step at 16 was measured 1.03-1.05x, and the trial passed the
-        10% margin on the first few (``scripts/adaptive_trace.py``): speculation ran at 16, where it loses."""
+        """The cost model says speculate; do the measured steps of this batch size agree? Keep a few plain steps
+        in the mix (every 8th until the batch size has a plain time, then every 32nd) and speculate only while the
+        measured speculative steps beat them by the margin (a trial stops after 4 steps that lose outright). Once
+        overruled, retry after 32, 64, ... (at most 1024) plain steps with a fresh trial: a batch size where
+        speculation loses then costs little, and one where it starts to win is found again. A bucket's first trial
+        waits for a plain step of its own: against a plain time scaled from another batch size, the trial would
+        read the scaling's error as speedup."""
         margin = self.cfg.margin
         bucket = num_decodes.bit_length()
         on = self.realized.get(bucket, ())

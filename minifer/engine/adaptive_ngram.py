@@ -4,9 +4,9 @@ N-gram lookup costs almost nothing, so with ``"ngram"`` the engine looks first a
 sequences have a draft and how long a match found it (a 4-token match is accepted far more often than a 1-token
 one; acceptance is measured per match length), and verifies only the drafts predicted to pay (``plan_drafts``).
 At large batches it skips even the lookups when recent match statistics say they cannot pay, and holds that
-decision for ``PLAIN_HOLD`` steps like a clear plain one (deciding it cost 30-50 us a step here). With no request
-waiting for a slot it speculates only in steps where every decoding sequence has a draft: a sequence that speeds
-ahead alone frees a slot nobody takes, and the batch still ends with its slowest sequence.
+decision for ``PLAIN_HOLD`` steps like a clear plain one. With no request waiting for a slot it speculates only in
+steps where every decoding sequence has a draft: a sequence that speeds ahead alone frees a slot nobody takes, and
+the batch still ends with its slowest sequence.
 """
 
 from __future__ import annotations
@@ -23,8 +23,7 @@ class NgramAdaptiveK(AdaptiveK):
     drafts to verify."""
 
     def decide(self, batch: DecodeBatch, waiting: int = 1) -> Decision:
-        """The drafts are found first and the decision names those to verify (``choose_ngram``); a plain step
-        when even the lookups could not pay."""
+        """The drafts to verify, found before deciding (``choose_ngram``); a plain step if lookups cannot pay."""
         choice = self.choose_ngram(batch, waiting)
         if choice is None:  # a plain step without even the lookups
             return Decision(0)
@@ -66,12 +65,9 @@ class NgramAdaptiveK(AdaptiveK):
         """Before the lookups: would the step pay if its sequences matched as often, and as long, as recent
         lookups did (``match_seen``: lookups by the match length they found, 0 for none)? Verifying only the
         sequences of the best match lengths is allowed. Asked only at 8 or more sequences: below that the
-        lookups cost nothing worth saving.
-
-        ``require_all`` (nothing waiting: a step speculates only if every sequence has a draft): if every one
-        of ``b`` sequences finds a match less than one step in ten (``hit ** b < 0.1``, with ``hit`` the
-        recent share of lookups that found one), the lookups are not worth their cost — at 16 sequences they
-        take 1-2% of a step on the CPU, and a step that speculates gains 10-20%."""
+        lookups cost nothing worth saving. ``require_all`` (nothing waiting: a step speculates only if every sequence has a draft): if all ``b``
+        sequences find a match less than one step in ten (``hit ** b < 0.1``, ``hit`` the recent share of
+        lookups that found one), the lookups are not worth their cost."""
         seen, b = self.match_seen, num_decodes
         margin = self.cfg.margin if margin is None else margin
         total = seen.total()
@@ -94,11 +90,8 @@ class NgramAdaptiveK(AdaptiveK):
         """Prompt lookup is nearly free, so look up every decoding sequence first and decide knowing which ones
         have a draft and how long a match found it (``alpha_for_match``). Returns the drafts to verify by row,
         the k cap, and whether this is a probe (one draft verified to keep the estimates current); None when
-        the lookups were not worth making at all (``ngram_may_pay``).
-
-        With no request ``waiting``, speculating for only some of the sequences does not pay: the ones that
-        speed ahead finish early and free slots nobody takes, and the batch still ends with its slowest
-        sequence. Then a step speculates only when every decoding sequence has a draft."""
+        the lookups were not worth making at all (``ngram_may_pay``). With no request ``waiting``, a step
+        speculates only when every decoding sequence has a draft (see the module docstring)."""
         if not self.calibrated:
             self.calibrate()
         k_max = self.cfg.num_speculative_tokens

@@ -62,14 +62,11 @@ class CostTable:
 
 def calibrate_decode(runner: ModelRunner, table: CostTable, max_tokens: int = 128, context: int = 64) -> None:
     """Fill ``table`` with ``runner``'s forwards shaped like decode steps, once, at start-up while every block is free:
-    1, 2, 4, ... scratch sequences with ``context`` cached tokens bring one new token each. Why decode-shaped: a
-    forward's time depends on how many sequences' caches it reads, not only on its token count; a table timed
-    on one long prompt chunk ran 15-20% under real decode steps of 64-128 tokens here, and made speculation
-    at 32 sequences look like a gain. Verify steps carry fewer sequences and more tokens each; at the same
-    token count they measured from about 0.6x to 1.35x a decode step here, so for them the table is a first
-    guess that their own steps refresh (and the measured trials overrule). Beyond ``max_tokens`` the table
-    extends linearly (``CostTable``). The cached values are left as the fresh cache has them (zeros): a
-    forward's time depends on the sizes it reads, not on the numbers."""
+    1, 2, 4, ... scratch sequences with ``context`` cached tokens bring one new token each. Decode-shaped because
+    a forward's time depends on how many sequences' caches it reads, not only on its token count (a table timed
+    on one long prompt chunk underrates decode steps). Verify steps, with fewer sequences and more tokens each,
+    differ too: for them the table is a first guess that their own steps refresh. The cached values stay zeros:
+    the time depends on the sizes read, not the numbers."""
     blocks, n = runner.blocks, 1
     # a small cache holds a shorter context (down to one token): the timing still has one sequence
     ctx = min(context, blocks.block_size * blocks.num_free_blocks - 1)

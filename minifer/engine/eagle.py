@@ -1,28 +1,23 @@
 """The EAGLE proposer (vLLM's ``"method": "eagle"`` and ``"eagle3"``): the draft head of ``minifer/models/eagle.py``
 run inside the engine, over its own one-layer paged KV cache.
 
-Where its inputs come from: the head at position ``t`` reads the target's last hidden state ``f_t`` and the
-token ``x_{t+1}``. The target computes ``f_t`` in the forward the engine runs anyway (prefill chunks, plain
-decode steps, verifications); ``ModelRunner.hidden_observers`` hands every forward's hidden states to
-``observe``, which keeps, per request, the features the head has not read yet. Nothing global: the proposer
-holds them, keyed by request id, and drops them on ``release``.
+The head at position ``t`` reads the target's last hidden state ``f_t`` and the token ``x_{t+1}``. The target
+computes ``f_t`` in the forwards the engine runs anyway (prefill chunks, decode steps, verifications);
+``ModelRunner.hidden_observers`` hands them to ``observe``, which keeps, per request, the features the head has not
+read yet. Nothing global: the proposer holds them by request id and drops them on ``release``.
 
-A proposal for a sequence of ``n`` tokens: the head reads ``(f_t, x_{t+1})`` for every position ``t`` it has not
-seen up to ``n - 2`` (the target has not computed ``f_{n-1}`` yet: the last token is what this step's forward
-brings), and its output at ``n - 2`` predicts ``f_{n-1}``, whose logits through the target's LM head give the first
-draft. Draft step ``j`` then reads the head's own predicted feature and the draft token before it, at position
-``n - 2 + j``. Those entries rest on guesses, so the head's cache is cut back to position ``n - 2`` after every
-proposal; the next proposal re-reads the positions the verification accepted, now with the target's real
-features (one catch-up chunk per sequence, batched with the others).
+A proposal for a sequence of ``n`` tokens: the head reads ``(f_t, x_{t+1})`` for every unread position up to
+``n - 2`` (``f_{n-1}`` comes only with this step's forward); its output there predicts ``f_{n-1}``, whose logits
+(``EagleHead.logits``) give the first draft. Draft step ``j`` reads the head's own predicted feature and the draft
+before it. Those entries rest on guesses, so the head's cache is cut back to position ``n - 2`` after every
+proposal; the next one re-reads the accepted positions with the target's real features (one catch-up chunk per
+sequence, batched).
 
-An EAGLE-3 head (vLLM's ``"method": "eagle3"``, ``split_eagle3``) reads the inputs of the target layers it names
-instead of ``f_t``: the proposer asks the target's model for them (``aux_hidden_state_layers``), keeps them as it
-keeps ``f_t``, and fuses them (``combine_hidden_states``) inside the timed catch-up forward, so the fusion is part of
-the head's price.
-
-A request whose first positions came from the prefix cache has no target features for them: its head cache
-starts at the first position with features (``base``), and attends only from there. Less context, still lossless:
-whatever the head drafts, the target verifies.
+An EAGLE-3 head (``split_eagle3``) reads the inputs of the target layers it names (``aux_hidden_state_layers``)
+instead of ``f_t`` and fuses them (``combine_hidden_states``) inside the timed catch-up forward, so the fusion is
+part of the head's price. A request whose first positions came from the prefix cache has no features for them: its
+head cache starts at the first position with features (``base``). Less context, still lossless: the target
+verifies whatever the head drafts.
 """
 
 from __future__ import annotations
@@ -256,8 +251,8 @@ class EagleProposer:
 class HeadRunner:
     """The head's forwards behind a draft model runner's interface (``blocks``, ``forward``, ``last_forward_s``), so
     that ``cost_table.calibrate_decode`` times them at start-up and the adaptive controller prices a proposal of
-    ``k`` tokens as it prices a draft model's: one catch-up forward and ``k - 1`` self-fed ones of the batch's size.
-    Without that price the head's drafting looked free, and adaptive k speculated at batch 16, where it loses."""
+    ``k`` tokens as it prices a draft model's: one catch-up forward and ``k - 1`` self-fed ones of the batch's size
+    (without that price the head's drafting would look free)."""
 
     def __init__(self, proposer: EagleProposer) -> None:
         self.proposer, self.blocks = proposer, proposer.blocks
@@ -278,15 +273,12 @@ class HeadRunner:
 
 
 class SelfFedSteps:
-    """The attention metadata of a proposal's self-fed steps, derived together.
-
-    Step ``j`` (1-based) of request ``r`` is one new token at position ``first[r] + j - 1``; its keys are the head's
-    cache up to there. ``_prepare`` allocated every slot the steps will write, so the first ``meta`` call gathers the
-    slot of every key of every step once and masks, for all steps at once, the keys past each step's position (they
-    read the null slot, which stays zero); a later step only picks its slice. ``PagedAttentionMetadata.build`` would
-    redo that from the block tables at every step (about twenty small tensor operations: on this model's one-layer
-    head, a third of a drafting forward). The work happens inside the first timed step, so the head's price keeps it.
-    """
+    """The attention metadata of a proposal's self-fed steps, derived together. Step ``j`` (1-based) of request
+    ``r`` is one new token at position ``first[r] + j - 1``, its keys the head's cache up to there. ``_prepare``
+    allocated every slot the steps write, so the first ``meta`` call gathers every step's key slots once and masks
+    the keys past each step's position (they read the null slot, which stays zero); a later step picks its slice
+    instead of rebuilding from the block tables (``PagedAttentionMetadata.build``), which is a large share of a
+    one-layer head's forward. The work happens inside the first timed step, so the head's price includes it."""
 
     def __init__(self, proposer: EagleProposer, rids: list[object], first: list[int], steps: list[int]) -> None:
         self.proposer, self.rids, self.first, self.steps = proposer, rids, first, steps

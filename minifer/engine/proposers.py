@@ -4,8 +4,8 @@
 - ``DraftModelProposer``: a small model with the target's tokenizer (``"draft_model"``), run ``k`` decode steps
   over its *own* paged KV cache.
 
-Both meet the speculator through ``DraftProposer`` (``propose``, ``rollback``, ``release``); ``speculative.py`` verifies
-what they propose.
+Both, and ``eagle.EagleProposer``, meet the speculator through ``DraftProposer`` (``propose``, ``rollback``,
+``release``); ``speculative.py`` verifies what they propose.
 """
 
 from __future__ import annotations

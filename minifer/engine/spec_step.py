@@ -1,11 +1,9 @@
 """The engine step with speculation: ``engine_step`` itself, run through two hooks, then the accepted drafts.
 
-A speculative step is the plain step with two differences, and only those are written here. Before the forward,
-the scheduled batch gets drafts (``Speculator.propose``) that the target scores in the same pass. After it, each
-sequence emits between 1 and ``k + 1`` tokens instead of one: the first is drawn from the row plain decoding
-samples from, so ``engine_step`` appends it as its own token; the accepted drafts after it are appended here, and
-the KV of the rejected ones is rolled back. ``engine_step`` runs unchanged, so the engine serves with the very
-step chapter 03 shows.
+Before the forward, the scheduled batch gets drafts (``Speculator.propose``) that the target scores in the same
+pass. After it, each sequence emits 1 to ``k + 1`` tokens: the first comes from the row plain decoding samples
+from, so ``engine_step`` appends it as its own; the accepted drafts after it are appended here, and the KV of the
+rejected ones is rolled back. ``engine_step`` runs unchanged: the engine serves with the very step chapter 03 shows.
 """
 
 from __future__ import annotations
@@ -87,9 +85,8 @@ def speculative_step(parts: StepParts, spec: Speculator, waiting: Callable[[], i
 
 
 def _verified_entries(sampled: list[Sequence], verified: list[tuple[list[int], torch.Tensor]]) -> list[list[tuple]]:
-    """Per sequence, (token, logprob, logprobs entry) of each token its verification emitted: one call for every
-    emitted token of the batch (a log-softmax per sequence would cost more than the verification itself at large
-    batches)."""
+    """Per sequence, (token, logprob, logprobs entry) of each token its verification emitted, computed in one call
+    for the whole batch (a log-softmax per sequence costs more than the verification at large batches)."""
     r = token_logprobs(torch.cat([rows for _, rows in verified]), [t for toks, _ in verified for t in toks],
                        [seq.params for seq, (toks, _) in zip(sampled, verified) for _ in toks])
     entries = list(zip(r.token_ids, r.sampled_logprob, r.logprobs))

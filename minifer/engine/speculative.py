@@ -1,29 +1,22 @@
 """Speculative decoding inside continuous batching (chapter 04).
 
-Decode is memory-bandwidth-bound: a forward pass over ``k + 1`` new tokens per sequence costs about as
-much as one token, as long as the batch is small. So each step, every decoding sequence may bring ``k``
-guessed tokens; the target scores the sequence's last token plus the guesses in one forward over the
-paged cache; :mod:`minifer.spec.rejection` keeps the longest acceptable prefix and adds one token of the
-target's own, so a step emits between 1 and ``k + 1`` tokens and the output is exactly what plain decoding
-would give (greedy: the same tokens; sampled: the same distribution).
+Decode is memory-bandwidth-bound: at small batches a forward over ``k + 1`` new tokens per sequence costs about as
+much as one. So each step every decoding sequence may bring ``k`` guessed tokens; the target scores its last token
+plus the guesses in one forward over the paged cache, and :mod:`minifer.spec.rejection` keeps the longest acceptable
+prefix plus one token of the target's own: 1 to ``k + 1`` tokens, exactly what plain decoding would give (greedy:
+the same tokens; sampled: the same distribution). The KV of rejected guesses is rolled back
+(``BlockManager.truncate``), in the target's cache and the draft's.
 
-The proposers (``speculative_config["method"]``, vLLM's names; ``proposers.py``, ``eagle.py``): ``"draft_model"``,
-a small model with the same tokenizer running ``k`` decode steps over its *own* paged cache; ``"ngram"``,
-prompt-lookup decoding, free to compute, good on input-grounded text; ``"eagle"``, a head reading the target's
-hidden states.
+The proposers (``speculative_config["method"]``, vLLM's names): ``"draft_model"``, a small model with the same
+tokenizer and its own paged cache, and ``"ngram"``, prompt lookup (``proposers.py``); ``"eagle"``, a head reading
+the target's hidden states (``eagle.py``). Adaptive k (``"adaptive": True``, the default) lives in
+``adaptive_k.py``; this module proposes, verifies and rolls back, and with ``"adaptive": False`` speculates
+``num_speculative_tokens`` every step.
 
-Rejected guesses leave KV behind: the target's (and draft's) block tables are truncated back to the
-tokens that are really there, freeing blocks that the rollback empties (``BlockManager.truncate``).
-
-**Adaptive k** (``"adaptive": True``, the default) lives in ``adaptive_k.py``: a controller that decides each step's
-k from measured costs (``decide``) and learns from the step's ``StepRecord`` (``observe``). This module proposes,
-verifies and rolls back; with ``"adaptive": False`` it speculates ``num_speculative_tokens`` every step.
-
-Limits (documented, not hidden): requests whose distribution reads their history (a repetition, presence or
-frequency penalty, ``min_tokens``: ``SamplingParams.reads_history``) decode without speculation;
-with adaptive k, a seeded *sampled* request is distributed exactly as without speculation but its exact
-tokens depend on the k chosen each step (timing-based), so set ``"adaptive": False`` for bit-reproducible
-seeded sampling.
+Limits: requests whose distribution reads their history (penalties, ``min_tokens``:
+``SamplingParams.reads_history``) decode without speculation. With adaptive k a seeded *sampled* request is
+distributed exactly as without speculation, but its exact tokens depend on the k chosen each step (timing-based):
+set ``"adaptive": False`` for bit-reproducible seeded sampling.
 """
 from __future__ import annotations
 
@@ -161,7 +154,7 @@ class Speculator:
         ctl = self.adaptive
         if ctl is not None and sum(num_new) == len(seqs):
             # the fast path: a pure-decode step at a batch size whose plain decision is held, recognised without
-            # looking at each sequence (that alone cost 10-20 us a step at 16-64 sequences here)
+            # looking at each sequence
             held = ctl.held_step(len(seqs))
             if held is not None:
                 return SpecStep(self.record_choice(len(seqs), held))

@@ -1,33 +1,29 @@
 """An EAGLE-style draft head: one decoder layer that drafts from the target's own features (chapter 04).
 
-A separate draft model sees only tokens and must rebuild, in its own small width, what the target already
-knows. EAGLE (Li et al. 2024) drafts at the *feature* level instead: the target's last hidden state at
-position ``t`` (the vector its LM head turns into the next-token distribution) is already a rich summary of
-the text, so one layer is enough to extrapolate it one step. The head reads ``[f_t, embed(x_{t+1})]`` (the
-feature of position ``t`` and the token sampled from it: the feature alone does not say which token the
-sampling picked), fuses them with one linear map, runs one Llama decoder layer over its own KV cache and
-returns a predicted ``f_{t+1}``; an LM head turns it into the draft distribution of ``x_{t+2}``.
+A separate draft model sees only tokens and must rebuild, in its own small width, what the target already knows.
+EAGLE (Li et al. 2024) drafts at the *feature* level instead: the target's last hidden state at position ``t`` is
+already a rich summary of the text, so one layer is enough to extrapolate it one step. The head reads
+``[f_t, embed(x_{t+1})]`` (the feature alone does not say which token the sampling picked), fuses them with one
+linear map, runs one Llama decoder layer over its own KV cache and returns a predicted ``f_{t+1}``; an LM head turns
+it into the draft distribution of ``x_{t+2}``. To draft ``k`` tokens the head feeds itself: the predicted feature
+and the token drawn from it go back in.
 
-To draft ``k`` tokens the head feeds itself: the predicted feature and the token drawn from it go back in.
-The target's embedding is shared and frozen; the head stores the fusion map, the layer, a final norm and its
-own LM head over a **draft vocabulary** (EAGLE-3's ``draft_vocab_size``): the target tokens the target itself
-predicts most often on the training data. ``d2t`` maps a draft id to its target id the way EAGLE-3's checkpoints
-and vLLM do (``target = draft + d2t[draft]``, an offset per draft id); ``t2d`` marks the target ids it covers.
-``logits`` scatters the draft logits into the target's vocabulary with ``-inf`` elsewhere, so a token outside the
-draft vocabulary is never proposed; that stays lossless because the target verifies every draft (it only costs
-acceptance where the target picks such a token: 5% of its greedy picks on held-out text for the shipped head's
-768 of 2048 tokens). The shipped head's MLP is narrower than the target's too (256 against 704): a drafting
-forward streams every weight of the head, so its weights per token, 0.077 of the target's, set its price.
+The target's embedding is shared and frozen; the head stores the fusion map, the layer, a final norm and its own LM
+head over a **draft vocabulary** (EAGLE-3's ``draft_vocab_size``): the target tokens the target itself predicts most
+often on the training data. ``d2t`` maps a draft id to its target id as EAGLE-3's checkpoints and vLLM do
+(``target = draft + d2t[draft]``); ``t2d`` marks the target ids it covers. ``logits`` gives every id outside the
+draft vocabulary ``-inf``, so it is never proposed: that costs acceptance where the target picks such a token, never
+correctness (the target verifies every draft). The head's MLP may be narrower than the target's: a drafting forward
+streams every weight of the head, so its weight bytes set its price.
 
-EAGLE-3 (Li et al. 2025) feeds the head more than the last layer: the target's low, middle and high features
-(vLLM's ``eagle_aux_hidden_state_layer_ids``; the inputs of layers 2, 6 and 9 of the bundled 12-layer target), fused
-by one linear map (``combine``, ``3 * hidden -> hidden``) into the feature the head reads in place of ``f_t``. The last
-layer is tuned to the next token only; earlier layers still carry what the tokens after it need. A fused head is
-method ``"eagle3"`` and shipped apart (``tinystories-target-eagle3``); whether the fusion pays on this small model is
-the benchmark's question (``minifer.bench.eagle``).
+EAGLE-3 (Li et al. 2025) feeds the head the target's low, middle and high features (vLLM's
+``eagle_aux_hidden_state_layer_ids``), fused by one linear map (``combine``, ``3 * hidden -> hidden``) into the
+feature read in place of ``f_t``: the last layer is tuned to the next token only, earlier ones still carry what the
+tokens after it need. A fused head is method ``"eagle3"`` (shipped as ``tinystories-target-eagle3``);
+``minifer.bench.eagle`` measures whether the fusion pays.
 
-The head's attention goes through the same ``AttentionBackend`` as the target's layers: the engine hands it
-a paged cache (``minifer.engine.proposers.EagleProposer``), training a contiguous causal one.
+The head's attention goes through the same ``AttentionBackend`` as the target's layers: the engine hands it a paged
+cache (``minifer.engine.eagle.EagleProposer``), training a contiguous causal one.
 """
 
 from __future__ import annotations
@@ -191,7 +187,7 @@ def load_eagle_head(path: str | Path, target: LlamaForCausalLM, dtype: torch.dty
                     max_positions: int | None = None, fused: bool | None = None) -> EagleHead:
     """A trained head from ``path`` (a folder with ``config.json`` and ``model.safetensors``), bound to ``target``
     (whose hidden size and vocabulary it must share), on the target's device. A head saved without its own LM head
-    and ``d2t`` (the first heads read the target's full LM head) gets the target's, over the whole vocabulary.
+    and ``d2t`` gets the target's, over the whole vocabulary.
     ``fused``: the method asked for an EAGLE-3 head (True, ``"eagle3"``) or an EAGLE one (False, ``"eagle"``): the
     two read different target features, so a head of the other kind is an error, not a silent swap."""
     from safetensors.torch import load_file

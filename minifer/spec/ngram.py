@@ -26,10 +26,9 @@ def ngram_propose(token_ids: Sequence[int], k: int, prompt_lookup_max: int, prom
     (The occurrence may overlap the pattern itself: in ``a b a b a b`` the pattern ``a b`` last occurred
     two tokens earlier and is followed by ``a b``.)
 
-    Cost: candidates are narrowed one token at a time, from the positions that hold the last token (one
-    vectorised pass over the sequence) to those that also hold the one before it, and so on, so a call is
-    O(len(token_ids)) for a bounded ``prompt_lookup_max``. vLLM's proposer finds the longest match with KMP
-    and, among equally long matches, takes the earliest; this one takes the most recent.
+    Cost: O(len(token_ids)) for a bounded ``prompt_lookup_max`` (one vectorised pass finds the positions of the
+    last token, then each longer ``n`` narrows them). vLLM's proposer finds the longest match with KMP and,
+    among equally long matches, takes the earliest; this one takes the most recent.
     """
     return ngram_match(token_ids, k, prompt_lookup_max, prompt_lookup_min)[0]
 

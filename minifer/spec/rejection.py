@@ -1,9 +1,8 @@
 """Verifying draft tokens: the step that makes speculative decoding lossless.
 
-A cheap proposer (a draft model, or n-gram lookup) guesses ``k`` tokens; the target model scores the
-context plus all ``k`` guesses in **one** forward pass, which yields its distribution at ``k + 1``
-positions: after the context, after draft token 1, ..., after draft token ``k``. This module turns those
-``k + 1`` distributions into the tokens the step emits, between 1 and ``k + 1`` of them:
+A cheap proposer guesses ``k`` tokens; the target scores the context plus all ``k`` guesses in **one** forward,
+which gives its distribution at ``k + 1`` positions (after the context, after draft token 1, ..., after draft token
+``k``). This module turns them into the 1 to ``k + 1`` tokens the step emits:
 
 * **greedy** (:func:`verify_greedy`): keep the drafts while each equals the target's argmax, then emit the
   target's own token, either at the first mismatch or, when all ``k`` matched, the **bonus** token after
