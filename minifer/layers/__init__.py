@@ -1,7 +1,6 @@
-"""The building blocks of the Llama family, as plain functions with small module wrappers.
+"""The Llama family's building blocks (RMSNorm, RoPE) as plain functions with small module wrappers.
 
-Chapter 00 teaches these; the exercises rebuild ``rms_norm``, ``apply_rotary`` and top-p sampling and are
-graded against these reference versions.
+Chapter 00 teaches them; its exercises rebuild ``rms_norm``, ``apply_rotary`` and top-p sampling against these.
 """
 
 from minifer.layers.norm import RMSNorm, rms_norm

@@ -1,13 +1,12 @@
 """Attention over a KV cache, behind a small interface the model calls once per layer.
 
-The model never knows how keys and values are stored: each forward receives an ``AttentionBackend``
-argument (no global context, unlike nano-vllm) whose ``attend`` writes the new keys/values of the step into
-its cache and returns the attention output for the new queries. Tokens travel *packed* — ``[N, heads,
-head_dim]`` for the N new tokens of the whole batch — so the same model code serves the padded static
-batches of chapter 00 and the paged, ragged batches of the engine chapters.
+The model never knows how keys and values are stored: each forward receives an ``AttentionBackend`` argument
+(no global context, unlike nano-vllm). Tokens travel *packed*, ``[N, heads, head_dim]`` for the N new tokens of
+the whole batch, so the same model code serves chapter 00's padded static batches and the engine's paged, ragged
+ones (``paged_attention.py``).
 
 ``ContiguousKVCache`` is the textbook layout: one ``[batch, kv_heads, max_len, head_dim]`` slab per layer,
-reserved for the longest possible sequence. Chapter 02 measures how much of it is wasted.
+reserved for the longest possible sequence; chapter 02 measures how much of it is wasted.
 """
 
 from __future__ import annotations
@@ -20,7 +19,9 @@ import torch.nn.functional as F
 
 class AttentionBackend(Protocol):
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """``q``: ``[N, Hq, D]``; ``k``, ``v``: ``[N, Hkv, D]`` for the N new tokens. Returns ``[N, Hq, D]``."""
+        """Write layer ``layer``'s new keys and values into the cache and return each new query's attention over
+        its sequence's keys up to its own position. ``q``: ``[N, Hq, D]``; ``k``, ``v``: ``[N, Hkv, D]``; returns
+        ``[N, Hq, D]``."""
         ...
 
 

@@ -1,29 +1,25 @@
-"""The decoder compiled by ``torch.compile`` (inductor), attention left opaque: the CPU's fused layer path (issue 28).
+"""The decoder compiled by ``torch.compile`` (inductor), attention left opaque: the CPU's fused layer path.
 
-At batch 1 on a small model, a decode step is not limited by arithmetic or by memory but by the ~25 separate
-eager ops each layer runs around its two matmuls (RMSNorm, the q/k/v split, RoPE, SwiGLU, residual adds): every op
-is a dispatch, an allocation and a pass over a tiny tensor. ``torch.compile`` traces the model's own eager code once
-and inductor fuses those element-wise ops into a few C++ loops, as vLLM compiles its models by default.
+At batch 1 on a small model a decode step is bound neither by arithmetic nor by memory but by the ~25 small eager
+ops each layer runs around its two matmuls (RMSNorm, the q/k/v split, RoPE, SwiGLU, residual adds), each a
+dispatch, an allocation and a pass over a tiny tensor. Inductor fuses them into a few C++ loops, as vLLM compiles
+its models by default.
 
-Attention is the part that cannot be traced: it reads and writes the paged cache through per-step metadata built
-in Python. As vLLM does, the graph calls it through one opaque custom op (``minifer::attend``) that looks up the
-step's attention backend in ``_current``, set around every compiled call (vLLM's "forward context"). The graph
-therefore does not depend on which cache or engine runs it, and the token count is a dynamic dimension, so a
-varied workload compiles a bounded number of graphs (one for a single token, one for any other count) instead
-of one per step. Weights stay module parameters the graph reads; with ``freezing`` inductor folds them in as
-constants, once, when it compiles.
+Attention cannot be traced: it reads the paged cache through per-step metadata built in Python. As in vLLM, the
+graph calls it through one opaque custom op (``minifer::attend``) that finds the step's backend in ``_current``,
+set around every call (vLLM's "forward context"), so the graph does not depend on the cache or engine that runs it.
+The token count is a dynamic dimension: two graphs (one token, any other count), not one per step. With
+``freezing`` inductor folds the weights in as constants when it compiles.
 
-Dynamo checks guards before every call to pick a graph, by default on every parameter of every layer: at batch 1
-that check cost more than a millisecond a step here, a large part of what compiling saves. As vLLM does, the guards
-on the modules are dropped (``skip_guard_on_all_nn_modules_unsafe``; the input shapes are still checked). That is
-safe only if no other model can reach these graphs, so each ``CompiledDecoder`` traces a function with its own code
-object (dynamo keeps its graphs per code object): two compiled models in one process never share a graph.
+Dynamo's guards on the modules' parameters are dropped (``skip_guard_on_all_nn_modules_unsafe``, as vLLM does;
+input shapes are still checked): checked before every call, they cost much of what compiling saves at batch 1. That
+is safe only if no other model reaches these graphs, so each ``CompiledDecoder`` traces a function with its own
+code object (dynamo keeps graphs per code object).
 
-This is a switch (``LLM(compilation_config={"level": 3})``; ``enforce_eager=True`` keeps the eager model): the model
-a learner reads is the eager one, and the suite checks that both give the same greedy tokens. Measured alone through
-the engine (``benchmarks/results/cpu_peer.json`` at 02ed262) it pays where overhead dominates, 1.19x at batch 1, and
-not at 16-64 slots (0.91x, 0.94x), where the step is its matrix products, attention's gathers and the engine's own
-work; compiling also takes tens of seconds, so it is off by default.
+A switch, off by default (``LLM(compilation_config={"level": 3})``; compiling takes tens of seconds;
+``enforce_eager`` keeps the eager model, the one a learner reads): the suite checks that both give the same greedy
+tokens. It pays where per-op overhead dominates (batch 1), not where a step is its matrix products
+(``benchmarks/results/cpu_peer.json``).
 """
 
 from __future__ import annotations
@@ -40,8 +36,8 @@ _current: list = []  # the attention backend of the forward in progress (a stack
 
 @torch.library.custom_op("minifer::attend", mutates_args=())
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int) -> torch.Tensor:
-    """``AttentionBackend.attend`` of the step's backend, as one op the compiler does not look into. It writes the
-    step's keys and values into that backend's cache (which is not an input of the graph, so no mutation to declare)."""
+    """The step's ``AttentionBackend.attend`` as one op the compiler does not look into. The cache it writes is not
+    a graph input, so there is no mutation to declare."""
     return _current[-1].attend(layer, q, k, v)
 
 
@@ -91,7 +87,7 @@ def _tracer(decoder: torch.nn.Module, opaque: _OpaqueAttention):
 
 
 def _own_code(fn, name: str):
-    """``fn`` with a code object of its own (see the module docstring: it keeps this model's graphs to itself)."""
+    """``fn`` with a code object of its own, so this model's graphs are its own (see the module docstring)."""
     code = fn.__code__.replace(co_name=name)
     return types.FunctionType(code, fn.__globals__, name, fn.__defaults__, fn.__closure__)
 

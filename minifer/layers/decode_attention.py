@@ -1,33 +1,22 @@
-"""Decode attention in length buckets, indexed once per step: the CPU's fast decode attention (issue 28).
+"""Decode attention in length buckets, indexed once per step: the CPU's fast decode attention.
 
-The reference (``paged_attention_reference``) attends a decode step as one dense group: every sequence's keys are
-gathered up to the batch's *longest* context and the rest is masked. In a continuous batch, contexts of 20 and 280
-tokens sit side by side; on the headline workload a sequence's context is on median 0.4-0.5 of the longest, so about
-half of what SDPA reads and multiplies is padding. It also builds its causal mask as booleans, which SDPA turns into
-an additive float mask again in every layer.
+The reference (``paged_attention_reference``) pads every sequence of a decode step to the batch's *longest*
+context; in a continuous batch contexts of 20 and 280 tokens sit side by side, so much of what SDPA reads and
+multiplies is padding.
 
-``BucketedDecodeIndex.build`` sorts a step's sequences by context length, longest first, and cuts them into a few
-buckets, each padded only to its own longest context (``length_buckets``), once per step, when the runner builds the
-step's metadata. It precomputes, for every layer to reuse: one concatenated gather index (each bucket's key slots,
-bucket after bucket, the cache's all-zero null slot where a key is masked), the row order, and each bucket's additive
-float mask (none at all for a bucket whose sequences all have its longest context: a batch of one needs no mask).
-A layer then runs two gathers for all buckets together, one SDPA call per bucket on views of them, and one
-permutation back to the batch's order (``bucketed_decode_attention``). The gathers write into two buffers that
-``BucketedDecodeIndexer`` keeps from step to step: a fresh megabyte-sized tensor per gather per layer is, with glibc's
-allocator, often a fresh ``mmap``, whose page faults cost more than the copy itself (measured: 0.8 ms instead of
-0.03 ms for one layer's 1 MB gather, on one thread).
+Here the sequences are sorted by context length and cut into a few buckets, each padded only to its own longest
+context (``length_buckets``): greedily, a new bucket starts where the (row, key) pairs it stops padding outnumber
+``BUCKET_COST_KEYS``, the measured cost of one more bucket. ``BucketedDecodeIndexer`` builds, once per step, what
+every layer reuses (one gather index, the row order, each bucket's additive float mask, where the reference converts
+its boolean mask again in every layer); a layer then runs two gathers, one SDPA call per bucket and one permutation
+back (``bucketed_decode_attention``). Masked keys read the cache's all-zero null slot, so stale or NaN data cannot
+leak, and the gather buffers are kept from step to step (a fresh megabyte-sized tensor is often a fresh ``mmap``,
+whose page faults cost more than the copy).
 
-A bucket costs one SDPA call, a slice or two and its share of the step's index more; the cut is greedy: walking
-the sorted lengths, a new bucket starts where the (row, key) pairs it stops padding outnumber ``BUCKET_COST_KEYS``.
-The value is measured, not derived: on one CPU thread, over decode batches of the headline workload, 512-1024
-were fastest at 16 and 64 rows (1.1x and 1.6-1.8x the reference's attention), 128 lost at 16 rows.
-
-Each sequence meets the same keys in the same order with fewer masked ones after them, so the greedy tokens are
-the reference's (the suite checks it); masked keys read the null slot, so stale or NaN data in free blocks cannot
-leak. It is a switch, ``LLM(compilation_config={"decode_attention": "bucketed"})``, off by default: the padded
-reference is the code chapter 02 teaches. It covers the decode rows of every step over a float cache on the CPU (in
-a mixed step the prompt chunks beside them stay on the reference, ``BucketedDecodeIndex.rest``); 8-bit caches and
-the GPU's Triton kernels stay as they are.
+Greedy tokens are the reference's (same keys, same order; the suite checks it). A switch, off by default
+(``LLM(compilation_config={"decode_attention": "bucketed"})``; chapter 02 teaches the padded reference), for the
+decode rows of any step over a float cache on the CPU: a mixed step's prompt chunks stay on the reference
+(``BucketedDecodeIndex.rest``); 8-bit caches and the GPU's Triton kernels attend their own way.
 """
 
 from __future__ import annotations
@@ -145,11 +134,10 @@ class BucketedDecodeIndexer:
 
 def bucketed_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                               index: BucketedDecodeIndex, into: torch.Tensor | None = None) -> torch.Tensor:
-    """Attention of the decode rows' queries (one new token per sequence; ``q`` ``[N, Hq, D]``, the step's packed
-    queries) over the paged float cache of one layer (``[blocks, block_size, Hkv, D]``, already holding this step's
-    keys). Returns ``[N, Hq, D]``: a decode-only step's output, or ``into`` (the rest of a mixed step's, which
-    ``index.rest`` gave) with the decode rows written in. The ``Hq / Hkv`` query heads sharing a KV head become that
-    head's query rows, so SDPA needs no GQA expansion of the keys."""
+    """Attention of the decode rows' queries (``q`` ``[N, Hq, D]``, the step's packed queries) over one layer's
+    paged float cache (``[blocks, block_size, Hkv, D]``, already holding this step's keys). Returns ``[N, Hq, D]``:
+    a decode-only step's output, or ``into`` (a mixed step's output for ``index.rest``) with the decode rows
+    written in. The query heads sharing a KV head become its query rows, so SDPA needs no GQA expansion."""
     hq, d = q.shape[1], q.shape[2]
     hkv = k_cache.shape[-2]
     keys = torch.index_select(k_cache.view(-1, hkv, d), 0, index.key_slots, out=index.keys)

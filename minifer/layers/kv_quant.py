@@ -1,32 +1,25 @@
 """A quantized KV cache: keys and values stored as 8-bit codes with one scale per token and head.
 
-Decode reads the whole KV cache of every sequence at every step, and the cache's size caps how many
-sequences fit at once (chapter 02). Storing it in 8 bits instead of 16 halves both: twice the sequences in
-the same memory, half the bytes per decode step. Attention dequantizes on the fly (``codes * scale``).
+Decode reads every sequence's whole KV cache at every step, and the cache's size caps how many sequences fit at
+once (chapter 02); 8 bits instead of 16 halve both. Attention dequantizes on the fly (``codes * scale``).
 
 Layout, per layer, beside the ``[num_blocks, block_size, kv_heads, head_dim]`` code tensor (int8, or fp8
 e4m3 kept as its uint8 bit pattern so that every index op works on any device):
 
     scales: float16 [num_blocks, block_size, kv_heads]      one per (token, head)
 
-Why per (token, head): a token's keys are written once and never change, so its scale can be chosen from
-its own values as it is written, with no re-quantization when a block fills up; and heads differ in range
-(some carry large outliers) so they do not share one. The scale costs 2 bytes per ``head_dim`` codes:
-(128 + 2) / 256 bytes of bf16 = 0.51 for a head_dim of 128.
+Per (token, head) because a token's keys never change once written, so its scale comes from its own values with
+no re-quantization as a block fills, and heads differ in range (some carry large outliers). The scale costs 2
+bytes per ``head_dim`` codes: (128 + 2) / 256 = 0.51 of bf16's bytes at a head_dim of 128.
 
 - ``int8``: symmetric, ``scale = absmax / 127``, codes in [-127, 127];
-- ``fp8`` (e4m3): ``scale = absmax / 448`` (e4m3's largest finite value), 3 mantissa bits: finer near zero,
-  coarser at the top, the format vLLM's ``kv_cache_dtype="fp8"`` uses.
+- ``fp8`` (e4m3, vLLM's ``kv_cache_dtype="fp8"``): ``scale = absmax / 448`` (e4m3's largest finite value),
+  3 mantissa bits: finer near zero, coarser at the top.
 
-``kv_cache_scales="head"`` instead keeps one *static* scale per (layer, head) for keys and one for values, as
-vLLM's per-tensor ``k_scale``/``v_scale`` do, so the cache holds exactly one byte per number: twice the sequences
-of a 16-bit cache, where per-token scales give 2 / (1 + 2 / head_dim) (1.94x at a head_dim of 64). The scales
-are calibrated once, at start-up, on a short text (:data:`CALIBRATION_TEXT`): the largest magnitude seen per
-head, times :data:`STATIC_HEADROOM`; a later value beyond that range saturates. The price is precision: one
-range must now serve every token. On the bundled model greedy decoding agrees with the 16-bit cache's at 93.9% of
-token positions with static int8 (99.2% with per-token scales) and 72.1% with static fp8 (86.8%), compared
-position by position (after a first difference the continuations differ, so this mixes the flip rate with how
-early flips come): e4m3's 3 mantissa bits lose more than int8's headroom does (``python -m minifer.course.kv_quant``).
+``kv_cache_scales="head"`` keeps instead one *static* scale per (layer, head) for keys and one for values (vLLM's
+``k_scale``/``v_scale``): exactly one byte per number. They are calibrated once, at start-up, on
+:data:`CALIBRATION_TEXT` (the largest magnitude seen per head, times :data:`STATIC_HEADROOM`; a later value beyond
+that saturates). The price is precision, one range for every token (``python -m minifer.course.kv_quant``).
 """
 
 from __future__ import annotations

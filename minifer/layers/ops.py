@@ -1,9 +1,8 @@
 """The per-token functions a decoder layer calls, as one value handed to the model's ``forward``.
 
-``LayerOps`` exists so that another implementation of RMSNorm or RoPE (its frequencies or its rotation; a learner's, chapter 00's exercises) can run
-inside the real model without monkey-patching a module: the engine passes its ``LayerOps`` with every forward, as it
-passes the attention backend, so two engines sharing one set of weights can use different functions at the same
-time. The defaults are minifer's references.
+``LayerOps`` lets another RMSNorm or RoPE (a learner's, chapter 00) run inside the real model without
+monkey-patching a module: the engine passes it with every forward, as it passes the attention backend, so two
+engines sharing one set of weights can use different functions at once. The defaults are minifer's references.
 """
 
 from __future__ import annotations

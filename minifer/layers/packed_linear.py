@@ -1,15 +1,13 @@
-"""Linear layers whose weights are stored the way the CPU's matmul kernels read them.
+"""Linear layers whose float weights are packed once, in the layout the CPU's matmul kernels read.
 
-``nn.Linear`` on the CPU hands its ``[out, in]`` float weight to the BLAS library on every call, and the library
-re-lays it out ("packs" it into the blocked order its inner loop reads) every time: for the bundled target's
-small matrices at 16-64 rows that repacking cost about as much as the multiplication itself (measured ~2x per
-call on an AMD EPYC, 1 thread). ``PackedLinear`` packs the weight once, with oneDNN (``mkldnn``), when the
-model is loaded, and multiplies through the packed copy. A single row (batch-1 decode) keeps the plain
-matrix-vector product, which needs no packing and was faster than oneDNN's call there: both copies are kept
-(twice the decoder's float weight memory; the course's models are small).
+On the CPU ``nn.Linear`` hands its ``[out, in]`` weight to the BLAS library, which re-lays it out ("packs" it into
+the blocked order its inner loop reads) on every call: for small matrices at a few dozen rows, about as much work as
+the multiplication. ``PackedLinear`` packs the weight once, with oneDNN (``mkldnn``), when the model is loaded. A
+single row (batch-1 decode) keeps the plain matrix-vector product, which needs no packing and is faster there, so
+both copies are kept (twice the decoder's float weight memory; the course's models are small).
 
-The reference eager model stays what a learner reads; this is a switch (``LLM(compilation_config=
-{"pack_weights": True})``), tested token-identical to it on greedy float32 generation.
+A switch (``LLM(compilation_config={"pack_weights": True})``), tested token-identical to the eager model on greedy
+float32 generation; the eager model stays what a learner reads.
 """
 
 from __future__ import annotations

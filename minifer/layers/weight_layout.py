@@ -1,18 +1,15 @@
-"""Float linear weights stored column-major, the layout a CPU matrix-vector product streams fastest (issue 28).
+"""Float linear weights stored column-major, the layout a CPU matrix-vector product streams fastest.
 
 ``nn.Linear`` keeps its weight row-major, ``[out, in]``, and computes ``x @ W.T``. For one row of ``x`` (batch-1
-decode) the BLAS library then runs a transposed matrix-vector product: each output is a dot product along a
-row, and every call first re-lays the matrix out for its inner loop. Stored column-major (the same ``[out, in]``
-values, strides ``(1, out)``), ``W.T`` is a contiguous ``[in, out]`` matrix and the product is the plain
-"``y += x[i] * column i``" loop, which streams the weights once, front to back. Measured on the bundled target's
-49 matrices (36 MB, distinct weights, out of L2; AMD EPYC, 1 thread): 1.74x faster at 1 row (2.54 vs 1.46 ms for
-all of them), 1.06x at 16 rows, 1.02x at 64 (``benchmarks/results/cpu_peer.json`` measures it through the engine).
+decode) the BLAS library then runs a transposed matrix-vector product and first re-lays the matrix out on every
+call. Stored column-major (the same ``[out, in]`` values, strides ``(1, out)``), ``W.T`` is a contiguous
+``[in, out]`` matrix and the product is the plain "``y += x[i] * column i``" loop, which streams the weights once,
+front to back. The gain is at one row; from 16 rows on there is little (``benchmarks/results/cpu_peer.json``).
 
-Nothing else changes: the parameters keep their shape and values, so the eager model code, ``state_dict`` and a
-learner's reading of ``nn.Linear`` are untouched; ``F.linear`` sees the strides and hands the library the layout.
-It is a switch (``LLM(compilation_config={"column_major_weights": True})``), tested token-identical to the eager
-model; it combines with ``pack_weights`` (whose single-row path multiplies the plain weight) and with the compiled
-decoder (inductor reads the strides of the weights it freezes).
+Nothing else changes: the parameters keep their shape and values, so the model code, ``state_dict`` and
+``nn.Linear`` are untouched; ``F.linear`` sees the strides. A switch (``LLM(compilation_config=
+{"column_major_weights": True})``), tested token-identical to the eager model; it combines with ``pack_weights``
+(whose single-row path multiplies the plain weight) and with the compiled decoder (inductor reads the strides).
 """
 
 from __future__ import annotations

@@ -1,15 +1,12 @@
 """Finding and loading checkpoints: bundled names, local HF folders, hub ids, and dummy weights.
 
-``resolve_model`` turns what the user wrote into a local folder:
+``resolve_model`` turns what the user wrote into a local folder: a bundled name (``"tinystories-target"``) ->
+``minifer/assets/models/NAME``; an existing local HF checkpoint directory; otherwise a Hugging Face hub id
+(``"Qwen/Qwen3-0.6B"``), downloaded with ``huggingface_hub``, with a clear message when the hub cannot be reached.
 
-1. a bundled name (``"tinystories-target"``, ``"tinystories-draft"``) -> ``minifer/assets/models/NAME``;
-2. an existing local directory (an HF checkpoint: ``config.json`` + safetensors + tokenizer files);
-3. otherwise a Hugging Face hub id (``"Qwen/Qwen3-0.6B"``), downloaded with ``huggingface_hub`` — with a
-   clear message, not a stack trace, when the hub cannot be reached.
-
-``load_format="dummy"`` (vLLM's name) builds the real architecture with random weights: benchmarks then
-use real model *shapes* with no download. The configs of a few real models ship in
-``minifer/assets/configs`` for that, so ``LLM("Qwen/Qwen3-0.6B", load_format="dummy")`` works offline.
+``load_format="dummy"`` (vLLM's name) builds the real architecture with random weights: real model *shapes* for
+benchmarks, with no download. A few real models' configs ship in ``minifer/assets/configs``, so
+``LLM("Qwen/Qwen3-0.6B", load_format="dummy")`` works offline.
 """
 
 from __future__ import annotations
@@ -33,10 +30,8 @@ _bundled_used: set[Path] = set()
 
 
 def note_bundled(path: str | Path) -> None:
-    """Remember that this process read a bundled checkpoint folder (``path`` or the folder holding it).
-
-    Why: a benchmark's result records a fingerprint of what it ran; with this record it names the checkpoints it
-    actually read, so retraining one bundled model does not mark every other model's results stale."""
+    """Remember that this process read a bundled checkpoint folder (``path`` or the folder holding it), so a
+    benchmark's fingerprint names only the checkpoints it read: retraining one does not stale every result."""
     p = Path(path).resolve()
     if p.is_relative_to(_BUNDLED_ROOT) and p != _BUNDLED_ROOT:
         _bundled_used.add(_BUNDLED_ROOT / p.relative_to(_BUNDLED_ROOT).parts[0])
@@ -203,7 +198,7 @@ def build_model(path: Path, *, load_format: str, dtype: torch.dtype, device: tor
 
 
 def load_tokenizer(path: Path):
-    """transformers' AutoTokenizer on the checkpoint folder (None when a dummy config has no tokenizer)."""
+    """transformers' AutoTokenizer of the folder (None when a dummy config has no tokenizer)."""
     if path.suffix == ".json" or not any((path / f).is_file() for f in ("tokenizer.json", "tokenizer.model",
                                                                         "tokenizer_config.json")):
         return None
@@ -216,8 +211,8 @@ def load_tokenizer(path: Path):
 
 
 def chat_token_ids(tokenizer, messages: list[dict[str, str]]) -> list[int]:
-    """The prompt of a conversation: the tokenizer's chat template with the assistant's turn opened. transformers
-    4.x returns a list of ids here, 5.x a ``BatchEncoding`` (a mapping with ``input_ids``); both are accepted."""
+    """The prompt of a conversation: the chat template with the assistant's turn opened (transformers 4.x returns
+    a list of ids, 5.x a ``BatchEncoding``)."""
     from collections.abc import Mapping
 
     ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)

@@ -1,9 +1,8 @@
 """int4 checkpoints in the GPTQ layout, the way in from vLLM's and transformers' world: ``load_gptq``.
 
-A GPTQ checkpoint made elsewhere loads if it fits minifer's int4: 4 bits, ``g_idx == k // group_size`` (no act-order
-permutation), a Llama/Qwen architecture minifer builds (``LLM(folder)``: ``load_model`` routes it here). Decoder
-linears a checkpoint left unquantized load as ordinary linears. Writing such a folder is offline work
-(``minifer.compress.gptq_export.save_gptq``, the folder drawn there).
+A GPTQ checkpoint made elsewhere loads (``LLM(folder)``, through ``load_model``) if it fits minifer's int4: 4 bits,
+``g_idx == k // group_size`` (no act-order permutation), an architecture minifer builds. Decoder linears it left
+unquantized load as ordinary linears. Writing one is offline work (``minifer.compress.gptq_export.save_gptq``).
 """
 
 from __future__ import annotations
@@ -55,9 +54,8 @@ def _read_gptq_config(path: Path) -> dict[str, Any]:
 
 def load_gptq(path: str | Path, *, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu",
               max_positions: int | None = None) -> nn.Module:
-    """Build the architecture of config.json and fill it from a GPTQ checkpoint: each quantized linear is
-    unpacked into minifer's int4 (``from_gptq``), q/k/v and gate/up are fused as for any checkpoint
-    (``fuse_checkpoint``), and the model is filled as ``load_quantized`` fills its own layout."""
+    """Build the architecture of config.json and fill it from a GPTQ checkpoint: each quantized linear unpacked
+    into minifer's int4 (``from_gptq``), then fused (``fuse_checkpoint``) and filled as ``load_quantized`` does."""
     path = Path(path)
     qc = _read_gptq_config(path)
     model = build_model(path, load_format="dummy", dtype=dtype, device=torch.device(device),

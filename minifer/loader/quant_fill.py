@@ -42,9 +42,8 @@ def copy_checkpoint_files(source: str | Path | None, path: str | Path) -> Path:
 
 def fill_quantized(model: nn.Module, qcfg: QuantizationConfig, tensors: dict[str, torch.Tensor],
                    path: Path) -> nn.Module:
-    """Replace every layer of ``qcfg.layers`` by a ``QuantLinear`` of its tensors in ``tensors`` (minifer's
-    names and layout), checked against the architecture, and copy the rest; the model ends on its own
-    device and dtype. Shared by both checkpoint layouts (``load_quantized``, ``gptq_checkpoint.load_gptq``)."""
+    """Replace every layer of ``qcfg.layers`` by a ``QuantLinear`` of its tensors (minifer's names and layout),
+    checked against the architecture, and copy the rest; the model keeps its device and dtype."""
     param = next(model.parameters())
     device, dtype = param.device, param.dtype
     for name, spec in qcfg.layers.items():

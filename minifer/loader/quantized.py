@@ -17,14 +17,13 @@ A quantized checkpoint is a folder::
         model.embed_tokens.weight, model.layers.{i}.*norm.weight, model.norm.weight,
         lm_head.weight (absent when tied)           in the model's dtype
 
-The projections stay fused (``qkv_proj``, ``gate_up_proj``), as minifer runs them; so the folder is not a
-transformers checkpoint (transformers would look for ``q_proj``), and ``quantization_config`` lives in its
-own file rather than in ``config.json``, where transformers would try to interpret it. For a folder vLLM and
-transformers read, write int4 models with ``minifer.compress.save_gptq`` (the GPTQ layout, offline).
+The projections stay fused, as minifer runs them, so this is not a transformers checkpoint, and
+``quantization_config`` has its own file, where transformers will not try to interpret it. For a folder vLLM and
+transformers read, write int4 models in the GPTQ layout (``minifer.compress.save_gptq``, offline).
 
-``LLM(folder)`` loads such a folder, and a GPTQ checkpoint, transparently (``load_model``). Loading trusts
-nothing: every layer of ``quantization_config.json`` must exist in the architecture with the recorded shape,
-and its tensors must match each other (``QuantizedWeight.validate``); a mismatch raises ``ModelLoadError`` naming the tensor.
+``LLM(folder)`` loads such a folder, or a GPTQ checkpoint (``load_model``). Loading trusts nothing: every layer
+must exist in the architecture with the recorded shape and its tensors must agree (``QuantizedWeight.validate``);
+a mismatch raises ``ModelLoadError`` naming the tensor.
 """
 
 from __future__ import annotations
@@ -54,9 +53,7 @@ def is_quantized_checkpoint(path: str | Path) -> bool:
 
 def save_quantized(model, path: str | Path, source: str | Path | None = None) -> Path:
     """Write a quantized model (an ``LLM`` or a quantized ``LlamaForCausalLM``) as the folder drawn above.
-
-    ``source`` is the checkpoint folder the model came from (its config.json and tokenizer files are
-    copied); an ``LLM``'s own ``model_path`` by default."""
+    ``source``: the folder whose config and tokenizer files are copied (by default an ``LLM``'s ``model_path``)."""
     model, source = unwrap_llm(model, source)
     qcfg: QuantizationConfig | None = getattr(model, "quantization_config", None)
     if qcfg is None:
@@ -74,10 +71,8 @@ def save_quantized(model, path: str | Path, source: str | Path | None = None) ->
 
 def load_quantized(path: str | Path, *, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu",
                    max_positions: int | None = None) -> nn.Module:
-    """Build the architecture of ``config.json`` and fill it from a folder written by ``save_quantized``.
-
-    The model is first built with dummy weights (``build_model``: the same construction, RoPE tables and
-    tying as a normal load), then every quantized layer is replaced and every other tensor overwritten."""
+    """Build the architecture of ``config.json`` with dummy weights (``build_model``: the same construction, RoPE
+    tables and tying as a normal load), then fill it from a folder written by ``save_quantized``."""
     path = Path(path)
     try:
         qcfg = QuantizationConfig.from_dict(json.loads((path / CONFIG_FILE).read_text()))

@@ -1,12 +1,11 @@
 """The Llama / Qwen2 / Qwen3 decoder, small enough to read in one sitting.
 
-Each layer: ``x + Attention(RMSNorm(x))`` then ``x + MLP(RMSNorm(x))``. Attention projects to q, k, v in
-one fused matmul (fewer, larger matrix products run faster; checkpoints store them separately and the
-loader concatenates them), optionally normalises q and k per head (Qwen3), rotates them (RoPE) and hands
-them to the ``AttentionBackend`` that owns the KV cache. The MLP is SwiGLU with gate and up fused.
+Each layer: ``x + Attention(RMSNorm(x))`` then ``x + MLP(RMSNorm(x))``. Attention projects to q, k, v in one
+fused matmul (fewer, larger matrix products run faster), optionally normalises q and k per head (Qwen3), rotates
+them (RoPE) and hands them to the ``AttentionBackend`` that owns the KV cache. The MLP is SwiGLU, gate and up fused.
 
-Parameter names follow transformers' so that a checkpoint's tensors map onto this model one to one
-(``loader.py`` does the fusing).
+Parameter names follow transformers', so a checkpoint's tensors map onto this model one to one once
+``loader.fuse_checkpoint`` has concatenated the separately stored q/k/v and gate/up.
 """
 
 from __future__ import annotations
@@ -84,9 +83,8 @@ class LlamaModel(nn.Module):
         self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.rotary = RotaryEmbedding(cfg.head_dim, max_positions, cfg.rope_theta, cfg.rope_scaling)
-        # vLLM's ``aux_hidden_state_layers``: an EAGLE-3 head reads the inputs of these layers (the residual stream
-        # after layers ``i - 1``); empty unless a head asks, and then every forward leaves them, in order, in
-        # ``aux_hidden_states`` (the runner's contract is one hidden state, so they ride beside it)
+        # vLLM's ``aux_hidden_state_layers``: an EAGLE-3 head reads these layers' inputs; empty unless a head asks,
+        # then every forward leaves them, in order, in ``aux_hidden_states`` (the runner returns one hidden state)
         self.aux_hidden_state_layers: tuple[int, ...] = ()
         self.aux_hidden_states: list[torch.Tensor] | None = None
 
@@ -109,9 +107,9 @@ class LlamaModel(nn.Module):
 
 class LlamaForCausalLM(nn.Module):
     """``forward`` maps packed tokens ``[N]`` (with their positions) to final hidden states ``[N, hidden]``;
-    ``compute_logits`` projects only the rows that need a next token (usually one per sequence), which
-    saves a ``vocab x hidden`` matmul for every prompt token during prefill. ``ops`` (``LayerOps``): the RMSNorm and
-    RoPE functions the layers call, minifer's unless the engine was given others (a learner's, ``LLM(components=)``)."""
+    ``compute_logits`` projects only the rows that need a next token (usually one per sequence), saving a
+    ``vocab x hidden`` matmul per prompt token. ``ops`` (``LayerOps``): the RMSNorm and RoPE functions the layers
+    call, minifer's unless the engine was given others (``LLM(components=)``)."""
 
     def __init__(self, cfg: ModelConfig, max_positions: int | None = None) -> None:
         super().__init__()

@@ -1,10 +1,9 @@
 """Weight-only quantization formats: int8, int4 (group-wise, symmetric or with zero points) and fp8.
 
-Decode reads every weight once per generated token, so its speed is bytes of weights over memory
-bandwidth (chapter 01). Storing weights in fewer bits cuts those bytes; activations stay in bf16/fp32 and
-the weights are dequantized on the fly, in registers, by the fused kernels of
-``minifer/kernels/quant_matmul.py``. This module is the pure-PyTorch half: the formats, quantize /
-dequantize, and ``quant_linear_reference``, the CPU path and the kernels' oracle.
+Decode reads every weight once per generated token, so its speed is bytes of weights over memory bandwidth
+(chapter 01). Fewer bits per weight cut those bytes; activations stay in bf16/fp32 and the fused kernels of
+``minifer/kernels/quant_matmul.py`` dequantize the weights on the fly. This module is the pure-PyTorch half: the
+formats, quantize / dequantize, and ``quant_linear_reference``, the CPU path and the kernels' oracle.
 
 Weights keep ``nn.Linear``'s layout, ``W: [N, K]`` (out_features x in_features), and ``y = x @ W^T``.
 
@@ -82,10 +81,8 @@ class QuantizedWeight:
                                self.shape)
 
     def validate(self, check_values: bool = True) -> QuantizedWeight:
-        """Check every field against the others (a checkpoint's scales must match its weights); return self.
-
-        Raises ``ValueError`` naming the first mismatch. ``check_values=False`` checks shapes, dtypes and
-        devices only: no GPU-to-CPU synchronisation, so it can run on every call of a kernel."""
+        """Check every field against the others; return self, or raise ``ValueError`` naming the first mismatch.
+        ``check_values=False`` checks shapes, dtypes and devices only: no GPU sync, so it can run on every call."""
         if self.fmt not in FORMATS:
             raise ValueError(f"unknown quantization format {self.fmt!r}; expected one of {FORMATS}")
         if len(self.shape) != 2 or any(not isinstance(d, int) or d <= 0 for d in self.shape):
@@ -240,8 +237,7 @@ def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
 
 def dequantize(qw: QuantizedWeight, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """The full-precision ``[N, K]`` weight the codes stand for (computed in float32, returned in ``dtype``).
-    Shapes and dtypes are checked on every call; the values were checked once, when the weight was built or
-    loaded (``QuantLinear``, ``load_quantized``): this runs in every CPU forward of a quantized layer."""
+    Every CPU forward runs this, so only shapes and dtypes are checked; values were checked at build or load."""
     qw.validate(check_values=False)
     if qw.fmt == "int4":
         q = unpack_int4(qw.qweight).float()
@@ -253,9 +249,8 @@ def dequantize(qw: QuantizedWeight, dtype: torch.dtype = torch.float32) -> torch
 
 
 def quant_linear_reference(x: torch.Tensor, qw: QuantizedWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``x @ dequantize(qw)^T (+ bias)`` for ``x: [..., K]``, accumulated in float32 and returned in ``x.dtype``.
-
-    The CPU path of a quantized linear layer and the oracle the Triton kernels are tested against."""
+    """``x @ dequantize(qw)^T (+ bias)`` for ``x: [..., K]``, accumulated in float32 and returned in ``x.dtype``:
+    the CPU path of a quantized linear layer and the oracle the Triton kernels are tested against."""
     n, k = qw.shape
     if x.shape[-1] != k:
         raise ValueError(f"x has {x.shape[-1]} features but the weight expects K={k}")

@@ -18,10 +18,9 @@ stores it as is. Symmetric int4 has zero point 8 everywhere, so a v1 ``qzeros`` 
 cannot store a zero point of 0 (it would be -1, which a 4-bit field cannot hold): an asymmetric group whose
 values are all >= 0 has one (``formats.py`` widens a group's range to include 0), so such a weight needs v2.
 
-Why 4 bits only, and why ``desc_act=False``: ``minifer.compress.gptq``'s act-order keeps every group's columns
-contiguous along K ("static groups"), so ``g_idx`` is always ``k // g`` and the checkpoint is the plain layout
-every kernel reads fastest. A checkpoint made elsewhere with a permuted ``g_idx`` is refused by ``from_gptq``
-rather than silently misread.
+Groups are always contiguous (``desc_act=False``, ``g_idx == k // g``): ``minifer.compress.gptq``'s act-order keeps
+each group's columns together ("static groups"), the plain layout every kernel reads fastest. A checkpoint with a
+permuted ``g_idx`` is refused by ``from_gptq`` rather than silently misread.
 """
 
 from __future__ import annotations
@@ -54,8 +53,8 @@ def check_gptq_shape(name: str, n: int, k: int, group_size: int) -> None:
 def from_gptq(tensors: dict[str, torch.Tensor], group_size: int, symmetric: bool,
               checkpoint_format: str = "gptq", name: str = "weight") -> QuantizedWeight:
     """The ``QuantizedWeight`` a GPTQ layer's ``qweight``/``qzeros``/``scales``/``g_idx`` stand for (inverse of
-    ``minifer.compress.gptq_export.to_gptq``, up to the float16 rounding of the scales). ``symmetric``: the checkpoint's ``sym``; its zero
-    points must then all be 8. Raises ``ValueError`` naming what does not fit minifer's int4."""
+    ``minifer.compress.gptq_export.to_gptq`` up to the scales' float16 rounding). ``symmetric``: the checkpoint's
+    ``sym`` (zero points all 8). Raises ``ValueError`` naming what does not fit minifer's int4."""
     if checkpoint_format not in CHECKPOINT_FORMATS:
         raise ValueError(f"{name}: checkpoint_format must be one of {CHECKPOINT_FORMATS}, got {checkpoint_format!r}")
     missing = [t for t in ("qweight", "qzeros", "scales") if t not in tensors]

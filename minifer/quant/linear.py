@@ -1,30 +1,21 @@
 """``QuantLinear``: a decoder's linear layer holding quantized weights, and the kernel seam it multiplies through.
 
-Which layers. Every ``nn.Linear`` of the decoder layers — ``self_attn.qkv_proj``, ``self_attn.o_proj``,
-``mlp.gate_up_proj``, ``mlp.down_proj`` — becomes a ``QuantLinear``. They are 89% of the bundled target's
-parameters and 82% of Qwen3-1.7B's, and a decode step reads all of them once per token. Two layers stay in
-the model's dtype, as in GPTQ, AWQ and vLLM's defaults:
+Every ``nn.Linear`` of the decoder layers (``qkv_proj``, ``o_proj``, ``gate_up_proj``, ``down_proj``) becomes a
+``QuantLinear``: most of the parameters (89% of the bundled target's), all read once per decoded token. Two layers
+stay in the model's dtype, as in GPTQ, AWQ and vLLM's defaults: ``embed_tokens`` is a lookup (a step reads one row
+per token, so quantizing it saves memory, not bandwidth), and ``lm_head`` writes the logits directly, with no later
+layer to average its error away (with tied embeddings it *is* ``embed_tokens``).
 
-- ``embed_tokens`` is a lookup: a step reads one row per token, not the matrix, so quantizing it saves
-  memory but no bandwidth;
-- ``lm_head`` writes the logits directly: its error is not averaged away by later layers, and the softmax
-  over the whole vocabulary makes it the most sensitive projection (with tied embeddings it *is*
-  ``embed_tokens``).
+``QuantLinear`` multiplies through the ``QuantKernel`` the engine hands in: ``LLM`` passes
+``minifer.kernels.quant_linear``, the fused Triton dequantize-matmul on CUDA. The default,
+``quant_linear_reference``, dequantizes to float32 on every call and caches nothing: slower than ``nn.Linear``,
+but the model holds only the quantized bytes that ``weight_bytes`` counts.
 
-CPU and GPU. ``QuantLinear`` multiplies through a ``QuantKernel`` the engine hands in: ``LLM`` passes
-``minifer.kernels.quant_linear``, which on CUDA (with Triton) calls the fused dequantize-matmul kernel of
-``minifer.kernels.quant_matmul`` (it reads the packed codes and never materialises the full weight). On
-the CPU, and by default, it runs ``quant_linear_reference``: the weight is dequantized to float32 on every call and nothing
-is cached. That is slower than a plain ``nn.Linear`` (it is there for correctness, not speed) but honest:
-the model holds only the quantized bytes that ``weight_bytes`` counts.
-
-Serving int8 on the CPU. Dequantizing first makes int8 *slower* than float32 there. ``int8_cpu_linear`` instead
-multiplies on PyTorch's own int8 matmul (``torch._int_mm``, oneDNN on the CPU): it rounds each token's
-activations to 8 bits with the token's own scale ("dynamic" W8A8, vLLM's per-token scheme) and multiplies them by
-the weight codes in integers, kept once in the ``[K, N]`` layout the kernel reads (same bytes, another order). That is a second approximation, of the activations, on top of the
-weights' rounding, so it is not token-identical to the reference; ``tests/quant`` bounds its teacher-forced
-log-probability error. ``LLM(quantization="int8")`` on the CPU uses it, while the quality benchmarks, which measure
-the *weight format*, keep the reference.
+On the CPU dequantizing first makes int8 *slower* than float32, so ``LLM(quantization="int8")`` there uses
+``int8_cpu_linear``: each token's activations rounded to 8 bits with their own scale (vLLM's dynamic per-token W8A8),
+multiplied by the weight codes in integers (``torch._int_mm``). Rounding the activations too, it is not
+token-identical to the reference (``tests/quant`` bounds its log-probability error); the quality benchmarks, which
+measure the *weight format*, keep the reference.
 """
 
 from __future__ import annotations
@@ -108,8 +99,8 @@ _PACKED: dict[int, tuple[weakref.ref, int, torch.Tensor]] = {}  # id(codes) -> (
 
 
 def _codes_kn(qw: QuantizedWeight) -> torch.Tensor:
-    """The weight codes of ``qw`` as ``[K, N]``, contiguous: the layout the integer matmul reads without
-    repacking on every call. Kept for as long as the codes live (and redone if they change in place)."""
+    """``qw``'s codes as a contiguous ``[K, N]`` copy, the layout ``torch._int_mm`` reads without repacking; kept
+    while the codes live (redone if they change in place)."""
     codes = qw.qweight
     hit = _PACKED.get(id(codes))
     if hit is None or hit[0]() is not codes or hit[1] != codes._version:
@@ -120,10 +111,9 @@ def _codes_kn(qw: QuantizedWeight) -> torch.Tensor:
 
 
 def int8_cpu_linear(x: torch.Tensor, qw: QuantizedWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """A ``QuantKernel`` for int8 weights on the CPU: each row of ``x`` is rounded to int8 with its own scale
-    (absmax / 127, per token as vLLM's dynamic W8A8), multiplied by the weight codes in integers
-    (``torch._int_mm``: int8 x int8 -> int32, oneDNN's kernel), then rescaled by both scales. Other formats and
-    devices go to the reference."""
+    """A ``QuantKernel`` for int8 weights on the CPU: each row of ``x`` rounded to int8 with its own scale
+    (absmax / 127), multiplied by the codes in integers (int8 x int8 -> int32), rescaled by both scales. Other
+    formats and devices go to the reference."""
     if qw.fmt != "int8" or x.device.type != "cpu":
         return quant_linear_reference(x, qw, bias)
     rows = x.reshape(-1, x.shape[-1]).float()  # (few ops: at a small model's sizes each op's overhead shows)
@@ -155,17 +145,11 @@ def set_module(model: nn.Module, name: str, module: nn.Module) -> None:
 
 
 def weight_bytes(model: nn.Module) -> dict[str, int]:
-    """Bytes of the weights the model actually stores, in three parts (a tensor shared by two modules, as
-    tied embeddings are, counts once; RoPE tables and the KV cache are not weights and do not count):
-
-    - ``decoder_linears``: the decoder layers' projection matrices — for a ``QuantLinear`` its codes, scales
-      and zero points (``QuantizedWeight.nbytes``), for an ``nn.Linear`` its weight; biases excluded;
-    - ``embed_lm_head``: ``embed_tokens`` and ``lm_head`` (kept in the model's dtype);
-    - ``other``: norm weights and biases.
-
-    ``*_params`` count the parameters each part stands for (``N x K`` for a quantized matrix), so the bytes
-    of any other format are ``params x bytes per parameter`` (bf16: 2).
-    """
+    """Bytes of the weights the model stores (a shared tensor, as tied embeddings, counts once), in three parts:
+    ``decoder_linears`` (the projection matrices: a ``QuantLinear``'s codes, scales and zero points, an
+    ``nn.Linear``'s weight; no biases), ``embed_lm_head``, and ``other`` (norm weights and biases). ``*_params``
+    count the parameters each part stands for (``N x K`` for a quantized matrix): other formats' bytes are
+    ``params x bytes per parameter``."""
     linear_names = set(decoder_linears(model))
     out = dict.fromkeys(("decoder_linears", "decoder_linears_params", "embed_lm_head", "embed_lm_head_params",
                          "other", "other_params"), 0)

@@ -1,17 +1,15 @@
 """``quantize_model``: weight-only quantization of a loaded decoder, in place, by round-to-nearest.
 
-A calibrated method (GPTQ) is an offline step that runs once before serving, as vLLM leaves it to llm-compressor
-and GPTQModel: it lives in ``minifer.compress``, which hands its per-layer quantizer in through ``calibrate``; the
-engine core never imports it, and serves its results like any other quantized checkpoint.
+A calibrated method (GPTQ) is an offline step before serving, as vLLM leaves it to llm-compressor and GPTQModel:
+it lives in ``minifer.compress``, which hands its per-layer quantizer in through ``calibrate``; the engine core never
+imports it.
 
-Group sizes. int4 scales groups of ``group_size`` consecutive inputs (``formats.py``), so the group must
-divide K. A power-of-two ``group_size`` that does not divide a layer's K falls back, for that layer only,
-to the largest power of two that does (``gcd``): the bundled target's ``down_proj`` has K = 704 = 11 x 64,
-so "int4 g128" runs it at g64, and the returned ``QuantizationConfig`` lists every layer's group. The
-fallback stops at ``MIN_FALLBACK_GROUP`` (32): a smaller group stores a float32 scale per few codes (group 2
-costs 2.5 bytes a weight, more than bf16) and the GPU's ``tl.dot`` kernels need whole 32-code K-steps. Any
-other ``group_size`` that does not divide K, and an odd K (no two codes to pack), raise ``ValueError`` naming
-the layer.
+int4 groups must divide K. A power-of-two ``group_size`` that does not divide a layer's K falls back, for that
+layer only, to the largest power of two that does: the bundled target's ``down_proj`` has K = 704 = 11 x 64, so
+"int4 g128" runs it at g64 (the ``QuantizationConfig`` lists every layer's group). The fallback stops at
+``MIN_FALLBACK_GROUP`` (32): smaller groups spend too much on scales (group 2 costs 2.5 bytes a weight, more than
+bf16) and the GPU's ``tl.dot`` kernels need whole 32-code K-steps. Any other group size that does not divide K,
+and an odd K, raise ``ValueError`` naming the layer.
 """
 
 from __future__ import annotations
@@ -109,8 +107,7 @@ def quantize_model(model: nn.Module, method: str = "int8", group_size: int = 128
             symmetric)`` (``groups``: module name -> int4 group size): it replaces the linears itself and returns
             what it saw, with its ``"method"`` (``minifer.compress.gptq_quantize_model`` passes GPTQ's).
 
-    The model is changed in place; the returned ``QuantizationConfig`` lists what was quantized and how (it
-    is also stored as ``model.quantization_config``).
+    Returns the ``QuantizationConfig`` of what was quantized and how, also stored as ``model.quantization_config``.
     """
     check_quantization(method, group_size)
     if hasattr(model, "quantization_config"):
