@@ -1,17 +1,11 @@
 """Model configuration read straight from a checkpoint's ``config.json``.
 
-minifer runs the Llama family: ``LlamaForCausalLM``, ``Qwen2ForCausalLM`` and ``Qwen3ForCausalLM`` (and
-``MistralForCausalLM`` without sliding windows, which is the same graph). The three differ only in a few
-switches, which this dataclass names explicitly so the model code reads as one architecture:
-
-- Qwen2 adds a bias to the q/k/v projections;
-- Qwen3 normalises q and k per head (RMSNorm) before RoPE, and its ``head_dim`` need not equal
-  ``hidden_size / num_attention_heads``;
-- Llama 3.1+ rescales the RoPE frequencies (``llama3`` scaling); small models tie the embedding and
-  output matrices.
-
-Published checkpoints write RoPE settings as ``rope_theta`` / ``rope_scaling``; transformers 5 writes a
-``rope_parameters`` dict. Both are read.
+minifer runs the Llama family: ``LlamaForCausalLM``, ``Qwen2ForCausalLM``, ``Qwen3ForCausalLM`` (and
+``MistralForCausalLM`` without sliding windows, the same graph). They differ in a few switches, named here so
+that the model code reads as one architecture: Qwen2 adds q/k/v biases; Qwen3 RMSNorms q and k per head before
+RoPE, and its ``head_dim`` need not be ``hidden_size / num_attention_heads``; Llama 3.1+ rescales RoPE
+(``llama3`` scaling); small models tie the embedding and output matrices. RoPE settings are read from
+``rope_theta`` / ``rope_scaling`` or from transformers 5's ``rope_parameters``.
 """
 
 from __future__ import annotations
@@ -131,15 +125,10 @@ class ModelConfig:
 
 
 def auto_dtype(device: Any) -> Any:
-    """What ``dtype="auto"`` means on ``device`` (a ``torch.device``).
-
-    - CPU: float32. bfloat16 matmuls there are slow on most laptops and round differently from a GPU's.
-    - A GPU of compute capability 8.0 or newer (A100, L4, H100/H200: Ampere, Ada, Hopper): bfloat16, the
-      dtype Qwen3 and Llama checkpoints are published in, with float32's exponent range.
-    - Older GPUs (T4 is 7.5, V100 7.0): float16. They have no bfloat16 tensor cores or arithmetic, so
-      bfloat16 would be emulated, and Triton compiles its dots for them on the CUDA cores either way.
-      ``torch.cuda.is_bf16_supported()`` is not the test: it answers True on a T4 because torch can emulate it.
-    """
+    """What ``dtype="auto"`` means on ``device``: float32 on the CPU (bfloat16 matmuls there are slow and round
+    differently from a GPU's); bfloat16 from compute capability 8.0 (Ampere and later), the dtype the checkpoints
+    are published in; float16 below (T4, V100: no bfloat16 hardware). ``torch.cuda.is_bf16_supported()``
+    is not the test: it says True on a T4, where torch emulates bfloat16."""
     import torch
 
     if device.type != "cuda":

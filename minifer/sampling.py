@@ -5,10 +5,9 @@ Each step turns the model's next-token logits into one token per sequence:
     logits -> logit_bias -> min_tokens -> repetition, frequency and presence penalties -> / temperature
            -> top-k -> top-p -> min-p -> softmax -> draw
 
-The processors are plain functions on a ``[batch, vocab]`` tensor with one parameter per row, so a batch
-can mix greedy and sampled requests. ``temperature == 0`` means greedy (argmax after the penalty). Every
-request may carry its own ``seed``: it then draws from its own ``torch.Generator`` and reproduces exactly,
-whatever else shares its batch.
+Each processor is a plain function on ``[batch, vocab]`` logits with one parameter per row, so a batch mixes
+greedy (``temperature == 0``: the argmax after the penalties) and sampled requests. A request with its own ``seed``
+draws from its own ``torch.Generator`` and reproduces exactly, whatever shares its batch.
 """
 
 from __future__ import annotations
@@ -55,10 +54,9 @@ def _list_of(items: object, ok) -> bool:
 class SamplingParams:
     """How to sample one request. Defaults are vLLM's (note ``max_tokens=16``).
 
-    Every field is checked here, types included (a bool is not an integer, a string is not a number), so that a
-    value that would fail inside a step is refused up front: a step samples a whole batch, and one bad row would
-    fail every request in it. Two values are adjusted rather than refused, as vLLM does: a temperature in
-    ``(0, 0.01)`` becomes 0.01 (with a warning), and ``stop`` given as one string becomes a list."""
+    Every field is checked here, types included: a step samples a whole batch, and one bad row would fail every
+    request in it. As in vLLM, a temperature in ``(0, 0.01)`` is raised to 0.01 (with a warning) and a single
+    ``stop`` string becomes a list."""
 
     n: int = 1  # completions of the prompt: n sequences that share its KV blocks (``engine/sequence.py``)
     temperature: float = 1.0
@@ -174,13 +172,11 @@ class SamplingParams:
 class BeamSearchParams:
     """How to beam-search one prompt (vLLM's ``BeamSearchParams``; run by ``LLM.beam_search``).
 
-    ``beam_width`` beams are kept; each prompt returns its ``beam_width`` best finished sequences, ranked by
-    ``cum_logprob / num_output_tokens ** length_penalty``: 1.0 (the default) ranks by the mean log-probability
-    per token, 0 by the sum, which favours short outputs, and more than 1 favours long ones. The search is
-    deterministic and ranks by the model's own log-probabilities, so ``temperature`` (kept for vLLM's signature)
-    must be 0, as transformers ignores it when it does not sample. ``beam_width=1`` makes greedy decoding's choices
-    until greedy would stop: where EOS is the most likely token, it keeps that finished hypothesis, goes on with
-    the next-best token, and returns whichever scores better with the length penalty."""
+    Each prompt returns its ``beam_width`` best finished sequences, ranked by ``cum_logprob / num_output_tokens **
+    length_penalty`` (1.0: the mean log-probability per token; 0: the sum, favouring short outputs; above 1 favours
+    long ones). The search is deterministic, so ``temperature`` (kept for vLLM's signature) must be 0.
+    ``beam_width=1`` follows greedy decoding until greedy would stop on EOS; it then keeps that finished hypothesis,
+    goes on with the next-best token, and returns whichever scores better."""
 
     beam_width: int
     max_tokens: int
@@ -216,9 +212,8 @@ class Logprob:
 
 
 def apply_repetition_penalty(logits: torch.Tensor, seen: torch.Tensor, penalty: torch.Tensor) -> torch.Tensor:
-    """CTRL-style penalty on every token already in the prompt or output (``seen``: bool ``[B, V]``):
-    positive logits are divided by the penalty, negative ones multiplied, so seen tokens become less likely
-    for ``penalty > 1`` whatever their sign."""
+    """CTRL's penalty on tokens already in the prompt or output (``seen``: bool ``[B, V]``): positive logits are
+    divided by it, negative ones multiplied, so ``penalty > 1`` makes them less likely whatever their sign."""
     p = penalty[:, None].to(logits.dtype)
     penalized = torch.where(logits > 0, logits / p, logits * p)
     return torch.where(seen, penalized, logits)
@@ -235,9 +230,8 @@ def apply_logit_bias(logits: torch.Tensor, params: list[SamplingParams]) -> torc
 
 
 def greedy_argmax(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
-    """The token greedy sampling picks from each row of one request's ``logits``: the argmax after its
-    ``logit_bias``, taken in float32 as :func:`sample` does (in bf16, rounding the biased logits could tie two
-    tokens that float32 tells apart). Speculative decoding's drafts and verification use it."""
+    """Greedy's token for each row of one request's ``logits``: the argmax after its ``logit_bias``, in float32 as
+    :func:`sample` takes it (bf16 rounding could tie tokens that float32 tells apart). Speculative decoding uses it."""
     if params.logit_bias:
         return apply_logit_bias(logits.float(), [params] * logits.shape[0]).argmax(-1)
     return logits.argmax(-1)
@@ -348,9 +342,8 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[
 
 def sample_sequences(seqs: list, logits: torch.Tensor, fast_greedy: bool = True) -> SampleResult:
     """One token per sequence (each brings its ``params``, ``generator`` and tokens so far), as :func:`sample` draws
-    it. A batch whose every row is plain greedy (no bias, penalty, truncation or logprobs) takes the argmax and its
-    log-probability directly: what ``sample`` returns for it, without the per-row tensors of its processors, which on
-    a small model are a visible share of a step. ``fast_greedy=False`` always goes through ``sample``."""
+    it. An all-plain-greedy batch takes the argmax and its log-probability directly: the same result without the
+    processors' per-row tensors, a visible share of a small model's step. ``fast_greedy=False``: always ``sample``."""
     if fast_greedy and all(_plain_greedy(s.params) for s in seqs):
         raw = logits.float()
         tokens = raw.argmax(dim=-1)
@@ -411,10 +404,9 @@ def token_logprobs(logits: torch.Tensor, tokens: list[int], params: list[Samplin
 
 def history_tensors(seqs: list, vocab: int, device: torch.device
                     ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
-    """What the history-dependent processors read, for sequences (``minifer.engine.sequence.Sequence``), built only
-    when a row needs it: ``seen`` (every token so far, for the repetition penalty), ``counts`` (output tokens, for
-    the frequency and presence penalties) and ``banned`` (the row's EOS and stop tokens while it has fewer than
-    its ``min_tokens`` outputs). Nothing is read or built for rows without them: most steps return three Nones."""
+    """The history-dependent processors' inputs for ``Sequence`` rows, each built only when a row needs it:
+    ``seen`` (all tokens so far: repetition penalty), ``counts`` (output tokens: frequency and presence penalties),
+    ``banned`` (EOS and stop tokens of rows still short of ``min_tokens``). Most steps get three Nones."""
     seen = counts = banned = None
     if not any(s.params.reads_history for s in seqs):
         return seen, counts, banned

@@ -1,34 +1,26 @@
 """Beam search over the paged KV cache: beams fork by sharing blocks and copy one only when they write to it.
 
-Beam search keeps the ``beam_width`` most likely continuations (*beams*) of a prompt. At every step each beam
-proposes next tokens and the best ``beam_width`` proposals over all beams survive, so a beam may have several
-children (it forks) or none (it dies). With a contiguous cache a fork copies the parent's whole cache: HF
-transformers' ``reorder_cache`` gathers every layer's keys and values along the beam axis at every step. On a
-paged cache a fork copies the parent's *block table* and raises its blocks' reference counts
-(``BlockManager.fork``): beams share every block they have in common, which for beams that split late is
-almost all of them. Shared blocks are read-only. The one block a beam writes next, its last and partly filled
-one, is copied when a second sharer is about to write into it (``BlockManager.copy_on_write``, then
-``PagedKVCache.copy_blocks``): copy-on-write, as in the vLLM paper (Kwon et al. 2023, §4.4). Chapter 02
-measures what it saves.
+Beam search keeps the ``beam_width`` most likely continuations (*beams*) of a prompt; at every step the best
+``beam_width`` proposals over all beams survive, so a beam may fork (several children) or die (none). With a
+contiguous cache a fork copies the parent's whole cache (HF's ``reorder_cache`` gathers every layer's keys and
+values along the beam axis, every step). On a paged cache a fork copies the parent's *block table* and raises its
+blocks' reference counts (``BlockManager.fork``), so beams share every block they have in common. Shared blocks
+are read-only: a beam's last, partly filled block is copied only when a second sharer is about to write into it
+(``BlockManager.copy_on_write``, then ``PagedKVCache.copy_blocks``), the vLLM paper's copy-on-write (Kwon et al.
+2023, §4.4). Chapter 02 measures what it saves.
 
-The search is HF transformers' canonical one, ``generate(num_beams=w, early_stopping="never")``, which the
-tests use as the oracle. At every step:
+The search is HF transformers' ``generate(num_beams=w, early_stopping="never")``, the tests' oracle. Each step:
 
 1. every live beam's continuations are scored by cumulative log-probability, and the top ``K = 2w`` over all
-   beams are kept (``K = (1 + number of EOS tokens) * w`` with several EOS tokens, so that at least ``w`` are
-   not EOS);
-2. a continuation that ends in EOS, or reaches ``max_tokens``, *and* ranks in the top ``w`` becomes a
-   finished hypothesis with score ``cum_logprob / num_output_tokens ** length_penalty``; the best ``w``
-   finished hypotheses are kept;
+   beams kept (``(1 + number of EOS tokens) * w`` with several EOS tokens, so that at least ``w`` are not EOS);
+2. a continuation that ends in EOS or reaches ``max_tokens`` *and* ranks in the top ``w`` becomes a finished
+   hypothesis scored ``cum_logprob / num_output_tokens ** length_penalty``; the best ``w`` are kept;
 3. the best ``w`` continuations that did not finish are the next beams.
 
-A prompt is done when no live beam can still beat the worst of ``w`` finished hypotheses (its score can only
-fall as it grows, so the bound is exact), or at ``max_tokens``. Prompts are searched side by side: one forward
-per step carries every live beam of every prompt under way, and the prefills of prompts just admitted, within
-the scheduler's token budget.
-
-The names are vLLM's (``LLM.beam_search``, ``BeamSearchParams``, ``BeamSearchOutput``, ``BeamSearchSequence``):
-like vLLM's, a sequence's ``tokens`` hold the prompt too, and its ``text`` is all of them decoded.
+A prompt is done when no live beam can still beat the worst of ``w`` finished hypotheses (``_can_improve``), or
+at ``max_tokens``. Prompts are searched side by side: one forward per step carries every live beam of every prompt
+under way, and the prefills of prompts just admitted, within the scheduler's token budget. The names are vLLM's;
+as in vLLM, a sequence's ``tokens`` hold the prompt too, and its ``text`` is all of them decoded.
 """
 
 from __future__ import annotations

@@ -315,15 +315,11 @@ class BlockManager:
         heapq.heappush(self._free, bid)
 
     def _pop_free(self) -> int:
-        """The lowest-numbered free block. Why the lowest and not the longest free (a FIFO queue): the order in
-        which blocks come back depends on history (rollbacks, the order sequences finish, a start-up calibration
-        freeing its scratch blocks last-first), and a FIFO hands that order on, scattering a batch's KV over the
-        whole pool. On the CPU, where attention gathers the keys token by token, a decode step at 64 sequences runs
-        a few percent slower on a shuffled free list than on an ordered one (``python -m minifer.course.block_order``,
-        ``benchmarks/results/block_order.json``);
-        lowest-first keeps the blocks in use packed at the start of the pool whatever happened before. Cached
-        blocks, parked for prefix hits, are not in this heap: they go out least recently used first, once no free
-        block is left (``_take_free``)."""
+        """The lowest-numbered free block, not the longest free (a FIFO): blocks come back in an order that depends on
+        history (rollbacks, the order sequences finish), and a FIFO would hand it on, scattering a batch's KV over
+        the pool, which slows the CPU's token-by-token key gather (``python -m minifer.course.block_order``).
+        Lowest-first keeps the blocks in use packed at the start of the pool. Cached blocks are not in this heap:
+        they go out least recently used first, once no free block is left (``_take_free``)."""
         return heapq.heappop(self._free)
 
     def _take_free(self) -> int:

@@ -1,9 +1,9 @@
 """``Components``: every piece of the engine a caller may replace, in one value (``LLM(model, components=...)``).
 
-The engine's seams are separate ``LLM`` arguments (``block_allocator``, ``scheduler``, ``sampler``, ...); a course
-that builds the engine piece by piece hands them in together, and its pieces include what the model runs in every
-layer: RMSNorm, RoPE and the decoder layer's forward itself (``LayerOps``). A field left None keeps minifer's reference, so a ``Components`` with
-one field set runs exactly one replaced piece. The value is frozen: the same components can build several engines.
+A course that builds the engine piece by piece hands its pieces in together: the ``LLM`` seams
+(``block_allocator``, ``scheduler``, ``sampler``, ...) and what the model runs in every layer (``LayerOps``:
+RMSNorm, RoPE, the decoder layer's forward). A field left None keeps minifer's reference, so one field set runs
+exactly one replaced piece. The value is frozen: the same components can build several engines.
 """
 
 from __future__ import annotations
@@ -62,7 +62,7 @@ class Components:
         return {f.name: getattr(self, f.name) for f in fields(self) if getattr(self, f.name) is not None}
 
     def layer_ops(self) -> LayerOps | None:
-        """The layers' functions, or None when both are the reference (the engine may then use CUDA graphs)."""
+        """The layers' functions, or None when all are the reference (the engine may then use CUDA graphs)."""
         if self.rms_norm is None and self.apply_rotary is None and self.decoder_layer is None \
                 and self.rope_inv_freq is None:
             return None

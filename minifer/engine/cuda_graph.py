@@ -1,19 +1,15 @@
 """CUDA graphs for decode steps: record the whole decoder forward once per batch size, replay it.
 
-A decode step of a small model on a fast GPU is *launch-bound*: dozens of kernels per layer, each a few
-microseconds of work, each costing the CPU several microseconds to launch from Python. A CUDA graph
-records the launches once; replaying it is one call. vLLM captures graphs for a list of batch sizes and
-pads a step up to the next captured size; so does this module.
+A small model's decode step on a fast GPU is *launch-bound*: dozens of kernels per layer, each a few
+microseconds of work and several microseconds of Python to launch. A CUDA graph records the launches once;
+replaying it is one call. As in vLLM, graphs are captured for a ladder of batch sizes and a step is padded up to
+the next one.
 
-What makes a forward capturable: fixed tensor addresses and shapes (the inputs are copied into static
-buffers before each replay), no host synchronisation inside (the decode path is the Triton kernels of
-``minifer/kernels/paged_attention.py``, whose loops read context lengths on the GPU), and the
-attention metadata itself living in those static buffers. Padded rows write their keys and values to a
-scratch block of the cache and attend to one token of it; their outputs are discarded.
-
-Only pure decode steps replay graphs; steps with prompt chunks (or speculative verification, which
-brings several tokens per sequence) run eagerly. ``LLM(..., enforce_eager=True)`` (vLLM's name) turns
-graphs off.
+A forward is capturable with fixed tensor addresses and shapes (inputs, attention metadata included, are copied
+into static buffers before each replay) and no host synchronisation inside (the Triton kernels of
+``minifer/kernels/paged_attention.py`` read context lengths on the GPU). Padded rows write to a scratch block and
+attend to one token of it; their outputs are discarded. Only pure decode steps replay graphs; prompt chunks and
+speculative verification run eagerly. ``LLM(..., enforce_eager=True)`` (vLLM's name) turns graphs off.
 """
 
 from __future__ import annotations

@@ -1,16 +1,14 @@
 """Engine replicas behind one front: vLLM's ``data_parallel_size`` on the CPU's cores.
 
 Splitting every op over two OpenMP threads scales a small model's decode poorly: each op is a few microseconds
-of work, the threads meet at its end, and the Python between ops runs on one core anyway (1.1-1.4x measured on
-two cores; worse when another process holds a core, see ``bench.roofline.default_threads``). Two independent
-engines, one thread each in its own process, share nothing but the request list: that is how CTranslate2 uses
-two cores (``inter_threads``) and what vLLM's data parallelism does across GPUs.
+of work, the threads meet at its end, and the Python between ops runs on one core anyway. Two independent
+engines, one thread each in its own process, share nothing but the request list: how CTranslate2 uses two cores
+(``inter_threads``) and what vLLM's data parallelism does across GPUs.
 
-``EngineReplicas`` starts ``size`` processes, each building the same ``LLM`` with one torch thread, and splits a
-``generate`` call between them: longest request first, each to the replica with the fewest tokens assigned so
-far (a request's cost is its prompt plus ``max_tokens``, which the front knows). Outputs come back in the order of
-the prompts. Greedy outputs are those of one engine; a sampled request without its own ``seed`` draws from its
-replica's generator, so its text depends on which replica served it.
+``EngineReplicas`` starts ``size`` such processes and splits a ``generate`` call between them: longest request
+first (prompt plus ``max_tokens``), each to the replica with the fewest tokens so far; outputs come back in the
+order of the prompts. A sampled request without its own ``seed`` draws from its replica's generator, so its text
+depends on which replica served it.
 """
 
 from __future__ import annotations

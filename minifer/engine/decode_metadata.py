@@ -1,14 +1,12 @@
-"""The attention metadata of a pure decode step, built with a handful of tensor ops (issue 28's step overhead).
+"""The attention metadata of a pure decode step, built with a handful of tensor ops.
 
-``PagedAttentionMetadata.build`` handles any ragged batch: prompt chunks beside decodes, a causal mask per query, a
-slot for every new token through a ``repeat_interleave`` over the batch. That generality is what a learner reads,
-and it costs about thirty small tensor operations, ~0.3-0.5 ms a step on one CPU thread: on a small model, whose
-forward is about a millisecond, a large share of what a continuous-batching step costs beyond a static one (whose
-contiguous cache needs no block tables). When every sequence brings exactly one token, most of it is known in
-Python already: each new token sits at ``context - 1``, its slot is one lookup in its block table, the only group is
-the decode group, and a key is valid exactly when it is before the context's end. ``decode_metadata`` builds the
-same ``PagedAttentionMetadata`` (every tensor equal to ``build``'s, checked by the suite) from those facts, with the
-``arange``s it needs kept from step to step.
+``PagedAttentionMetadata.build`` handles any ragged batch (prompt chunks beside decodes, a causal mask per query, a
+slot for every new token through a ``repeat_interleave``). That generality is what a learner reads, and its thirty
+or so small tensor ops are a large share of a small model's decode step, a cost a static batch's contiguous cache
+does not pay. When every sequence brings one token, most of it is known in Python: each new token sits at
+``context - 1``, its slot is one block-table lookup, the only group is the decode group, and a key is valid exactly
+before the context's end. ``DecodeMetadataBuilder`` builds the same metadata from those facts (every tensor equal to
+``build``'s, checked by the suite), keeping its ``arange``s from step to step (``ModelRunner.fast_decode_metadata``).
 """
 
 from __future__ import annotations

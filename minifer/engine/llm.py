@@ -66,8 +66,7 @@ class LLM:
     Args:
         model: bundled name (``"tinystories-target"``), local HF checkpoint directory, or hub id.
         tokenizer: another folder to take the tokenizer from (default: the model's).
-        dtype: ``"auto"`` (float32 on CPU, bfloat16 on CUDA from compute capability 8.0, float16 below) or a
-            dtype name.
+        dtype: ``"auto"`` (``config.auto_dtype``: float32 on CPU, bfloat16 or float16 on CUDA) or a dtype name.
         device: ``"cpu"``, ``"cuda"`` or None for the best available.
         seed: seeds the draws of requests that carry no seed of their own.
         max_model_len: longest prompt + output (default: the model's ``max_position_embeddings``).
@@ -82,41 +81,29 @@ class LLM:
             "num_speculative_tokens": 4}`` or ``{"method": "ngram", "num_speculative_tokens": 4,
             "prompt_lookup_max": 4, "prompt_lookup_min": 1}``; ``"adaptive": False`` fixes k (chapter 04). ``"eagle"``
             / ``"eagle3"`` take a trained head as ``model`` (``"tinystories-target-eagle"``, ``"-eagle3"``).
-        kv_cache_dtype: ``"auto"`` (the model's dtype) or ``"int8"`` / ``"fp8"``: 8-bit keys and values with a
-            float16 scale per (token, head), about twice the sequences in the same memory (chapter 05).
-        kv_cache_scales: ``"token"`` (the default: a scale per token and head, chosen as it is written) or
-            ``"head"``: one static scale per layer and head, calibrated at start-up, exactly one byte per
-            number (vLLM's ``k_scale``/``v_scale`` are per layer).
+        kv_cache_dtype: ``"auto"`` (the model's dtype) or ``"int8"`` / ``"fp8"``: 8-bit keys and values, about
+            twice the sequences in the same memory (chapter 05).
+        kv_cache_scales: ``"token"`` (the default: a float16 scale per token and head, chosen as it is written)
+            or ``"head"`` (one static scale per layer and head, calibrated at start-up; vLLM's are per layer).
         enforce_eager: on CUDA, decode steps replay CUDA graphs unless this is True (vLLM's name).
         quantization: None, ``"int8"``, ``"int4"`` (g128, symmetric) or ``"fp8"``: weight-only, round-to-nearest
-            on load (chapter 05; ``minifer.quant``). A folder written by ``save_quantized`` loads quantized
-            without it.
-        max_logprobs: the most candidates ``logprobs`` and ``prompt_logprobs`` may ask for (vLLM's limit, 20 by
-            default: every candidate of every token is an object in the output).
-        quant_kernel: what quantized layers multiply through (``QuantKernel``, ``minifer.quant.linear``); by default
-            the Triton kernel on a CUDA GPU, on the CPU an integer matmul for int8 (``int8_cpu_linear``) and the
-            PyTorch reference for the other formats (``kernels.quant_kernel_for``).
+            on load (chapter 05; ``minifer.quant``); a folder written by ``save_quantized`` loads quantized anyway.
+        max_logprobs: the most candidates ``logprobs`` and ``prompt_logprobs`` may ask for (vLLM's limit).
+        quant_kernel: what quantized layers multiply through (``QuantKernel``, ``minifer.quant.linear``); default:
+            Triton on CUDA, on the CPU an integer matmul for int8 and the PyTorch reference for the other formats.
         data_parallel_size: vLLM's name: ``generate`` splits its requests over this many engine replicas, each a
             process with one torch thread (``engine.data_parallel``: on a CPU, the way to use a second core).
-        compilation_config: vLLM's name; minifer reads ``{"pack_weights": True}``: on the CPU, float linear layers
-            keep their weights packed for oneDNN's matmul (``layers.packed_linear``), tested token-identical to
-            the eager model; off by default, so the model a learner reads is the one that runs. ``{"level": 3}``
-            (or ``"mode"``): the decoder compiled by ``torch.compile``, attention left eager (``layers.compiled``;
-            the CPU, float weights; ``enforce_eager=True`` turns it off); 0, the default, keeps it eager.
-            ``{"column_major_weights": True}``: float linear weights re-stored column-major, the layout MKL reads
-            without re-laying it per call at one row (``layers.weight_layout``; combines with level 3).
-            ``{"decode_attention": "bucketed"}``: decode rows attend in length buckets indexed once per step, not
-            padded to the batch's longest context (``layers.decode_attention``; the CPU; ``"padded"``, the default).
+        compilation_config: vLLM's name; minifer reads the CPU options ``pack_weights``, ``level`` (or ``mode``),
+            ``column_major_weights`` and ``decode_attention`` (``engine.runner.compile_model`` says what each does).
+            All are off by default, so the model a learner reads is the one that runs.
         block_allocator, scheduler, sampler, proposer, verifier, attention_backend: the engine's seams
             (``LLMEngine`` lists their contracts); None builds the reference implementation a chapter shows.
         components: a ``Components`` holding any of those seams and ``quant_kernel``, plus the RMSNorm and RoPE
             functions the model's layers call (``rms_norm``, ``apply_rotary``): the course's way to run a learner's
             own pieces together (``minifer.course.workbench``). A piece may be given here or as an argument, not both.
         share_weights_with: another ``LLM`` of the same model, dtype, device and quantization whose loaded weights
-            (and draft model, when both use the same draft) this one uses instead of loading its own copy: two
-            engines to compare in one process (plain vs speculative, chapter 04). Separate copies of the same
-            weights can differ in speed by where they sit in memory (up to 2.5% measured on the CPU), which would
-            otherwise be read as a difference between the engines.
+            (and draft model, when both use the same draft) this one uses: two engines to compare in one process
+            (chapter 04), without separate copies, whose placement in memory alone can change their speed.
     """
 
     def __init__(self, model: str | Path, *, tokenizer: str | Path | None = None, dtype: str | torch.dtype = "auto",
@@ -198,8 +185,7 @@ class LLM:
     def _load_model(self, quantization: str | None, load_format: str, quant_kernel: QuantKernel | None,
                     max_positions: int, seed: int, quantizer: Callable[..., Any] | None = None) -> torch.nn.Module:
         """The target's weights (quantized as asked), its quantized layers on ``quant_kernel`` or the device's
-        default (``kernels.quant_kernel_for``: the Triton kernel on CUDA, int8's integer matmul on the CPU, else the
-        reference)."""
+        default (``kernels.quant_kernel_for``, else the reference)."""
         from minifer.kernels import quant_kernel_for
         from minifer.loader.quantized import load_model
         from minifer.quant.linear import (
@@ -395,10 +381,9 @@ class LLM:
 
     def beam_search(self, prompts: Prompt | SequenceT[Prompt], params: BeamSearchParams,
                     use_tqdm: bool = False) -> list[BeamSearchOutput]:
-        """Beam search for every prompt (vLLM's ``LLM.beam_search``): each returns its ``params.beam_width``
-        best finished sequences, best first. The beams fork by sharing KV blocks and copy a block only when they
-        write into a shared one (``engine/beam_search.py``, chapter 02). Runs on the paged cache of an idle
-        engine: not while other requests are under way or a server owns the engine."""
+        """Beam search for every prompt (vLLM's ``LLM.beam_search``): each returns its ``params.beam_width`` best
+        finished sequences, best first (``engine/beam_search.py``, chapter 02). It needs the engine idle: no other
+        requests under way, no server owning it."""
         if not isinstance(params, BeamSearchParams):
             raise TypeError(f"params must be a BeamSearchParams, got {type(params).__name__}")
         if self.engine is None:

@@ -92,17 +92,17 @@ def kv_block_bytes(model: LlamaForCausalLM, cache_config: CacheConfig,
 
 
 class LLMEngine:
-    """The seams a chapter teaches are arguments, each a ``typing.Protocol`` whose docstring is its contract, with
-    the reference implementation as the default: ``block_allocator`` (``KVBlockAllocator``, built as
+    """The seams a chapter teaches are arguments, each a ``typing.Protocol`` (or ``Callable`` type) whose docstring
+    is its contract, the reference by default: ``block_allocator`` (``KVBlockAllocator``, built as
     ``block_allocator(num_blocks, block_size, enable_prefix_caching)``: ``BlockManager``), ``scheduler``
     (``SchedulerPolicy``, built as ``scheduler(scheduler_config, allocator)``: ``Scheduler``), ``sampler``
-    (``Sampler``: ``ModelRunner.sample``), and for speculation ``proposer`` (``DraftProposer``: the one
-    ``speculative_config`` names) and ``verifier`` (``Verifier``: ``RejectionVerifier``), ``rollback`` (``Rollback``: ``Speculator.rollback``'s own),
-    ``eagle_forward`` (``EagleForward``: ``EagleHead.forward``), and the paged attention
-    backend the model attends through (``PagedAttentionBackend``, built like ``PagedKVCache``, the default). A
-    quantized layer's kernel (``QuantKernel``) is the model's own seam (``LLM``'s ``quant_kernel``). ``layer_ops``
-    (``LayerOps``): the RMSNorm and RoPE functions the target's forward passes use; given ones run eagerly (a CUDA
-    graph would freeze whatever they do on the first capture)."""
+    (``Sampler``: ``ModelRunner.sample``), ``attention_backend`` (``PagedAttentionBackend``, built like
+    ``PagedKVCache``, the default), ``step`` (``EngineStep``: ``engine_step``); for speculation ``proposer``
+    (``DraftProposer``: the one ``speculative_config`` names), ``verifier`` (``Verifier``: ``RejectionVerifier``),
+    ``rollback`` (``Rollback``: ``Speculator.rollback``'s own) and ``eagle_forward`` (``EagleForward``:
+    ``EagleHead.forward``). ``layer_ops`` (``LayerOps``): the RMSNorm and RoPE the target's forwards use; given ones
+    run eagerly (a CUDA graph would freeze whatever they do at capture). A quantized layer's kernel
+    (``QuantKernel``) is the model's own seam (``LLM``'s ``quant_kernel``)."""
 
     def __init__(self, model: LlamaForCausalLM, tokenizer, make_sequence, cache_config: CacheConfig,
                  scheduler_config: SchedulerConfig, speculative_config: SpeculativeConfig | None = None,
@@ -171,11 +171,9 @@ class LLMEngine:
 
     def add_request(self, request_id: str, prompt, params, arrival_time: float | None = None,
                     prompt_index: int = 0) -> Sequence | SequenceGroup:
-        """Validate and queue a request. Raises ``ValueError`` (naming the problem) without touching others.
-        ``arrival_time`` (``time.perf_counter()`` seconds; default now) is when the request reached the
-        server: a front end that queued it first passes it, so that TTFT counts that wait too. ``prompt_index``
-        is the prompt's place in its caller's request, for error messages ("prompt 1 is ..."): a server turns
-        one HTTP request with several prompts into several engine requests."""
+        """Validate and queue a request; a bad one raises ``ValueError`` (naming the problem) and leaves the others
+        alone. ``arrival_time`` (``time.perf_counter()`` seconds; default now): when it reached a front end that
+        queued it, so that TTFT counts that wait. ``prompt_index``: its place in the caller's request, for errors."""
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         seq = self._make_sequence(prompt_index, prompt, params, request_id=request_id)

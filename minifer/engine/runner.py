@@ -31,15 +31,14 @@ COMPILATION_LEVELS = (0, 3)
 
 
 def compile_model(model: LlamaForCausalLM, config: dict | None, shared_with=None, enforce_eager: bool = False) -> dict:
-    """Apply ``LLM``'s ``compilation_config`` to a freshly loaded model, in place, and return it as applied.
-    ``pack_weights``: float linear layers keep their weights packed for oneDNN (``layers.packed_linear``; the CPU
-    only). ``level`` (or ``mode``, vLLM's newer name) 3: the decoder runs compiled by ``torch.compile`` with attention
-    left opaque (``layers.compiled``; the CPU only, float weights); 0, the default, and ``enforce_eager=True`` keep
-    the eager model. ``column_major_weights``: float linear weights re-stored column-major, the layout a batch-1
-    matrix-vector product streams fastest (``layers.weight_layout``; the CPU only). ``decode_attention``:
-    ``"padded"`` (the default, the reference) or ``"bucketed"``, decode steps attending in length buckets indexed
-    once per step (``layers.decode_attention``; the CPU only). An LLM sharing another's weights
-    shares its model too, so it must ask for the same."""
+    """Apply ``LLM``'s ``compilation_config`` to a freshly loaded model, in place, and return it as applied; every
+    option is CPU-only. ``pack_weights``: float linear weights kept packed for oneDNN (``layers.packed_linear``).
+    ``level`` (or vLLM's newer ``mode``) 3: the decoder compiled by ``torch.compile``, attention left opaque
+    (``layers.compiled``; float weights); 0, the default, and ``enforce_eager=True`` keep it eager.
+    ``column_major_weights``: float linear weights re-stored column-major, the layout a batch-1 matrix-vector
+    product streams fastest (``layers.weight_layout``). ``decode_attention``: ``"padded"`` (the default) or
+    ``"bucketed"``, decode rows attending in length buckets indexed once per step (``layers.decode_attention``).
+    An LLM sharing another's weights shares its model too, so it must ask for the same."""
     config = dict(config or {})
     unknown = sorted(set(config) - set(COMPILATION_KEYS))
     if unknown:

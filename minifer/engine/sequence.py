@@ -222,13 +222,11 @@ class SequenceGroup:
     groups. As in vLLM, completion ``i`` is the sequence ``f"{i}_{request_id}"`` and, when the request has a
     seed, draws from ``seed + i`` (n copies of one seed would sample n identical texts).
 
-    What the completions share is the prompt. When prefix caching is on and the prompt fills a block before its
-    last token, the engine hands only the first one to the scheduler and keeps the others ``pending`` until its
-    prompt is computed; by then the prompt's blocks are in the prefix cache, so each sibling's prompt is served
-    from them (computed and stored once, the memory sharing of PagedAttention, Kwon et al. 2023, §4.4), all but
-    the block holding the prompt's last token, which each computes for itself (its logits are needed). The price
-    is one step of latency for the siblings' first token. Otherwise all n are scheduled at once and share
-    nothing; a contiguous cache (static batching) stores n copies.
+    The completions share the prompt. With prefix caching on and a prompt that fills a block before its last
+    token, only the first completion is scheduled at once; the others stay ``pending`` until its prompt is
+    computed, then take the prompt's blocks from the prefix cache (PagedAttention's memory sharing, Kwon et al.
+    2023, §4.4), all but the block of the last prompt token, whose logits each needs. The price is one step of
+    latency for the siblings' first token. Otherwise all n are scheduled at once and share nothing.
     """
 
     request_id: str
@@ -281,9 +279,8 @@ class SequenceGroup:
 
 
 def _wrap_int64(seed: int) -> int:
-    """``seed`` wrapped into int64, the range ``SamplingParams.seed`` accepts (completion i of a request seeded
-    2**63 - 1 would draw from 2**63 + i). ``manual_seed`` reads a seed as an unsigned 64-bit number (-1 is
-    2**64 - 1), so the wrapped seed gives the very same generator."""
+    """``seed`` wrapped into int64, the range ``SamplingParams.seed`` accepts (``seed + i`` may overflow it).
+    ``manual_seed`` reads a seed as unsigned 64-bit, so the wrapped seed gives the very same generator."""
     return (seed + 2**63) % 2**64 - 2**63
 
 
