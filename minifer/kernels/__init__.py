@@ -1,9 +1,8 @@
 """Triton kernels, each beside the PyTorch reference it must match.
 
-Triton publishes Linux wheels only. ``HAS_TRITON`` says whether it imported; the CPU path never needs
-it. Kernels run on a CUDA GPU, or on CPU tensors under Triton's interpreter (``TRITON_INTERPRET=1``, set
-*before* triton is imported), which is how the tests and notebooks check them on a laptop (``minifer.bench.aot``
-compiles them for GPU targets with no GPU present).
+``HAS_TRITON`` says whether Triton imported (Linux wheels only; the CPU path never needs it). Kernels run on a
+CUDA GPU, or on CPU tensors under Triton's interpreter (``TRITON_INTERPRET=1``, set *before* triton is imported),
+which is how the tests and notebooks check them without a GPU (``minifer.bench.aot`` compiles them for GPUs).
 """
 
 from __future__ import annotations
@@ -26,9 +25,8 @@ INTERPRETING = os.environ.get("TRITON_INTERPRET") == "1"
 
 
 def quant_kernel_for(device: torch.device | str):
-    """The kernel ``QuantLinear`` should multiply through on ``device`` (its ``QuantKernel`` seam,
-    ``minifer.quant.linear``): the fused Triton dequantize-matmul (``quant_matmul.py``) on a CUDA GPU when Triton is
-    installed; None elsewhere, which leaves the layer on its PyTorch reference (``quant_linear_reference``)."""
+    """``QuantLinear``'s kernel on ``device`` (its ``QuantKernel`` seam, ``minifer.quant.linear``): ``quant_matmul``
+    on a CUDA GPU with Triton; None elsewhere, which leaves the layer on ``quant_linear_reference``."""
     if torch.device(device).type == "cuda" and HAS_TRITON:
         from minifer.kernels.quant_matmul import quant_matmul
 

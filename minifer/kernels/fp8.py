@@ -1,7 +1,5 @@
-"""fp8 e4m3 in Triton kernels: decoding its bits to float32, and whether the GPU converts it in hardware.
-
-Shared by the weight kernels (``quant_matmul.py``) and the 8-bit KV cache's decode attention
-(``paged_attention.py``): both read fp8 codes and turn them into float32 in registers.
+"""fp8 e4m3 in Triton kernels: its bits to float32 in registers, and whether the GPU converts it in hardware.
+Shared by the weight kernels (``quant_matmul.py``) and the 8-bit KV cache's decode attention (``paged_attention.py``).
 """
 
 from __future__ import annotations
@@ -15,9 +13,9 @@ import triton.language as tl
 
 @triton.jit
 def fp8_to_f32(b, NATIVE: tl.constexpr):
-    """fp8 e4m3fn bits (as int8) -> float32. NATIVE (sm_89+): the hardware conversion, exact. Otherwise the
-    value times 2^-8: sign to bit 15, exponent and mantissa to bits 13..7 of a float16 (callers fold the
-    256 into the scale)."""
+    """fp8 e4m3fn bits (as int8) -> float32. NATIVE (sm_89+): the hardware conversion. Otherwise the value
+    times 2^-8, exactly: sign to bit 15, exponent and mantissa to bits 13..7 of a float16 (callers fold the 256
+    into the scale)."""
     if NATIVE:
         f = b.to(tl.float8e4nv, bitcast=True).to(tl.float32)
     else:

@@ -1,20 +1,17 @@
-"""Paged-attention kernels in Triton: write new K/V into their cache slots, and decode attention.
+"""Paged attention in Triton: new K/V into their cache slots (vLLM's ``reshape_and_cache``), and decode attention
+over block tables (vLLM's ``paged_attention``), both matching the reference in ``minifer/layers/paged_attention.py``.
 
-Both follow the reference in ``minifer/layers/paged_attention.py``; ``tests/kernels/test_kernels.py`` checks
-them against it under the interpreter on random and odd shapes, and ``minifer.bench.aot`` compiles them for
-GPU targets.
+Decode (one new query per sequence) is where paging matters most. A program takes one (sequence, KV head) pair
+and walks the sequence's block table one block of ``block_size`` tokens at a time, keeping an *online softmax*
+(running max and sum, as in FlashAttention), so the whole context never has to sit in memory at once. The query
+heads that share the KV head (GQA) run in the same program, so each K/V block is read once for the group: decode
+is bandwidth-bound, and that re-use is the point of grouped-query attention.
 
-Decode attention (one new query per sequence) is where paging matters most: a program handles one
-(sequence, KV head) pair and walks that sequence's block table, loading one KV block of ``block_size``
-tokens at a time and keeping an *online softmax* (running max and sum, as in FlashAttention), so the
-whole context never has to sit in memory at once. All query heads that share the KV head (GQA) are
-processed by the same program, so each K/V block is read once for the whole group — decode is
-bandwidth-bound, and that re-use is the point of grouped-query attention.
+An 8-bit cache (``kv_cache_dtype="int8"`` or ``"fp8"``, ``minifer/layers/kv_quant.py``) goes through the same
+kernel, one byte per number dequantized in registers (``codes * scale``: a scale per token and head, or one static
+scale per head), so a step reads half the bytes of a 16-bit cache. PyTorch quantizes and writes the new tokens.
 
-An 8-bit cache (``kv_cache_dtype="int8"`` or ``"fp8"``, ``minifer/layers/kv_quant.py``) is read by the same
-kernel: it loads one byte per number and dequantizes in registers (``codes * scale``, the scale per token and
-head, or one static scale per head), so a decode step reads half the bytes of a 16-bit cache. New keys and
-values are quantized and written by PyTorch (a few tokens per step; the same code as the CPU path).
+Chapter 02 (the 8-bit cache: chapter 05); tests: ``tests/kernels/test_kernels.py``, under the interpreter.
 """
 
 from __future__ import annotations

@@ -1,33 +1,29 @@
 """Fused dequantize-matmul kernels in Triton: ``y = x @ dequant(W)^T`` for int8, int4 and fp8 weights.
 
-The weights never exist in full precision in memory: each program loads its tile of codes, turns them
-into numbers in registers and multiplies them at once. That is the whole point — decode is bound by the
-bytes of weights it reads (chapter 01), and a 4-bit weight is a quarter of the bytes of a bf16 one. The
-formats are ``minifer/quant/formats.py``; ``quant_linear_reference`` there is the oracle these kernels
-are tested against (``tests/kernels/test_quant_kernels.py``, under the interpreter on CPU).
+W never exists in full precision in memory: each program loads its tile of codes, turns them into numbers in
+registers and multiplies them at once. Decode is bound by the bytes of weights it reads (chapter 01), and a 4-bit
+weight is a quarter of the bytes of a bf16 one (vLLM's int4 kernels of this kind: Marlin). Formats:
+``minifer/quant/formats.py``, whose ``quant_linear_reference`` is the oracle (``tests/kernels/test_quant_kernels.py``).
 
-Three kernels, three paths (``quant_matmul(..., path=)``):
+Three paths (``quant_matmul(..., path=)``):
 
-- ``gemv`` (decode, M of 1 to a few): CUDA-core multiply-adds, no tensor cores. One program owns
-  ``BLOCK_N`` output channels of one row of ``x`` and a slice of K (*split-K*: with N = 4096 outputs a
-  GPU of 132 SMs would otherwise have too few programs to keep its memory system busy).
-- ``splitk`` (decode, M up to 16): ``tl.dot`` on a 16-row tile (tensor cores; the rows past M are
-  masked), split-K as above. Above a few rows, multiply-adds on CUDA cores cost more than the bytes.
-  int4 (groups of a multiple of 64) has its own kernel here, ``quant_int4_mma_kernel``: the weights
-  as the MMA's wide operand, decoded in the registers that feed it, two codes per instruction.
-- ``tiled`` (prefill): the classic tiled GEMM of the Triton matmul tutorial, with the W tile dequantized
-  just before each ``tl.dot``; int4 in groups of a multiple of 64 takes ``quant_int4_mma_kernel`` here
-  too, with tiles of 32-128 rows.
+- ``gemv`` (decode, M of 1 to a few): multiply-adds on CUDA cores. A program owns ``BLOCK_N`` outputs of one row
+  of ``x`` and a slice of K (*split-K*: N = 4096 outputs alone would leave a GPU of 132 SMs too few programs to
+  keep its memory system busy).
+- ``splitk`` (decode, M up to 16): ``tl.dot`` on a 16-row tile (tensor cores; rows past M masked), split-K as
+  above. Past a few rows, multiply-adds on CUDA cores cost more than the bytes.
+- ``tiled`` (prefill): the Triton tutorial's tiled GEMM, the W tile dequantized just before each ``tl.dot``.
 
-Split-K partial sums go to a float32 workspace; the last program to finish an output tile (counted with
-an atomic per tile, which it resets to 0 for the next launch) adds them up in a fixed order, adds the
-bias and writes the output — one launch, no zero-filled buffer, and the same bits on every run. How many
-ways to split (``choose_split``): enough programs to fill the SMs, whose number at once depends on the
-compiled kernel's registers; so each config names the programs per SM it fills (``SPLIT_PER_SM``), and
-the autotuner tries several.
+int4 in groups of a multiple of 64 takes ``quant_int4_mma_kernel`` on ``splitk`` and ``tiled``: the weights as
+the MMA's wide operand, decoded in the registers that feed it, two codes per instruction.
 
-The kernels themselves, and how they turn codes into numbers, are in ``quant_matmul_jit.py``; what they measured on
-an H200 is in ``benchmarks/results/README.md``.
+Split-K partial sums go to a float32 workspace; the last program to finish an output tile (an atomic counter per
+tile, which it resets to 0) adds them in a fixed order, adds the bias and writes the output: one launch, no
+zero-filled buffer, the same bits on every run. The split (``choose_split``) fills each SM with ``SPLIT_PER_SM``
+programs, a config entry, so the autotuner chooses it.
+
+The kernels: ``quant_matmul_jit.py``; their measurements: ``benchmarks/results/README.md``. Chapter 05 and its
+kernels appendix.
 """
 
 from __future__ import annotations
@@ -53,8 +49,8 @@ _FMT = {"int8": INT8, "int4": INT4, "fp8": FP8}
 _XKIND = {torch.bfloat16: X_BF16, torch.float16: X_FP16, torch.float32: X_FP32}
 _PAIR_DTYPE = {torch.bfloat16: torch.int32, torch.float16: torch.int32, torch.float32: torch.int64}
 PATHS = ("auto", "gemv", "splitk", "tiled")
-# path="auto": the most rows that take gemv, by format (then splitk up to SPLITK_MAX_M rows, then tiled). The
-# H200 measurements behind it are in benchmarks/results/README.md; change the table when a new timing says so.
+# path="auto": the most rows that take gemv, by format (then splitk up to SPLITK_MAX_M rows, then tiled), from
+# the timings in benchmarks/results/README.md.
 GEMV_MAX_M = {"int4": 1, "int8": 0, "fp8": 0}
 SPLITK_MAX_M = 16
 MAX_SPLIT = 16
@@ -67,20 +63,18 @@ CHUNK_BYTES = 64  # int8/fp8 gemv: bytes of a row per chunk (int4 chunks are one
 
 
 def _bench(fn, quantiles):
-    """Autotuning: a short timing per config keeps the first call of each shape to a few seconds."""
+    """A short timing per config keeps autotuning's first call of each shape to a few seconds."""
     return triton.testing.do_bench(fn, warmup=5, rep=20, quantiles=quantiles)
 
 
 def _cfg(num_warps: int = 4, num_stages: int = 2, per_sm: int = 4, **kw) -> triton.Config:
-    """``per_sm``: the programs per SM that ``choose_split`` fills the GPU with (how many fit at once, the
-    occupancy, is decided by the compiled kernel's registers; so the autotuner tries a few)."""
+    """``per_sm``: the programs per SM that ``choose_split`` fills the GPU with (``SPLIT_PER_SM``)."""
     return triton.Config({**kw, "SPLIT_PER_SM": per_sm}, num_warps=num_warps, num_stages=num_stages)
 
 
-# The GPU's autotuning lists; the first of each is the one bench/aot.py compiles (no spills on sm_80 or sm_90).
-# A chunk is 64 bytes of a row (an int4 group of 128, or 64 int8/fp8 codes): CHUNKS sets how long a
-# contiguous run of each row one step reads, BLOCK_N how many rows. Each tile config comes with several
-# programs per SM for the split (per_sm, see _cfg): the same compiled kernel, so each costs only a timing.
+# The GPU's autotuning lists; the first of each is the one bench/aot.py compiles. gemv: a chunk is 64 bytes of a
+# row (an int4 group of 128, or 64 int8/fp8 codes); CHUNKS sets how long a contiguous run of each row one step
+# reads, BLOCK_N how many rows. Each tile comes with several per_sm (the same compiled kernel: only a timing).
 GPU_GEMV_CONFIGS = [_cfg(w, 2, p, BLOCK_N=n, CHUNKS=c) for n, c, w in
                     ((128, 1, 4), (64, 1, 4), (64, 2, 4), (128, 2, 8), (32, 4, 4), (32, 2, 2), (256, 1, 8),
                      (16, 8, 4), (32, 8, 8), (8, 16, 4)) for p in (4, 3, 2)]
@@ -93,17 +87,15 @@ GPU_SPLITK_CONFIGS = [_cfg(w, s, p, BLOCK_M=16, BLOCK_N=n, BLOCK_K=k, GROUP_M=1)
 GPU_INT4_MMA_CONFIGS = [_cfg(w, s, p, BLOCK_M=m, BLOCK_N=n, BLOCK_K=k) for n, m, k, w, s in
                         ((128, 16, 128, 4, 3), (128, 8, 128, 4, 3), (64, 16, 128, 4, 3), (256, 16, 128, 8, 3),
                          (64, 8, 128, 4, 4), (128, 16, 64, 4, 4), (128, 8, 128, 4, 5)) for p in (4, 2, 8, 1)]
-# ... and prefill: 32-128 rows of x per tile (which of these spill registers, by GPU and Triton release:
-# benchmarks/results/README.md; the autotuner, timing them, passes a spilling one over).
+# ... and prefill: 32-128 rows of x per tile (a tile that spills registers on some GPU loses the autotuner's timing).
 GPU_INT4_MMA_TILED_CONFIGS = [_cfg(w, s, 1, BLOCK_M=m, BLOCK_N=n, BLOCK_K=k) for m, n, k, w, s in
                               ((64, 128, 128, 8, 3), (32, 128, 128, 4, 3), (128, 128, 128, 8, 3),
                                (64, 256, 128, 8, 3), (128, 128, 64, 8, 4), (64, 128, 64, 4, 4))]
 GPU_TILED_CONFIGS = [_cfg(w, s, 1, BLOCK_M=m, BLOCK_N=n, BLOCK_K=k, GROUP_M=8) for m, n, k, w, s in
                      ((64, 128, 64, 8, 3), (128, 128, 64, 8, 3), (128, 64, 64, 4, 4), (64, 64, 128, 4, 3),
                       (128, 256, 64, 8, 3), (64, 256, 64, 8, 3))]
-# Turing (sm_75, the T4): Triton has no tensor-core dot below sm_80, so tl.dot runs on the CUDA cores, its
-# operands and accumulator in registers, and the tiles above spill there. These are the largest that compiled
-# without spills for sm_75 in float16 (benchmarks/results/README.md); gemv's configs are the same.
+# Turing (sm_75, the T4): Triton has no tensor-core dot below sm_80, so tl.dot runs on the CUDA cores with its
+# operands in registers, and the tiles above spill. These are the largest that do not (in float16); gemv's are the same.
 TURING_CONFIGS = {
     "splitk": [_cfg(4, 2, p, BLOCK_M=16, BLOCK_N=32, BLOCK_K=k, GROUP_M=1) for k in (32, 64) for p in (2, 4, 8)],
     "tiled": [_cfg(4, 2, 1, BLOCK_M=32, BLOCK_N=64, BLOCK_K=32, GROUP_M=8)],
@@ -122,8 +114,8 @@ def gpu_configs(path: str, turing: bool = False) -> list[triton.Config]:
             "int4_mma": GPU_INT4_MMA_CONFIGS, "int4_mma_tiled": GPU_INT4_MMA_TILED_CONFIGS}[path]
 
 
-# One config each under the interpreter (it runs every program in numpy: tuning would only cost time) or
-# with MINIFER_QUANT_AUTOTUNE=0 on a GPU (the first config of each list: quick start-up, fixed kernels).
+# One config each under the interpreter (it runs every program in numpy: tuning would only cost time) or with
+# MINIFER_QUANT_AUTOTUNE=0 on a GPU (the first of each list: quick start-up, fixed kernels).
 AUTOTUNE = not INTERPRETING and os.environ.get("MINIFER_QUANT_AUTOTUNE", "1") != "0"
 INTERPRETER_CONFIGS = {
     "gemv": [_cfg(BLOCK_N=16, CHUNKS=2)],
@@ -152,8 +144,8 @@ _tuners: dict[tuple[str, int, bool], tuple[object, list[triton.Config]]] = {}
 
 
 def _tuner(path: str, block_k_cap: int = 0, turing: bool = False):
-    """The autotuned kernel of a path (``"int4_mma"`` / ``"int4_mma_tiled"``: int4's splitk / tiled paths,
-    see ``plan``), and its configs (one tuner per BLOCK_K cap and config family, built on first use)."""
+    """The autotuned kernel of ``path`` (``"int4_mma"`` / ``"int4_mma_tiled"``: int4's splitk / tiled, see ``plan``)
+    and its configs; one per BLOCK_K cap and config family, built on first use."""
     if (path, block_k_cap, turing) not in _tuners:
         configs = INTERPRETER_CONFIGS[path] if INTERPRETING else gpu_configs(path, turing)[:None if AUTOTUNE else 1]
         if path == "gemv":
@@ -173,11 +165,10 @@ _outgrown_locks: list[torch.Tensor] = []  # never freed: a CUDA graph may have r
 
 
 def _lock_buffer(device: torch.device, n: int) -> torch.Tensor:
-    """Per-tile arrival counters for split-K, zero between launches (the last program of a tile resets its
-    own). Cached per device and only ever grown. An outgrown buffer is kept, never freed: a CUDA graph
-    captured while it was current replays with its address, and freed memory would be handed to another
-    tensor, whose bytes the graph's counters would then read and reset. Two launches on different CUDA
-    streams at once would share them: minifer runs its model on one stream."""
+    """Per-tile arrival counters for split-K, zero between launches (a tile's last program resets its own); per
+    device, only grown. An outgrown buffer is never freed: a CUDA graph captured with it replays its address, and
+    freed memory would go to a tensor whose bytes the counters would then read and reset. Launches on two streams
+    at once would share it; minifer runs its model on one stream."""
     buf = _locks.get(device)
     if buf is None or buf.numel() < n:
         if buf is not None:
@@ -201,9 +192,9 @@ def _num_sms(device: torch.device) -> int:
 
 @functools.lru_cache(maxsize=None)
 def _one_dot(device: torch.device) -> bool:
-    """``quant_int4_mma_kernel``'s form: one dot per K-step where the MMA is ``wgmma`` (sm_90, H100/H200), one
-    per code plane elsewhere: the form with fewer instructions per weight in the machine code of each
-    (benchmarks/results/README.md). The interpreter runs the sm_90 form (the tests run both)."""
+    """``quant_int4_mma_kernel``'s ``ONE_DOT``: one dot per K-step where the MMA is ``wgmma`` (sm_90), one per code
+    plane elsewhere: whichever issues fewer instructions per weight there. The interpreter runs the sm_90 form
+    (the tests run both)."""
     return device.type != "cuda" or torch.cuda.get_device_capability(device)[0] == 9
 
 
@@ -214,13 +205,10 @@ def _turing(device: torch.device) -> bool:
 
 
 def choose_split(tiles: int, k_steps: int, sms: int, per_sm: int) -> int:
-    """Split K until ``tiles * split`` programs fill ``per_sm`` programs per SM, keeping at least two
-    K-steps per split (a split of one step is mostly overhead) and at most ``MAX_SPLIT``.
-
-    How many programs an SM holds at once depends on the compiled kernel's registers, so each autotuning
-    config names its own ``per_sm`` (``SPLIT_PER_SM``) and the autotuner, timing them, picks the split. A
-    split that overshoots the SMs by a few programs costs less than it seems: the GPU starts each waiting
-    program as soon as one finishes (measured: benchmarks/results/README.md)."""
+    """Split K until ``tiles * split`` programs fill ``per_sm`` programs per SM, with at least two K-steps per
+    split (one step is mostly overhead) and at most ``MAX_SPLIT``. How many programs an SM holds at once depends
+    on the compiled kernel's registers, so each config names its ``per_sm`` and the autotuner picks. Overshooting
+    by a few programs costs little: the GPU starts each waiting program as soon as one finishes."""
     want = -(-per_sm * sms // tiles)
     return max(1, min(want, k_steps // 2, MAX_SPLIT))
 
@@ -247,9 +235,8 @@ def _check(x: torch.Tensor, qw: QuantizedWeight, bias: torch.Tensor | None) -> N
 @dataclass(frozen=True)
 class Plan:
     """How ``quant_matmul`` launches one path: the autotuned kernel (``tuner``: its path and BLOCK_K cap), the
-    constexprs only that kernel takes, its configs, the row length of W in the units the kernel reads
-    (``words``: int32 words of 8 codes, else bytes), whether ``x`` goes in as 32-bit pairs, and per config
-    the output tiles and K-steps."""
+    constexprs only it takes, its configs, W's row length in the units it reads (``words``: int32 words of 8
+    codes, else bytes), whether ``x`` goes in as 32-bit pairs, and per config the output tiles and K-steps."""
 
     tuner: tuple[str, int]
     kernel: object
@@ -264,11 +251,9 @@ class Plan:
 
 def plan(path: str, m: int, n: int, k: int, fmt: int, group: int, one_dot: bool = True,
          turing: bool = False) -> Plan:
-    """The launch plan of ``path`` (not ``"auto"``) for ``m`` rows, an ``n x k`` weight, format and group.
-    int4 on ``splitk`` and ``tiled`` takes ``quant_int4_mma_kernel`` when a K-step of at least 64 codes fits
-    in a group (``GROUP % 64 == 0``; each path with its own configs), otherwise ``quant_gemm_kernel``;
-    ``one_dot`` is its ``ONE_DOT`` (``_one_dot``: the GPU's form); ``turing`` takes ``TURING_CONFIGS``
-    (``_turing``: below sm_80)."""
+    """The launch plan of ``path`` (not ``"auto"``) for ``m`` rows, an ``n x k`` weight, format and group. int4
+    on ``splitk`` and ``tiled`` takes ``quant_int4_mma_kernel`` when ``GROUP % 64 == 0`` (a K-step of 64 codes
+    fits in a group), else ``quant_gemm_kernel``; ``one_dot``: its ``ONE_DOT``; ``turing``: ``TURING_CONFIGS``."""
     if path == "gemv":
         row = k // 8 if fmt == INT4 else k
         gw = group // 8 if fmt == INT4 else CHUNK_BYTES
@@ -306,8 +291,8 @@ def auto_path(m: int, qw: QuantizedWeight) -> str:
 
 
 def _m_key(m: int) -> int:
-    """The rows of ``x`` as the autotuner keys them (``M_KEY``): a power of two, at most 256, so that a
-    batch size it has not seen reuses the tuning of its bucket."""
+    """The autotuner's key for ``m`` rows (``M_KEY``): a power of two up to 256, so that a batch size it has not
+    seen reuses its bucket's tuning."""
     return min(triton.next_power_of_2(m), 256)
 
 
@@ -315,10 +300,8 @@ def quant_matmul(x: torch.Tensor, qw: QuantizedWeight, bias: torch.Tensor | None
                  split_k: int | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
     """``x @ dequantize(qw)^T (+ bias)`` for ``x: [..., K]`` (float32 / bf16 / fp16), fused; returns ``[..., N]``
     in ``x.dtype`` (written into ``out`` if given: contiguous, that shape and dtype). ``path``: ``"gemv"`` /
-    ``"splitk"`` (decode), ``"tiled"`` (prefill) or ``"auto"`` (``auto_path``: a static rule by format and
-    number of rows M; nothing is timed at run time).
-    ``split_k`` overrides the split of K that is otherwise chosen from the GPU's SM count and the config's
-    ``SPLIT_PER_SM`` (``choose_split``; it is capped at the number of K-steps)."""
+    ``"splitk"`` (decode), ``"tiled"`` (prefill) or ``"auto"`` (``auto_path``: a static rule by format and rows;
+    nothing is timed at run time). ``split_k`` overrides ``choose_split`` (capped at the number of K-steps)."""
     if path not in PATHS:
         raise ValueError(f"quant_matmul: path must be one of {PATHS}, got {path!r}")
     if split_k is not None and not 1 <= split_k <= MAX_SPLIT:
@@ -356,7 +339,7 @@ def quant_matmul(x: torch.Tensor, qw: QuantizedWeight, bias: torch.Tensor | None
     most = max(splits(c.kwargs) for c in p.configs)
     part = _workspace(most * m * n if most > 1 else 1, x.device)
     locks = _lock_buffer(x.device, max(p.tiles(c.kwargs) for c in p.configs))
-    # int4 gemv and tiled read activations as pairs (see the module docstring); fp8 codes travel as int8 bits.
+    # int4 gemv and tiled read x as pairs (see quant_matmul_jit's docstring); fp8 codes travel as int8 bits.
     xk = x2.view(_PAIR_DTYPE[x.dtype]) if p.x_pairs else x2
     q = qw.qweight
     if fmt == FP8:

@@ -1,16 +1,14 @@
-"""The Triton kernels of ``quant_matmul.py`` (its docstring has the three paths): code in registers to numbers, then
-multiply-adds or tensor-core dots.
+"""The Triton kernels of ``quant_matmul.py`` (whose docstring has the three paths): codes to numbers in registers,
+then multiply-adds or tensor-core dots.
 
-Making the dequantization cheap matters as much as the loads: at batch 1 an H200 must turn ~10^13 codes
-per second into floats to keep up with its memory, and integer-to-float conversion runs at 1/8 of the
-rate of a multiply-add. So codes become floats by *bit tricks*: ``0x4B000000 | q`` read as a float32 is
-exactly ``2^23 + q`` (the low mantissa bits of 2^23 count in units of 1), and one subtraction of
-``2^23 + zero_point`` leaves ``q - z`` exactly. fp8 e4m3 shifted into a float16's bits is its value times
-2^-8 (exponent biases 7 and 15), subnormals included — the only fp8 decoding sm_80 can do; sm_89+ convert
-natively. int4's two codes per byte pair up with two neighbouring activations, so ``x`` is read as 32-bit
-*pairs* (a bf16 pair is one word: a shift and a mask split it) instead of with stride-2 loads. For the
-tensor cores int4 goes straight to bfloat16: ``0x4300 | q`` is ``128 + q``, and two codes 16 bits apart
-in a word become two bfloat16 with one AND-OR.
+The dequantization must be as cheap as the loads: at batch 1 an H200 must turn ~10^13 codes a second into floats
+to keep up with its memory, and integer-to-float conversion runs at 1/8 of the rate of a multiply-add. So codes
+become floats by *bit tricks*: ``0x4B000000 | q`` read as a float32 is exactly ``2^23 + q`` (the low mantissa bits
+of 2^23 count in units of 1), and one subtraction of ``2^23 + zero_point`` leaves ``q - z`` exactly; fp8 e4m3
+shifted into a float16's bits is its value times 2^-8 (``fp8.py``). For the tensor cores int4 goes straight to
+bfloat16: ``0x4300 | q`` is ``128 + q``, and two codes 16 bits apart in a word become two bfloat16 with one AND-OR.
+int4's two codes per byte pair up with two neighbouring activations, so ``x`` is read as 32-bit *pairs* (a bf16
+pair is one word, split by a shift and a mask) instead of with stride-2 loads.
 """
 
 from __future__ import annotations
@@ -197,14 +195,13 @@ def quant_gemm_kernel(x_ptr, q_ptr, s_ptr, z_ptr, bias_ptr, out_ptr, part_ptr, l
                       SPLIT_PER_SM, FMT: tl.constexpr, GROUP: tl.constexpr, HAS_ZEROS: tl.constexpr,
                       HAS_BIAS: tl.constexpr, FP8_NATIVE: tl.constexpr, XKIND: tl.constexpr, DOT_F32: tl.constexpr,
                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
-    """Grid ``(cdiv(M, BLOCK_M) * cdiv(N, BLOCK_N), splits)``. ``acc[BLOCK_M, BLOCK_N] += x_tile @ W_tile^T``
-    with the W tile (``[BLOCK_K, BLOCK_N]``, read transposed from W's rows) dequantized in registers.
+    """Grid ``(cdiv(M, BLOCK_M) * cdiv(N, BLOCK_N), splits)``: ``acc[BLOCK_M, BLOCK_N] += x_tile @ W_tile^T``, the W
+    tile (``[BLOCK_K, BLOCK_N]``, read transposed from W's rows) dequantized in registers.
 
-    int4: ``BLOCK_K`` divides the group size, so a K-step has one scale per column, applied to the step's
-    product (``(x @ (q - z)) * s``: integers times activations are exact in bf16, so the only rounding is
-    the float32 accumulation); the even and odd columns of the tile are two dots of ``BLOCK_K / 2``.
-    int8/fp8: one scale per column for all of K, applied once after the loop.
-    """
+    int4: ``BLOCK_K`` divides the group, so a K-step has one scale per column, applied to its product
+    (``(x @ (q - z)) * s``: integers times activations are exact in bf16, so the only rounding is the float32
+    accumulation); the tile's even and odd columns are two dots of ``BLOCK_K / 2``. int8/fp8: one scale per column,
+    applied once after the loop."""
     # Grouped ordering (the Triton matmul tutorial): GROUP_M row tiles share each column tile while it is in L2.
     pid = tl.program_id(0)
     num_m = tl.cdiv(M, BLOCK_M)
@@ -218,7 +215,7 @@ def quant_gemm_kernel(x_ptr, q_ptr, s_ptr, z_ptr, bias_ptr, out_ptr, part_ptr, l
     m_mask = rm < M
     n_mask = rn < N
     xdt = out_ptr.dtype.element_ty  # x's dtype (int4 reads x as int pairs)
-    if DOT_F32:  # the interpreter's tl.dot multiplies bf16 bit patterns (triton-lang/triton#11584)
+    if DOT_F32:  # the interpreter's tl.dot multiplies bf16 bit patterns, not their values
         xdt = tl.float32
     n_steps = tl.cdiv(K, BLOCK_K)
     per_split = tl.cdiv(n_steps, tl.num_programs(1))
@@ -326,28 +323,23 @@ def quant_int4_mma_kernel(x_ptr, q_ptr, s_ptr, z_ptr, bias_ptr, out_ptr, part_pt
                           HAS_BIAS: tl.constexpr, FP8_NATIVE: tl.constexpr, XKIND: tl.constexpr,
                           DOT_F32: tl.constexpr, ONE_DOT: tl.constexpr, BLOCK_M: tl.constexpr,
                           BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """int4 on tensor cores, decode (M up to 16) and prefill alike (its configs differ: 8-16 rows of x per
-    tile, or 32-128). Grid ``(cdiv(M, BLOCK_M) * cdiv(N, BLOCK_N), splits)``.
+    """int4 on tensor cores, decode (8-16 rows of x per tile) and prefill (32-128) alike. Grid
+    ``(cdiv(M, BLOCK_M) * cdiv(N, BLOCK_N), splits)``.
 
-    The weights are the *first* operand: ``acc[BLOCK_N, BLOCK_M] += dequant(W_tile) @ x_tile^T``, so the
-    many output channels fill the MMA's 64-row side and the few rows of ``x`` its narrow one (8 or 16; an
-    H100/H200 then runs ``wgmma`` with the weights straight from registers). The 32-bit words of codes are
-    loaded as they are stored (``[BLOCK_N, BLOCK_K / 8]``) and decoded in the registers that feed the MMA,
-    two codes per logic op (``_int4_pairs``) and one subtraction per two codes (``- 136``: 128 and the
-    symmetric zero point 8; with zero points ``- (128 + z)``, the row's own, from a register instead of an
-    immediate and so just as cheap; exact in bfloat16 either way). Nothing is unpacked into K order: a code
-    plane (codes ``c`` and ``c + 4`` of each word) is multiplied by the activations at those positions. A
-    K-step is one quantization group or part of one (``BLOCK_K`` divides ``GROUP``), so its scale multiplies
-    the step's product, as in ``quant_gemm_kernel``.
+    The weights are the *first* operand, ``acc[BLOCK_N, BLOCK_M] += dequant(W_tile) @ x_tile^T``, so the many output
+    channels fill the MMA's 64-row side and the few rows of ``x`` its narrow one (8 or 16; sm_90's ``wgmma`` then
+    takes the weights straight from registers). The words of codes are loaded as stored (``[BLOCK_N, BLOCK_K / 8]``)
+    and decoded in the registers that feed the MMA: two codes per logic op (``_int4_pairs``), one subtraction per
+    two codes (``- 136``: 128 and the symmetric zero point 8, or the row's ``128 + z``, as cheap from a register;
+    exact in bfloat16). Nothing is unpacked into K order: a code plane (codes ``c`` and ``c + 4`` of each word) is
+    multiplied by the activations at its positions. ``BLOCK_K`` divides ``GROUP``, so a K-step's scale multiplies
+    its product, as in ``quant_gemm_kernel``.
 
-    Two ways to feed the planes, the same sums (``ONE_DOT``, chosen per GPU by the launcher):
-
-    - ``ONE_DOT`` (sm_90, ``wgmma``): the four planes side by side make one ``[BLOCK_N, BLOCK_K]`` operand
-      (``_int4_planes``) and the step's activations, loaded in K order (16 bytes at a time, copied
-      asynchronously by the pipeline), are rearranged to match in registers (``_x_in_plane_order``): one
-      dot, one barrier and one wait per step.
-    - otherwise (sm_80, ``mma.sync``, where Triton splits the joined planes' code pairs across threads):
-      one dot per plane, each with the activations of its positions gathered from memory.
+    Two ways to feed the planes, the same sums. ``ONE_DOT`` (sm_90): the four planes side by side are one
+    ``[BLOCK_N, BLOCK_K]`` operand (``_int4_planes``); the activations, loaded in K order (16-byte asynchronous
+    copies), are rearranged to match in registers (``_x_in_plane_order``): one dot, one barrier and one wait per
+    step. Otherwise (sm_80's ``mma.sync``, where Triton splits the joined planes' code pairs across threads): one
+    dot per plane, its activations gathered from memory.
 
     FMT, FP8_NATIVE and XKIND are not read: the launcher passes every kernel the same arguments."""
     pid = tl.program_id(0)
@@ -359,7 +351,7 @@ def quant_int4_mma_kernel(x_ptr, q_ptr, s_ptr, z_ptr, bias_ptr, out_ptr, part_pt
     KW: tl.constexpr = BLOCK_K // 8  # words of codes per K-step and row
     kw = tl.arange(0, KW)
     xdt = out_ptr.dtype.element_ty
-    if DOT_F32:  # the interpreter's tl.dot multiplies bf16 bit patterns (triton-lang/triton#11584)
+    if DOT_F32:  # the interpreter's tl.dot multiplies bf16 bit patterns, not their values
         xdt = tl.float32
     n_groups = K // GROUP
     n_steps = K // BLOCK_K

@@ -1,20 +1,18 @@
-"""How much speculative decoding can win: Leviathan et al. (2023), section 3.
+"""How much speculative decoding can win: Leviathan et al. (2023), section 3; chapter 04.
 
-The model: every draft token is accepted independently with the same probability ``α`` (the acceptance
-rate; ``α = Σ_x min(p(x), q(x))`` for a sampled draft, ``1 -`` the total variation distance between
-target and draft). A step proposes ``k`` tokens and runs the target once over all of them, so it emits
-``1 + A`` tokens, where ``A`` counts the accepted drafts before the first rejection (the ``+1`` is the
-target's own token: the correction at the rejection, or the bonus after ``k`` acceptances). ``A ≥ i``
-means the first ``i`` drafts were accepted, probability ``α^i``, so
+The model: each draft token is accepted independently with probability ``α`` (the acceptance rate; for a sampled
+draft ``α = Σ_x min(p(x), q(x))``, ``1 -`` the total variation distance between target and draft). A step proposes
+``k`` tokens and runs the target once over them all, so it emits ``1 + A`` tokens: the ``A`` accepted drafts before
+the first rejection, plus the target's own (the correction at the rejection, or the bonus after ``k`` acceptances).
+``A ≥ i`` (the first ``i`` drafts accepted) has probability ``α^i``, so
 
     E[1 + A] = Σ_{i=0..k} α^i = (1 − α^(k+1)) / (1 − α)        (k + 1 when α = 1),
 
-a truncated geometric series: ``k`` costs more and more for less and less, since a token is only worth
-drafting if all those before it survived.
+a truncated geometric series: each extra draft is worth less, since it counts only if all those before it survived.
 
-Cost: with ``c`` the time of one draft step over one target step, and verification costing one target step
-(true while decoding is memory-bound: k + 1 positions read the weights once, like one), a step costs
-``k·c + 1`` target steps, so the expected speedup over plain decoding is ``E[1 + A] / (k·c + 1)``.
+Cost: with ``c`` a draft step's time over a target step's, and verification costing one target step (true while
+decoding is memory-bound: k + 1 positions read the weights once, like one), a step costs ``k·c + 1`` target steps,
+so the expected speedup over plain decoding is ``E[1 + A] / (k·c + 1)``.
 """
 
 from __future__ import annotations
@@ -46,17 +44,14 @@ def _check_cost(draft_cost: float) -> float:
 
 
 def expected_tokens_per_forward(alpha: float, k: int) -> float:
-    """Expected tokens emitted per target forward pass, ``(1 − α^(k+1)) / (1 − α)`` (``k + 1`` at ``α = 1``).
-
-    Computed as the sum ``Σ_{i=0..k} α^i``, which is exact at ``α = 1`` and has no cancellation near it.
-    ``k = 0`` (no speculation) gives 1."""
+    """Expected tokens emitted per target forward pass, ``(1 − α^(k+1)) / (1 − α)``; 1 at ``k = 0``. Summed as
+    ``Σ_{i=0..k} α^i``, which is exact at ``α = 1`` (``k + 1``) and has no cancellation near it."""
     alpha, k = _check_alpha(alpha), _check_k(k)
     return math.fsum(alpha**i for i in range(k + 1))
 
 
 def expected_accepted(alpha: float, k: int) -> float:
-    """Expected number of accepted draft tokens per step, ``E[A] = α (1 − α^k) / (1 − α)``: one less than
-    :func:`expected_tokens_per_forward`."""
+    """Expected accepted drafts per step, ``E[A] = α (1 − α^k) / (1 − α)``: :func:`expected_tokens_per_forward` - 1."""
     return expected_tokens_per_forward(alpha, k) - 1.0
 
 
@@ -67,10 +62,8 @@ def expected_speedup(alpha: float, k: int, draft_cost: float) -> float:
 
 
 def optimal_k(alpha: float, draft_cost: float, k_max: int = 8) -> int:
-    """The ``k`` in ``0 .. k_max`` with the largest :func:`expected_speedup` (the smallest on a tie).
-
-    0 means speculation does not pay: a draft step costs more than the tokens it is expected to save
-    (with ``k = 1`` the speedup is ``(1 + α) / (1 + c)``, so ``α ≤ c`` already rules it out)."""
+    """The ``k`` in ``0 .. k_max`` with the largest :func:`expected_speedup` (the smallest on a tie). 0 means
+    speculation does not pay (at ``k = 1`` the speedup is ``(1 + α) / (1 + c)``, so ``α ≤ c`` rules that out)."""
     alpha, draft_cost, k_max = _check_alpha(alpha), _check_cost(draft_cost), _check_k(k_max, "k_max")
     speedups = [expected_speedup(alpha, k, draft_cost) for k in range(k_max + 1)]
     return max(range(k_max + 1), key=lambda k: (speedups[k], -k))
@@ -87,20 +80,17 @@ def _check_counts(accepted: int, proposed: int) -> None:
 
 
 def acceptance_rate(accepted: int, proposed: int) -> float:
-    """The fraction of draft tokens accepted, as vLLM reports it (``num_accepted_tokens / num_draft_tokens``).
-
-    With ``k > 1`` this is *not* ``α``: the tokens after a rejection are proposed but never checked, so
-    under the i.i.d. model it tends to ``E[A] / k``, below ``α`` (see :func:`estimate_alpha`)."""
+    """The fraction of draft tokens accepted, as vLLM reports it (``num_accepted_tokens / num_draft_tokens``). With
+    ``k > 1`` this is *not* ``α``: drafts after a rejection are proposed but never checked, so under the i.i.d.
+    model it tends to ``E[A] / k``, below ``α`` (see :func:`estimate_alpha`)."""
     _check_counts(accepted, proposed)
     return accepted / proposed
 
 
 def estimate_alpha(accepted: int, proposed: int, k: int = 1) -> float:
-    """The per-token acceptance probability ``α`` from counts of steps that each proposed ``k`` tokens.
-
-    With ``k = 1`` every proposed token is checked and ``α = accepted / proposed``. With ``k > 1`` the mean
-    accepted per step, ``accepted / (proposed / k)``, is matched to ``E[A] = α (1 − α^k) / (1 − α)``, which
-    grows from 0 to ``k`` as ``α`` goes from 0 to 1; the equation is solved by bisection."""
+    """The per-token acceptance probability ``α`` from counts of steps that each proposed ``k`` tokens. With
+    ``k = 1`` every proposed token is checked: ``accepted / proposed``. With ``k > 1`` the mean accepted per step,
+    ``accepted / (proposed / k)``, is matched by bisection to ``E[A]``, which grows from 0 to ``k`` with ``α``."""
     _check_counts(accepted, proposed)
     if isinstance(k, bool) or not isinstance(k, int) or k < 1:
         raise ValueError(f"k (draft tokens proposed per step) must be an integer >= 1, got {k!r}")
