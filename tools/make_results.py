@@ -70,6 +70,9 @@ PARTS = [
          "the speculator's bookkeeping cost (ch04)", measured=True),
     Part("adaptive_control", f"python -m minifer.bench.adaptive_control --out {RESULTS}/adaptive_control.json", 24,
          "adaptive k against plain decoding with a control built after it: placement or a cost of its own (ch04)"),
+    Part("adaptive_pooled", f"python -m minifer.bench.adaptive_pooled --out {RESULTS}/adaptive_pooled.json", 1,
+         "the three adaptive-k runs' plain-throughout rounds pooled, and a family-wise per-cell reading (reads "
+         "speculative*.json and adaptive_control.json; runs no engine)"),
     Part("quality", f"python -m minifer.bench.quality --out {RESULTS}/quant_quality.json --plot", 5,
          "weight quantization: bytes, perplexity, agreement (ch05, README)", measured=True),
     Part("stacking", f"python -m minifer.course.stacking -n 96 --rounds 3 --out {RESULTS}/stacking.json --plot", 3,
