@@ -375,3 +375,41 @@ def test_adaptive_control_benchmark_smoke(tmp_path):
             lo, hi, _ = r[f"ci_{m}"]
             assert lo <= r[f"speedup_{m}"] <= hi and len(r[f"round_speedups_{m}"]) == r["rounds"]
     assert result["verdict"]["cells"] == 4 and "after_intervals_missing_1" in result["verdict"]
+
+
+def test_adaptive_split_benchmark_smoke(tmp_path):
+    """The forward/rest split end to end at tiny sizes: every engine's forward is a part of its step, the same
+    greedy tokens everywhere."""
+    import json
+
+    from minifer.bench import adaptive_split as bench
+
+    out = tmp_path / "split.json"
+    bench.main(["--smoke", "--out", str(out)])
+    result = json.loads(out.read_text())
+    assert result["kind"] == "adaptive_split" and result["config"]["engines"] == list(bench.ENGINES)
+    rows = [r for sw in result["sweeps"].values() for r in sw]
+    assert len(rows) == 4 and all(r["identical_tokens"] for r in rows)
+    for r in rows:
+        for m in bench.ENGINES:
+            assert all(0 < f < t for f, t in zip(r["forward_s"][m], r["step_s"][m])), "a forward inside its step"
+
+
+def test_adaptive_split_ratios_and_pooling():
+    """Made-up rounds: the adaptive engine's forward matches plain's and it spends 1 ms more outside it per 100 ms
+    step: read as forward 1.0 and rest +1%; a speculating cell is left out of the pool."""
+    from minifer.bench import adaptive_split as bench
+
+    def row(mean_k, extra):
+        n = 8
+        return {"adaptive_mean_k": mean_k,
+                "step_s": {"plain": [0.100] * n, "plain_again": [0.100] * n, "adaptive": [0.100 + extra] * n},
+                "forward_s": {"plain": [0.090] * n, "plain_again": [0.090] * n, "adaptive": [0.090] * n}}
+
+    r = bench.ratios(row(0.0, 0.001), "adaptive")
+    assert r["forward"] == pytest.approx([1.0] * 8) and r["rest_extra"] == pytest.approx([0.01] * 8)
+    assert r["step"] == pytest.approx([0.1 / 0.101] * 8)
+    p = bench.pooled({"ngram_grounded": [row(0.0, 0.001), row(0.0, 0.001), row(2.0, -0.03)]})
+    assert p["cells"] == 2 and p["adaptive"]["rest_extra"]["median"] == pytest.approx(0.01)
+    assert p["adaptive"]["step"]["slower"] and not p["plain_again"]["step"]["slower"]
+    assert bench.pooled({"x": [row(1.0, 0.0)]}) == {"cells": 0}
