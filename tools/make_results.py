@@ -73,6 +73,8 @@ PARTS = [
     Part("adaptive_pooled", f"python -m minifer.bench.adaptive_pooled --out {RESULTS}/adaptive_pooled.json", 1,
          "the three adaptive-k runs' plain-throughout rounds pooled, and a family-wise per-cell reading (reads "
          "speculative*.json and adaptive_control.json; runs no engine)"),
+    Part("adaptive_split", f"python -m minifer.bench.adaptive_split --out {RESULTS}/adaptive_split.json", 15,
+         "each engine's step split into its forward and the rest: where adaptive k's plain-step cost lies (ch04)"),
     Part("quality", f"python -m minifer.bench.quality --out {RESULTS}/quant_quality.json --plot", 5,
          "weight quantization: bytes, perplexity, agreement (ch05, README)", measured=True),
     Part("stacking", f"python -m minifer.course.stacking -n 96 --rounds 3 --out {RESULTS}/stacking.json --plot", 3,
