@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import statistics
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -78,9 +79,9 @@ def sweep(model: str, spec: dict, prompts: list, batch_sizes: list[int], max_tok
     for b in batch_sizes:
         n_batches = max(1, -(-min_requests // b))
         batches = [[prompts[(j * b + i) % len(prompts)] for i in range(b)] for j in range(n_batches)]
-        before, probes = dict(stats.k_counts), stats.num_probes
+        before, probes = Counter(stats.k_counts), stats.num_probes
         row = cell(engines, batches, params, rounds * (FROM_8 if b >= 8 else 1))
-        ks = {k: n - before.get(k, 0) for k, n in stats.k_counts.items() if n > before.get(k, 0)}
+        ks = Counter(stats.k_counts) - before
         row.update(batch=b, batches=n_batches, adaptive_k_hist={str(k): ks[k] for k in sorted(ks)},
                    adaptive_mean_k=sum(k * n for k, n in ks.items()) / max(1, sum(ks.values())),
                    adaptive_probes=stats.num_probes - probes)

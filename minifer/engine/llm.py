@@ -17,15 +17,11 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from minifer.config import ModelConfig, resolve_device, resolve_dtype
-from minifer.engine.beam_search import BeamSearch, BeamSearchOutput
 from minifer.engine.components import SEAMS, Components, check_seams, merge_components
-from minifer.engine.data_parallel import start_replicas
-from minifer.engine.eagle import split_eagle3
 from minifer.engine.llm_engine import CacheConfig, LLMEngine
 from minifer.engine.runner import compile_model
 from minifer.engine.scheduler import SchedulerConfig
 from minifer.engine.sequence import Sequence, SequenceGroup, sequences_of
-from minifer.engine.speculative import MAX_SPECULATIVE_TOKENS, SpeculativeConfig
 from minifer.engine.static import generate_static
 from minifer.layers.kv_quant import check_kv_cache_dtype
 from minifer.loader import (
@@ -38,8 +34,12 @@ from minifer.loader import (
 from minifer.outputs import RequestOutput
 from minifer.sampling import BeamSearchParams, SamplingParams
 
-if TYPE_CHECKING:
+if TYPE_CHECKING:  # the features a run does not ask for are imported where it asks (a result then fingerprints
+    # only the code it ran: minifer.bench.provenance)
+    from minifer.engine.beam_search import BeamSearchOutput
     from minifer.engine.block_manager import KVBlockAllocator
+    from minifer.engine.data_parallel import EngineReplicas
+    from minifer.engine.speculative import SpeculativeConfig
     from minifer.engine.proposers import DraftProposer
     from minifer.engine.scheduler import SchedulerPolicy
     from minifer.layers.paged_attention import PagedAttentionBackend
@@ -48,6 +48,27 @@ if TYPE_CHECKING:
     from minifer.spec.rejection import Verifier
 
 Prompt = str | dict[str, Any]
+
+
+def _replicas(llm_kwargs: dict[str, Any], size: Any, shared: LLM | None) -> EngineReplicas | None:
+    """``data_parallel.start_replicas``, imported only when there are replicas to start (or a size to refuse)."""
+    if isinstance(size, int) and size == 1:
+        return None
+    from minifer.engine.data_parallel import start_replicas
+
+    return start_replicas(LLM, llm_kwargs, size, shared)
+
+
+def _speculative(config: dict | SpeculativeConfig | None) -> tuple[SpeculativeConfig | None, bool | None]:
+    """The engine's ``SpeculativeConfig`` and which EAGLE head ``"eagle3"`` asks for (``eagle.split_eagle3``);
+    speculation's modules are imported only when it is asked for."""
+    if config is None:
+        return None, None
+    from minifer.engine.eagle import split_eagle3
+    from minifer.engine.speculative import SpeculativeConfig
+
+    config, eagle3 = split_eagle3(config)  # "eagle3": an "eagle" of fused layers
+    return SpeculativeConfig.from_dict(config), eagle3
 
 
 def _check_options(batching: str, max_num_seqs: Any, kv_cache_dtype: str, kv_cache_scales: str) -> None:
@@ -146,15 +167,14 @@ class LLM:
             self.model = self._load_model(quantization, load_format, parts.quant_kernel, limit, seed,
                                           quantizer=parts.quantizer)
         self.compilation_config = compile_model(self.model, compilation_config, share_weights_with, enforce_eager)
-        self.replicas = start_replicas(LLM, replica_kwargs, data_parallel_size, share_weights_with)
+        self.replicas = _replicas(replica_kwargs, data_parallel_size, share_weights_with)
         self.quantization_config = getattr(self.model, "quantization_config", None)
         self.tokenizer = load_tokenizer(resolve_model(tokenizer) if tokenizer is not None else self.model_path)
         self.eos_token_ids = frozenset(self._eos_ids())
         self._generator = torch.Generator(device=self.device).manual_seed(seed)
         self._counter = itertools.count()
         self.engine: LLMEngine | None = None
-        speculative_config, self._eagle3 = split_eagle3(speculative_config)  # "eagle3": an "eagle" of fused layers
-        spec = SpeculativeConfig.from_dict(speculative_config) if speculative_config is not None else None
+        spec, self._eagle3 = _speculative(speculative_config)
         if spec is not None and batching != "continuous":
             raise ValueError("speculative decoding runs inside the continuous engine: use batching='continuous'")
         self.draft_model = self._drafter(spec, share_weights_with)
@@ -176,6 +196,7 @@ class LLM:
         if spec is not None and spec.method == "draft_model":
             return self._load_draft(spec)
         if spec is not None and spec.method == "eagle":
+            from minifer.engine.speculative import MAX_SPECULATIVE_TOKENS
             from minifer.models.eagle import load_eagle_head
 
             return load_eagle_head(resolve_model(spec.model), self.model, self.dtype,
@@ -394,6 +415,8 @@ class LLM:
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
         ids = [self._prompt_ids(i, p)[1] for i, p in enumerate(prompts)]
+        from minifer.engine.beam_search import BeamSearch
+
         search = BeamSearch(self.engine, params, self.eos_token_ids, self.tokenizer, self.max_model_len,
                             self.max_num_seqs)
         bar = None

@@ -50,16 +50,15 @@ def speculative_step(parts: StepParts, spec: Speculator, waiting: Callable[[], i
         return parts.execute(batch, out.plan.drafts)
 
     def first_tokens(seqs: list[Sequence], logits: torch.Tensor) -> SampleResult:
-        if out.plan.drafts is None:
+        if out.plan.drafts is None:  # plain decoding: one token each, nothing for after the step to append
             r = parts.sampler(seqs, logits)
-            emitted.extend([e] for e in zip(r.token_ids, r.sampled_logprob, r.logprobs))
+            out.emitted = len(r.token_ids)
             return r
         emitted.extend(_verified_entries(seqs, spec.verify(out.plan, seqs, logits)))
         return SampleResult([e[0][0] for e in emitted], [e[0][2] for e in emitted], [e[0][1] for e in emitted])
 
     out.sampled = engine_step(replace(parts, execute=execute, sampler=first_tokens))
     if out.plan is None or out.plan.drafts is None:  # plain decoding: one token each, nothing to append or roll back
-        out.emitted = len(emitted)
         for seq in out.sampled:
             if seq.is_finished:
                 spec.release(seq.request_id)
