@@ -97,6 +97,27 @@ def verdict(result: dict[str, Any]) -> dict[str, Any]:
     return {**adaptive_verdict(result["sweeps"]), "after_intervals_missing_1": after}
 
 
+def method_specs(base: Any, draft: str, max_b: int, smoke: bool) -> dict[str, tuple[dict, list]]:
+    """The two methods every adaptive-k comparison runs, each at its best fixed ``K``, with its prompts: the draft
+    model on held-out story openings, n-gram lookup on prompts that ground its continuation (``base``'s tokens)."""
+    stories = story_openings(max_b)
+    grounded = grounded_prompts(base, 4 if smoke else 16, continuation=16 if smoke else 48)
+    return {"draft_model": ({"method": "draft_model", "model": draft, "num_speculative_tokens": K["draft_model"]},
+                            stories),
+            "ngram_grounded": ({"method": "ngram", "prompt_lookup_max": 4, "prompt_lookup_min": 1,
+                                "num_speculative_tokens": K["ngram_grounded"]}, grounded)}
+
+
+def add_arguments(ap: argparse.ArgumentParser, out: str) -> None:
+    """The options the adaptive-k comparisons share (each adds its own rounds)."""
+    ap.add_argument("--model", default="tinystories-target")
+    ap.add_argument("--draft", default=DRAFT)
+    ap.add_argument("--device", default=None)
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--smoke", action="store_true", help="tiny sizes: checks the pipeline in seconds")
+    ap.add_argument("--out", type=Path, default=Path(out))
+
+
 def run(model: str = "tinystories-target", draft: str = DRAFT, device: str | None = None, smoke: bool = False,
         repeats: int = 4) -> dict[str, Any]:
     from minifer import LLM
@@ -104,31 +125,23 @@ def run(model: str = "tinystories-target", draft: str = DRAFT, device: str | Non
 
     batch_sizes, max_tokens = ([1, 2], 8) if smoke else ([1, 2, 4, 8, 16, 32, 64], 64)
     base = LLM(model, device=device, max_num_seqs=max(batch_sizes), enable_prefix_caching=False)
-    stories = story_openings(max(batch_sizes))
-    grounded = grounded_prompts(base, 4 if smoke else 16, continuation=16 if smoke else 48)
-    specs = {"draft_model": ({"method": "draft_model", "model": draft}, stories),
-             "ngram_grounded": ({"method": "ngram", "prompt_lookup_max": 4, "prompt_lookup_min": 1}, grounded)}
+    specs = method_specs(base, draft, max(batch_sizes), smoke)
     rounds = 1 if smoke else repeats
     result: dict[str, Any] = {
         "kind": "adaptive_control", "metadata": metadata(module="minifer.bench.adaptive_control"),
         "config": {"model": model, "draft": draft, "device": str(base.device), "engines": list(ENGINES),
                    "torch_threads": torch.get_num_threads(), "smoke": smoke, "max_tokens": max_tokens,
                    "rounds_below_8": rounds, "rounds_from_8": FROM_8 * rounds},
-        "sweeps": {name: sweep(model, {**spec, "num_speculative_tokens": K[name]}, prompts, batch_sizes, max_tokens,
-                               rounds, device) for name, (spec, prompts) in specs.items()}}
+        "sweeps": {name: sweep(model, spec, prompts, batch_sizes, max_tokens, rounds, device)
+                   for name, (spec, prompts) in specs.items()}}
     result["verdict"] = verdict(result)
     return result
 
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", default="tinystories-target")
-    ap.add_argument("--draft", default=DRAFT)
-    ap.add_argument("--device", default=None)
+    add_arguments(ap, "runs/adaptive_control.json")
     ap.add_argument("--repeats", type=int, default=4, help="rounds per batch size below 8 sequences (6x from 8 on)")
-    ap.add_argument("--threads", type=int, default=1)
-    ap.add_argument("--smoke", action="store_true", help="tiny sizes: checks the pipeline in seconds")
-    ap.add_argument("--out", type=Path, default=Path("runs/adaptive_control.json"))
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     result = run(args.model, args.draft, args.device, args.smoke, args.repeats)

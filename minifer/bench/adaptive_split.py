@@ -26,10 +26,10 @@ from typing import Any
 
 import torch
 
-from minifer.bench.adaptive_control import K
+from minifer.bench.adaptive_control import add_arguments, method_specs
 from minifer.bench.adaptive_pooled import interval
 from minifer.bench.provenance import save_result
-from minifer.bench.speculative import DRAFT, _engine, grounded_prompts, run_interleaved, story_openings
+from minifer.bench.speculative import DRAFT, _engine, run_interleaved
 from minifer.sampling import SamplingParams
 
 ENGINES = ("plain", "plain_again", "adaptive")
@@ -127,12 +127,8 @@ def run(model: str = "tinystories-target", draft: str = DRAFT, device: str | Non
     batch_sizes, max_tokens = ([1, 2], 8) if smoke else ([1, 4, 8, 16, 32, 64], 64)
     per_size = {b: 1 if smoke else (2 if b < 8 else rounds) for b in batch_sizes}
     base = LLM(model, device=device, max_num_seqs=max(batch_sizes), enable_prefix_caching=False)
-    stories = story_openings(max(batch_sizes))
-    grounded = grounded_prompts(base, 4 if smoke else 16, continuation=16 if smoke else 48)
-    specs = {"draft_model": ({"method": "draft_model", "model": draft}, stories),
-             "ngram_grounded": ({"method": "ngram", "prompt_lookup_max": 4, "prompt_lookup_min": 1}, grounded)}
-    sweeps = {name: sweep(model, {**spec, "num_speculative_tokens": K[name]}, prompts, batch_sizes, max_tokens,
-                          per_size, device) for name, (spec, prompts) in specs.items()}
+    sweeps = {name: sweep(model, spec, prompts, batch_sizes, max_tokens, per_size, device)
+              for name, (spec, prompts) in method_specs(base, draft, max(batch_sizes), smoke).items()}
     return {"kind": "adaptive_split", "metadata": metadata(module="minifer.bench.adaptive_split"),
             "config": {"model": model, "draft": draft, "device": str(base.device), "engines": list(ENGINES),
                        "torch_threads": torch.get_num_threads(), "smoke": smoke, "max_tokens": max_tokens,
@@ -142,13 +138,8 @@ def run(model: str = "tinystories-target", draft: str = DRAFT, device: str | Non
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", default="tinystories-target")
-    ap.add_argument("--draft", default=DRAFT)
-    ap.add_argument("--device", default=None)
+    add_arguments(ap, "runs/adaptive_split.json")
     ap.add_argument("--rounds", type=int, default=16, help="rounds per batch size from 8 sequences (2 below)")
-    ap.add_argument("--threads", type=int, default=1)
-    ap.add_argument("--smoke", action="store_true", help="tiny sizes: checks the pipeline in seconds")
-    ap.add_argument("--out", type=Path, default=Path("runs/adaptive_split.json"))
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     result = run(args.model, args.draft, args.device, args.smoke, args.rounds)

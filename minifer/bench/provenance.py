@@ -95,11 +95,13 @@ def _json_default(x):
     return str(x)
 
 
-def save_result(result: dict[str, Any], path: str | Path, indent: int = 1) -> Path:
-    """Write a result JSON, stamping ``metadata.code`` with the fingerprint of what the run executed."""
+def save_result(result: dict[str, Any], path: str | Path, indent: int = 1,
+                sources: dict[str, str] | None = None) -> Path:
+    """Write a result JSON, stamping ``metadata.code`` with the fingerprint of what the run executed and of
+    ``sources`` (``{path: sha256[:16]}``: the files a result derived from others read, so it goes stale with them)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     if isinstance(result.get("metadata"), dict):
-        result["metadata"]["code"] = code_fingerprint()
+        result["metadata"]["code"] = {**code_fingerprint(), **(sources or {})}
     path.write_text(json.dumps(result, indent=indent, default=_json_default, allow_nan=True))
     return path
