@@ -19,7 +19,7 @@ _EXPORTS = {
     "LLM": "minifer.engine.llm",
     "SamplingParams": "minifer.sampling", "BeamSearchParams": "minifer.sampling", "Logprob": "minifer.sampling",
     "RequestOutput": "minifer.outputs", "CompletionOutput": "minifer.outputs",
-    "BeamSearchOutput": "minifer.engine.beam_search", "BeamSearchSequence": "minifer.engine.beam_search",
+    "BeamSearchOutput": "minifer.features.beam_search", "BeamSearchSequence": "minifer.features.beam_search",
     "ModelConfig": "minifer.config", "UnsupportedModelError": "minifer.config",
     "ModelLoadError": "minifer.loader", "BUNDLED_MODELS": "minifer.loader",
 }
@@ -28,7 +28,7 @@ __all__ = [*_EXPORTS, "__version__"]
 
 if TYPE_CHECKING:
     from minifer.config import ModelConfig, UnsupportedModelError
-    from minifer.engine.beam_search import BeamSearchOutput, BeamSearchSequence
+    from minifer.features.beam_search import BeamSearchOutput, BeamSearchSequence
     from minifer.engine.llm import LLM
     from minifer.loader import BUNDLED_MODELS, ModelLoadError
     from minifer.outputs import CompletionOutput, RequestOutput

@@ -2,7 +2,7 @@
 
     python tools/count_lines.py            # the table, the over-budget modules and functions
     python tools/count_lines.py --json     # the same as JSON
-    python tools/count_lines.py --features # the core's lines by feature (what the budget would have to drop)
+    python tools/count_lines.py --features # the core's lines by feature, and the optional features outside it
 
 A line counts when it is neither blank nor a comment; docstrings count (a learner reads them too). The core is
 what a chapter's "code it teaches" points at, without the server and the course's machinery: ``config.py``,
@@ -24,26 +24,21 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 CORE = ["config.py", "loader", "models", "layers", "sampling.py", "engine", "spec", "quant", "kernels"]
 BUDGET = {"total": 5000, "module": 400, "function": 60}
-# Each optional feature's own modules (paths under minifer/). Every other core module is the serving path a plain
-# bf16 request takes (config, loader, model, layers, sampling, paging, scheduling, the LLM facade), which also
-# carries each feature's few options and branches: a feature's count here is its modules, not every line it adds.
+FEATURES_PACKAGE = "features"  # optional features outside the core: counted on their own (``--features``)
+# The core's own features (paths under minifer/). Every other core module is the serving path a plain bf16 request
+# takes (config, loader, model, layers, sampling, paging, scheduling, the LLM facade), which also carries each
+# feature's few options and branches: a feature's count here is its modules, not every line it adds.
 FEATURES = {
-    "beam search": ["engine/beam_search.py"],
     "speculative decoding (fixed k: verify, n-gram, draft model)": [
         "spec/__init__.py", "spec/rejection.py", "spec/ngram.py", "spec/theory.py", "engine/proposers.py",
-        "engine/speculative.py", "engine/spec_step.py"],
-    "adaptive k": ["engine/adaptive_k.py", "engine/adaptive_ngram.py", "engine/cost_table.py"],
-    "EAGLE draft head": ["engine/eagle.py", "models/eagle.py"],
+        "engine/speculative.py", "engine/spec_step.py", "engine/cost_table.py"],
     "weight quantization (int8/int4/fp8 formats, QuantLinear, RTN, saved checkpoints)": [
         "quant/__init__.py", "quant/formats.py", "quant/linear.py", "quant/model.py", "loader/quantized.py",
         "loader/quant_fill.py"],
-    "GPTQ checkpoints (vLLM/transformers layout)": ["loader/gptq_checkpoint.py", "quant/gptq_layout.py"],
     "Triton quantized-matmul kernels (int8/int4/fp8)": [
         "kernels/quant_matmul.py", "kernels/quant_matmul_jit.py", "kernels/fp8.py"],
     "Triton paged-attention kernels": ["kernels/__init__.py", "kernels/paged_attention.py"],
     "8-bit KV cache (int8/fp8)": ["layers/kv_quant.py"],
-    "CUDA graphs": ["engine/cuda_graph.py"],
-    "data parallel replicas": ["engine/data_parallel.py"],
     "static batching baseline": ["engine/static.py"],
 }
 
@@ -82,19 +77,19 @@ def long_functions(source: str, lines: set[int], limit: int) -> list[tuple[str, 
     return out
 
 
-def core_files(root: Path = ROOT) -> list[Path]:
+def core_files(root: Path = ROOT, entries: list[str] = CORE) -> list[Path]:
     pkg = root / "minifer"
     files = []
-    for entry in CORE:
+    for entry in entries:
         p = pkg / entry
         files += sorted(p.rglob("*.py")) if p.is_dir() else [p]
     return files
 
 
-def measure(root: Path = ROOT) -> dict:
-    """Counted lines per core module, and what exceeds the budget."""
+def measure(root: Path = ROOT, entries: list[str] = CORE) -> dict:
+    """Counted lines per core module (or per module of ``entries``), and what exceeds the budget."""
     modules, functions = {}, []
-    for path in core_files(root):
+    for path in core_files(root, entries):
         source = path.read_text(encoding="utf-8")
         lines = code_lines(source)
         rel = path.relative_to(root).as_posix()
@@ -130,6 +125,11 @@ def main(argv: list[str] | None = None) -> int:
         for feature, n in sorted(by_feature(m["modules"]).items(), key=lambda kv: -kv[1]):
             print(f"{n:6d}  {feature}")
         print(f"{m['total']:6d}  engine core in all (budget {BUDGET['total']:,})")
+        f = measure(entries=[FEATURES_PACKAGE])
+        print(f"\noptional features outside the core (minifer/{FEATURES_PACKAGE}/, loaded only when a run asks):")
+        for mod, n in sorted(f["modules"].items(), key=lambda kv: -kv[1]):
+            print(f"{n:6d}  {mod}")
+        print(f"{f['total']:6d}  features in all; core and features {m['total'] + f['total']:,}")
         return 0
     if args.json:
         print(json.dumps(m, indent=1))

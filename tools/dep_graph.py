@@ -5,19 +5,35 @@
 
 A subpackage is a first-level name under ``minifer`` (``minifer.engine``, ``minifer.config``...). An edge counts the
 module-to-module imports that cross it; imports that only a type checker runs are left out, as in the contracts in
-pyproject.toml. Cycles between subpackages are listed last: the "no cycles" contract should keep that list empty,
-so a non-empty one names the imports to cut. To see another checkout's graph, put it first on ``PYTHONPATH``.
+pyproject.toml. The imports a contract lists under ``ignore_imports`` (the core's wiring points to the optional
+``features/``, loaded when a run asks for a feature) are shown apart: dotted in the flowchart, their own list in
+the text. Cycles between subpackages are listed last: the "no cycles" contract should keep that list empty, so a
+non-empty one names the imports to cut. To see another checkout's graph, put it first on ``PYTHONPATH``.
 """
 
 from __future__ import annotations
 
 import argparse
 import itertools
+import tomllib
 from collections import Counter
+from pathlib import Path
 
 import grimp
 
 PACKAGE = "minifer"
+PYPROJECT = Path(__file__).resolve().parents[1] / "pyproject.toml"
+
+
+def wiring_points(pyproject: Path = PYPROJECT) -> set[tuple[str, str]]:
+    """(importer, imported) module pairs that the import contracts ignore: the core's wiring points."""
+    contracts = tomllib.loads(pyproject.read_text())["tool"]["importlinter"]["contracts"]
+    pairs = set()
+    for contract in contracts:
+        for line in contract.get("ignore_imports", []):
+            a, b = (s.strip() for s in line.split("->"))
+            pairs.add((a, b))
+    return pairs
 
 
 def subpackage(module: str) -> str:
@@ -25,12 +41,16 @@ def subpackage(module: str) -> str:
     return ".".join(parts[:2])
 
 
-def subpackage_edges(package: str = PACKAGE) -> Counter:
-    """(importer subpackage, imported subpackage) -> number of direct module imports between them."""
+def subpackage_edges(package: str = PACKAGE, wiring: bool = False) -> Counter:
+    """(importer subpackage, imported subpackage) -> number of direct module imports between them; the wiring
+    points (``wiring_points``) only, with ``wiring=True``, else all the other imports."""
     graph = grimp.build_graph(package, exclude_type_checking_imports=True)
+    ignored = wiring_points()
     edges: Counter = Counter()
     for importer in graph.modules:
         for imported in graph.find_modules_directly_imported_by(importer):
+            if ((importer, imported) in ignored) != wiring:
+                continue
             a, b = subpackage(importer), subpackage(imported)
             if a != b and b != package:  # the package's own __init__ is not a layer
                 edges[(a, b)] += 1
@@ -43,19 +63,22 @@ def cycles(edges: Counter) -> list[tuple[str, str]]:
     return sorted(tuple(sorted(p)) for p in pairs)
 
 
-def as_text(edges: Counter) -> str:
+def as_text(edges: Counter, wiring: Counter) -> str:
     short = lambda m: m.removeprefix(PACKAGE + ".")  # noqa: E731
     lines = [f"{short(a):>16} -> {short(b):<16} {n:>3}" for (a, b), n in sorted(edges.items())]
+    lines.append("wiring points (imported when a run asks for a feature; the contracts list them):")
+    lines += [f"{short(a):>16} .> {short(b):<16} {n:>3}" for (a, b), n in sorted(wiring.items())]
     found = cycles(edges)
     lines.append(f"subpackages importing each other: {', '.join(' <-> '.join(map(short, c)) for c in found) or 'none'}")
     return "\n".join(lines)
 
 
-def as_mermaid(edges: Counter) -> str:
+def as_mermaid(edges: Counter, wiring: Counter) -> str:
     short = lambda m: m.removeprefix(PACKAGE + ".")  # noqa: E731
-    nodes = sorted({short(m) for m in itertools.chain.from_iterable(edges)})
+    nodes = sorted({short(m) for m in itertools.chain.from_iterable([*edges, *wiring])})
     out = ["flowchart LR"] + [f"    {n}[{n}]" for n in nodes]
     out += [f"    {short(a)} -->|{n}| {short(b)}" for (a, b), n in sorted(edges.items())]
+    out += [f"    {short(a)} -.->|{n}| {short(b)}" for (a, b), n in sorted(wiring.items())]
     return "\n".join(out)
 
 
@@ -63,8 +86,8 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--mermaid", action="store_true", help="print a mermaid flowchart instead of text")
     args = parser.parse_args(argv)
-    edges = subpackage_edges()
-    print(as_mermaid(edges) if args.mermaid else as_text(edges))
+    edges, wiring = subpackage_edges(), subpackage_edges(wiring=True)
+    print(as_mermaid(edges, wiring) if args.mermaid else as_text(edges, wiring))
 
 
 if __name__ == "__main__":

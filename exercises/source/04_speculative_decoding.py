@@ -533,5 +533,5 @@ piece_throughput("eagle_forward", eagle_forward)
 # * the formulas of section 4 are `minifer.spec.theory`;
 # * `rollback` is `Speculator.rollback` (`minifer/engine/speculative.py`), with the allocator's `truncate`
 #   (`minifer/engine/block_manager.py`) doing the block bookkeeping, prefix-cache entries included;
-# * `eagle_forward` is `EagleHead.forward` (`minifer/models/eagle.py`); `EagleProposer`
-#   (`minifer/engine/eagle.py`) pairs the features with the tokens and keeps the head's paged cache.
+# * `eagle_forward` is `EagleHead.forward` (`minifer/features/eagle_head.py`); `EagleProposer`
+#   (`minifer/features/eagle.py`) pairs the features with the tokens and keeps the head's paged cache.

@@ -155,7 +155,7 @@ def head_profile(llm, context: int = 128, reps: int = 200) -> dict[str, Any]:
     self-fed metadata is one step's share of a ``k = 4`` proposal's three (``SelfFedSteps``)."""
     from types import SimpleNamespace
 
-    from minifer.engine.eagle import SelfFedSteps
+    from minifer.features.eagle import SelfFedSteps
     from minifer.layers.paged_attention import PagedAttentionMetadata, PagedKVCache
 
     head, target = llm.engine.speculator.proposer.head, llm.model

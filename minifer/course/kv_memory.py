@@ -27,7 +27,7 @@ realistic lengths, what paging recovers, and what prefix caching saves.
   completions sharing the prompt's blocks (prefix caching on) and without; it counts the KV blocks held, the
   prompt tokens computed, and checks that both give the same tokens (seeded).
 - **Beam search.** ``measure_beam_search`` counts the same for beams that fork by sharing blocks and copy only
-  the last, partly filled one they write (``engine/beam_search.py``), and the KV tokens those copies carry
+  the last, partly filled one they write (``features/beam_search.py``), and the KV tokens those copies carry
   against what a contiguous cache copies.
 
 ``python -m minifer.course.kv_memory --out benchmarks/results/kv_memory.json`` runs the chapter's
@@ -769,7 +769,7 @@ def beam_search_demo(llm, *, beam_width: int = 3, prompt: str = "Once upon a tim
     import copy
 
     from minifer import BeamSearchParams
-    from minifer.engine.beam_search import BeamSearch
+    from minifer.features.beam_search import BeamSearch
 
     engine = _fresh_engine(llm, sharing=True, block_size=block_size, num_blocks=num_blocks, max_num_seqs=beam_width)
     tok = llm.tokenizer
@@ -809,7 +809,7 @@ def measure_beam_search(llm, *, shapes: Sequence[tuple[int, int]] = ((256, 32), 
     steps. It also counts the forks, the copy-on-write block copies and the cached tokens they carried, against
     the tokens a contiguous cache would copy (every beam's whole cache, every step)."""
     from minifer import BeamSearchParams
-    from minifer.engine.beam_search import BeamSearch, blocks_bound
+    from minifer.features.beam_search import BeamSearch, blocks_bound
 
     rows = []
     for prompt_len, max_tokens, prompts in _shape_prompts(llm, shapes, num_prompts, seed):

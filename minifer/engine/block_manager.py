@@ -246,7 +246,7 @@ class BlockManager:
 
     def fork(self, parent_id: object, child_id: object) -> None:
         """Give ``child_id`` the parent's blocks without copying any: the same table, every block's reference count
-        raised. Beam search forks a beam that has several surviving continuations (``engine/beam_search.py``); the
+        raised. Beam search forks a beam that has several surviving continuations (``features/beam_search.py``); the
         shared blocks stay read-only until one of the sharers writes, see ``copy_on_write``."""
         if child_id in self._seqs:
             raise ValueError(f"sequence {child_id!r} already has blocks")

@@ -18,7 +18,7 @@ from minifer.layers.ops import LayerOps
 
 if TYPE_CHECKING:
     from minifer.engine.block_manager import KVBlockAllocator
-    from minifer.engine.eagle import EagleForward
+    from minifer.features.eagle import EagleForward
     from minifer.engine.proposers import DraftProposer
     from minifer.engine.scheduler import SchedulerPolicy
     from minifer.engine.speculative import Rollback, SpeculativeConfig
@@ -51,7 +51,7 @@ class Components:
     verifier: Verifier | None = None
     quant_kernel: QuantKernel | None = None
     rollback: Rollback | None = None  # what a speculative step keeps of its drafts' KV (``speculative.Rollback``)
-    eagle_forward: EagleForward | None = None  # the EAGLE head's forward (``engine.eagle.EagleForward``)
+    eagle_forward: EagleForward | None = None  # the EAGLE head's forward (``features.eagle.EagleForward``)
     # what turns the loaded model's linear layers into QuantLinear ones: ``quantize_model``'s signature
     # (``quantizer(model, method, kernel=...)``, in place); None: ``minifer.quant.model.quantize_model``
     quantizer: Callable[..., Any] | None = None

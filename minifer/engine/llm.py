@@ -36,9 +36,9 @@ from minifer.sampling import BeamSearchParams, SamplingParams
 
 if TYPE_CHECKING:  # the features a run does not ask for are imported where it asks (a result then fingerprints
     # only the code it ran: minifer.bench.provenance)
-    from minifer.engine.beam_search import BeamSearchOutput
+    from minifer.features.beam_search import BeamSearchOutput
     from minifer.engine.block_manager import KVBlockAllocator
-    from minifer.engine.data_parallel import EngineReplicas
+    from minifer.features.data_parallel import EngineReplicas
     from minifer.engine.speculative import SpeculativeConfig
     from minifer.engine.proposers import DraftProposer
     from minifer.engine.scheduler import SchedulerPolicy
@@ -54,7 +54,7 @@ def _replicas(llm_kwargs: dict[str, Any], size: Any, shared: LLM | None) -> Engi
     """``data_parallel.start_replicas``, imported only when there are replicas to start (or a size to refuse)."""
     if isinstance(size, int) and size == 1:
         return None
-    from minifer.engine.data_parallel import start_replicas
+    from minifer.features.data_parallel import start_replicas
 
     return start_replicas(LLM, llm_kwargs, size, shared)
 
@@ -64,10 +64,13 @@ def _speculative(config: dict | SpeculativeConfig | None) -> tuple[SpeculativeCo
     speculation's modules are imported only when it is asked for."""
     if config is None:
         return None, None
-    from minifer.engine.eagle import split_eagle3
     from minifer.engine.speculative import SpeculativeConfig
 
-    config, eagle3 = split_eagle3(config)  # "eagle3": an "eagle" of fused layers
+    eagle3 = None
+    if isinstance(config, dict) and config.get("method") in ("eagle", "eagle3"):
+        from minifer.features.eagle import split_eagle3
+
+        config, eagle3 = split_eagle3(config)  # "eagle3": an "eagle" of fused layers
     return SpeculativeConfig.from_dict(config), eagle3
 
 
@@ -113,7 +116,7 @@ class LLM:
         quant_kernel: what quantized layers multiply through (``QuantKernel``, ``minifer.quant.linear``); default:
             Triton on CUDA, on the CPU an integer matmul for int8 and the PyTorch reference for the other formats.
         data_parallel_size: vLLM's name: ``generate`` splits its requests over this many engine replicas, each a
-            process with one torch thread (``engine.data_parallel``: on a CPU, the way to use a second core).
+            process with one torch thread (``features.data_parallel``: on a CPU, the way to use a second core).
         compilation_config: vLLM's name; minifer reads the CPU options ``pack_weights``, ``level`` (or ``mode``),
             ``column_major_weights`` and ``decode_attention`` (``engine.runner.compile_model`` says what each does).
             All are off by default, so the model a learner reads is the one that runs.
@@ -197,7 +200,7 @@ class LLM:
             return self._load_draft(spec)
         if spec is not None and spec.method == "eagle":
             from minifer.engine.speculative import MAX_SPECULATIVE_TOKENS
-            from minifer.models.eagle import load_eagle_head
+            from minifer.features.eagle_head import load_eagle_head
 
             return load_eagle_head(resolve_model(spec.model), self.model, self.dtype,
                                    self.max_model_len + MAX_SPECULATIVE_TOKENS, fused=self._eagle3)
@@ -403,7 +406,7 @@ class LLM:
     def beam_search(self, prompts: Prompt | SequenceT[Prompt], params: BeamSearchParams,
                     use_tqdm: bool = False) -> list[BeamSearchOutput]:
         """Beam search for every prompt (vLLM's ``LLM.beam_search``): each returns its ``params.beam_width`` best
-        finished sequences, best first (``engine/beam_search.py``, chapter 02). It needs the engine idle: no other
+        finished sequences, best first (``features/beam_search.py``, chapter 02). It needs the engine idle: no other
         requests under way, no server owning it."""
         if not isinstance(params, BeamSearchParams):
             raise TypeError(f"params must be a BeamSearchParams, got {type(params).__name__}")
@@ -415,7 +418,7 @@ class LLM:
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
         ids = [self._prompt_ids(i, p)[1] for i, p in enumerate(prompts)]
-        from minifer.engine.beam_search import BeamSearch
+        from minifer.features.beam_search import BeamSearch
 
         search = BeamSearch(self.engine, params, self.eos_token_ids, self.tokenizer, self.max_model_len,
                             self.max_num_seqs)

@@ -36,7 +36,7 @@ from minifer.outputs import RequestOutput
 from minifer.sampling import Sampler
 
 if TYPE_CHECKING:  # speculation's modules load only for an engine that speculates (``__init__``, ``step``)
-    from minifer.engine.eagle import EagleForward
+    from minifer.features.eagle import EagleForward
     from minifer.engine.proposers import DraftProposer
     from minifer.engine.speculative import Rollback, SpeculativeConfig, Speculator
     from minifer.spec.rejection import Verifier

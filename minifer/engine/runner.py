@@ -113,13 +113,13 @@ class ModelRunner:
         self.last_forward_s = 0.0  # wall time of the latest forward (the adaptive speculation reads it)
         self.graphs = None  # DecodeGraphs on CUDA (see cuda_graph.py): pure decode steps replay them
         # called after each forward with (request_ids, starts, tokens, hidden [N, H]): the last hidden state of every
-        # packed token, for a drafter that reads the target's features (EAGLE, ``engine/eagle.py``)
+        # packed token, for a drafter that reads the target's features (EAGLE, ``features/eagle.py``)
         self.hidden_observers: list = []
         self._decode_meta = DecodeMetadataBuilder(cache.block_size, self.device)
         self._decode_index = decode_indexer(model, cache)  # decode_attention="bucketed", else None
 
     def enable_cuda_graphs(self, max_batch: int, max_model_len: int) -> None:
-        from minifer.engine.cuda_graph import DecodeGraphs
+        from minifer.features.cuda_graph import DecodeGraphs
 
         graphs = DecodeGraphs(self.model, self.cache, max_batch, -(-max_model_len // self.cache.block_size))
         graphs.capture()

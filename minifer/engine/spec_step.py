@@ -9,7 +9,7 @@ rejected ones is rolled back. ``engine_step`` runs unchanged: the engine serves 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import torch
 
@@ -43,11 +43,13 @@ def speculative_step(parts: StepParts, spec: Speculator, waiting: Callable[[], i
     def execute(batch: ScheduledBatch) -> tuple[list[int], torch.Tensor]:
         for seq in batch.preempted:  # a preempted sequence recomputes from scratch: its drafts' state goes
             spec.release(seq.request_id)
-        budget = parts.scheduler.config.max_num_batched_tokens - sum(batch.num_new_tokens)
+        new_tokens = sum(batch.num_new_tokens)
+        budget = parts.scheduler.config.max_num_batched_tokens - new_tokens
         out.plan = spec.propose(batch.seqs, batch.num_new_tokens, budget, waiting())
-        out.forward_tokens = sum(len(d) for d in out.plan.drafts or []) + sum(batch.num_new_tokens)
-        out.pure_decode = all(n == 1 for n in batch.num_new_tokens)
-        return parts.execute(batch, out.plan.drafts)
+        drafts = out.plan.drafts
+        out.forward_tokens = new_tokens + (sum(len(d) for d in drafts) if drafts else 0)
+        out.pure_decode = new_tokens == len(batch.num_new_tokens)  # every row brings one token (each brings >= 1)
+        return parts.execute(batch, drafts)
 
     def first_tokens(seqs: list[Sequence], logits: torch.Tensor) -> SampleResult:
         if out.plan.drafts is None:  # plain decoding: one token each, nothing for after the step to append
@@ -57,7 +59,7 @@ def speculative_step(parts: StepParts, spec: Speculator, waiting: Callable[[], i
         emitted.extend(_verified_entries(seqs, spec.verify(out.plan, seqs, logits)))
         return SampleResult([e[0][0] for e in emitted], [e[0][2] for e in emitted], [e[0][1] for e in emitted])
 
-    out.sampled = engine_step(replace(parts, execute=execute, sampler=first_tokens))
+    out.sampled = engine_step(StepParts(parts.scheduler, execute, first_tokens, parts.blocks, parts.tokenizer))
     if out.plan is None or out.plan.drafts is None:  # plain decoding: one token each, nothing to append or roll back
         for seq in out.sampled:
             if seq.is_finished:

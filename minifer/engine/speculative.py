@@ -9,9 +9,9 @@ the same tokens; sampled: the same distribution). The KV of rejected guesses is 
 
 The proposers (``speculative_config["method"]``, vLLM's names): ``"draft_model"``, a small model with the same
 tokenizer and its own paged cache, and ``"ngram"``, prompt lookup (``proposers.py``); ``"eagle"``, a head reading
-the target's hidden states (``eagle.py``). Adaptive k (``"adaptive": True``, the default) lives in
-``adaptive_k.py``; this module proposes, verifies and rolls back, and with ``"adaptive": False`` speculates
-``num_speculative_tokens`` every step.
+the target's hidden states (``features/eagle.py``). Adaptive k (``"adaptive": True``, the default) lives in
+``features/adaptive_k.py``, behind the ``KController`` seam; this module proposes, verifies and rolls back, and
+with ``"adaptive": False`` speculates ``num_speculative_tokens`` every step.
 
 Limits: requests whose distribution reads their history (penalties, ``min_tokens``:
 ``SamplingParams.reads_history``) decode without speculation. With adaptive k a seeded *sampled* request is
@@ -24,14 +24,11 @@ import time
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
-from minifer.engine.adaptive_k import AdaptiveK, Decision, DecodeBatch, StepRecord
-from minifer.engine.adaptive_ngram import NgramAdaptiveK
 from minifer.engine.block_manager import KVBlockAllocator
-from minifer.engine.eagle import EagleForward, EagleProposer
 from minifer.engine.proposers import Draft, DraftModelProposer, DraftProposer, NgramProposer
 from minifer.engine.runner import ModelRunner
 from minifer.engine.sequence import Sequence
@@ -39,6 +36,9 @@ from minifer.models.llama import LlamaForCausalLM
 from minifer.sampling import greedy_argmax
 from minifer.sampling import Sampler
 from minifer.spec.rejection import RejectionVerifier, Verifier, probs_from_logits
+
+if TYPE_CHECKING:
+    from minifer.features.eagle import EagleForward
 
 METHODS = ("draft_model", "ngram", "eagle")
 MAX_SPECULATIVE_TOKENS = 16
@@ -93,6 +93,69 @@ class SpeculativeConfig:
 
 
 @dataclass
+class DecodeBatch:
+    """The decoding rows of a step, as the controller sees them."""
+
+    seqs: list[Sequence]
+    rows: list[int]  # indices into seqs of the sequences that decode this step (one new token, no history reads)
+    lag: float = 1.0  # tokens per sequence a draft model has not read yet
+    lookup: Callable[[Sequence, int], tuple[list[int], int]] | None = None  # n-gram: (draft, match length) of a row
+
+
+@dataclass
+class Decision:
+    """What a step does: ``k`` drafts per decoding sequence (0: plain decoding). A ``probe`` is plain decoding in
+    which one sequence speculates to keep the estimates current. ``drafts``: for n-gram speculation, the drafts to
+    verify (by row: tokens and the length of the match that found them), looked up before deciding."""
+
+    k: int
+    probe: bool = False
+    drafts: dict[int, tuple[list[int], int]] | None = None
+    held: bool = False  # a held plain decision (``PLAIN_HOLD``): its step is timed only now and then (``LIGHT_EVERY``)
+
+
+@dataclass
+class StepRecord:
+    """One step as the controller observes it: filled by the speculator (what it decided and proposed, each verified
+    sequence's acceptance) and by the engine (the forward's tokens and time, the whole step's tokens and time)."""
+
+    decodes: int = 0  # decoding sequences (0: a step of prompt chunks only: nothing to learn from its time)
+    k: int = 0  # drafts per sequence; a probe counts 0
+    probe: bool = False
+    held: bool = False  # the step reused a held plain decision (see AdaptiveK.observe)
+    propose_s: float = 0.0  # seconds spent finding drafts (left out of a plain step's time)
+    draft_s: float | None = None  # seconds the drafts took to make, when some were made
+    expected: float | None = None  # a speculative step's tokens at the estimated acceptance (see observe)
+    asked: int = 0  # sequences asked for drafts (not in probes), and those that got at least one
+    got: int = 0
+    acceptances: list[tuple[int, bool, int]] = field(default_factory=list)  # (accepted, rejected, match length)
+    forward_tokens: int = 0
+    forward_s: float = 0.0
+    pure_decode: bool = False
+    emitted: int = 0
+    seconds: float = 0.0
+
+    @property
+    def speculated(self) -> bool:
+        return self.k > 0
+
+
+class KController(Protocol):
+    """The seam of adaptive k (``features/adaptive_k.py`` is the reference; ``"adaptive": False`` runs without one).
+
+    ``decide``: a step's ``Decision`` for its decoding rows, ``waiting`` requests queued; ``held_step(b)``: a plain
+    decision still held at ``b`` decoding sequences (None: decide afresh), so a held step skips looking at each
+    sequence; ``expected_emitted``: a speculative step's tokens at the estimated acceptance (for ``observe``);
+    ``observe``: the step's ``StepRecord`` once it ran; ``calibrate``: time the forwards once, before serving."""
+
+    def decide(self, batch: DecodeBatch, waiting: int = 1) -> Decision: ...
+    def held_step(self, num_decodes: int) -> Decision | None: ...
+    def expected_emitted(self, b: int, drafts: list[Draft]) -> float: ...
+    def observe(self, r: StepRecord) -> None: ...
+    def calibrate(self) -> None: ...
+
+
+@dataclass
 class SpecStats:
     num_proposed: int = 0  # draft tokens the target verified
     num_accepted: int = 0
@@ -136,7 +199,7 @@ class Speculator:
     sample (a ``Sampler``, ``ModelRunner.sample`` by default)."""
 
     def __init__(self, cfg: SpeculativeConfig, proposer: DraftProposer, target_blocks: KVBlockAllocator,
-                 vocab_size: int, adaptive: AdaptiveK | None = None, verifier: Verifier | None = None,
+                 vocab_size: int, adaptive: KController | None = None, verifier: Verifier | None = None,
                  sampler: Sampler | None = None, rollback: Rollback | None = None) -> None:
         self.cfg, self.proposer, self.adaptive = cfg, proposer, adaptive
         self.custom_rollback = rollback
@@ -150,7 +213,7 @@ class Speculator:
     def propose(self, seqs: list[Sequence], num_new: list[int], token_budget: int, waiting: int = 1) -> SpecStep:
         """Drafts for the decoding rows of a scheduled step (``num_new == 1`` and prompt complete), with target KV
         slots reserved for them; ``[]`` for other rows (``SpecStep.drafts`` is None when nothing speculates).
-        ``waiting``: requests queued for a slot (the n-gram controller reads it: ``adaptive_ngram.py``)."""
+        ``waiting``: requests queued for a slot (the n-gram controller reads it: ``features/adaptive_ngram.py``)."""
         ctl = self.adaptive
         if ctl is not None and sum(num_new) == len(seqs):
             # the fast path: a pure-decode step at a batch size whose plain decision is held, recognised without
@@ -353,12 +416,17 @@ def build_speculator(cfg: SpeculativeConfig, draft_model: LlamaForCausalLM | Non
     elif proposer is None and cfg.method == "eagle":
         if draft_model is None:
             raise ValueError("method 'eagle' needs the EAGLE head")
+        from minifer.features.eagle import EagleProposer
+
         proposer = EagleProposer(draft_model, target_runner, num_blocks, block_size, eagle_forward)
     elif proposer is None:
         proposer = NgramProposer(cfg)
     draft_runner = getattr(proposer, "runner", None)  # a draft model's: its forwards are timed too
     adaptive = None
     if cfg.adaptive:
+        from minifer.features.adaptive_k import AdaptiveK
+        from minifer.features.adaptive_ngram import NgramAdaptiveK
+
         controller = NgramAdaptiveK if isinstance(proposer, NgramProposer) else AdaptiveK
         adaptive = controller(cfg, target_runner, draft_runner, getattr(proposer, "cost", None))
         adaptive.calibrate()

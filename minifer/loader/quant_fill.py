@@ -1,6 +1,6 @@
 """What both quantized checkpoint layouts share: the files copied from the source folder, and filling a model's
 quantized layers from tensors in minifer's int4/int8/fp8 layout (``quantized.py`` reads its own layout straight
-into it, ``gptq_checkpoint.py`` converts the GPTQ layout first)."""
+into it, ``features/gptq_checkpoint.py`` converts the GPTQ layout first)."""
 
 from __future__ import annotations
 

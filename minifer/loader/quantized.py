@@ -35,7 +35,6 @@ import torch
 from torch import nn
 
 from minifer.loader import ModelLoadError, build_model, read_checkpoint
-from minifer.loader.gptq_checkpoint import is_gptq_checkpoint, load_gptq
 from minifer.loader.quant_fill import (
     CONFIG_FILE,
     WEIGHTS_FILE,
@@ -84,6 +83,18 @@ def load_quantized(path: str | Path, *, dtype: torch.dtype = torch.float32, devi
     return fill_quantized(model, qcfg, read_checkpoint(path), path)
 
 
+def is_gptq_checkpoint(path: str | Path) -> bool:
+    """A checkpoint folder whose config.json says ``"quant_method": "gptq"``."""
+    cfg = Path(path) / "config.json"
+    if not (Path(path).is_dir() and cfg.is_file()):
+        return False
+    try:
+        qc = json.loads(cfg.read_text()).get("quantization_config") or {}
+    except (OSError, json.JSONDecodeError, AttributeError):
+        return False
+    return isinstance(qc, dict) and qc.get("quant_method") == "gptq"
+
+
 def load_model(path: Path, quantization: str | None = None, *, load_format: str = "auto",
                quant_kernel: QuantKernel | None = None, quantizer=None, **build_kw) -> nn.Module:
     """What ``LLM`` calls: a folder written by ``save_quantized``, or a GPTQ checkpoint (``gptq_checkpoint``),
@@ -93,7 +104,11 @@ def load_model(path: Path, quantization: str | None = None, *, load_format: str 
     ``quantizer`` (``quantize_model``'s signature) replaces ``quantize_model``, e.g. with a learner's own."""
     if quantization is not None:
         check_quantization(quantization)
-    saved_layout = load_quantized if is_quantized_checkpoint(path) else load_gptq if is_gptq_checkpoint(path) else None
+    saved_layout = load_quantized if is_quantized_checkpoint(path) else None
+    if saved_layout is None and is_gptq_checkpoint(path):
+        from minifer.features.gptq_checkpoint import load_gptq  # features/: imported only for a GPTQ checkpoint
+
+        saved_layout = load_gptq
     if load_format != "dummy" and saved_layout is not None:
         model = saved_layout(path, dtype=build_kw["dtype"], device=build_kw["device"],
                              max_positions=build_kw.get("max_positions"))

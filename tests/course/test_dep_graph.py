@@ -20,10 +20,11 @@ def test_cycles_are_pairs_that_import_each_other():
     dg = _tool()
     edges = Counter({("minifer.a", "minifer.b"): 2, ("minifer.b", "minifer.a"): 1, ("minifer.b", "minifer.c"): 1})
     assert dg.cycles(edges) == [("minifer.a", "minifer.b")]
-    text = dg.as_text(edges)
-    assert "a <-> b" in text and "c" in text
-    mermaid = dg.as_mermaid(edges)
-    assert mermaid.startswith("flowchart LR") and "b -->|1| c" in mermaid
+    wiring = Counter({("minifer.c", "minifer.d"): 1})
+    text = dg.as_text(edges, wiring)
+    assert "a <-> b" in text and "c .> d" in text
+    mermaid = dg.as_mermaid(edges, wiring)
+    assert mermaid.startswith("flowchart LR") and "b -->|1| c" in mermaid and "c -.->|1| d" in mermaid
 
 
 def test_the_engine_core_layers_in_minifers_graph():
@@ -36,3 +37,15 @@ def test_the_engine_core_layers_in_minifers_graph():
             "minifer.engine", "minifer.spec", "minifer.quant", "minifer.kernels"}
     assert not [e for e in edges if e[0] in core and e[1] in ("minifer.course", "minifer.bench")], edges
     assert not [e for e in edges if e[0] in ("minifer.layers", "minifer.kernels") and e[1] == "minifer.engine"]
+
+
+def test_the_core_reaches_features_only_at_the_wiring_points():
+    """Every import from the core into ``minifer.features`` is one the contracts list (a new one fails here and in
+    ``lint-imports``), and the features build on the engine: the graph without the wiring points has no cycle."""
+    dg = _tool()
+    core = ("minifer.config", "minifer.loader", "minifer.models", "minifer.layers", "minifer.sampling",
+            "minifer.engine", "minifer.spec", "minifer.quant", "minifer.kernels")
+    edges, wiring = dg.subpackage_edges(), dg.subpackage_edges(wiring=True)
+    assert not [e for e in edges if e[0] in core and e[1] == "minifer.features"], edges
+    assert ("minifer.engine", "minifer.features") in wiring and ("minifer.features", "minifer.engine") in edges
+    assert dg.cycles(edges) == []

@@ -75,4 +75,4 @@ def test_the_feature_table_partitions_the_core_and_names_only_core_modules():
     paths = [p for ps in cl.FEATURES.values() for p in ps]
     assert len(paths) == len(set(paths))  # a module belongs to one feature
     with pytest.raises(ValueError, match="spec/rejection.py"):
-        cl.by_feature({"minifer/engine/beam_search.py": 1})
+        cl.by_feature({"minifer/features/beam_search.py": 1})

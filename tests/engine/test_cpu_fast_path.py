@@ -55,7 +55,7 @@ def test_compilation_config_is_checked(target_llm):
 
 
 def test_two_replicas_give_the_eager_tokens_in_prompt_order(prompts, eager_tokens):
-    from minifer.engine.data_parallel import balance
+    from minifer.features.data_parallel import balance
 
     llm = minifer.LLM("tinystories-target", dtype="float32", device="cpu", data_parallel_size=2)
     try:

@@ -7,9 +7,9 @@ import json
 import subprocess
 import sys
 
-FEATURES = ("minifer.engine.speculative", "minifer.engine.spec_step", "minifer.engine.adaptive_k",
-            "minifer.engine.eagle", "minifer.engine.proposers", "minifer.spec.rejection",
-            "minifer.engine.beam_search", "minifer.engine.data_parallel")
+FEATURES = ("minifer.engine.speculative", "minifer.engine.spec_step", "minifer.features.adaptive_k",
+            "minifer.features.eagle", "minifer.engine.proposers", "minifer.spec.rejection",
+            "minifer.features.beam_search", "minifer.features.data_parallel")
 
 
 def _loaded(code: str) -> set[str]:
@@ -24,6 +24,7 @@ def test_a_plain_engine_imports_no_feature_it_did_not_ask_for():
                      "llm.generate(['Once'], SamplingParams(temperature=0, max_tokens=2), use_tqdm=False)")
     assert "minifer.engine.llm_engine" in loaded
     assert loaded.isdisjoint(FEATURES), sorted(loaded.intersection(FEATURES))
+    assert not [m for m in loaded if m.startswith("minifer.features")], sorted(loaded)  # none of the optional ones
 
 
 def test_asking_for_speculation_and_beam_search_loads_them():
@@ -32,4 +33,6 @@ def test_asking_for_speculation_and_beam_search_loads_them():
                      "'num_speculative_tokens': 2, 'prompt_lookup_max': 2})\n"
                      "llm.generate(['Once upon'], SamplingParams(temperature=0, max_tokens=2), use_tqdm=False)\n"
                      "llm.beam_search(['Once'], BeamSearchParams(beam_width=2, max_tokens=2))")
-    assert {"minifer.engine.speculative", "minifer.engine.spec_step", "minifer.engine.beam_search"} <= loaded
+    assert {"minifer.engine.speculative", "minifer.engine.spec_step", "minifer.features.beam_search",
+            "minifer.features.adaptive_k", "minifer.features.adaptive_ngram"} <= loaded  # adaptive k: the default
+    assert "minifer.features.eagle" not in loaded  # an n-gram run asks for no EAGLE head

@@ -1,4 +1,4 @@
-"""int4 checkpoints in the GPTQ layout (``minifer.quant.gptq_layout``, ``minifer.loader.gptq_checkpoint``).
+"""int4 checkpoints in the GPTQ layout (``minifer.features.gptq_layout``, ``minifer.features.gptq_checkpoint``).
 
 The layout is checked against a reference unpacking written here, bit by bit, from the published format
 (AutoGPTQ's ``QuantLinear``, read by vLLM and transformers/GPTQModel): ``qweight`` int32 ``[K/8, N]`` with input
@@ -28,9 +28,9 @@ from conftest import REPO, minifer_forward
 from minifer.eval import greedy_continuations
 from minifer.loader import ModelLoadError
 from minifer.compress.gptq_export import save_gptq, to_gptq
-from minifer.loader.gptq_checkpoint import is_gptq_checkpoint, load_gptq
+from minifer.features.gptq_checkpoint import is_gptq_checkpoint, load_gptq
 from minifer.quant.formats import QuantizedWeight, dequantize, quantize_int4
-from minifer.quant.gptq_layout import from_gptq
+from minifer.features.gptq_layout import from_gptq
 from minifer.quant.linear import decoder_linears
 from minifer.compress import gptq_quantize_model
 from minifer.quant.model import quantize_model

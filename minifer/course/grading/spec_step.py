@@ -162,7 +162,7 @@ def story_inputs() -> tuple[Any, torch.Tensor, torch.Tensor, torch.Tensor, torch
     ``0 .. T-2``, the tokens of positions ``1 .. T-1``, the positions, and the target's next tokens (``2 .. T-1``)."""
     from minifer.course.workbench import reference_llm
     from minifer.loader import resolve_model
-    from minifer.models.eagle import load_eagle_head
+    from minifer.features.eagle_head import load_eagle_head
 
     llm = reference_llm()
     target = llm.model

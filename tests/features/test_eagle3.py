@@ -16,12 +16,12 @@ import pytest
 import torch
 from conftest import REPO
 from test_eagle import EAGLE3, _assert_nothing_leaked
-from test_speculative import GREEDY, mixed_prompts, story_prompts, tokens
+from spec_helpers import GREEDY, mixed_prompts, story_prompts, tokens
 
 from minifer import LLM, SamplingParams
 from minifer.layers.attention import causal_backend
 from minifer.loader import resolve_model
-from minifer.models.eagle import AUX_KEY, EagleHead, eagle3_aux_layers, load_eagle_head
+from minifer.features.eagle_head import AUX_KEY, EagleHead, eagle3_aux_layers, load_eagle_head
 
 @pytest.fixture(scope="module")
 def plain():

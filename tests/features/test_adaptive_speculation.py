@@ -12,7 +12,7 @@ import pytest
 
 from minifer import LLM, SamplingParams
 from minifer.engine.cost_table import CostTable
-from minifer.engine.adaptive_k import PROBE_BUDGET, TRIAL_STEPS, StepRecord
+from minifer.features.adaptive_k import PROBE_BUDGET, TRIAL_STEPS, StepRecord
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
 
@@ -147,7 +147,7 @@ def test_a_loss_at_a_smaller_batch_holds_off_larger_ones_until_their_retry(spec)
 
 
 def test_a_clear_plain_decision_is_reused_for_a_few_steps(spec, monkeypatch):
-    from minifer.engine.adaptive_k import PLAIN_HOLD
+    from minifer.features.adaptive_k import PLAIN_HOLD
 
     calls = []
     real = spec.predicted_rate
@@ -164,8 +164,8 @@ def test_ngram_lookups_that_cannot_pay_are_skipped_for_a_few_steps(monkeypatch):
     """When the match statistics say lookups cannot pay at a batch size, that decision is held like a clear plain
     one (``PLAIN_HOLD``): the check runs once per ``PLAIN_HOLD + 1`` pure-decode steps, and decoding is plain."""
     from minifer import SamplingParams
-    from minifer.engine.adaptive_k import PLAIN_HOLD
-    from minifer.engine.adaptive_ngram import NgramAdaptiveK
+    from minifer.features.adaptive_k import PLAIN_HOLD
+    from minifer.features.adaptive_ngram import NgramAdaptiveK
 
     llm = LLM("tinystories-target", speculative_config=NGRAM, max_num_seqs=8)
     spec = llm.engine.speculator
@@ -186,7 +186,7 @@ def test_held_plain_steps_are_timed_one_in_light_every(spec):
     """A held plain step skips the prediction and, except every ``LIGHT_EVERY``-th, the measurement: every one of
     them adds its time to the probe budget, and one in ``LIGHT_EVERY`` reaches the cost table and the plain step
     time."""
-    from minifer.engine.adaptive_k import LIGHT_EVERY
+    from minifer.features.adaptive_k import LIGHT_EVERY
 
     _step(spec, 8, 0.010, 8)
     before = len(spec.target_cost.samples[8])
@@ -265,7 +265,7 @@ def test_the_drafts_catch_up_is_spread_over_a_trial():
 
 def test_probes_are_counted_apart_from_speculative_steps():
     """A probe is a plain step with one sequence speculating: k = 0 in the histogram, and counted on its own."""
-    from minifer.engine.adaptive_k import Decision
+    from minifer.features.adaptive_k import Decision
 
     spec = LLM("tinystories-target", speculative_config=NGRAM).engine.speculator
     assert spec.record_choice(8, Decision(3, probe=True)).k == 0

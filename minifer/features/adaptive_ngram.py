@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from collections import Counter
 
-from minifer.engine.adaptive_k import PLAIN_HOLD, AdaptiveK, Decision, DecodeBatch
+from minifer.features.adaptive_k import PLAIN_HOLD, AdaptiveK, Decision, DecodeBatch
 from minifer.engine.proposers import Draft
 from minifer.spec.theory import expected_tokens_per_forward
 

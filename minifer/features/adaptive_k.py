@@ -1,9 +1,9 @@
 """Adaptive k: how many tokens to speculate this step, decided from measured costs (``"adaptive": True``, the default).
 
-The speculator (``speculative.py``) calls ``decide(batch, waiting)`` for the step's ``Decision`` (k, a probe, or held
-plain decoding; for n-gram drafts, which drafts to verify) and ``observe(record)`` with the ``StepRecord`` of the step
-once it ran; nothing else passes between them. Speculation pays only while the wider verify forward is nearly free,
-i.e. at low concurrency. For ``B`` decoding sequences the controller picks the ``k`` in ``0..num_speculative_tokens``
+The speculator (``engine/speculative.py``, through its ``KController`` seam) calls ``decide(batch, waiting)`` for
+the step's ``Decision`` (k, a probe, or held plain decoding; for n-gram drafts, which drafts to verify) and
+``observe(record)`` with the ``StepRecord`` of the step once it ran; nothing else passes between them.
+Speculation pays only while the wider verify forward is nearly free, i.e. at low concurrency. For ``B`` decoding sequences the controller picks the ``k`` in ``0..num_speculative_tokens``
 that maximises the predicted tokens per second
 
     B * (1 + h * (E(alpha, k) - 1)) / (T(B * (1 + h * k)) + t_draft(B, k)),   E = (1 - alpha^(k+1)) / (1 - alpha)
@@ -32,66 +32,19 @@ from typing import TYPE_CHECKING
 from minifer.engine.cost_table import CostTable, calibrate_decode
 from minifer.engine.proposers import Draft
 from minifer.engine.runner import ModelRunner
-from minifer.engine.sequence import Sequence
+from minifer.engine.speculative import Decision, DecodeBatch, StepRecord
 from minifer.spec.theory import expected_tokens_per_forward
 
 if TYPE_CHECKING:
     from minifer.engine.speculative import SpeculativeConfig
 
+HELD = Decision(0, held=True)  # the decision of every held plain step (shared: nothing writes to a Decision)
 TRIAL_STEPS = 8  # speculative steps measured at a batch size before measurement may overrule the model
 PROBE_BUDGET = 0.002  # probes may cost at most this fraction of the decode time (see AdaptiveK.probe_due)
 PROBE_DECAY = 0.999  # per pure-decode step: the budget covers roughly the last thousand steps, not all history
 ALPHA_DECAY = 0.995  # per verified sequence: the acceptance estimate follows roughly the last 200 verifications
 PLAIN_HOLD = 15  # steps that reuse a clear "plain" decision at the same batch size (see AdaptiveK.held)
 LIGHT_EVERY = 8  # of the held plain steps, every LIGHT_EVERY-th is timed into the tables (see AdaptiveK.observe)
-
-
-@dataclass
-class DecodeBatch:
-    """The decoding rows of a step, as the controller sees them."""
-
-    seqs: list[Sequence]
-    rows: list[int]  # indices into seqs of the sequences that decode this step (one new token, no history reads)
-    lag: float = 1.0  # tokens per sequence a draft model has not read yet
-    lookup: Callable[[Sequence, int], tuple[list[int], int]] | None = None  # n-gram: (draft, match length) of a row
-
-
-@dataclass
-class Decision:
-    """What a step does: ``k`` drafts per decoding sequence (0: plain decoding). A ``probe`` is plain decoding in
-    which one sequence speculates to keep the estimates current. ``drafts``: for n-gram speculation, the drafts to
-    verify (by row: tokens and the length of the match that found them), looked up before deciding."""
-
-    k: int
-    probe: bool = False
-    drafts: dict[int, tuple[list[int], int]] | None = None
-    held: bool = False  # a held plain decision (``PLAIN_HOLD``): its step is timed only now and then (``LIGHT_EVERY``)
-
-
-@dataclass
-class StepRecord:
-    """One step as the controller observes it: filled by the speculator (what it decided and proposed, each verified
-    sequence's acceptance) and by the engine (the forward's tokens and time, the whole step's tokens and time)."""
-
-    decodes: int = 0  # decoding sequences (0: a step of prompt chunks only: nothing to learn from its time)
-    k: int = 0  # drafts per sequence; a probe counts 0
-    probe: bool = False
-    held: bool = False  # the step reused a held plain decision (see AdaptiveK.observe)
-    propose_s: float = 0.0  # seconds spent finding drafts (left out of a plain step's time)
-    draft_s: float | None = None  # seconds the drafts took to make, when some were made
-    expected: float | None = None  # a speculative step's tokens at the estimated acceptance (see observe)
-    asked: int = 0  # sequences asked for drafts (not in probes), and those that got at least one
-    got: int = 0
-    acceptances: list[tuple[int, bool, int]] = field(default_factory=list)  # (accepted, rejected, match length)
-    forward_tokens: int = 0
-    forward_s: float = 0.0
-    pure_decode: bool = False
-    emitted: int = 0
-    seconds: float = 0.0
-
-    @property
-    def speculated(self) -> bool:
-        return self.k > 0
 
 
 class AdaptiveK:
@@ -141,7 +94,7 @@ class AdaptiveK:
 
     def held_step(self, num_decodes: int) -> Decision | None:
         """A held plain decision at this batch size (``PLAIN_HOLD``), used up by one step; None if there is none."""
-        return Decision(0, held=True) if self.held(num_decodes) else None
+        return HELD if self.held(num_decodes) else None
 
     def observe(self, r: StepRecord) -> None:
         """Learn from a step that ran: the acceptance of its verified drafts, how often asked sequences got drafts,

@@ -16,23 +16,12 @@ from torch import nn
 
 from minifer.loader import ModelLoadError, build_model, fuse_checkpoint, read_checkpoint
 from minifer.loader.quant_fill import fill_quantized
-from minifer.quant.gptq_layout import CHECKPOINT_FORMATS, from_gptq
+from minifer.loader.quantized import is_gptq_checkpoint  # noqa: F401  (the loader asks it before importing this)
+from minifer.features.gptq_layout import CHECKPOINT_FORMATS, from_gptq
 from minifer.quant.linear import decoder_linears
 from minifer.quant.model import QuantizationConfig
 
 GPTQ_TENSORS = ("qweight", "qzeros", "scales", "g_idx")
-
-
-def is_gptq_checkpoint(path: str | Path) -> bool:
-    """A checkpoint folder whose config.json says ``"quant_method": "gptq"``."""
-    cfg = Path(path) / "config.json"
-    if not (Path(path).is_dir() and cfg.is_file()):
-        return False
-    try:
-        qc = json.loads(cfg.read_text()).get("quantization_config") or {}
-    except (OSError, json.JSONDecodeError, AttributeError):
-        return False
-    return isinstance(qc, dict) and qc.get("quant_method") == "gptq"
 
 
 def _read_gptq_config(path: Path) -> dict[str, Any]:

@@ -1,4 +1,4 @@
-"""The EAGLE proposer (vLLM's ``"method": "eagle"`` and ``"eagle3"``): the draft head of ``minifer/models/eagle.py``
+"""The EAGLE proposer (vLLM's ``"method": "eagle"`` and ``"eagle3"``): the draft head of ``eagle_head.py``
 run inside the engine, over its own one-layer paged KV cache.
 
 The head at position ``t`` reads the target's last hidden state ``f_t`` and the token ``x_{t+1}``. The target
@@ -41,7 +41,7 @@ from minifer.layers.paged_attention import (
 )
 
 if TYPE_CHECKING:
-    from minifer.models.eagle import EagleHead
+    from minifer.features.eagle_head import EagleHead
 
 # The seam that replaces the head's forward (``Components(eagle_forward=...)``): ``fn(head, features, input_ids,
 # positions, attn)`` with ``EagleHead.forward``'s contract, the head's weights in ``head``.

@@ -1,6 +1,6 @@
 """int4 weights in the GPTQ checkpoint layout, the one vLLM, transformers (through GPTQModel) and AutoGPTQ read.
 
-minifer's int4 (``formats.py``) keeps ``nn.Linear``'s orientation, ``[N, K]``, two codes per byte. The GPTQ
+minifer's int4 (``quant/formats.py``) keeps ``nn.Linear``'s orientation, ``[N, K]``, two codes per byte. The GPTQ
 layout, fixed by the original GPTQ code and AutoGPTQ and read by every GPTQ kernel since, is transposed
 (``[K, N]``, inputs first) and packs into int32 words. Per linear layer, ``g`` the group size::
 
@@ -16,7 +16,7 @@ and the one trap of the format: in ``checkpoint_format="gptq"`` (v1, what AutoGP
 checkpoints use) each zero point is stored *minus one* and readers add the one back; ``"gptq_v2"`` (GPTQModel)
 stores it as is. Symmetric int4 has zero point 8 everywhere, so a v1 ``qzeros`` word is ``0x77777777``. v1
 cannot store a zero point of 0 (it would be -1, which a 4-bit field cannot hold): an asymmetric group whose
-values are all >= 0 has one (``formats.py`` widens a group's range to include 0), so such a weight needs v2.
+values are all >= 0 has one (``quant/formats.py`` widens a group's range to include 0), so such a weight needs v2.
 
 Groups are always contiguous (``desc_act=False``, ``g_idx == k // g``): ``minifer.compress.gptq``'s act-order keeps
 each group's columns together ("static groups"), the plain layout every kernel reads fastest. A checkpoint with a

@@ -23,7 +23,7 @@ tokens after it need. A fused head is method ``"eagle3"`` (shipped as ``tinystor
 ``minifer.bench.eagle`` measures whether the fusion pays.
 
 The head's attention goes through the same ``AttentionBackend`` as the target's layers: the engine hands it a paged
-cache (``minifer.engine.eagle.EagleProposer``), training a contiguous causal one.
+cache (``minifer.features.eagle.EagleProposer``), training a contiguous causal one.
 """
 
 from __future__ import annotations

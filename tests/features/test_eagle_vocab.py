@@ -11,7 +11,7 @@ import json
 import pytest
 import torch
 from test_eagle import EAGLE
-from test_speculative import (
+from spec_helpers import (
     PROMPT,
     _second_token_test,
     mixed_prompts,
@@ -21,7 +21,7 @@ from test_speculative import (
 
 from minifer import LLM, SamplingParams
 from minifer.loader import resolve_model
-from minifer.models.eagle import EagleHead, draft_to_target_offsets, load_eagle_head
+from minifer.features.eagle_head import EagleHead, draft_to_target_offsets, load_eagle_head
 
 
 @pytest.fixture(scope="module")

@@ -1,0 +1,15 @@
+"""Optional features: each plugs into a seam of the engine core and is imported only when a run asks for it.
+
+The core (``config``, ``loader``, ``models``, ``layers``, ``sampling``, ``engine``, ``spec``, ``quant``, ``kernels``)
+is what every request goes through and what the chapters teach; it serves with none of these modules loaded. Each
+one here builds on the core's interfaces, and the core reaches it only at the wiring points the import contract
+lists (``pyproject.toml``, "the engine core reaches optional features only at its wiring points"):
+
+- ``adaptive_k``, ``adaptive_ngram``: how many tokens to speculate each step (``speculative.KController``);
+- ``eagle``, ``eagle_head``: EAGLE drafting from the target's hidden states (a ``DraftProposer``);
+- ``beam_search``: ``LLM.beam_search``, on the engine's own steps;
+- ``data_parallel``: ``LLM(data_parallel_size=...)``, replicas in worker processes;
+- ``cuda_graph``: captured decode steps (``ModelRunner.enable_cuda_graphs``);
+- ``gptq_checkpoint``, ``gptq_layout``: loading (and, with ``minifer.compress``, writing) int4 checkpoints in
+  the GPTQ layout vLLM and transformers read.
+"""
