@@ -3,8 +3,9 @@
 The speculator (``engine/speculative.py``, through its ``KController`` seam) calls ``decide(batch, waiting)`` for
 the step's ``Decision`` (k, a probe, or held plain decoding; for n-gram drafts, which drafts to verify) and
 ``observe(record)`` with the ``StepRecord`` of the step once it ran; nothing else passes between them.
-Speculation pays only while the wider verify forward is nearly free, i.e. at low concurrency. For ``B`` decoding sequences the controller picks the ``k`` in ``0..num_speculative_tokens``
-that maximises the predicted tokens per second
+Speculation pays only while the wider verify forward is nearly free, i.e. at low concurrency. For ``B`` decoding
+sequences the controller picks the ``k`` in ``0..num_speculative_tokens`` that maximises the predicted tokens per
+second
 
     B * (1 + h * (E(alpha, k) - 1)) / (T(B * (1 + h * k)) + t_draft(B, k)),   E = (1 - alpha^(k+1)) / (1 - alpha)
 
