@@ -8,6 +8,7 @@ rejected ones is rolled back. ``engine_step`` runs unchanged: the engine serves 
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -36,7 +37,19 @@ class SpeculativeStepResult:
 def speculative_step(parts: StepParts, spec: Speculator, waiting: Callable[[], int]) -> SpeculativeStepResult:
     """One step of ``engine_step`` whose ``execute`` also runs each sequence's drafts (``parts.execute(batch,
     drafts)``) and whose sampler verifies them. ``waiting()``: the requests queued for a slot once the batch is
-    scheduled (the adaptive controller weighs them)."""
+    scheduled (the adaptive controller weighs them). While adaptive k holds plain decoding, the step is
+    ``engine_step`` itself: nothing around it, so a held step costs what a plain engine's does."""
+    scheduler = parts.scheduler
+    running = len(scheduler.running)
+    if spec.plain_step(running, waiting()):
+        start = time.perf_counter()
+        sampled = engine_step(parts)
+        if len(scheduler.running) != running:  # some finished (nothing waited to join): their draft state goes too
+            for seq in sampled:
+                if seq.is_finished:
+                    spec.release(seq.request_id)
+        spec.adaptive.observe_plain(time.perf_counter() - start)
+        return SpeculativeStepResult(sampled)
     out = SpeculativeStepResult([])
     emitted: list[list[tuple]] = []
 
@@ -59,7 +72,8 @@ def speculative_step(parts: StepParts, spec: Speculator, waiting: Callable[[], i
         emitted.extend(_verified_entries(seqs, spec.verify(out.plan, seqs, logits)))
         return SampleResult([e[0][0] for e in emitted], [e[0][2] for e in emitted], [e[0][1] for e in emitted])
 
-    out.sampled = engine_step(StepParts(parts.scheduler, execute, first_tokens, parts.blocks, parts.tokenizer))
+    out.sampled = engine_step(StepParts(scheduler=scheduler, execute=execute, sampler=first_tokens, blocks=parts.blocks,
+                                        tokenizer=parts.tokenizer))
     if out.plan is None or out.plan.drafts is None:  # plain decoding: one token each, nothing to append or roll back
         for seq in out.sampled:
             if seq.is_finished:

@@ -145,11 +145,15 @@ class KController(Protocol):
 
     ``decide``: a step's ``Decision`` for its decoding rows, ``waiting`` requests queued; ``held_step(b)``: a plain
     decision still held at ``b`` decoding sequences (None: decide afresh), so a held step skips looking at each
-    sequence; ``expected_emitted``: a speculative step's tokens at the estimated acceptance (for ``observe``);
-    ``observe``: the step's ``StepRecord`` once it ran; ``calibrate``: time the forwards once, before serving."""
+    sequence; ``plain_step(n)``: whether the next step, of ``n`` running sequences and none waiting, may run as the
+    plain engine's step itself, nothing proposed or recorded (its time then goes to ``observe_plain``);
+    ``expected_emitted``: a speculative step's tokens at the estimated acceptance (for ``observe``); ``observe``: the
+    step's ``StepRecord`` once it ran; ``calibrate``: time the forwards once, before serving."""
 
     def decide(self, batch: DecodeBatch, waiting: int = 1) -> Decision: ...
     def held_step(self, num_decodes: int) -> Decision | None: ...
+    def plain_step(self, num_running: int) -> bool: ...
+    def observe_plain(self, seconds: float) -> None: ...
     def expected_emitted(self, b: int, drafts: list[Draft]) -> float: ...
     def observe(self, r: StepRecord) -> None: ...
     def calibrate(self) -> None: ...
@@ -209,6 +213,15 @@ class Speculator:
         self.target_blocks, self.vocab_size = target_blocks, vocab_size
         self.stats = SpecStats()
         self.k_in_use = cfg.num_speculative_tokens
+
+    def plain_step(self, num_running: int, num_waiting: int) -> bool:
+        """Does the next step run as the plain engine's step, untouched? Only when the adaptive controller holds plain
+        decoding at this batch size and nothing waits (``KController.plain_step``); the step counts as k = 0."""
+        if self.adaptive is None or num_waiting or not self.adaptive.plain_step(num_running):
+            return False
+        self.k_in_use = 0
+        self.stats.k_counts[0] += 1
+        return True
 
     def propose(self, seqs: list[Sequence], num_new: list[int], token_budget: int, waiting: int = 1) -> SpecStep:
         """Drafts for the decoding rows of a scheduled step (``num_new == 1`` and prompt complete), with target KV

@@ -13,7 +13,8 @@ with ``h`` the measured share of sequences that get drafts, ``alpha`` the recent
 a whole step's predicted time when its forward covers ``n`` tokens (``step_time``). ``k = 0`` wins unless
 speculation beats it by ``cfg.margin`` (10%: timings are noisy, the plain reference steps cost something, and a
 batch ends with its slowest sequence), so under load speculation turns itself off. A clear plain decision is reused
-for a few steps (``PLAIN_HOLD``), so plain decoding costs what it does in a plain engine.
+for a few steps (``PLAIN_HOLD``), and most of those run as the plain engine's step itself (``plain_step``), so plain
+decoding costs what it does in a plain engine.
 
 The model can be wrong, so measurement has the last word: per batch-size bucket, speculative steps' measured
 speedup over plain ones must clear the margin in a trial of ``TRIAL_STEPS`` steps, or speculation stops there until
@@ -26,8 +27,6 @@ from __future__ import annotations
 
 import statistics
 from collections import Counter, deque
-from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from minifer.engine.cost_table import CostTable, calibrate_decode
@@ -97,6 +96,21 @@ class AdaptiveK:
         """A held plain decision at this batch size (``PLAIN_HOLD``), used up by one step; None if there is none."""
         return HELD if self.held(num_decodes) else None
 
+    def plain_step(self, num_running: int) -> bool:
+        """May the next step, of ``num_running`` sequences and none waiting, run as the plain engine's step itself?
+        Yes while a plain decision is held at that batch size, except every ``LIGHT_EVERY``-th held step, which runs
+        through ``propose`` to be measured in full (``observe``). Uses up one held step when it says yes."""
+        if not self.plain_hold.get(num_running) or (self._held_steps + 1) % LIGHT_EVERY == 0:
+            return False
+        self.held(num_running)
+        self._held_steps += 1
+        return True
+
+    def observe_plain(self, seconds: float) -> None:
+        """A step that ran as the plain engine's (``plain_step``) took ``seconds``: it counts in the probe budget."""
+        self.decode_s = self.decode_s * PROBE_DECAY + seconds
+        self.probe_extra_s *= PROBE_DECAY
+
     def observe(self, r: StepRecord) -> None:
         """Learn from a step that ran: the acceptance of its verified drafts, how often asked sequences got drafts,
         and, for a pure decode/verify step (a prompt chunk in the batch would make the step look slower than its
@@ -108,8 +122,7 @@ class AdaptiveK:
         if r.held:
             self._held_steps += 1
             if self._held_steps % LIGHT_EVERY:
-                self.decode_s = self.decode_s * PROBE_DECAY + r.seconds
-                self.probe_extra_s *= PROBE_DECAY
+                self.observe_plain(r.seconds)
                 return
         for accepted, rejected, match_len in r.acceptances:
             self.observe_acceptance(accepted, rejected)

@@ -16,7 +16,6 @@ from torch import nn
 
 from minifer.loader import ModelLoadError, build_model, fuse_checkpoint, read_checkpoint
 from minifer.loader.quant_fill import fill_quantized
-from minifer.loader.quantized import is_gptq_checkpoint  # noqa: F401  (the loader asks it before importing this)
 from minifer.features.gptq_layout import CHECKPOINT_FORMATS, from_gptq
 from minifer.quant.linear import decoder_linears
 from minifer.quant.model import QuantizationConfig

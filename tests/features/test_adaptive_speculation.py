@@ -203,6 +203,54 @@ def test_held_plain_steps_are_timed_one_in_light_every(spec):
     assert spec.plain_step_s[8] == pytest.approx(0.020)  # the median of 0.010 and the two timed held steps
 
 
+def test_held_plain_steps_run_as_the_plain_step_but_one_in_light_every(spec):
+    """``plain_step`` lets a held step bypass ``propose`` altogether, except every ``LIGHT_EVERY``-th, which goes
+    through it to be measured; each one it lets through uses up a held step and is counted for the probe rule."""
+    from minifer.features.adaptive_k import LIGHT_EVERY
+
+    assert not spec.plain_step(8)  # nothing held
+    spec.plain_hold[8] = 3 * LIGHT_EVERY
+    verdicts = [spec.plain_step(8) for _ in range(LIGHT_EVERY - 1)]
+    assert all(verdicts) and spec.plain_hold[8] == 2 * LIGHT_EVERY + 1
+    assert not spec.plain_step(8) and spec.plain_hold[8] == 2 * LIGHT_EVERY + 1  # due for measurement: not used up
+    assert spec.held_step(8).held  # so it runs through propose, held, and observe measures it in full
+    spec.observe(StepRecord(decodes=8, held=True, forward_tokens=8, forward_s=0.020, pure_decode=True, emitted=8,
+                            seconds=0.020))
+    assert spec.plain_step_s[8] == pytest.approx(0.020)
+    assert spec.plain_step(8) and not spec.plain_step(16)  # the next cycle; another batch size holds nothing
+    choices, decode_s = spec.plain_choices, spec.decode_s
+    spec.observe_plain(0.010)
+    assert spec.decode_s == pytest.approx(decode_s + 0.010, rel=0.01) and spec.plain_choices == choices
+
+
+@pytest.mark.parametrize("config", [NGRAM, {"method": "draft_model", "model": "tinystories-draft",
+                                            "num_speculative_tokens": 4}], ids=["ngram", "draft_model"])
+def test_a_held_batch_decodes_through_the_plain_step(config):
+    """With plain decoding held at the batch's size, the engine's steps skip the speculator (no proposal, nothing
+    recorded) but every LIGHT_EVERY-th: the same tokens as a plain engine, every step counted, nothing left behind
+    in the draft's cache."""
+    from minifer.features.adaptive_k import LIGHT_EVERY
+
+    llm = LLM("tinystories-target", max_num_seqs=8, speculative_config=config)
+    speculator = llm.engine.speculator
+    proposals = []
+    propose = speculator.propose
+    speculator.propose = lambda *a, **kw: proposals.append(1) or propose(*a, **kw)
+    speculator.adaptive.plain_hold[8] = 10**6
+    params = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)
+    prompts = [f"Once upon a time there was a {w}" for w in ("cat", "dog", "bird", "fox", "tree", "boat", "king", "cup")]
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    plain = LLM("tinystories-target", max_num_seqs=8).generate(prompts, params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in plain]
+    steps = speculator.stats.k_counts.total()
+    assert steps >= 47 and speculator.stats.k_counts[0] == steps  # every decode step counted, none speculated
+    assert len(proposals) <= 1 + steps // LIGHT_EVERY + 1  # the prompts' step, then one held step in LIGHT_EVERY
+    proposer = speculator.proposer
+    assert not getattr(proposer, "computed", {})  # finished sequences released their draft state
+    if hasattr(proposer, "blocks"):
+        assert proposer.blocks.num_free_blocks == proposer.blocks.num_blocks
+
+
 def test_the_probe_budget_is_a_sliding_window(spec):
     for _ in range(5000):  # a long history of decoding without probes
         _step(spec, 8, 0.010, 8)

@@ -28,7 +28,8 @@ from conftest import REPO, minifer_forward
 from minifer.eval import greedy_continuations
 from minifer.loader import ModelLoadError
 from minifer.compress.gptq_export import save_gptq, to_gptq
-from minifer.features.gptq_checkpoint import is_gptq_checkpoint, load_gptq
+from minifer.features.gptq_checkpoint import load_gptq
+from minifer.loader.quantized import is_gptq_checkpoint
 from minifer.quant.formats import QuantizedWeight, dequantize, quantize_int4
 from minifer.features.gptq_layout import from_gptq
 from minifer.quant.linear import decoder_linears
