@@ -171,6 +171,32 @@ def write_prose(edits: list[Edit]) -> None:
             path.write_text(apply(path.read_text(), mine))
 
 
+def write_sources(moved: list[tuple[claims.Claim, str, str]], root: Path | None = None) -> list[str]:
+    """The exercise notebooks are built from ``exercises/source/NAME.py`` (``tools/build_exercises.py``): a number
+    moved in ``exercises/NAME.ipynb`` or ``solutions/NAME.ipynb`` is moved in that source too, or the next build
+    would put the old one back. There the prose is commented ("# " lines, wrapped anywhere), so the claim's text is
+    matched with any run of spaces, line breaks and comment marks between its words. Returns the sources written."""
+    root = root or claims.ROOT
+    written = []
+    for claim, old, new in moved:
+        m = re.fullmatch(r"(?:exercises|solutions)/(.+)\.ipynb", claim.where)
+        source = root / "exercises" / "source" / f"{m.group(1)}.py" if m else None
+        if source is None or not source.exists():
+            continue
+        at = number_offset(claim)
+        gap = r"(?:\s+(?:#[ \t]*)?)"  # the words' separator: spaces, or a line break and the next line's "# "
+        words = lambda t: gap.join(re.escape(w) for w in t.split())  # noqa: E731
+        before, after = claim.text[:at], claim.text[at + len(old):]
+        pattern = (words(before) + (gap if before[-1:].isspace() else "") + "(" + re.escape(old) + ")"
+                   + (gap if after[:1].isspace() else "") + words(after))
+        text = source.read_text()
+        found = re.search(pattern, text)
+        if found:
+            source.write_text(text[:found.start(1)] + new + text[found.end(1):])
+            written.append(str(source.relative_to(root)))
+    return sorted(set(written))
+
+
 def toml_string(text: str) -> str:
     """A TOML basic string (JSON's escapes are TOML's, for what quotes hold)."""
     return json.dumps(text, ensure_ascii=False)
@@ -208,6 +234,8 @@ def main(argv: list[str] | None = None) -> int:
         quotes = new_quotes(ledger, edits)
         write_prose(edits)
         write_ledger(quotes)
+        for source in write_sources(moved):
+            print(f"{source}: moved numbers written; run tools/build_exercises.py to rebuild its notebooks")
         still = [p for c in claims.load() if (p := claims.check(c))]
         print(f"written; the claims check now finds {len(still)} mismatched: read the paragraphs above")
     return 1 if problems else 0

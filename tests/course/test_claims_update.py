@@ -166,3 +166,19 @@ field = "run.ci[1]"
                                                   (-0.2, "0", "0"), (12345.678, "1,234.5", "12,345.7")])
 def test_fmt_keeps_the_printed_style(value, like, printed):
     assert cu.fmt(value, like) == printed
+
+
+def test_a_number_moved_in_an_exercise_notebook_moves_in_its_source(repo):
+    """``exercises/NAME.ipynb`` is built from ``exercises/source/NAME.py``, whose prose is commented and wrapped
+    differently: the number moves there too, and only there where the claim's words are."""
+    root, remeasure = repo
+    (root / "exercises" / "source").mkdir(parents=True)
+    (root / "exercises" / "ch.ipynb").write_text((root / "ch.ipynb").read_text())
+    source = "# %% [markdown]\n# Adaptive k runs at\n# 0.993x of the control.\n\n# %%\nx = 0.993\n"
+    (root / "exercises" / "source" / "ch.py").write_text(source)
+    ledger = (root / "claims.toml").read_text() + LEDGER.split("[[claim]]")[-1].replace(
+        'id = "nb"', 'id = "ex"').replace('where = "ch.ipynb"', 'where = "exercises/ch.ipynb"').join(["[[claim]]", ""])
+    (root / "claims.toml").write_text(ledger)
+    remeasure(run={"median": 0.9951, "ci": [0.9912, 0.9977]})
+    assert cu.main(["--write"]) == 0
+    assert (root / "exercises" / "source" / "ch.py").read_text() == source.replace("# 0.993x", "# 0.995x")
