@@ -178,7 +178,7 @@ print(", ".join(f"{key} {median([a[key] for a in rounds]):.2f}" for key in ("pro
 
 # %% [markdown]
 # The product promises more than the stack delivers (in the committed three-round run,
-# `benchmarks/results/stacking.json`, about 1.6 times). Two of the levers buy the same thing (cache
+# `benchmarks/results/stacking.json`, about 1.4 times). Two of the levers buy the same thing (cache
 # blocks), and once the cache holds everything the workload keeps in flight the second buys nothing; speculation's
 # gain depends on the concurrency the others raise. Read `in_stack` before you decide which levers to keep: here
 # int8 weights earn their place on top of the others (on this CPU they also make the step faster); the int8 cache
