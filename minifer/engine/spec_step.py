@@ -38,7 +38,7 @@ def speculative_step(parts: StepParts, spec: Speculator, waiting: Callable[[], i
     """One step of ``engine_step`` whose ``execute`` also runs each sequence's drafts (``parts.execute(batch,
     drafts)``) and whose sampler verifies them. ``waiting()``: the requests queued for a slot once the batch is
     scheduled (the adaptive controller weighs them). While adaptive k holds plain decoding, the step is
-    ``engine_step`` itself: nothing around it, so a held step costs what a plain engine's does."""
+    ``engine_step`` itself, only a check and a clock around it: a held step costs what a plain engine's does."""
     scheduler = parts.scheduler
     running = len(scheduler.running)
     if spec.plain_step(running, waiting()):
