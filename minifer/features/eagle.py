@@ -48,6 +48,31 @@ if TYPE_CHECKING:
 EagleForward = Callable[..., torch.Tensor]
 
 
+class KeptFeatures:
+    """One request's target features of positions ``p0 .. end - 1`` that the head has not read, as the chunks the
+    target's forwards produced. Chunks, not one tensor: while adaptive k holds plain decoding nobody reads them,
+    and joining each step's rows onto the whole history (``torch.cat``) would copy a growing tensor every step.
+    ``write`` only appends (or trims the tail a rejected draft left); ``take`` joins them once, when the head reads."""
+
+    def __init__(self, p0: int, rows: torch.Tensor) -> None:
+        self.p0, self.end, self.chunks = p0, p0 + len(rows), [rows]
+
+    def write(self, start: int, rows: torch.Tensor) -> None:
+        """The features of positions ``start ...`` (``p0 <= start <= end``); those kept from ``start`` on go."""
+        while self.chunks and self.end - len(self.chunks[-1]) >= start:
+            self.end -= len(self.chunks.pop())
+        if self.end > start:
+            self.chunks[-1] = self.chunks[-1][: start - self.end]
+        self.chunks.append(rows)
+        self.end = start + len(rows)
+
+    def take(self, start: int, stop: int) -> torch.Tensor:
+        """The features of positions ``start .. stop - 1``; everything before ``stop`` is dropped."""
+        f = torch.cat(self.chunks) if len(self.chunks) > 1 else self.chunks[0]
+        self.chunks, read, self.p0 = [f[stop - self.p0 :]], f[start - self.p0 : stop - self.p0], stop
+        return read
+
+
 def split_eagle3(speculative_config: dict | None) -> tuple[dict | None, bool | None]:
     """vLLM's ``"method": "eagle3"`` (a head fusing low, middle and high target layers) runs on the same proposer as
     ``"eagle"``: it becomes ``"eagle"`` for the engine, and the second value says which kind of head the method
@@ -63,7 +88,7 @@ def split_eagle3(speculative_config: dict | None) -> tuple[dict | None, bool | N
 
 
 class EagleProposer:
-    """``feats[rid]``: ``(p0, [m, H])``, the target's features of positions ``p0 ...`` not yet read by the head;
+    """``feats[rid]``: the target's features the head has not read yet (``KeptFeatures``, from position ``p0``);
     ``base[rid]``: the first position of the head's cache; ``computed[rid]``: positions ``base .. computed - 1`` of
     the head's cache hold entries built from real features (the adaptive controller reads ``computed`` too)."""
 
@@ -80,7 +105,7 @@ class EagleProposer:
         self.num_forwards = 0
         self.last_forward_s = 0.0
         self.runner = HeadRunner(self)  # what the adaptive controller calibrates and prices, as a draft model's
-        self.feats: dict[object, tuple[int, torch.Tensor]] = {}
+        self.feats: dict[object, KeptFeatures] = {}
         self.base: dict[object, int] = {}
         self.computed: dict[object, int] = {}
         self.target = target_runner.model.model if head.aux_layers else None  # where an EAGLE-3 head's layers ride
@@ -101,20 +126,19 @@ class EagleProposer:
         from ``start`` on (the features of rejected drafts); a chunk that does not continue what is kept (the
         request was preempted and recomputed) starts afresh. An EAGLE-3 head keeps the concatenated layers it fuses
         (``[N, 3 * H]``) instead of the last hidden state."""
-        if self.target is not None:
-            hidden = self._aux_features(len(hidden))
+        # one copy per forward (a replayed CUDA graph overwrites its output); each request keeps a view of it
+        hidden = self._aux_features(len(hidden)) if self.target is not None else hidden.clone()
         at = 0
         for rid, start, chunk in zip(request_ids, starts, tokens):
             rows = hidden[at : at + len(chunk)]
             at += len(chunk)
             kept = self.feats.get(rid)
-            if kept is None or not kept[0] <= start <= kept[0] + len(kept[1]):
+            if kept is None or not kept.p0 <= start <= kept.end:
                 if kept is not None:
                     self.release(rid)
-                self.feats[rid] = (start, rows.clone())
+                self.feats[rid] = KeptFeatures(start, rows)
             else:
-                p0, f = kept
-                self.feats[rid] = (p0, torch.cat([f[: start - p0], rows]))
+                kept.write(start, rows)
 
     def _aux_features(self, rows: int) -> torch.Tensor:
         """This forward's inputs of the head's layers, concatenated; taken, so that a forward that did not run the
@@ -138,11 +162,11 @@ class EagleProposer:
         the catch-up and ``k - 1`` self-fed positions."""
         rid, n = seq.request_id, seq.num_tokens
         kept = self.feats.get(rid)
-        if kept is None or n < 2 or kept[0] + len(kept[1]) < n - 1:
+        if kept is None or n < 2 or kept.end < n - 1:
             return False
         if rid not in self.computed:
-            self.base[rid] = self.computed[rid] = kept[0]
-        if not kept[0] <= self.computed[rid] <= n - 2:
+            self.base[rid] = self.computed[rid] = kept.p0
+        if not kept.p0 <= self.computed[rid] <= n - 2:
             return False
         entries = n + k - 2 - self.base[rid]
         if not self.blocks.has_seq(rid):
@@ -224,10 +248,7 @@ class EagleProposer:
 
     def _unread(self, rid: object, n: int) -> torch.Tensor:
         """The kept features of positions ``computed .. n - 2``; they are read now, so the rest is dropped."""
-        p0, f = self.feats[rid]
-        start = self.computed[rid]
-        self.feats[rid] = (n - 1, f[n - 1 - p0 :])
-        return f[start - p0 : n - 1 - p0]
+        return self.feats[rid].take(self.computed[rid], n - 1)
 
     def _cut(self, rid: object, upto: int) -> None:
         """The head's cache keeps the entries of positions before ``upto`` (built from real features) only."""
