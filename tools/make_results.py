@@ -83,7 +83,7 @@ PARTS = [
                             "--plot", 2, "the HTTP server against the direct engine (ch00)", measured=True),
     Part("server_sweep", f"python -m minifer.bench.server_sweep --concurrency 1 2 4 8 16 --out {RESULTS}/server_sweep.json "
                          "--plot", 10, "TTFT and inter-token latency through the server by concurrency (ch00, README)"),
-    Part("eagle", f"python -m minifer.bench.eagle --out {RESULTS}/eagle.json --rounds 5", 5,
+    Part("eagle", f"python -m minifer.bench.eagle --out {RESULTS}/eagle.json --rounds 5", 10,
          "the EAGLE head against the draft model and n-gram: alpha, tokens per forward, speedup (ch04, README)",
          measured=True),
     Part("cpu_peer", _bench(f"cpu_peer -n 512 --repeats 3 --out {RESULTS}/cpu_peer.json"), 40,

@@ -38,7 +38,7 @@ def test_reads_return_what_the_last_forward_wrote_at_each_position(ops):
             start = max(kept.p0, kept.end - back)  # a verification rewrites the last few positions, or appends
             kept.write(start, _rows(start, n, tag))
             ref = {p: r for p, r in ref.items() if p < start} | {p: _rows(p, 1, tag)[0] for p in range(start, start + n)}
-        assert kept.end == (max(ref) + 1 if ref else kept.end)
+        assert (kept.p0, kept.end) == ((min(ref), max(ref) + 1) if ref else (kept.p0, kept.p0))
         assert sum(len(c) for c in kept.chunks) == kept.end - kept.p0
 
 
