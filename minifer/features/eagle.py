@@ -126,12 +126,10 @@ class EagleProposer:
         from ``start`` on (the features of rejected drafts); a chunk that does not continue what is kept (the
         request was preempted and recomputed) starts afresh. An EAGLE-3 head keeps the concatenated layers it fuses
         (``[N, 3 * H]``) instead of the last hidden state."""
-        # one copy per forward (a replayed CUDA graph overwrites its output); each request keeps a view of it
+        # one copy per forward (a replayed CUDA graph overwrites its output); each request keeps a view of it, all
+        # the views cut in one call (slicing them one by one in Python costs ~1% of a 64-sequence step)
         hidden = self._aux_features(len(hidden)) if self.target is not None else hidden.clone()
-        at = 0
-        for rid, start, chunk in zip(request_ids, starts, tokens):
-            rows = hidden[at : at + len(chunk)]
-            at += len(chunk)
+        for rid, start, rows in zip(request_ids, starts, hidden.split([len(chunk) for chunk in tokens])):
             kept = self.feats.get(rid)
             if kept is None or not kept.p0 <= start <= kept.end:
                 if kept is not None:
