@@ -33,25 +33,25 @@ A dirty result that cannot be measured again here (a GPU run) may be accepted by
 the ledger's ``[dirty]`` table; each run prints those, and an entry whose result is not dirty is an error.
 Results are not re-measured here: ``stale`` names the results whose recorded code fingerprint no longer
 matches the tree (``minifer.bench.provenance``), for ``make results`` to measure again (a module whose docstrings
-or comments alone changed leaves its results fresh: the file the run imported, read back from the result's commit,
-runs the same code; ``DOCS-ONLY`` lists those), and ``unrecorded``
+or comments alone changed, or that moved and is imported by its new name, leaves its results fresh: the file the
+run imported, read back from the result's commit, runs the same code, ``tools/freshness.py``; ``DOCS-ONLY`` lists
+those), and ``unrecorded``
 those that carry no git record at all. Both are news, not failures.
 """
 
 from __future__ import annotations
 
 import argparse
-import ast
-import hashlib
 import json
 import re
-import subprocess
 import sys
 import tomllib
 from dataclasses import dataclass
 from decimal import Decimal
 from pathlib import Path
 from typing import Any
+
+from freshness import same_code
 
 ROOT = Path(__file__).resolve().parents[1]
 LEDGER = ROOT / "benchmarks" / "claims.toml"
@@ -318,42 +318,11 @@ def unrecorded(claims: list[Claim]) -> list[str]:
     return out
 
 
-def code_only(source: str) -> str:
-    """A module's code with its docstrings and comments left out: two sources with the same ``code_only`` run the
-    same statements, so a result measured on one holds for the other."""
-    tree = ast.parse(source)
-    for node in ast.walk(tree):
-        if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
-            body = node.body
-            if body and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant) \
-                    and isinstance(body[0].value.value, str):
-                node.body = body[1:] or [ast.Pass()]
-    return ast.dump(tree, annotate_fields=False, include_attributes=False)
-
-
-def docs_only(rel: str, recorded_sha: str, commit: str | None) -> bool:
-    """Whether ``rel`` changed since ``commit`` in its docstrings and comments only.
-
-    The recorded fingerprint is of the file the run imported; ``git show commit:rel`` must hash to it (so the
-    comparison is with what really ran: a run at a modified tree, or a shallow clone without the commit, falls
-    back to "changed"), and the two must have the same :func:`code_only`."""
-    path = ROOT / rel
-    if commit is None or path.suffix != ".py" or not path.exists():
-        return False
-    old = subprocess.run(["git", "show", f"{commit}:{rel}"], cwd=ROOT, capture_output=True, timeout=30)
-    if old.returncode != 0 or hashlib.sha256(old.stdout).hexdigest()[:16] != recorded_sha:
-        return False
-    try:
-        return code_only(old.stdout.decode()) == code_only(path.read_text())
-    except (SyntaxError, UnicodeDecodeError):
-        return False
-
-
 def stale(claims: list[Claim], docs: dict[str, list[str]] | None = None) -> dict[str, list[str]]:
     """Results whose code or weights changed since they were measured: ``{result: [changed files]}``.
 
-    A module whose docstrings or comments alone changed does not make a result stale (:func:`docs_only`); pass
-    ``docs`` to collect those files per result."""
+    A module whose docstrings, comments or module path alone changed does not make a result stale
+    (:func:`freshness.same_code`); pass ``docs`` to collect those files per result."""
     sys.path.insert(0, str(ROOT))
     from minifer.bench.provenance import stale_sources
 
@@ -371,7 +340,7 @@ def stale(claims: list[Claim], docs: dict[str, list[str]] | None = None) -> dict
         record = git_record(data)
         commit = record["commit"] if record and not record.get("dirty") else None
         changed = stale_sources(code)
-        text_only = [rel for rel in changed if docs_only(rel, code[rel], commit)]
+        text_only = [rel for rel in changed if same_code(rel, code[rel], commit)]
         if docs is not None and text_only:
             docs[name] = text_only
         if changed := [rel for rel in changed if rel not in text_only]:
@@ -410,8 +379,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"STALE {name}: {', '.join(changed[:6])}{' ...' if len(changed) > 6 else ''}")
     if docs:
         files = sorted({rel for changed in docs.values() for rel in changed})
-        print(f"DOCS-ONLY {len(files)} modules changed in docstrings or comments alone since {len(docs)} results "
-              f"were measured (they stay fresh): {', '.join(files[:6])}{' ...' if len(files) > 6 else ''}")
+        print(f"DOCS-ONLY {len(files)} modules changed in docstrings, comments or module paths alone since "
+              f"{len(docs)} results were measured (they stay fresh): {', '.join(files[:6])}"
+              f"{' ...' if len(files) > 6 else ''}")
     for name in unrecorded(claims):
         print(f"UNRECORDED {name}: no git record of the commit it was measured at")
     for name in uncited_dirty(claims):

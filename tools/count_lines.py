@@ -26,7 +26,7 @@ CORE = ["config.py", "loader", "models", "layers", "sampling.py", "engine", "spe
 BUDGET = {"total": 5000, "module": 400, "function": 60}
 FEATURES_PACKAGE = "features"  # optional features outside the core: counted on their own (``--features``)
 # The core's own features (paths under minifer/). Every other core module is the serving path a plain bf16 request
-# takes (config, loader, model, layers, sampling, paging, scheduling, the LLM facade), which also carries each
+# takes (config, loader, model, layers, sampling, paging, scheduling, the engine step), which also carries each
 # feature's few options and branches: a feature's count here is its modules, not every line it adds.
 FEATURES = {
     "speculative decoding (fixed k: verify, n-gram, draft model)": [

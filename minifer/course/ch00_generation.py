@@ -13,7 +13,7 @@ from minifer.sampling import BeamSearchParams, SamplingParams, process_logits
 
 if TYPE_CHECKING:  # imported lazily at run time: matplotlib and ipywidgets are course extras
     from matplotlib.figure import Figure
-    from minifer.engine.llm import LLM
+    from minifer.entrypoints.llm import LLM
     from minifer.outputs import CompletionOutput
 
 

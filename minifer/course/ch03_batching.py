@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # imported lazily at run time: matplotlib and ipywidgets are course extras
     from matplotlib.figure import Figure
-    from minifer.engine.llm import LLM
+    from minifer.entrypoints.llm import LLM
 
 
 # --- continuous batching (chapter 03) ----------------------------------------------------------------

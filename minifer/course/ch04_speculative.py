@@ -12,7 +12,7 @@ from minifer.sampling import SamplingParams
 
 if TYPE_CHECKING:  # imported lazily at run time: matplotlib and ipywidgets are course extras
     from matplotlib.figure import Figure
-    from minifer.engine.llm import LLM
+    from minifer.entrypoints.llm import LLM
 
 
 # --- speculative decoding (chapter 04) ---------------------------------------------------------------

@@ -19,7 +19,7 @@ import torch
 
 if TYPE_CHECKING:  # imported lazily at run time: matplotlib and ipywidgets are course extras
 
-    from minifer.engine.llm import LLM
+    from minifer.entrypoints.llm import LLM
 
 
 BUNDLED_PAIR = ("tinystories-target", "tinystories-draft")
@@ -62,7 +62,7 @@ class ModelPair:
         """KV bytes for one engine of this pair on the GPU (``load``'s rule), checked against the chapter's plan;
         chapter 06 passes it to ``minifer.course.stacking`` as its memory budget beyond the weights."""
         from minifer.course.gpu_plan import GPU_KV_CACHE_BYTES, kv_share
-        from minifer.engine.llm import resolve_dtype
+        from minifer.entrypoints.llm import resolve_dtype
 
         if self.chapter is None:
             return GPU_KV_CACHE_BYTES
@@ -94,7 +94,7 @@ def gpu_kv_blocks(model: str, llm_kwargs: Mapping[str, Any], budget: int) -> int
     bytes hold in the engine's dtype and cache format (a speculating engine's blocks hold its draft's part
     too), at most ``num_kv_blocks`` if given."""
     from minifer.course.gpu_plan import kv_blocks_within
-    from minifer.engine.llm import resolve_dtype
+    from minifer.entrypoints.llm import resolve_dtype
 
     dtype = resolve_dtype(llm_kwargs.get("dtype", "auto"), torch.device(llm_kwargs.get("device", "cuda")))
     spec = llm_kwargs.get("speculative_config") or {}

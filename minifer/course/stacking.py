@@ -235,7 +235,7 @@ class Engines:
                  k: int = 4, max_num_seqs: int = 64, kv_memory: int = 8 * 2**20, block_size: int = 16,
                  one_at_a_time: bool | None = None) -> None:
         from minifer import LLM
-        from minifer.engine.llm import resolve_device
+        from minifer.entrypoints.llm import resolve_device
         from minifer.engine.llm_engine import CacheConfig, kv_block_bytes
 
         spec = {"method": "draft_model", "model": draft, "num_speculative_tokens": k, "adaptive": False}

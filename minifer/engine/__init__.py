@@ -1,1 +1,3 @@
-"""The generation engine: request state (``sequence``), the static batching loop, and the ``LLM`` facade."""
+"""The generation engine: request state (``sequence``), paging, scheduling, the step, speculation, the
+static-batching baseline, and ``LLMEngine`` (``llm_engine``), which ``LLM`` (``minifer.entrypoints.llm``) and the
+server drive."""

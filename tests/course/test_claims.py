@@ -9,6 +9,7 @@ import dataclasses
 import json
 import sys
 import warnings
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -16,6 +17,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "tools"))
 import claims  # noqa: E402
+import freshness  # noqa: E402
 
 from minifer.bench import provenance  # noqa: E402
 
@@ -173,31 +175,72 @@ def test_stale_sources_name_a_changed_or_moved_file(tmp_path, monkeypatch):
 def test_code_only_sees_code_and_not_docstrings_or_comments():
     base = '"""Module."""\nimport os\n\n\ndef f(x):\n    """Why f."""\n    return x + 1  # one more\n'
     same = '"""A longer module docstring."""\nimport os\n\n\ndef f(x):\n    return x + 1\n'
-    assert claims.code_only(base) == claims.code_only(same)
-    assert claims.code_only(base) != claims.code_only(base.replace("x + 1", "x + 2"))
-    assert claims.code_only(base) != claims.code_only(base.replace('"""Why f."""', 'print("Why f.")'))
+    assert freshness.code_only(base) == freshness.code_only(same)
+    assert freshness.code_only(base) != freshness.code_only(base.replace("x + 1", "x + 2"))
+    assert freshness.code_only(base) != freshness.code_only(base.replace('"""Why f."""', 'print("Why f.")'))
 
 
-def test_a_docstring_edit_leaves_a_result_fresh_and_a_code_edit_does_not(tmp_path, monkeypatch):
+def test_code_only_names_a_renamed_module_by_its_new_name_and_nothing_else():
+    renames = {"pkg.old": "pkg.new"}
+    old = 'from pkg.old import f\nimport pkg.old.sub as s\nLAZY = {"f": "pkg.old"}\nNOTE = "pkg.older"\n'
+    new = 'from pkg.new import f\nimport pkg.new.sub as s\nLAZY = {"f": "pkg.new"}\nNOTE = "pkg.older"\n'
+    assert freshness.code_only(old, renames) == freshness.code_only(new)
+    assert freshness.code_only(old) != freshness.code_only(new), "without the renaming the imports differ"
+    assert freshness.code_only(old, renames) != freshness.code_only(new.replace("pkg.new import", "pkg.other import"))
+    assert freshness.code_only(old, renames) != freshness.code_only(new.replace('"pkg.older"', '"pkg.newer"'))
+
+
+def _repo(tmp_path, monkeypatch, files: dict[str, str]) -> tuple[Callable, str]:
     import subprocess
 
     def git(*args):
         subprocess.run(["git", "-c", "user.name=t", "-c", "user.email=t@t", *args], cwd=tmp_path, check=True,
                        capture_output=True)
 
-    (tmp_path / "m.py").write_text('"""Old words."""\nX = 1\n')
+    for rel, text in files.items():
+        (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / rel).write_text(text)
     git("init", "-q")
-    git("add", "m.py")
+    git("add", ".")
     git("commit", "-qm", "m")
     commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=tmp_path, capture_output=True, text=True).stdout.strip()
-    monkeypatch.setattr(claims, "ROOT", tmp_path)
+    monkeypatch.setattr(freshness, "ROOT", tmp_path)
+    return git, commit
+
+
+def test_a_docstring_edit_leaves_a_result_fresh_and_a_code_edit_does_not(tmp_path, monkeypatch):
+    _, commit = _repo(tmp_path, monkeypatch, {"m.py": '"""Old words."""\nX = 1\n'})
     recorded = provenance._sha(tmp_path / "m.py")
     (tmp_path / "m.py").write_text('"""New words, and more of them."""\nX = 1  # why one\n')
-    assert claims.docs_only("m.py", recorded, commit)
-    assert not claims.docs_only("m.py", recorded, None), "a run at a modified tree has no commit to compare with"
-    assert not claims.docs_only("m.py", "0" * 16, commit), "the commit's file must be the one that ran"
+    assert freshness.same_code("m.py", recorded, commit)
+    assert not freshness.same_code("m.py", recorded, None), "a run at a modified tree has no commit to compare with"
+    assert not freshness.same_code("m.py", "0" * 16, commit), "the commit's file must be the one that ran"
     (tmp_path / "m.py").write_text('"""Old words."""\nX = 2\n')
-    assert not claims.docs_only("m.py", recorded, commit)
+    assert not freshness.same_code("m.py", recorded, commit)
+
+
+def test_a_moved_module_leaves_a_result_fresh_only_when_the_program_is_the_same(tmp_path, monkeypatch):
+    body = "def f(x):\n    return x + 1\n" + "\n".join(f"C{i} = {i}" for i in range(40)) + "\n"  # git sees a move
+    git, commit = _repo(tmp_path, monkeypatch, {"pkg/__init__.py": "", "pkg/old.py": body,
+                                                "pkg/user.py": "from pkg.old import f\nY = f(1)\n"})
+    recorded = {rel: provenance._sha(tmp_path / rel) for rel in ("pkg/old.py", "pkg/user.py")}
+    git("mv", "pkg/old.py", "pkg/new.py")
+    (tmp_path / "pkg/user.py").write_text("from pkg.new import f\nY = f(1)\n")
+    assert freshness.renames_since(commit) == {"pkg/old.py": "pkg/new.py"}
+    assert all(freshness.same_code(rel, sha, commit) for rel, sha in recorded.items())
+
+    (tmp_path / "pkg/new.py").write_text(body.replace("x + 1", "x + 2"))  # moved and changed
+    git("add", ".")
+    freshness._renames.cache_clear()
+    assert not freshness.same_code("pkg/old.py", recorded["pkg/old.py"], commit)
+
+
+def test_an_import_re_pointed_to_another_module_is_a_change(tmp_path, monkeypatch):
+    git, commit = _repo(tmp_path, monkeypatch, {"a.py": "def f():\n    return 1\n", "b.py": "def f():\n    return 2\n",
+                                                "user.py": "from a import f\n"})
+    recorded = provenance._sha(tmp_path / "user.py")
+    (tmp_path / "user.py").write_text("from b import f\n")
+    assert not freshness.same_code("user.py", recorded, commit)
 
 
 def test_a_saved_result_records_the_code_it_ran_and_the_checkpoints_it_read(tmp_path, monkeypatch):

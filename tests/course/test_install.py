@@ -46,7 +46,7 @@ def pins() -> dict[str, str]:
 def test_auto_dtype_is_float16_below_compute_capability_8(monkeypatch, capability, want):
     """V100 and T4 have no bfloat16 arithmetic: 'auto' gives them float16; A100, L4, H100 and newer bfloat16."""
     from minifer.config import auto_dtype
-    from minifer.engine.llm import resolve_dtype
+    from minifer.entrypoints.llm import resolve_dtype
 
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
     assert auto_dtype(torch.device("cuda")) is want

@@ -182,7 +182,7 @@ def test_prompt_of_wrong_type(target_llm):
 
 
 def test_validation_happens_before_any_work(target_llm, monkeypatch):
-    import minifer.engine.llm as llm_mod
+    import minifer.entrypoints.llm as llm_mod
 
     def boom(*a, **k):
         raise AssertionError("generation started before all prompts were validated")

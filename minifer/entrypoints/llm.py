@@ -1,4 +1,5 @@
-"""``LLM``: the offline entry point, with vLLM's signature so a learner's code moves to vLLM unchanged.
+"""``LLM``: the offline entry point, with vLLM's signature (and its place, ``vllm/entrypoints/llm.py``) so a learner's
+code moves to vLLM unchanged.
 
     from minifer import LLM, SamplingParams
     llm = LLM("tinystories-target")                       # or a local HF folder, or "Qwen/Qwen3-0.6B"
