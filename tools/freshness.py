@@ -31,7 +31,7 @@ def module_name(rel: str) -> str:
 
 
 def _renamed(name: str, renames: dict[str, str]) -> str:
-    for old, new in renames.items():
+    for old, new in sorted(renames.items(), key=lambda kv: -len(kv[0])):  # the longest (most specific) first
         if name == old or name.startswith(old + "."):
             return new + name[len(old):]
     return name

@@ -188,6 +188,9 @@ def test_code_only_names_a_renamed_module_by_its_new_name_and_nothing_else():
     assert freshness.code_only(old) != freshness.code_only(new), "without the renaming the imports differ"
     assert freshness.code_only(old, renames) != freshness.code_only(new.replace("pkg.new import", "pkg.other import"))
     assert freshness.code_only(old, renames) != freshness.code_only(new.replace('"pkg.older"', '"pkg.newer"'))
+    nested = {"pkg": "pkg2", "pkg.a": "other.a"}  # the most specific rename wins, whatever the order
+    assert freshness.code_only("from pkg.a import f\nfrom pkg.b import g\n", nested) == \
+        freshness.code_only("from other.a import f\nfrom pkg2.b import g\n")
 
 
 def _repo(tmp_path, monkeypatch, files: dict[str, str]) -> tuple[Callable, str]:
