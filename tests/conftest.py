@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import math
 import os
+import random
+import zlib
 from pathlib import Path
 
 import pytest
@@ -21,6 +23,19 @@ import minifer
 # OpenMP team of 2+ threads spin-waiting on each other made the suite 10-50x slower. Override with
 # MINIFER_TEST_THREADS=N.
 torch.set_num_threads(int(os.environ.get("MINIFER_TEST_THREADS", "1")))
+
+
+
+@pytest.fixture(autouse=True)
+def _seed_global_generators(request):
+    """Each test draws from torch's (and ``random``'s) global generator as if it ran alone: seeded from its
+    own id, not left in whatever state the tests before it on the same worker left it. xdist splits the
+    tests differently from run to run, so without this a test that forgets its own generator could pass
+    here and fail in CI on a different draw; with it, every verdict is the same on every run and machine."""
+    seed = zlib.crc32(request.node.nodeid.encode())
+    torch.manual_seed(seed)
+    random.seed(seed)
+
 
 REPO = Path(__file__).resolve().parents[1]
 MODELS_DIR = REPO / "minifer" / "assets" / "models"

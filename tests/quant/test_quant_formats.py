@@ -202,13 +202,17 @@ def test_validate_names_the_mismatch(qw, match):
 @pytest.mark.parametrize("fmt", ["int8", "fp8", "int4"])
 def test_rows_too_small_for_a_float32_scale_quantize_to_zeros(fmt):
     """absmax / 448 of a row near 1e-43 underflows float32 to 0: the scale must not be 0 (codes would be NaN)."""
-    w = torch.randn(3, 64)
-    w[1] = 1e-43 * torch.sign(torch.randn(64))
+    gen = torch.Generator().manual_seed(7)
+    w = torch.randn(3, 64, generator=gen)
+    w[1] = 1e-43 * torch.sign(torch.randn(64, generator=gen))
     qw = quantize(w, fmt, group_size=32)
     assert bool((qw.scales > 0).all())
     out = dequantize(qw)
     assert torch.isfinite(out).all() and out[1].abs().max() < 1e-42
-    assert torch.allclose(out[[0, 2]], w[[0, 2]], rtol=0.2, atol=0.2)
+    # The ordinary rows keep the format's own error bound (the tiny row must not disturb them).
+    err, s = (out - w).abs()[[0, 2]], _scale_per_element(qw)[[0, 2]]
+    bound = torch.maximum(w.abs()[[0, 2]] * 2.0 ** -4, s * 2.0 ** -10) if fmt == "fp8" else s / 2
+    assert (err <= bound * (1 + 1e-6) + 1e-7).all(), (err - bound).max()
 
 
 def test_validate_can_skip_the_value_check():
