@@ -8,7 +8,9 @@ A line counts when it is neither blank nor a comment; docstrings count (a learne
 what a chapter's "code it teaches" points at, without the server and the course's machinery: ``config.py``,
 ``loader/``, ``models/``, ``layers/``, ``sampling.py``, ``engine/``, ``spec/``, ``quant/``, ``kernels/``. The budget:
 at most 5,000 lines in all, no module over 400, no function over 60 (a Triton kernel, ``@triton.jit``, may be
-longer: it is one GPU program and splitting it costs registers or launches).
+longer: it is one GPU program and splitting it costs registers or launches). Optional features, which a run loads
+only when it asks for them (``minifer/features/``: speculation's adaptive k and EAGLE, beam search, CUDA graphs, the
+Triton quantized matmul, the CPU's compilation switches, ...), are counted apart (``--features``).
 """
 
 from __future__ import annotations
@@ -35,9 +37,8 @@ FEATURES = {
     "weight quantization (int8/int4/fp8 formats, QuantLinear, RTN, saved checkpoints)": [
         "quant/__init__.py", "quant/formats.py", "quant/linear.py", "quant/model.py", "loader/quantized.py",
         "loader/quant_fill.py"],
-    "Triton quantized-matmul kernels (int8/int4/fp8)": [
-        "kernels/quant_matmul.py", "kernels/quant_matmul_jit.py", "kernels/fp8.py"],
-    "Triton paged-attention kernels": ["kernels/__init__.py", "kernels/paged_attention.py"],
+    "Triton paged-attention kernels (and their fp8 decoding)": ["kernels/__init__.py", "kernels/paged_attention.py",
+                                                                "kernels/fp8.py"],
     "8-bit KV cache (int8/fp8)": ["layers/kv_quant.py"],
     "static batching baseline": ["engine/static.py"],
 }

@@ -5,7 +5,8 @@ whose hash differs now may still run exactly what ran then:
 
 - its docstrings or comments changed, and nothing else (:func:`code_only` is the same);
 - it moved to another path (git sees a rename since the result's commit) and the modules that import it now name
-  its new path, and nothing else changed: the program is the same up to a renaming of modules.
+  its new path (``import new.path`` or ``from new import path``), and nothing else changed: the program is the
+  same up to a renaming of modules.
 
 Both checks read the file back from the result's commit, and the file there must hash to what the run recorded (a
 run at a modified tree, or a clone without the commit, has nothing to compare with: its changed files stay changed).
@@ -49,13 +50,18 @@ def code_only(source: str, renames: dict[str, str] | None = None) -> str:
             if body and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant) \
                     and isinstance(body[0].value.value, str):
                 node.body = body[1:] or [ast.Pass()]
+        if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            # ``from a import b as c`` binds ``c`` to ``a.b``, module or not: compared as that full name, so that
+            # ``from pkg import mod`` of a moved ``mod`` may name its new package.
+            for alias in node.names:
+                alias.asname = alias.asname or alias.name
+                alias.name = _renamed(f"{node.module}.{alias.name}", renames or {})
+            node.module = ""
         if not renames:
             continue
         if isinstance(node, ast.Import):
             for alias in node.names:
                 alias.name = _renamed(alias.name, renames)
-        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-            node.module = _renamed(node.module, renames)
         elif isinstance(node, ast.Constant) and isinstance(node.value, str) and node.value in renames:
             node.value = renames[node.value]  # a module named by a string (a lazy import's table)
     return ast.dump(tree, annotate_fields=False, include_attributes=False)

@@ -72,7 +72,7 @@ def real_shape_decode(rounds: int = 5, prompt_len: int = 128, steps: int = 3, na
     """Batch-1 decode of ``name``'s shape (dummy float32 weights) against the copy bandwidth measured in the same
     rounds, for each weight layout of ``LAYOUTS``: median step, median bandwidth, the bound and the share of it."""
     from minifer import LLM
-    from minifer.layers.weight_layout import column_major_linears
+    from minifer.features.weight_layout import column_major_linears
 
     torch.set_num_threads(1)
     llm = LLM(name, load_format="dummy", dtype="float32", device="cpu", num_kv_blocks=16)

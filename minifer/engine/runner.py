@@ -25,18 +25,18 @@ from minifer.sampling import SampleResult, ranked_logprobs, sample_sequences
 
 COMPILATION_KEYS = ("pack_weights", "column_major_weights", "level", "mode", "decode_attention")
 # vLLM's compilation levels (``CompilationConfig.level``, later ``mode``): 0 runs the model eagerly, 3 is vLLM's own
-# compilation (the graph split at attention), which ``layers.compiled`` does; 1 and 2 are stages of vLLM's Dynamo
+# compilation (the graph split at attention), which ``features.compiled_decoder`` does; 1 and 2 are stages of vLLM's Dynamo
 # integration minifer has no separate meaning for
 COMPILATION_LEVELS = (0, 3)
 
 
 def compile_model(model: LlamaForCausalLM, config: dict | None, shared_with=None, enforce_eager: bool = False) -> dict:
     """Apply ``LLM``'s ``compilation_config`` to a freshly loaded model, in place, and return it as applied; every
-    option is CPU-only. ``pack_weights``: float linear weights kept packed for oneDNN (``layers.packed_linear``).
+    option is CPU-only. ``pack_weights``: float linear weights kept packed for oneDNN (``features.packed_linear``).
     ``level`` (or vLLM's newer ``mode``) 3: the decoder compiled by ``torch.compile``, attention left opaque
-    (``layers.compiled``; float weights); 0, the default, and ``enforce_eager=True`` keep it eager.
+    (``features.compiled_decoder``; float weights); 0, the default, and ``enforce_eager=True`` keep it eager.
     ``column_major_weights``: float linear weights re-stored column-major, the layout a batch-1 matrix-vector
-    product streams fastest (``layers.weight_layout``). ``decode_attention``: ``"padded"`` (the default) or
+    product streams fastest (``features.weight_layout``). ``decode_attention``: ``"padded"`` (the default) or
     ``"bucketed"``, decode rows attending in length buckets indexed once per step (``layers.decode_attention``).
     An LLM sharing another's weights shares its model too, so it must ask for the same."""
     config = dict(config or {})
@@ -53,12 +53,12 @@ def compile_model(model: LlamaForCausalLM, config: dict | None, shared_with=None
                              f"this one asks for {config}; both use one model, so they must match")
         return config
     if config.get("pack_weights"):
-        from minifer.layers.packed_linear import pack_linears
+        from minifer.features.packed_linear import pack_linears
 
         if not pack_linears(model):
             raise ValueError("compilation_config: pack_weights needs float weights on a CPU whose torch has oneDNN")
     if config.get("column_major_weights"):
-        from minifer.layers.weight_layout import column_major_linears
+        from minifer.features.weight_layout import column_major_linears
 
         if model.lm_head.weight.device.type != "cpu" or not column_major_linears(model):
             raise ValueError("compilation_config: column_major_weights is a CPU layout for float linear weights")
@@ -87,7 +87,7 @@ def _compilation_level(config: dict, enforce_eager: bool) -> int:
 
 
 def _compile_decoder(model: LlamaForCausalLM) -> None:
-    from minifer.layers.compiled import compile_decoder
+    from minifer.features.compiled_decoder import compile_decoder
 
     weight = model.lm_head.weight
     if weight.device.type != "cpu" or getattr(model, "quantization_config", None) is not None:

@@ -118,7 +118,7 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
-        self.compiled = None  # a CompiledDecoder (layers/compiled.py) once compilation_config asks for one
+        self.compiled = None  # a CompiledDecoder (features/compiled_decoder.py) once compilation_config asks for one
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionBackend,
                 ops: LayerOps = REFERENCE_OPS) -> torch.Tensor:

@@ -7,7 +7,8 @@ per token, so quantizing it saves memory, not bandwidth), and ``lm_head`` writes
 layer to average its error away (with tied embeddings it *is* ``embed_tokens``).
 
 ``QuantLinear`` multiplies through the ``QuantKernel`` the engine hands in: ``LLM`` passes
-``minifer.kernels.quant_linear``, the fused Triton dequantize-matmul on CUDA. The default,
+``minifer.kernels.quant_kernel_for(device)``, the fused Triton dequantize-matmul on CUDA (an optional feature,
+``minifer/features/quant_matmul.py``). The default,
 ``quant_linear_reference``, dequantizes to float32 on every call and caches nothing: slower than ``nn.Linear``,
 but the model holds only the quantized bytes that ``weight_bytes`` counts.
 
@@ -48,7 +49,7 @@ class QuantLinear(nn.Module):
     """A linear layer whose weight is a ``QuantizedWeight``: codes, scales and zero points held as buffers
     (nothing to train), plus the optional bias in the model's dtype. ``forward(x)`` maps ``[..., K]`` to
     ``[..., N]`` in ``x``'s dtype through ``kernel`` (a ``QuantKernel``; the PyTorch reference by default, and
-    whatever the engine hands in: ``LLM`` passes ``minifer.kernels.quant_linear``, the Triton kernel on CUDA)."""
+    whatever the engine hands in: on CUDA ``LLM`` passes the fused Triton kernel, ``minifer.kernels.quant_kernel_for``)."""
 
     def __init__(self, qw: QuantizedWeight, bias: torch.Tensor | None = None, kernel: QuantKernel | None = None) -> None:
         super().__init__()

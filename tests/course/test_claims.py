@@ -188,6 +188,14 @@ def test_code_only_names_a_renamed_module_by_its_new_name_and_nothing_else():
     assert freshness.code_only(old) != freshness.code_only(new), "without the renaming the imports differ"
     assert freshness.code_only(old, renames) != freshness.code_only(new.replace("pkg.new import", "pkg.other import"))
     assert freshness.code_only(old, renames) != freshness.code_only(new.replace('"pkg.older"', '"pkg.newer"'))
+    # A moved module imported from its package: ``from pkg import old as m`` may become ``from pkg2 import old as m``
+    # (the full name ``pkg.old`` is what moved), but must keep binding the same name.
+    moved = {"pkg.old": "pkg2.old", "pkg.a": "pkg.b"}
+    assert freshness.code_only("from pkg import old as m\n", moved) == freshness.code_only("from pkg2 import old as m\n")
+    assert freshness.code_only("from pkg import a\n", moved) == freshness.code_only("from pkg import b as a\n")
+    assert freshness.code_only("from pkg import a\n", moved) != freshness.code_only("from pkg import b\n")
+    assert freshness.code_only("from pkg import old as m\n", moved) != freshness.code_only("from pkg import old as m\n")
+    assert freshness.code_only("from pkg import f\n", moved) != freshness.code_only("from pkg2 import f\n")
     nested = {"pkg": "pkg2", "pkg.a": "other.a"}  # the most specific rename wins, whatever the order
     assert freshness.code_only("from pkg.a import f\nfrom pkg.b import g\n", nested) == \
         freshness.code_only("from other.a import f\nfrom pkg2.b import g\n")

@@ -9,7 +9,7 @@ import torch
 import minifer
 from minifer import SamplingParams
 from minifer.eval import heldout_prompts
-from minifer.layers.packed_linear import PackedLinear, pack_linears
+from minifer.features.packed_linear import PackedLinear, pack_linears
 
 
 def greedy(llm, prompts, n=48, **kw):

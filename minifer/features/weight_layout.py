@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from minifer.layers.packed_linear import PackedLinear
+from minifer.features.packed_linear import PackedLinear
 
 
 def is_column_major(weight: torch.Tensor) -> bool:

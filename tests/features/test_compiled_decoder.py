@@ -1,4 +1,4 @@
-"""The compiled decoder (``compilation_config={"level": 3}``, ``layers.compiled``) against the eager model a learner
+"""The compiled decoder (``compilation_config={"level": 3}``, ``features.compiled_decoder``) against the eager model a learner
 reads: the same greedy float32 tokens on a continuous batch of varied lengths, log-probabilities within a tight bound,
 and a bounded number of graphs however the step's token count varies (speed is measured by ``python -m minifer.bench
 cpu_peer``, never here). A tiny two-layer checkpoint keeps the compilation short."""
@@ -11,7 +11,7 @@ from torch._dynamo.utils import counters
 
 import minifer
 from minifer import SamplingParams
-from minifer.layers.compiled import CompiledDecoder
+from minifer.features.compiled_decoder import CompiledDecoder
 from minifer.layers.ops import LayerOps
 
 

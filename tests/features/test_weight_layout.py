@@ -1,4 +1,4 @@
-"""Column-major linear weights (``compilation_config={"column_major_weights": True}``, ``layers.weight_layout``), the
+"""Column-major linear weights (``compilation_config={"column_major_weights": True}``, ``features.weight_layout``), the
 batch-1 layout of issue 28, against the eager model a learner reads: the same values, the same greedy float32 tokens
 alone and combined with the other CPU switches (speed is measured by ``python -m minifer.bench cpu_peer``, never
 here); and the two bounds ``minifer.bench.cpu_bounds`` adds to that benchmark, on a few requests."""
@@ -10,7 +10,7 @@ import torch
 
 import minifer
 from minifer import SamplingParams
-from minifer.layers.weight_layout import column_major_linears, is_column_major
+from minifer.features.weight_layout import column_major_linears, is_column_major
 
 
 def _greedy(llm, prompts, n=24):
