@@ -25,8 +25,8 @@ from minifer.sampling import SampleResult, ranked_logprobs, sample_sequences
 
 COMPILATION_KEYS = ("pack_weights", "column_major_weights", "level", "mode", "decode_attention")
 # vLLM's compilation levels (``CompilationConfig.level``, later ``mode``): 0 runs the model eagerly, 3 is vLLM's own
-# compilation (the graph split at attention), which ``features.compiled_decoder`` does; 1 and 2 are stages of vLLM's Dynamo
-# integration minifer has no separate meaning for
+# compilation (the graph split at attention), which ``features.compiled_decoder`` does; 1 and 2 are stages of vLLM's
+# Dynamo integration minifer has no separate meaning for
 COMPILATION_LEVELS = (0, 3)
 
 
