@@ -9,7 +9,7 @@ speculator's bookkeeping around it (``propose`` and ``observe`` on the held path
 cost is that bookkeeping, it shows in the time outside the forward; if it shows in the forward itself, the
 bookkeeping is not the place to cut.
 
-So each engine's step is split as it runs: the forward (``ModelRunner.last_forward_s``, model and logits) and the
+So each engine's step is split as it runs: the forward (``adaptive_k.ForwardTimer``, model and logits) and the
 rest of the step (scheduling, sampling, the speculator, outputs). Three engines on the same greedy requests, steps
 interleaved in random order (``speculative.run_interleaved``): ``plain``, ``plain_again`` (the A/A control) and
 ``adaptive``, all on one copy of the weights. Per round: each engine's forward ratio to plain's, and its time outside
@@ -30,24 +30,25 @@ from minifer.bench.adaptive_control import add_arguments, method_specs
 from minifer.bench.adaptive_pooled import interval
 from minifer.bench.provenance import save_result
 from minifer.bench.speculative import DRAFT, _engine, run_interleaved
+from minifer.features.adaptive_k import ForwardTimer
 from minifer.sampling import SamplingParams
 
 ENGINES = ("plain", "plain_again", "adaptive")
 
 
 def timed(engines: dict[str, Any]) -> dict[str, float]:
-    """Wrap each engine's ``step`` so that it adds its forward's seconds to the returned counter."""
+    """Time each engine's target forwards (``ForwardTimer``, the one adaptive k reads): the returned counter adds
+    up each engine's forward seconds."""
     forward = dict.fromkeys(engines, 0.0)
     for name, llm in engines.items():
-        engine, step = llm.engine, llm.engine.step
+        timer = ForwardTimer(llm.engine.runner)  # the adaptive engine's own timer wrapped once more: same seconds
 
-        def split_step(name=name, engine=engine, step=step):
-            engine.runner.last_forward_s = 0.0  # a step that schedules nothing runs no forward
-            out = step()
-            forward[name] += engine.runner.last_forward_s
+        def count(*args, name=name, timer=timer):
+            out = timer(*args)
+            forward[name] += timer.last_s
             return out
 
-        engine.step = split_step
+        llm.engine.runner.forward = count
     return forward
 
 

@@ -48,16 +48,19 @@ EAGLES = ("eagle", "eagle3")  # the methods whose heads read the target's featur
 
 
 class ForwardClock:
-    """Counts and times one runner's forwards, in place (the runner's own ``last_forward_s``, summed)."""
+    """Counts and times one runner's forwards, in place (on CUDA after a synchronize: the runner keeps no clock)."""
 
     def __init__(self, runner) -> None:
         self.runner, self.n, self.seconds = runner, 0, 0.0
         inner = runner.forward
 
         def forward(*args, **kwargs):
+            t0 = time.perf_counter()
             out = inner(*args, **kwargs)
+            if out.device.type == "cuda":
+                torch.cuda.synchronize(out.device)
             self.n += 1
-            self.seconds += runner.last_forward_s
+            self.seconds += time.perf_counter() - t0
             return out
 
         runner.forward = forward
@@ -108,7 +111,7 @@ def engine_row(name: str, llm, times: dict[str, list[float]], target_forward_s: 
     n, seconds = drafter_seconds(llm)
     alpha = s["spec_alpha"]
     k = s["spec_k_max"]
-    return {"engine": name, "k": k, "adaptive": llm.engine.speculator.adaptive is not None,
+    return {"engine": name, "k": k, "adaptive": llm.engine.speculator.cfg.adaptive,
             "alpha": alpha, "tokens_per_forward": s["spec_mean_tokens_per_forward"],
             "formula": expected_tokens_per_forward(min(alpha, 1.0), k) if alpha == alpha else None,
             "speedup": statistics.median(ratios), "ci": median_ci(ratios), "round_speedups": ratios,

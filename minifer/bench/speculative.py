@@ -280,9 +280,12 @@ def verify_cost(llm, batch_sizes: list[int], ks: list[int], context: int = 256, 
             times: dict[int, list[float]] = {k: [] for k in [0, *ks]}
             for r in range(repeats + 1):  # every k once per repeat, in turns: a slow spell hits all of them alike
                 for k in times:
-                    runner.forward(ids, [context] * b, [[1] * (k + 1)] * b, [k + 1] * b)
+                    t0 = time.perf_counter()
+                    logits = runner.forward(ids, [context] * b, [[1] * (k + 1)] * b, [k + 1] * b)
+                    if logits.device.type == "cuda":
+                        torch.cuda.synchronize(logits.device)
                     if r:  # the first repeat warms up
-                        times[k].append(runner.last_forward_s)
+                        times[k].append(time.perf_counter() - t0)
             for k, ts in times.items():
                 row[f"k{k}"] = statistics.median(ts)
             for k in ks:
@@ -294,13 +297,20 @@ def verify_cost(llm, batch_sizes: list[int], ks: list[int], context: int = 256, 
     return rows
 
 
-SPECULATOR_CALLS = ("propose", "observe", "release")  # what LLMEngine.step calls besides verify and rollback
+# the adaptive speculator's calls around a held plain step (besides verify and rollback, which a plain step skips):
+# its own, and its controller's ("adaptive.")
+SPECULATOR_CALLS = ("propose", "release", "adaptive.plain_step", "adaptive.observe_plain", "adaptive.observe")
+
+
+def _owner(speculator, name: str) -> tuple[Any, str]:
+    """The object a ``SPECULATOR_CALLS`` name lives on (the speculator or its controller) and the method's name."""
+    return (speculator.adaptive, name.split(".", 1)[1]) if name.startswith("adaptive.") else (speculator, name)
 
 
 def bookkeeping(model: str, spec: dict, prompts: list, batch_sizes: list[int], max_tokens: int, rounds: int = 4,
                 device: str | None = None) -> list[dict[str, Any]]:
-    """The adaptive engine's own per-step work, timed in place: every call ``LLMEngine.step`` makes into the
-    speculator (``SPECULATOR_CALLS``) gets a timer around it, and so does the whole step, over ``rounds`` batches
+    """The adaptive engine's own per-step work, timed in place: every call its step makes into the speculator and
+    its controller (``SPECULATOR_CALLS``) gets a timer around it, and so does the whole step, over ``rounds`` batches
     of ``b`` greedy requests at each batch size (after one warm-up batch, which also lets adaptive k settle).
 
     Why in place and not in a loop of its own: between two calls the model's forward runs and evicts the caches,
@@ -322,7 +332,8 @@ def bookkeeping(model: str, spec: dict, prompts: list, batch_sizes: list[int], m
         return call
 
     for name in SPECULATOR_CALLS:  # instance attributes shadow the methods; deleted again below
-        setattr(speculator, name, timed(name, getattr(speculator, name)))
+        owner, attr = _owner(speculator, name)
+        setattr(owner, attr, timed(name, getattr(owner, attr)))
     step = engine.step
     engine.step = timed("step", step)
     params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
@@ -349,7 +360,7 @@ def bookkeeping(model: str, spec: dict, prompts: list, batch_sizes: list[int], m
     finally:
         del engine.step
         for name in SPECULATOR_CALLS:
-            delattr(speculator, name)
+            delattr(*_owner(speculator, name))
     return rows
 
 

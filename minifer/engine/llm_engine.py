@@ -35,7 +35,7 @@ from minifer.models.llama import LlamaForCausalLM
 from minifer.outputs import RequestOutput
 from minifer.sampling import Sampler
 
-if TYPE_CHECKING:  # speculation's modules load only for an engine that speculates (``__init__``, ``step``)
+if TYPE_CHECKING:  # speculation's modules load only for an engine that speculates (``__init__``)
     from minifer.features.eagle import EagleForward
     from minifer.engine.proposers import DraftProposer
     from minifer.engine.speculative import Rollback, SpeculativeConfig, Speculator
@@ -279,18 +279,14 @@ class LLMEngine:
         """One forward pass over the scheduled batch. Returns outputs of the requests that got a token.
 
         The step itself is ``engine_step`` (``engine/step.py``, chapter 03), or a caller's (``step=``), or, when
-        speculating, ``engine_step`` with drafts (``engine/spec_step.py``); around it the engine times the step,
+        speculating, ``Speculator.step`` (``engine_step`` with drafts, ``engine/spec_step.py``); around it the engine
         reports the outputs and merges a request's ``n`` completions."""
         self._check_thread()
-        start = time.perf_counter()
         self._scheduled = False
         spec = self.speculator
         parts = StepParts(self.scheduler, self._execute, self.sampler, self.block_manager, self.tokenizer)
         if spec is not None:
-            from minifer.engine.spec_step import speculative_step
-
-            result = speculative_step(parts, spec, self._num_waiting)
-            sampled = result.sampled
+            sampled = spec.step(parts, self._num_waiting)
         elif self.custom_step is not None:
             sampled = run_checked(self.custom_step, parts)
         else:
@@ -301,10 +297,6 @@ class LLMEngine:
         for seq in sampled:
             if seq.is_finished:
                 self._retire(seq)
-        if spec is not None and result.plan is not None:
-            # the whole step, scheduling and bookkeeping included: fewer, longer steps save those too
-            spec.observe(result.plan, result.forward_tokens, self.runner.last_forward_s, result.pure_decode,
-                         result.emitted, time.perf_counter() - start)
         return outputs
 
     def _execute(self, batch: ScheduledBatch, drafts: list[list[int]] | None = None) -> tuple[list[int], torch.Tensor]:

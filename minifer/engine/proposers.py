@@ -16,7 +16,6 @@ from typing import TYPE_CHECKING, Protocol
 import torch
 
 from minifer.engine.block_manager import BlockManager
-from minifer.engine.cost_table import CostTable
 from minifer.engine.runner import ModelRunner
 from minifer.engine.sequence import Sequence
 from minifer.layers.paged_attention import PagedKVCache
@@ -113,7 +112,6 @@ class DraftModelProposer:
     verification added), then decodes its own guesses one at a time."""
 
     def __init__(self, model: LlamaForCausalLM, num_blocks: int, block_size: int) -> None:
-        self.cost = CostTable()  # the draft's forward time by tokens, refreshed by every proposal
         cfg = model.config
         w = model.lm_head.weight
         self.blocks = BlockManager(num_blocks, block_size, enable_prefix_caching=False)
@@ -152,7 +150,6 @@ class DraftModelProposer:
                 starts.append(start)
                 chunks.append(chunk)
             logits = self.runner.forward(rids, starts, chunks, [1] * len(active))
-            self.cost.observe(sum(len(c) for c in chunks), self.runner.last_forward_s)
             for r, i in enumerate(active):
                 self.computed[seqs[i].request_id] = starts[r] + len(chunks[r])
             draw_drafts(seqs, active, logits, drafts, probs)

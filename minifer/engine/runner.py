@@ -9,7 +9,6 @@ speculative decoding — at every draft position too (chapter 04).
 
 from __future__ import annotations
 
-import time
 
 import torch
 
@@ -110,7 +109,6 @@ class ModelRunner:
         self.model, self.cache, self.blocks = model, cache, blocks
         self.ops = ops  # the RMSNorm and RoPE every forward of this runner uses (LLM's components)
         self.device = model.lm_head.weight.device
-        self.last_forward_s = 0.0  # wall time of the latest forward (the adaptive speculation reads it)
         self.graphs = None  # DecodeGraphs on CUDA (see cuda_graph.py): pure decode steps replay them
         # called after each forward with (request_ids, starts, tokens, hidden [N, H]): the last hidden state of every
         # packed token, for a drafter that reads the target's features (EAGLE, ``features/eagle.py``)
@@ -131,7 +129,6 @@ class ModelRunner:
         """One forward over ragged chunks: request ``i`` brings ``tokens[i]`` at positions ``starts[i]...``
         (its KV before ``starts[i]`` is cached and its blocks already cover the new tokens). Returns the
         logits of the last ``num_logits[i]`` tokens of each chunk, concatenated: ``[sum(num_logits), V]``."""
-        t0 = time.perf_counter()
         ids: list[int] = []
         positions: list[int] = []
         rows: list[int] = []
@@ -146,7 +143,7 @@ class ModelRunner:
             slots = torch.tensor([t[p // bs] * bs + p % bs for t, p in zip(tables, positions)])
             hidden = self.graphs.run(ids, positions, slots, tables, [p + 1 for p in positions])
             self._notify(request_ids, starts, tokens, hidden[: len(ids)])
-            return self._logits(hidden, rows, t0)
+            return self._logits(hidden, rows)
         tables, ctx = [self.blocks.block_table(r) for r in request_ids], [s + len(c) for s, c in zip(starts, tokens)]
         if self.fast_decode_metadata and all(len(c) == 1 for c in tokens):
             self.cache.meta = self._decode_meta.build(tables, ctx, self.cache.null_slot)
@@ -161,20 +158,15 @@ class ModelRunner:
         finally:
             self.cache.meta = None
         self._notify(request_ids, starts, tokens, hidden)
-        return self._logits(hidden, rows, t0)
+        return self._logits(hidden, rows)
 
     def _notify(self, request_ids: list[object], starts: list[int], tokens: list[list[int]],
                 hidden: torch.Tensor) -> None:
         for observe in self.hidden_observers:
             observe(request_ids, starts, tokens, hidden)
 
-    def _logits(self, hidden: torch.Tensor, rows: list[int], t0: float) -> torch.Tensor:
-        dev = self.device
-        logits = self.model.compute_logits(hidden[torch.tensor(rows, device=dev, dtype=torch.long)])
-        if dev.type == "cuda":
-            torch.cuda.synchronize(dev)
-        self.last_forward_s = time.perf_counter() - t0
-        return logits
+    def _logits(self, hidden: torch.Tensor, rows: list[int]) -> torch.Tensor:
+        return self.model.compute_logits(hidden[torch.tensor(rows, device=self.device, dtype=torch.long)])
 
     def execute(self, batch: ScheduledBatch, drafts: list[list[int]] | None = None) -> tuple[list[int], torch.Tensor]:
         """Run one step. Sequence ``i`` of the batch computes its next ``num_new_tokens[i]`` tokens plus, when

@@ -1,8 +1,10 @@
-"""Adaptive k: how many tokens to speculate this step, decided from measured costs (``"adaptive": True``, the default).
+"""Adaptive k, an opt-in policy (``speculative_config["adaptive"] = True``): how many tokens to speculate this step,
+decided from measured costs.
 
-The speculator (``engine/speculative.py``, through its ``KController`` seam) calls ``decide(batch, waiting)`` for
-the step's ``Decision`` (k, a probe, or held plain decoding; for n-gram drafts, which drafts to verify) and
-``observe(record)`` with the ``StepRecord`` of the step once it ran; nothing else passes between them.
+Fixed k (``engine/speculative.py``) is the reference and runs none of this. Asked for, ``AdaptiveSpeculator``
+replaces the fixed-k ``Speculator``: everything adaptive k needs (the cost tables, the clocks around the forwards
+and the step, each step's ``StepRecord``, the controller) is created here and only then.
+
 Speculation pays only while the wider verify forward is nearly free, i.e. at low concurrency. For ``B`` decoding
 sequences the controller picks the ``k`` in ``0..num_speculative_tokens`` that maximises the predicted tokens per
 second
@@ -21,30 +23,228 @@ speedup over plain ones must clear the margin in a trial of ``TRIAL_STEPS`` step
 a retry (``measured_allows``). When plain decoding wins by little, one sequence now and then speculates anyway (a
 *probe*, ``probe_due``), so a stale estimate cannot switch speculation off for good. N-gram drafts are looked up
 before deciding: ``adaptive_ngram.py``.
+
+Under adaptive k a seeded *sampled* request is distributed exactly as without speculation, but its exact tokens
+depend on the k chosen each step, which depends on timings: for bit-reproducible seeded sampling keep fixed k.
 """
 
 from __future__ import annotations
 
+import bisect
 import statistics
+import time
 from collections import Counter, deque
-from typing import TYPE_CHECKING
+from collections.abc import Callable
+from contextlib import ExitStack
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Protocol
 
-from minifer.engine.cost_table import CostTable, calibrate_decode
-from minifer.engine.proposers import Draft
+import torch
+
+from minifer.engine.proposers import Draft, NgramProposer
 from minifer.engine.runner import ModelRunner
-from minifer.engine.speculative import Decision, DecodeBatch, StepRecord
+from minifer.engine.sequence import Sequence
+from minifer.engine.spec_step import speculative_step
+from minifer.engine.speculative import Proposal, Speculator, decoding_rows
+from minifer.engine.step import StepParts, engine_step
 from minifer.spec.theory import expected_tokens_per_forward
 
 if TYPE_CHECKING:
-    from minifer.engine.speculative import SpeculativeConfig
+    from minifer.engine.block_manager import KVBlockAllocator
+    from minifer.engine.proposers import DraftProposer
+    from minifer.engine.speculative import Rollback, SpeculativeConfig
+    from minifer.sampling import Sampler
+    from minifer.spec.rejection import Verifier
 
-HELD = Decision(0, held=True)  # the decision of every held plain step (shared: nothing writes to a Decision)
 TRIAL_STEPS = 8  # speculative steps measured at a batch size before measurement may overrule the model
 PROBE_BUDGET = 0.002  # probes may cost at most this fraction of the decode time (see AdaptiveK.probe_due)
 PROBE_DECAY = 0.999  # per pure-decode step: the budget covers roughly the last thousand steps, not all history
 ALPHA_DECAY = 0.995  # per verified sequence: the acceptance estimate follows roughly the last 200 verifications
 PLAIN_HOLD = 15  # steps that reuse a clear "plain" decision at the same batch size (see AdaptiveK.held)
 LIGHT_EVERY = 8  # of the held plain steps, every LIGHT_EVERY-th is timed into the tables (see AdaptiveK.observe)
+
+
+# --- what the controller sees and decides --------------------------------------------------------------------
+
+
+@dataclass
+class DecodeBatch:
+    """The decoding rows of a step, as the controller sees them."""
+
+    seqs: list[Sequence]
+    rows: list[int]  # indices into seqs of the sequences that decode this step (one new token, no history reads)
+    lag: float = 1.0  # tokens per sequence a draft model has not read yet
+    lookup: Callable[[Sequence, int], tuple[list[int], int]] | None = None  # n-gram: (draft, match length) of a row
+
+
+@dataclass
+class Decision:
+    """What a step does: ``k`` drafts per decoding sequence (0: plain decoding). A ``probe`` is plain decoding in
+    which one sequence speculates to keep the estimates current. ``drafts``: for n-gram speculation, the drafts to
+    verify (by row: tokens and the length of the match that found them), looked up before deciding."""
+
+    k: int
+    probe: bool = False
+    drafts: dict[int, tuple[list[int], int]] | None = None
+    held: bool = False  # a held plain decision (``PLAIN_HOLD``): its step is timed only now and then (``LIGHT_EVERY``)
+
+
+HELD = Decision(0, held=True)  # the decision of every held plain step (shared: nothing writes to a Decision)
+
+
+@dataclass
+class StepRecord:
+    """One step as the controller observes it: what was decided and proposed, each verified sequence's acceptance,
+    the target forward's tokens and time, and the whole step's tokens and time."""
+
+    decodes: int = 0  # decoding sequences (0: a step of prompt chunks only: nothing to learn from its time)
+    k: int = 0  # drafts per sequence; a probe counts 0
+    probe: bool = False
+    held: bool = False  # the step reused a held plain decision (see AdaptiveK.observe)
+    propose_s: float = 0.0  # seconds spent finding drafts (left out of a plain step's time)
+    draft_s: float | None = None  # seconds the drafts took to make, when some were made
+    expected: float | None = None  # a speculative step's tokens at the estimated acceptance (see observe)
+    asked: int = 0  # sequences asked for drafts (not in probes), and those that got at least one
+    got: int = 0
+    acceptances: list[tuple[int, bool, int]] = field(default_factory=list)  # (accepted, rejected, match length)
+    forward_tokens: int = 0
+    forward_s: float = 0.0
+    pure_decode: bool = False
+    emitted: int = 0
+    seconds: float = 0.0
+
+    @property
+    def speculated(self) -> bool:
+        return self.k > 0
+
+
+class KController(Protocol):
+    """What ``AdaptiveSpeculator`` asks of a controller (``AdaptiveK`` is the reference).
+
+    Before scheduling, ``plain_step(n)``: may the next step, of ``n`` running sequences and none waiting, run as the
+    plain engine's step itself, nothing proposed or recorded (its time then goes to ``observe_plain``)? Once
+    scheduled, ``decide``: the step's ``Decision`` for its decoding rows, ``waiting`` requests queued;
+    ``expected_emitted``: a speculative step's tokens at the estimated acceptance. After the step, ``observe``: its
+    ``StepRecord``."""
+
+    def plain_step(self, num_running: int) -> bool: ...
+    def observe_plain(self, seconds: float) -> None: ...
+    def decide(self, batch: DecodeBatch, waiting: int = 1) -> Decision: ...
+    def expected_emitted(self, b: int, drafts: list[Draft]) -> float: ...
+    def observe(self, r: StepRecord) -> None: ...
+
+
+# --- measuring forwards --------------------------------------------------------------------------------------
+
+
+class CostTable:
+    """Measured seconds of a forward over ``n`` tokens.
+
+    Per ``n`` it keeps the last few measurements and uses their median: on a shared machine single
+    timings spike when a neighbour runs, and one spike must not switch speculation off. Across ``n`` the
+    table is made non-decreasing (more tokens never cost less: a point above a larger ``n``'s is lowered),
+    interpolated linearly in between, and extended linearly past the largest ``n`` measured (a compute-bound
+    forward). Each ``n``'s median is updated when it is measured, so a step's refresh costs one median."""
+
+    def __init__(self, window: int = 9) -> None:
+        self.samples: dict[int, deque[float]] = {}
+        self.window = window
+        self._medians: dict[int, float] = {}  # per n, kept current by observe (a step changes only its own n)
+        self._curve: tuple[list[int], list[float]] | None = None
+
+    def observe(self, n: int, seconds: float) -> None:
+        window = self.samples.setdefault(n, deque(maxlen=self.window))
+        window.append(seconds)
+        self._medians[n] = statistics.median(window)
+        self._curve = None
+
+    def curve(self) -> tuple[list[int], list[float]]:
+        if self._curve is None:  # recomputed only after a new measurement (choose_k reads it many times)
+            if self._medians.keys() != self.samples.keys():  # samples edited directly (tests, notebooks)
+                self._medians = {n: statistics.median(w) for n, w in self.samples.items() if w}
+            xs = sorted(self._medians)
+            ys = [self._medians[x] for x in xs]
+            for i in range(len(ys) - 2, -1, -1):  # non-decreasing from below: interference only ever adds time
+                ys[i] = min(ys[i], ys[i + 1])
+            self._curve = xs, ys
+        return self._curve
+
+    def __call__(self, n: int) -> float:
+        xs, ys = self.curve()
+        if not xs:
+            return float(n)
+        if n <= xs[0]:
+            return ys[0]
+        if n >= xs[-1]:
+            return ys[-1] * n / xs[-1]
+        j = bisect.bisect_left(xs, n)
+        return ys[j - 1] + (ys[j] - ys[j - 1]) * (n - xs[j - 1]) / (xs[j] - xs[j - 1])
+
+
+class ForwardTimer:
+    """Times every forward of ``runner`` in place (its ``forward`` is replaced by this timer): ``last_s``, the
+    latest forward's seconds (on CUDA after a synchronize, or the clock would stop before the kernels do), and, with
+    a ``table``, each forward's time by its token count. The engine's runner keeps no clock: only what measures
+    wears one."""
+
+    def __init__(self, runner, table: CostTable | None = None) -> None:
+        self.runner, self.table, self.inner, self.last_s = runner, table, runner.forward, 0.0
+        runner.forward = self
+
+    def __call__(self, request_ids: list[object], starts: list[int], tokens: list[list[int]],
+                 num_logits: list[int]) -> torch.Tensor:
+        t0 = time.perf_counter()
+        logits = self.inner(request_ids, starts, tokens, num_logits)
+        if logits.device.type == "cuda":
+            torch.cuda.synchronize(logits.device)
+        self.last_s = time.perf_counter() - t0
+        if self.table is not None:
+            self.table.observe(sum(len(c) for c in tokens), self.last_s)
+        return logits
+
+    def remove(self) -> None:
+        """Give the runner its own forward back."""
+        if self.runner.forward is self:
+            self.runner.forward = self.inner
+
+
+def timed_forward(runner, request_ids: list[object], starts: list[int], tokens: list[list[int]]) -> float:
+    """Seconds of one forward of ``runner`` (CUDA synchronized), not recorded anywhere."""
+    forward = runner.forward.inner if isinstance(runner.forward, ForwardTimer) else runner.forward
+    t0 = time.perf_counter()
+    logits = forward(request_ids, starts, tokens, [1] * len(request_ids))
+    if logits.device.type == "cuda":
+        torch.cuda.synchronize(logits.device)
+    return time.perf_counter() - t0
+
+
+def calibrate_decode(runner, table: CostTable, max_tokens: int = 128, context: int = 64) -> None:
+    """Fill ``table`` with ``runner``'s forwards shaped like decode steps, once, at start-up while every block is free:
+    1, 2, 4, ... scratch sequences with ``context`` cached tokens bring one new token each. Decode-shaped because
+    a forward's time depends on how many sequences' caches it reads, not only on its token count (a table timed
+    on one long prompt chunk underrates decode steps). Verify steps, with fewer sequences and more tokens each,
+    differ too: for them the table is a first guess that their own steps refresh. The cached values stay zeros:
+    the time depends on the sizes read, not the numbers."""
+    blocks, n = runner.blocks, 1
+    # a small cache holds a shorter context (down to one token): the timing still has one sequence
+    ctx = min(context, blocks.block_size * blocks.num_free_blocks - 1)
+    if ctx < 1:
+        return  # not even two tokens fit: the table keeps its prior, refreshed by real steps
+    while 2 * n <= max_tokens and 2 * n * blocks.blocks_needed(ctx + 1) <= blocks.num_free_blocks:
+        n *= 2
+    ids = [f"__calibrate{i}__" for i in range(n)]
+    with ExitStack() as stack:
+        for i, rid in enumerate(ids):  # distinct tokens: no prefix-cache sharing between them
+            stack.enter_context(blocks.scratch(rid, [i + 1] * (ctx + 1)))
+        m = 1
+        while m <= n:
+            timed_forward(runner, ids[:m], [ctx] * m, [[0]] * m)  # warm-up
+            for _ in range(3):
+                table.observe(m, timed_forward(runner, ids[:m], [ctx] * m, [[0]] * m))
+            m *= 2
+
+
+# --- the controller ------------------------------------------------------------------------------------------
 
 
 class AdaptiveK:
@@ -88,7 +288,10 @@ class AdaptiveK:
 
     def decide(self, batch: DecodeBatch, waiting: int = 1) -> Decision:
         """This step's decision for ``batch``; ``waiting``: requests queued for a slot (the n-gram controller reads
-        it): ``choose_k`` picks one k for every decoding sequence (``adaptive_ngram.py`` looks up drafts first)."""
+        it): a held plain decision (``PLAIN_HOLD``), else ``choose_k``'s one k for every decoding sequence
+        (``adaptive_ngram.py`` looks up drafts first)."""
+        if self.held(len(batch.rows)):  # a held plain decision at this batch size: nothing to predict
+            return HELD
         k, probe = self.choose_k(len(batch.rows), batch.lag)
         return Decision(k, probe)
 
@@ -177,7 +380,7 @@ class AdaptiveK:
     # --- choosing k ----------------------------------------------------------------------------------
 
     def calibrate(self) -> None:
-        """Time the target's (and the draft's) forwards once, at start-up (``cost_table.calibrate_decode``)."""
+        """Time the target's (and the draft's) forwards once, at start-up (``calibrate_decode``)."""
         calibrate_decode(self.target_runner, self.target_cost)
         if self.draft_runner is not None:
             calibrate_decode(self.draft_runner, self.draft_cost)
@@ -322,6 +525,134 @@ class AdaptiveK:
             return 0.0
         near = min(self.plain_step_s, key=lambda n: abs(n - b))
         return self.plain_step_s[near] * self.target_cost(b) / self.target_cost(near)
+
+
+# --- the speculator that asks it -----------------------------------------------------------------------------
+
+
+class AdaptiveSpeculator(Speculator):
+    """A ``Speculator`` whose k each step is the controller's ``Decision`` (``adaptive``: a ``KController``). It times
+    the step (``step``) and the target's forwards (``target_timer``), records each step in a ``StepRecord`` for the
+    controller, and runs a step held plain as the plain engine's step itself."""
+
+    def __init__(self, cfg: SpeculativeConfig, proposer: DraftProposer, target_blocks: KVBlockAllocator,
+                 vocab_size: int, adaptive: KController, target_timer: ForwardTimer, verifier: Verifier | None = None,
+                 sampler: Sampler | None = None, rollback: Rollback | None = None) -> None:
+        super().__init__(cfg, proposer, target_blocks, vocab_size, verifier, sampler, rollback)
+        self.adaptive, self.target_timer = adaptive, target_timer
+        self.record: StepRecord | None = None  # the running step's
+        self.waiting: Callable[[], int] = lambda: 1
+
+    def step(self, parts: StepParts, waiting: Callable[[], int]) -> list[Sequence]:
+        """One engine step, timed from scheduling to the last appended token (the outputs' assembly after it is the
+        same for every k). While the controller holds plain decoding at this batch size and nothing waits, the
+        step is ``engine_step`` itself (``KController.plain_step``): a held step costs what a plain engine's does."""
+        start = time.perf_counter()
+        running = len(parts.scheduler.running)
+        if not waiting() and self.adaptive.plain_step(running):
+            self.k_in_use = 0
+            self.stats.k_counts[0] += 1
+            sampled = engine_step(parts)
+            for seq in sampled:  # some finished (nothing waited to join): their draft state goes too
+                if seq.is_finished:
+                    self.release(seq.request_id)
+            self.adaptive.observe_plain(time.perf_counter() - start)
+            return sampled
+        self.waiting, self.record = waiting, None
+        sampled = speculative_step(parts, self)
+        if self.record is not None:
+            self.record.forward_s, self.record.seconds = self.target_timer.last_s, time.perf_counter() - start
+            self.adaptive.observe(self.record)
+        return sampled
+
+    def propose(self, seqs: list[Sequence], num_new: list[int], token_budget: int) -> Proposal | None:
+        """The controller's decision for the decoding rows, then its drafts (a draft model's or EAGLE's made now for
+        the k decided; n-gram drafts already looked up by the controller), their target KV slots reserved."""
+        self.record = record = StepRecord(forward_tokens=sum(num_new), pure_decode=sum(num_new) == len(num_new))
+        rows = decoding_rows(seqs, num_new)
+        if not rows:  # a step of prompt chunks only: nothing to speculate on, and not a step to count
+            return None
+        b = len(rows)
+        t0 = time.perf_counter()
+        lag, computed = 1.0, getattr(self.proposer, "computed", None)
+        if computed is not None:  # tokens the draft still has to read, per sequence
+            lag = sum(seqs[i].num_tokens - computed.get(seqs[i].request_id, 0) for i in rows) / b
+        lookup = getattr(self.proposer, "lookup", None)
+        decision = self.adaptive.decide(DecodeBatch(seqs, rows, lag, lookup), self.waiting())
+        self.record = record = self.record_choice(b, decision, record)
+        proposal = None
+        if decision.k and decision.drafts is not None:  # looked up while deciding
+            proposal = Proposal(list(seqs), self._looked_up(seqs, decision.drafts, token_budget))
+            record.draft_s = time.perf_counter() - t0
+        elif decision.k:
+            ks = self.reserve(seqs, rows[:1] if decision.probe else rows, decision.k, token_budget)
+            t1 = time.perf_counter()
+            proposal = Proposal(list(seqs), self.proposer.propose(seqs, ks, self.vocab_size))
+            record.draft_s = time.perf_counter() - t1
+            if not decision.probe:  # how often an asked sequence gets a draft (predicted_rate's hit rate)
+                record.asked = sum(1 for k_i in ks if k_i)
+                record.got = sum(1 for k_i, d in zip(ks, proposal.drafts_of) if k_i and d.tokens)
+        # a lookup is part of every n-gram step's price; a draft model's decision costs nothing to leave out
+        record.propose_s = time.perf_counter() - t0 if lookup is not None else record.draft_s or 0.0
+        if proposal is not None:
+            record.forward_tokens += sum(len(d.tokens) for d in proposal.drafts_of)
+            if not decision.probe:
+                record.expected = self.adaptive.expected_emitted(b, proposal.drafts_of)
+        return proposal
+
+    def _looked_up(self, seqs: list[Sequence], found: dict[int, tuple[list[int], int]], token_budget: int) -> list[Draft]:
+        """The n-gram drafts the controller chose (by row: tokens, match length), as far as the budget and the free
+        blocks let their target slots be reserved."""
+        drafts = [Draft([]) for _ in seqs]
+        for i, (tokens, n) in found.items():
+            seq, tokens = seqs[i], tokens[: max(token_budget, 0)]
+            if tokens and self.target_blocks.can_append(seq.request_id, seq.num_tokens + len(tokens)):
+                self.target_blocks.append_slots(seq.request_id, seq.num_tokens + len(tokens))
+                drafts[i] = NgramProposer.draft(seq, tokens, n, self.vocab_size)
+                token_budget -= len(tokens)
+        return drafts
+
+    def record_choice(self, b: int, decision: Decision, record: StepRecord | None = None) -> StepRecord:
+        """This step's choice, in ``stats`` and in ``record`` (a fresh one by default): ``b`` decoding sequences,
+        ``decision.k`` drafts each (a probe counts as k = 0: it is plain decoding plus one sequence's measurement)."""
+        self.k_in_use = 0 if decision.probe else decision.k
+        self.stats.k_counts[self.k_in_use] += 1
+        self.stats.num_probes += decision.probe
+        record = record or StepRecord()
+        record.decodes, record.k, record.probe, record.held = b, self.k_in_use, decision.probe, decision.held
+        return record
+
+    def verify(self, proposal: Proposal, seqs: list[Sequence],
+               logits: torch.Tensor) -> list[tuple[list[int], torch.Tensor]]:
+        """``Speculator.verify``, each verified sequence's acceptance noted in the step's record."""
+        out = super().verify(proposal, seqs, logits)
+        by_id = {id(s): d for s, d in zip(proposal.seqs, proposal.drafts_of)}
+        for seq, (toks, _) in zip(seqs, out):
+            d = by_id.get(id(seq))
+            if d is not None and d.tokens:
+                self.record.acceptances.append((len(toks) - 1, len(toks) - 1 < len(d.tokens), d.match_len))
+        self.record.emitted = sum(len(toks) for toks, _ in out)
+        return out
+
+
+def build_adaptive_speculator(cfg: SpeculativeConfig, proposer: DraftProposer, target_runner: ModelRunner,
+                              target_blocks: KVBlockAllocator, vocab_size: int, verifier: Verifier | None = None,
+                              sampler: Sampler | None = None, rollback: Rollback | None = None) -> AdaptiveSpeculator:
+    """The controller for ``proposer`` (n-gram lookups: ``NgramAdaptiveK``), its forwards calibrated now, then
+    timed: the target's every forward (``ForwardTimer``), a draft model's into the draft's cost table (an EAGLE
+    head times its own drafting forwards into the table it is handed as ``cost``)."""
+    from minifer.features.adaptive_ngram import NgramAdaptiveK
+
+    draft_runner = getattr(proposer, "runner", None)
+    controller = (NgramAdaptiveK if isinstance(proposer, NgramProposer) else AdaptiveK)(cfg, target_runner,
+                                                                                        draft_runner)
+    controller.calibrate()
+    if hasattr(proposer, "cost"):
+        proposer.cost = controller.draft_cost
+    elif isinstance(draft_runner, ModelRunner):
+        ForwardTimer(draft_runner, controller.draft_cost)
+    return AdaptiveSpeculator(cfg, proposer, target_blocks, vocab_size, controller, ForwardTimer(target_runner),
+                              verifier, sampler, rollback)
 
 
 def _beats(speedups, margin: float) -> bool:

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from collections import Counter
 
-from minifer.features.adaptive_k import PLAIN_HOLD, AdaptiveK, Decision, DecodeBatch
+from minifer.features.adaptive_k import HELD, PLAIN_HOLD, AdaptiveK, Decision, DecodeBatch
 from minifer.engine.proposers import Draft
 from minifer.spec.theory import expected_tokens_per_forward
 
@@ -23,7 +23,10 @@ class NgramAdaptiveK(AdaptiveK):
     drafts to verify."""
 
     def decide(self, batch: DecodeBatch, waiting: int = 1) -> Decision:
-        """The drafts to verify, found before deciding (``choose_ngram``); a plain step if lookups cannot pay."""
+        """The drafts to verify, found before deciding (``choose_ngram``); a plain step if lookups cannot pay or a
+        plain decision is held."""
+        if self.held(len(batch.rows)):
+            return HELD
         choice = self.choose_ngram(batch, waiting)
         if choice is None:  # a plain step without even the lookups
             return Decision(0)

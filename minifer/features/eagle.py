@@ -30,7 +30,6 @@ from typing import TYPE_CHECKING
 import torch
 
 from minifer.engine.block_manager import BlockManager, KVBlockAllocator
-from minifer.engine.cost_table import CostTable
 from minifer.engine.proposers import Draft, draw_drafts, stack_probs
 from minifer.engine.runner import ModelRunner
 from minifer.engine.sequence import Sequence
@@ -100,10 +99,11 @@ class EagleProposer:
         self.target_blocks: KVBlockAllocator = target_runner.blocks
         self.blocks = BlockManager(num_blocks, block_size, enable_prefix_caching=False)
         self.cache = PagedKVCache(1, num_blocks, block_size, cfg.num_key_value_heads, cfg.head_dim, w.dtype, w.device)
-        self.cost = CostTable()  # the head's forward time by tokens, refreshed by every proposal
+        # adaptive k's table of the head's forward time by tokens (``adaptive_k.CostTable``), refreshed by every
+        # proposal; None with fixed k
+        self.cost = None
         self.forward_s = 0.0  # the head's forwards, in total (the benchmark reads its cost per draft token)
         self.num_forwards = 0
-        self.last_forward_s = 0.0
         self.runner = HeadRunner(self)  # what the adaptive controller calibrates and prices, as a draft model's
         self.feats: dict[object, KeptFeatures] = {}
         self.base: dict[object, int] = {}
@@ -206,9 +206,10 @@ class EagleProposer:
         if steps is None:
             out = out[torch.tensor(lens, device=dev).cumsum(0) - 1]
         logits = self.head.logits(out)
-        self.last_forward_s = seconds = time.perf_counter() - t0
+        seconds = time.perf_counter() - t0
         if drafting:
-            self.cost.observe(len(positions), seconds)
+            if self.cost is not None:
+                self.cost.observe(len(positions), seconds)
             self.forward_s += seconds
             self.num_forwards += 1
         return out, logits
@@ -268,17 +269,13 @@ class EagleProposer:
 
 
 class HeadRunner:
-    """The head's forwards behind a draft model runner's interface (``blocks``, ``forward``, ``last_forward_s``), so
-    that ``cost_table.calibrate_decode`` times them at start-up and the adaptive controller prices a proposal of
+    """The head's forwards behind a draft model runner's interface (``blocks``, ``forward``), so that adaptive k's
+    ``calibrate_decode`` times them at start-up and the adaptive controller prices a proposal of
     ``k`` tokens as it prices a draft model's: one catch-up forward and ``k - 1`` self-fed ones of the batch's size
     (without that price the head's drafting would look free)."""
 
     def __init__(self, proposer: EagleProposer) -> None:
         self.proposer, self.blocks = proposer, proposer.blocks
-
-    @property
-    def last_forward_s(self) -> float:
-        return self.proposer.last_forward_s
 
     def forward(self, request_ids: list[object], starts: list[int], tokens: list[list[int]],
                 num_logits: list[int]) -> torch.Tensor:

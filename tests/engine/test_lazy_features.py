@@ -33,6 +33,13 @@ def test_asking_for_speculation_and_beam_search_loads_them():
                      "'num_speculative_tokens': 2, 'prompt_lookup_max': 2})\n"
                      "llm.generate(['Once upon'], SamplingParams(temperature=0, max_tokens=2), use_tqdm=False)\n"
                      "llm.beam_search(['Once'], BeamSearchParams(beam_width=2, max_tokens=2))")
-    assert {"minifer.engine.speculative", "minifer.engine.spec_step", "minifer.features.beam_search",
-            "minifer.features.adaptive_k", "minifer.features.adaptive_ngram"} <= loaded  # adaptive k: the default
+    assert {"minifer.engine.speculative", "minifer.engine.spec_step", "minifer.features.beam_search"} <= loaded
     assert "minifer.features.eagle" not in loaded  # an n-gram run asks for no EAGLE head
+    assert "minifer.features.adaptive_k" not in loaded  # fixed k, the default, asks for no adaptive policy
+
+
+def test_asking_for_adaptive_k_loads_it():
+    loaded = _loaded("from minifer import LLM\n"
+                     "LLM('tinystories-target', max_num_seqs=2, speculative_config={'method': 'ngram', "
+                     "'num_speculative_tokens': 2, 'adaptive': True})")
+    assert {"minifer.features.adaptive_k", "minifer.features.adaptive_ngram"} <= loaded

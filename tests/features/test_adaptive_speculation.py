@@ -11,10 +11,10 @@ from collections import Counter
 import pytest
 
 from minifer import LLM, SamplingParams
-from minifer.engine.cost_table import CostTable
-from minifer.features.adaptive_k import PROBE_BUDGET, TRIAL_STEPS, StepRecord
+from minifer.features.adaptive_k import PROBE_BUDGET, TRIAL_STEPS, CostTable, StepRecord
 
-NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
+NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3, "prompt_lookup_min": 1,
+         "adaptive": True}
 
 
 @pytest.fixture()
@@ -33,7 +33,7 @@ def _step(s, b: int, seconds: float, emitted: int, speculated: bool = False, pro
     given here, not the acceptance model's expectation)."""
     tokens = forward_tokens if forward_tokens is not None else (emitted if not speculated else 2 * b)
     s.observe(StepRecord(decodes=b, k=2 if speculated else 0, probe=probe, expected=expected,
-                         forward_tokens=tokens, forward_s=s.target_runner.last_forward_s, pure_decode=True,
+                         forward_tokens=tokens, forward_s=s.target_cost(tokens), pure_decode=True,
                          emitted=emitted, seconds=seconds))
 
 
@@ -224,7 +224,7 @@ def test_held_plain_steps_run_as_the_plain_step_but_one_in_light_every(spec):
 
 
 @pytest.mark.parametrize("config", [NGRAM, {"method": "draft_model", "model": "tinystories-draft",
-                                            "num_speculative_tokens": 4}], ids=["ngram", "draft_model"])
+                                            "num_speculative_tokens": 4, "adaptive": True}], ids=["ngram", "draft_model"])
 def test_a_held_batch_decodes_through_the_plain_step(config):
     """With plain decoding held at the batch's size, the engine's steps skip the speculator (no proposal, nothing
     recorded) but every LIGHT_EVERY-th: the same tokens as a plain engine, every step counted, nothing left behind
@@ -300,7 +300,8 @@ def test_the_drafts_catch_up_is_spread_over_a_trial():
     """After a spell of plain steps the draft must first read every token it skipped; that is paid once for the
     steps that follow, so it must not grow into a reason never to switch speculation back on."""
     s = LLM("tinystories-target", speculative_config={"method": "draft_model", "model": "tinystories-draft",
-                                                      "num_speculative_tokens": 4}).engine.speculator.adaptive
+                                                      "num_speculative_tokens": 4, "adaptive": True}
+            ).engine.speculator.adaptive
     s.target_cost, s.draft_cost = CostTable(), CostTable()
     for n in (1, 2, 4, 8, 16, 32, 64, 128, 256):
         s.target_cost.observe(n, 0.010 * max(1.0, n / 64))
@@ -327,7 +328,8 @@ def test_probes_are_counted_apart_from_speculative_steps():
 def test_small_cache_speculator_starts():
     """The adaptive speculator times forwards at start-up; a 16-block cache of 4 tokens must not refuse to start."""
     llm = LLM("tinystories-target", dtype="float32", device="cpu", block_size=4, num_kv_blocks=16,
-              speculative_config={"method": "draft_model", "model": "tinystories-draft", "num_speculative_tokens": 4})
+              speculative_config={"method": "draft_model", "model": "tinystories-draft", "num_speculative_tokens": 4,
+                                  "adaptive": True})
     plain = LLM("tinystories-target", dtype="float32", device="cpu", share_weights_with=llm)
     greedy = SamplingParams(temperature=0, max_tokens=8)
     assert (llm.generate(["Once upon a time"], greedy, use_tqdm=False)[0].outputs[0].token_ids

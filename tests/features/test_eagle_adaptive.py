@@ -16,7 +16,7 @@ TARGET_S = 0.010  # an injected target forward: flat up to 8 tokens, then linear
 
 @pytest.fixture(scope="module")
 def llm():
-    return LLM("tinystories-target", speculative_config=EAGLE)  # adaptive by default
+    return LLM("tinystories-target", speculative_config={**EAGLE, "adaptive": True})  # adaptive k: opt-in
 
 
 def _inject(ctl, head_cost: float, alpha: float = 0.7) -> None:

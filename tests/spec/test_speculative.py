@@ -9,8 +9,8 @@ import random
 import pytest
 
 from minifer import LLM, SamplingParams
-from minifer.engine.cost_table import CostTable
 from minifer.engine.speculative import SpeculativeConfig
+from minifer.features.adaptive_k import CostTable
 from spec_helpers import GREEDY, PROMPT, _second_token_test, mixed_prompts, story_prompts, tokens
 
 DRAFT = {"method": "draft_model", "model": "tinystories-draft", "num_speculative_tokens": 4}
@@ -22,7 +22,7 @@ def plain():
     return LLM("tinystories-target", max_num_seqs=32)
 
 
-@pytest.mark.parametrize("config", [DRAFT, NGRAM, {**DRAFT, "adaptive": False}, {**NGRAM, "adaptive": False}],
+@pytest.mark.parametrize("config", [{**DRAFT, "adaptive": True}, {**NGRAM, "adaptive": True}, DRAFT, NGRAM],
                          ids=["draft-adaptive", "ngram-adaptive", "draft-k4", "ngram-k4"])
 def test_greedy_tokens_identical_in_a_mixed_batch(plain, heldout_stories, config):
     prompts = story_prompts(heldout_stories, 20) + mixed_prompts(12, seed=3)
@@ -34,14 +34,14 @@ def test_greedy_tokens_identical_in_a_mixed_batch(plain, heldout_stories, config
     stats = llm.stats()
     assert stats["kv_blocks_free"] == stats["kv_blocks_total"]
     llm.engine.block_manager.check_invariants()
-    if config.get("adaptive") is False:  # every decode step speculated
+    if not config.get("adaptive"):  # fixed k, the default: every decode step speculated
         assert stats["spec_num_proposed"] > 0
         assert 1 <= stats["spec_mean_tokens_per_forward"] <= config["num_speculative_tokens"] + 1
-    if config["method"] == "draft_model" and config.get("adaptive") is False:
+    if config["method"] == "draft_model" and not config.get("adaptive"):
         assert stats["spec_acceptance_rate"] > 0.3  # the bundled pair agrees often on stories
 
 
-@pytest.mark.parametrize("config", [{**DRAFT, "adaptive": False}, {**NGRAM, "adaptive": False}], ids=["draft", "ngram"])
+@pytest.mark.parametrize("config", [DRAFT, NGRAM], ids=["draft", "ngram"])
 def test_greedy_identical_under_preemption_and_prefix_caching(plain, config):
     system = [0] + list(range(100, 140))  # a shared prefix: cached blocks, which a rollback must not touch
     prompts = [{"prompt_token_ids": system + [300 + i] * (1 + i % 3)} for i in range(10)]
@@ -58,7 +58,7 @@ def test_greedy_identical_under_preemption_and_prefix_caching(plain, config):
 
 
 def test_stats_report_speculation(heldout_stories):
-    llm = LLM("tinystories-target", speculative_config={**DRAFT, "adaptive": False})
+    llm = LLM("tinystories-target", speculative_config=DRAFT)
     llm.generate(story_prompts(heldout_stories, 4), GREEDY, use_tqdm=False)
     s = llm.stats()
     for key in ("spec_acceptance_rate", "spec_alpha", "spec_mean_tokens_per_forward", "spec_num_proposed",
@@ -78,8 +78,7 @@ def test_stats_report_speculation(heldout_stories):
                          ids=["t1", "t0.8-top_p0.9"])
 def test_sampled_distribution_equals_the_targets(target_llm, params):
     assert target_llm.tokenizer.decode(PROMPT[1:]) == "The dog"
-    llm = LLM("tinystories-target", max_num_seqs=64, speculative_config={**DRAFT, "num_speculative_tokens": 3,
-                                                                          "adaptive": False})
+    llm = LLM("tinystories-target", max_num_seqs=64, speculative_config={**DRAFT, "num_speculative_tokens": 3})
     p = _second_token_test(llm, target_llm, PROMPT, params, n=1200)
     assert p > 0.01, f"speculative sampling changed the distribution (chi-squared p = {p:.2g})"
     assert llm.stats()["spec_num_accepted"] > 0
@@ -95,28 +94,32 @@ def test_the_chi_squared_test_catches_a_lossy_sampler(target_llm):
         def sample(drafts, q, p, gens):
             return [list(d) + [0] for d in drafts]
 
-    llm = LLM("tinystories-target", max_num_seqs=64, speculative_config={**DRAFT, "num_speculative_tokens": 3,
-                                                                          "adaptive": False},
+    llm = LLM("tinystories-target", max_num_seqs=64, speculative_config={**DRAFT, "num_speculative_tokens": 3},
               verifier=AcceptsEverything())
     p = _second_token_test(llm, target_llm, PROMPT, SamplingParams(temperature=1.0), n=1200)
     assert p < 0.01
 
 
-def test_seeded_sampling_reproduces_with_fixed_k(heldout_stories):
-    config = {**DRAFT, "adaptive": False}
+@pytest.mark.parametrize("config", [DRAFT, NGRAM], ids=["draft", "ngram"])
+def test_seeded_sampling_reproduces_by_default(heldout_stories, config):
+    """The default speculative config speculates a fixed k, so a seeded sampled request draws the same tokens in
+    every run whatever else shares its batch (adaptive k, opt-in, would let timings choose each step's k)."""
     prompts = story_prompts(heldout_stories, 6)
     params = [SamplingParams(temperature=1.0, max_tokens=20, seed=i, ignore_eos=True) for i in range(6)]
-    a = tokens(LLM("tinystories-target", speculative_config=config).generate(prompts, params, use_tqdm=False))
-    b = tokens(LLM("tinystories-target", speculative_config=config, max_num_seqs=2).generate(prompts, params,
-                                                                                            use_tqdm=False))
-    assert a == b  # whatever else shares the batch
+    alone = LLM("tinystories-target", speculative_config=config, max_num_seqs=1)
+    assert SpeculativeConfig.from_dict(config).adaptive is False and not hasattr(alone.engine.speculator, "adaptive")
+    a = tokens(alone.generate(prompts, params, use_tqdm=False))
+    b = tokens(LLM("tinystories-target", speculative_config=config).generate(prompts[::-1], params[::-1],
+                                                                             use_tqdm=False))
+    assert a == b[::-1]  # whatever else shares the batch, in whatever order
+    assert alone.stats()["spec_num_proposed"] > 0  # it did speculate
 
 
 def test_logprobs_with_speculation_match_plain(plain, heldout_stories):
     params = SamplingParams(temperature=0, max_tokens=12, logprobs=2, ignore_eos=True)
     prompts = story_prompts(heldout_stories, 3)
     want = plain.generate(prompts, params, use_tqdm=False)
-    got = LLM("tinystories-target", speculative_config={**DRAFT, "adaptive": False}).generate(prompts, params,
+    got = LLM("tinystories-target", speculative_config=DRAFT).generate(prompts, params,
                                                                                             use_tqdm=False)
     for w, g in zip(want, got):
         assert g.outputs[0].token_ids == w.outputs[0].token_ids
@@ -141,7 +144,7 @@ def test_cost_table_is_robust_to_spikes_and_monotone():
 
 
 def test_adaptive_turns_speculation_off_when_verification_is_not_cheap():
-    llm = LLM("tinystories-target", speculative_config=DRAFT)
+    llm = LLM("tinystories-target", speculative_config={**DRAFT, "adaptive": True})
     spec = llm.engine.speculator.adaptive
     spec.target_cost.samples.clear()
     spec.draft_cost.samples.clear()
@@ -187,8 +190,9 @@ def test_engines_can_share_weights(plain, heldout_stories):
     """Engines compared in one process run one copy of the weights (and of the draft) and give the same tokens."""
     prompts = story_prompts(heldout_stories, 6)
     fixed = LLM("tinystories-target", max_num_seqs=8, share_weights_with=plain,
-                speculative_config={**DRAFT, "adaptive": False})
-    adaptive = LLM("tinystories-target", max_num_seqs=8, share_weights_with=fixed, speculative_config=DRAFT)
+                speculative_config=DRAFT)
+    adaptive = LLM("tinystories-target", max_num_seqs=8, share_weights_with=fixed,
+                   speculative_config={**DRAFT, "adaptive": True})
     assert fixed.model is plain.model and adaptive.model is plain.model
     assert adaptive.draft_model is fixed.draft_model
     want = tokens(plain.generate(prompts, GREEDY, use_tqdm=False))
