@@ -30,7 +30,7 @@ from minifer.sampling import SamplingParams
 
 def emulate_old(ctl) -> None:
     """The controller as it was before held steps were timed one in ``LIGHT_EVERY``: every held step measured in
-    full (the plain steps' fast path in ``spec_step.py`` is not undone)."""
+    full (the plain steps' fast path in ``AdaptiveSpeculator.step`` is not undone)."""
     observe = ctl.observe
 
     def observe_all(r):
@@ -52,7 +52,7 @@ def build(method: str, k: int, variants: list[str], max_b: int):
         if v in ("never", "quiet"):
             llm.engine.speculator.adaptive.cfg.margin = 1e9
         if v == "quiet":  # and nothing observed: the speculative step path alone
-            llm.engine.speculator.observe = lambda *a, **kw: None
+            llm.engine.speculator.adaptive.observe = lambda *a, **kw: None
         if v == "old":
             emulate_old(llm.engine.speculator.adaptive)
         engines[v] = llm

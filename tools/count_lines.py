@@ -33,7 +33,7 @@ FEATURES_PACKAGE = "features"  # optional features outside the core: counted on 
 FEATURES = {
     "speculative decoding (fixed k: verify, n-gram, draft model)": [
         "spec/__init__.py", "spec/rejection.py", "spec/ngram.py", "spec/theory.py", "engine/proposers.py",
-        "engine/speculative.py", "engine/spec_step.py", "engine/cost_table.py"],
+        "engine/speculative.py", "engine/spec_step.py"],
     "weight quantization (int8/int4/fp8 formats, QuantLinear, RTN, saved checkpoints)": [
         "quant/__init__.py", "quant/formats.py", "quant/linear.py", "quant/model.py", "loader/quantized.py",
         "loader/quant_fill.py"],

@@ -24,6 +24,7 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from itertools import accumulate
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -65,9 +66,9 @@ class SpeculativeConfig:
     def from_dict(cls, d: dict[str, Any]) -> "SpeculativeConfig":
         if not isinstance(d, dict):
             raise TypeError(f"speculative_config must be a dict, got {type(d).__name__}")
-        unknown = sorted(set(d) - set(cls.__dataclass_fields__))
-        if unknown:
-            raise ValueError(f"speculative_config has unknown keys {unknown}; known: {sorted(cls.__dataclass_fields__)}")
+        known = set(cls.__dataclass_fields__)
+        if set(d) - known:
+            raise ValueError(f"speculative_config has unknown keys {sorted(set(d) - known)}; known: {sorted(known)}")
         if "method" not in d:
             raise ValueError(f"speculative_config needs a 'method': one of {METHODS}")
         if "num_speculative_tokens" not in d:
@@ -162,8 +163,9 @@ class Speculator:
         rows = decoding_rows(seqs, num_new)
         if not rows:
             return None
-        self.stats.k_counts[self.k_in_use] += 1
-        ks = self.reserve(seqs, rows, self.k_in_use, token_budget)
+        k = self.cfg.num_speculative_tokens
+        self.stats.k_counts[k] += 1
+        ks = self.reserve(seqs, rows, k, token_budget)
         return Proposal(list(seqs), self.proposer.propose(seqs, ks, self.vocab_size))
 
     def reserve(self, seqs: list[Sequence], rows: list[int], k: int, token_budget: int) -> list[int]:
@@ -186,10 +188,7 @@ class Speculator:
         by_id = {id(s): d for s, d in zip(proposal.seqs, proposal.drafts_of)}
         drafts = [by_id.get(id(s), Draft([])) for s in seqs]
         ks = [len(d.tokens) for d in drafts]
-        max_k = max(ks)
-        offsets = [0]
-        for k in ks:
-            offsets.append(offsets[-1] + k + 1)
+        max_k, offsets = max(ks), [0, *accumulate(k + 1 for k in ks)]  # row r's logits: offsets[r] .. offsets[r + 1]
         emitted: list[list[int]] = [[] for _ in seqs]
         # Rows whose distribution reads their history (penalties, min_tokens) never get drafts: they sample as plain
         # decoding does, with their own history, even when the rest of the batch speculates.
@@ -280,7 +279,7 @@ def build_speculator(cfg: SpeculativeConfig, draft_model: LlamaForCausalLM | Non
         raise ValueError("eagle_forward is the forward of the EAGLE head that speculative_config method 'eagle' "
                          f"builds; this engine speculates with {'a proposer handed in' if proposer else cfg.method!r}")
     if proposer is None and cfg.method in ("draft_model", "eagle") and draft_model is None:
-        raise ValueError(f"method {cfg.method!r} needs the {'draft model' if cfg.method == 'draft_model' else 'EAGLE head'}")
+        raise ValueError(f"method {cfg.method!r} needs the {'EAGLE head' if cfg.method == 'eagle' else 'draft model'}")
     if proposer is None and cfg.method == "draft_model":
         proposer = DraftModelProposer(draft_model, num_blocks, block_size)
     elif proposer is None and cfg.method == "eagle":
@@ -289,9 +288,11 @@ def build_speculator(cfg: SpeculativeConfig, draft_model: LlamaForCausalLM | Non
         proposer = EagleProposer(draft_model, target_runner, num_blocks, block_size, eagle_forward)
     elif proposer is None:
         proposer = NgramProposer(cfg)
-    if cfg.adaptive:
-        from minifer.features.adaptive_k import build_adaptive_speculator
+    if cfg.adaptive:  # opt-in: the policy, and everything it measures with, lives in features/
+        from minifer.features.adaptive_k import AdaptiveK, build_adaptive_speculator
+        from minifer.features.adaptive_ngram import NgramAdaptiveK
 
-        return build_adaptive_speculator(cfg, proposer, target_runner, target_blocks, vocab_size, verifier, sampler,
-                                         rollback)
+        controller = NgramAdaptiveK if isinstance(proposer, NgramProposer) else AdaptiveK  # n-grams: look, then decide
+        return build_adaptive_speculator(controller, cfg, proposer, target_runner, target_blocks, vocab_size,
+                                         verifier, sampler, rollback)
     return Speculator(cfg, proposer, target_blocks, vocab_size, verifier, sampler, rollback)

@@ -5,7 +5,8 @@ is what every request goes through and what the chapters teach; it serves with n
 one here builds on the core's interfaces, and the core reaches it only at the wiring points the import contract
 lists (``pyproject.toml``, "the engine core reaches optional features only at its wiring points"):
 
-- ``adaptive_k``, ``adaptive_ngram``: how many tokens to speculate each step (``speculative.KController``);
+- ``adaptive_k``, ``adaptive_ngram``: adaptive k, opt-in: how many tokens to speculate each step (an
+  ``AdaptiveSpeculator`` in place of the fixed-k ``Speculator``);
 - ``eagle``, ``eagle_head``: EAGLE drafting from the target's hidden states (a ``DraftProposer``);
 - ``beam_search``: ``LLM.beam_search``, on the engine's own steps;
 - ``data_parallel``: ``LLM(data_parallel_size=...)``, replicas in worker processes;

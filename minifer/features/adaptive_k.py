@@ -600,7 +600,8 @@ class AdaptiveSpeculator(Speculator):
                 record.expected = self.adaptive.expected_emitted(b, proposal.drafts_of)
         return proposal
 
-    def _looked_up(self, seqs: list[Sequence], found: dict[int, tuple[list[int], int]], token_budget: int) -> list[Draft]:
+    def _looked_up(self, seqs: list[Sequence], found: dict[int, tuple[list[int], int]],
+                   token_budget: int) -> list[Draft]:
         """The n-gram drafts the controller chose (by row: tokens, match length), as far as the budget and the free
         blocks let their target slots be reserved."""
         drafts = [Draft([]) for _ in seqs]
@@ -635,24 +636,22 @@ class AdaptiveSpeculator(Speculator):
         return out
 
 
-def build_adaptive_speculator(cfg: SpeculativeConfig, proposer: DraftProposer, target_runner: ModelRunner,
-                              target_blocks: KVBlockAllocator, vocab_size: int, verifier: Verifier | None = None,
-                              sampler: Sampler | None = None, rollback: Rollback | None = None) -> AdaptiveSpeculator:
-    """The controller for ``proposer`` (n-gram lookups: ``NgramAdaptiveK``), its forwards calibrated now, then
-    timed: the target's every forward (``ForwardTimer``), a draft model's into the draft's cost table (an EAGLE
-    head times its own drafting forwards into the table it is handed as ``cost``)."""
-    from minifer.features.adaptive_ngram import NgramAdaptiveK
-
+def build_adaptive_speculator(controller: type[AdaptiveK], cfg: SpeculativeConfig, proposer: DraftProposer,
+                              target_runner: ModelRunner, target_blocks: KVBlockAllocator, vocab_size: int,
+                              verifier: Verifier | None = None, sampler: Sampler | None = None,
+                              rollback: Rollback | None = None) -> AdaptiveSpeculator:
+    """``controller`` (``AdaptiveK``, or ``NgramAdaptiveK`` for n-gram lookups) for ``proposer``, its forwards
+    calibrated now, then timed: the target's every forward (``ForwardTimer``), a draft model's into the draft's
+    cost table (an EAGLE head times its own drafting forwards into the table it is handed as ``cost``)."""
     draft_runner = getattr(proposer, "runner", None)
-    controller = (NgramAdaptiveK if isinstance(proposer, NgramProposer) else AdaptiveK)(cfg, target_runner,
-                                                                                        draft_runner)
-    controller.calibrate()
+    ctl = controller(cfg, target_runner, draft_runner)
+    ctl.calibrate()
     if hasattr(proposer, "cost"):
-        proposer.cost = controller.draft_cost
+        proposer.cost = ctl.draft_cost
     elif isinstance(draft_runner, ModelRunner):
-        ForwardTimer(draft_runner, controller.draft_cost)
-    return AdaptiveSpeculator(cfg, proposer, target_blocks, vocab_size, controller, ForwardTimer(target_runner),
-                              verifier, sampler, rollback)
+        ForwardTimer(draft_runner, ctl.draft_cost)
+    return AdaptiveSpeculator(cfg, proposer, target_blocks, vocab_size, ctl, ForwardTimer(target_runner), verifier,
+                              sampler, rollback)
 
 
 def _beats(speedups, margin: float) -> bool:

@@ -8,7 +8,7 @@ import matplotlib
 import pytest
 
 import minifer
-from minifer.engine.cost_table import CostTable
+from minifer.features.adaptive_k import CostTable
 from minifer.course.ch04_speculative import (adaptive_k_table, plot_adaptive_k, plot_rejection_toy, plot_verify_cost,
     rejection_toy, speculative_step, speedup_explorer, speedup_grid, time_engines, verify_cost_rounds)
 from minifer.spec.theory import expected_speedup, optimal_k
