@@ -24,7 +24,9 @@ activations are, so they are two choices of ``LLM(quantization=...)``, each the 
   *slower* than float32 (every step converts every weight back to float before the float GEMM), while int8 x int8
   codes multiply in an integer GEMM (``torch._int_mm``, int32 accumulate) that reads the one-byte codes directly and
   needs only a rescale per output. The price is a second rounding: it is not token-identical to ``"int8"``
-  (``tests/quant/test_int8_cpu.py`` bounds both schemes' error from their quantization steps).
+  (``tests/quant/test_int8_cpu.py`` bounds both schemes' error from their quantization steps). On CUDA the
+  activations are rounded the same way and handed to the Triton weight-only kernel (``w8a8_kernel``): the same
+  numerics, without an int8 tensor-core GEMM (so no speed-up there; correctness first).
 """
 
 from __future__ import annotations
