@@ -167,7 +167,8 @@ def make_arg_parser() -> argparse.ArgumentParser:
     ap.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
     ap.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=True)
     ap.add_argument("--enforce-eager", action="store_true")
-    ap.add_argument("--quantization", "-q", default=None, choices=["int8", "int4", "fp8"])
+    ap.add_argument("--quantization", "-q", default=None, choices=["int8", "int4", "fp8", "w8a8"],
+                    help="weight-only int8/int4/fp8, or w8a8 (int8 weights and per-token int8 activations)")
     ap.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "int8", "fp8"])
     ap.add_argument("--speculative-config", default=None, type=json.loads,
                     help='JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\'')

@@ -472,15 +472,15 @@ def warm_compiled(m: "Minifer") -> "Minifer":
 
 def lever_configs(eager: Minifer, fast: Minifer, ct2: dict[str, CT2Engine] | None,
                   num_requests: int) -> tuple[list[Config], list[tuple[str, str, str]]]:
-    """Each lever alone against the eager engine, and int8 weights: the integer matmul against float32 and
-    against the dequantize-first reference, at 16 and 64 slots, and against CT2's int8 on two cores."""
+    """Each lever alone against the eager engine, and int8 weights: W8A8 (``quantization="w8a8"``, the integer
+    GEMM; the ``int8-*`` rows) against float32 and against weight-only int8 (``"int8"``: dequantize first, the
+    ``int8-reference-*`` rows), at 16 and 64 slots, and W8A8 against CT2's int8 (which also rounds the
+    activations) on two cores."""
     from minifer import LLM
-    from minifer.quant.formats import quant_linear_reference
 
     path, two_batch = eager.llm.model_path, two_worker_batch(num_requests)
-    int8 = Minifer(LLM(path, device="cpu", dtype="float32", quantization="int8"), {})
-    int8_ref = Minifer(LLM(path, device="cpu", dtype="float32", quantization="int8",
-                           quant_kernel=quant_linear_reference), {})
+    int8 = Minifer(LLM(path, device="cpu", dtype="float32", quantization="w8a8"), {})
+    int8_ref = Minifer(LLM(path, device="cpu", dtype="float32", quantization="int8"), {})
 
     def mf(name: str, m: Minifer, slots: int, threads: int = 1, **describe) -> Config:
         return Config(name, "minifer", lambda w: m.run(w, slots), None, threads, {"slots": slots, **describe})
@@ -488,7 +488,7 @@ def lever_configs(eager: Minifer, fast: Minifer, ct2: dict[str, CT2Engine] | Non
     configs, comps = [], []
     for slots in (16, 64):
         configs += [mf(f"fp32-eager-{slots}", eager, slots, weights="float32"),
-                    mf(f"int8-{slots}", int8, slots, weights="int8, int8_cpu_linear"),
+                    mf(f"int8-{slots}", int8, slots, weights="int8, w8a8_linear"),
                     mf(f"int8-reference-{slots}", int8_ref, slots, weights="int8, dequantize first")]
         comps += [(f"int8 (integer matmul) vs float32, {slots} slots", f"int8-{slots}", f"fp32-eager-{slots}"),
                   (f"int8 (integer matmul) vs int8 dequantize-first, {slots} slots", f"int8-{slots}",
@@ -503,10 +503,10 @@ def lever_configs(eager: Minifer, fast: Minifer, ct2: dict[str, CT2Engine] | Non
     comps.append(("all levers, 64 slots vs eager", "all-levers-64", "fp32-eager-64"))
     if ct2:
         two = ct2["int8-2"]
-        int8_dp = LLM(path, device="cpu", dtype="float32", quantization="int8", max_num_seqs=64,
+        int8_dp = LLM(path, device="cpu", dtype="float32", quantization="w8a8", max_num_seqs=64,
                       data_parallel_size=2, **fast_options()[0], **fast.engine_kw)
         configs += [Config("int8-fast-64slots-dp2", "minifer", lambda w: minifer_generate(int8_dp, w), None, 2,
-                           {"slots": 64, "weights": "int8", "levers": "all", "data_parallel_size": 2}),
+                           {"slots": 64, "weights": "w8a8", "levers": "all", "data_parallel_size": 2}),
                     Config("ct2-int8-sorted64-2workers", "ctranslate2", lambda w: ct2_sorted(two, w, two_batch), None,
                            2, {"batching": f"max_batch_size={two_batch} over two workers", **two.config})]
         comps.append(("minifer int8 vs CT2 int8, 2 cores", "int8-fast-64slots-dp2", "ct2-int8-sorted64-2workers"))

@@ -8,7 +8,9 @@ The levers, in the order the course applies them:
 
 - ``continuous``: continuous batching instead of static batching (chapter 03);
 - ``speculative``: the draft model proposes ``k`` tokens per step, the target verifies them (chapter 04);
-- ``int8_weights``: weight-only int8, per output channel (chapter 05);
+- ``int8_weights``: int8 weights, per output channel, run as W8A8 (``INT8_WEIGHTS``: each token's activations rounded
+  to int8 too, so that on the CPU the layers multiply in an integer GEMM instead of dequantizing every weight at every
+  step; chapter 05 measures the weight-only format's quality, this lever is about speed and memory);
 - ``int8_kv``: the paged KV cache in int8 with a scale per (token, head) (chapter 05).
 
 **One memory budget.** A GPU holds the weights and the KV cache in one memory, and vLLM gives the cache what the
@@ -53,6 +55,7 @@ import torch
 from minifer.sampling import SamplingParams
 
 LEVERS = ("continuous", "speculative", "int8_weights", "int8_kv")
+INT8_WEIGHTS = "w8a8"  # the int8_weights lever's quantization (the module docstring says why W8A8)
 SHORT = {"continuous": "CB", "speculative": "spec", "int8_weights": "W8", "int8_kv": "KV8"}
 DRAFT = "tinystories-draft"
 
@@ -223,7 +226,7 @@ def make_workload(tokenizer, num_requests: int, output: str, seed: int = 0) -> W
 
 
 class Engines:
-    """Every configuration's ``LLM``, built on two loaded weight sets (the model's dtype and int8) and one draft,
+    """Every configuration's ``LLM``, built on two loaded weight sets (the model's dtype and W8A8) and one draft,
     each given its share of ``memory``.
 
     ``one_at_a_time`` (the default on a GPU): ``llms[name]`` builds a configuration's engine when it is asked for
@@ -244,7 +247,7 @@ class Engines:
         common = dict(device=device, block_size=block_size, enable_prefix_caching=False, num_kv_blocks=1,
                       enforce_eager=True)
         self.holders = {None: LLM(model, speculative_config=spec, **common),
-                        "int8": LLM(model, speculative_config=spec, quantization="int8", **common)}
+                        INT8_WEIGHTS: LLM(model, speculative_config=spec, quantization=INT8_WEIGHTS, **common)}
         full = self.holders[None]
         self.tokenizer = full.tokenizer
         draft_model = full.draft_model
@@ -255,7 +258,7 @@ class Engines:
         self.llms: LazyEngines = LazyEngines(keep_all=not one_at_a_time)
         self.budgets: dict[str, Budget] = {}
         for levers in configurations():
-            quant = "int8" if "int8_weights" in levers else None
+            quant = INT8_WEIGHTS if "int8_weights" in levers else None
             holder = self.holders[quant]
             spec_on = "speculative" in levers
             kv = "int8" if "int8_kv" in levers else "auto"

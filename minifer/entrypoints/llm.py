@@ -112,10 +112,14 @@ class LLM:
             or ``"head"`` (one static scale per layer and head, calibrated at start-up; vLLM's are per layer).
         enforce_eager: on CUDA, decode steps replay CUDA graphs unless this is True (vLLM's name).
         quantization: None, ``"int8"``, ``"int4"`` (g128, symmetric) or ``"fp8"``: weight-only, round-to-nearest
-            on load (chapter 05; ``minifer.quant``); a folder written by ``save_quantized`` loads quantized anyway.
+            on load (chapter 05; ``minifer.quant``); ``"w8a8"``: int8 weights and each token's activations rounded
+            to int8 (vLLM's INT8 W8A8; on the CPU an integer GEMM, faster than dequantizing the weights every
+            step). Each means the same numerics on every device. A folder written by ``save_quantized`` loads
+            quantized anyway.
         max_logprobs: the most candidates ``logprobs`` and ``prompt_logprobs`` may ask for (vLLM's limit).
-        quant_kernel: what quantized layers multiply through (``QuantKernel``, ``minifer.quant.linear``); default:
-            Triton on CUDA, on the CPU an integer matmul for int8 and the PyTorch reference for the other formats.
+        quant_kernel: what quantized layers multiply through (a weight-only ``QuantKernel``,
+            ``minifer.quant.linear``; with ``"w8a8"`` it multiplies the rounded activations); default: Triton on
+            CUDA, the PyTorch reference on the CPU (for ``"w8a8"``: the integer GEMM, ``w8a8_linear``).
         data_parallel_size: vLLM's name: ``generate`` splits its requests over this many engine replicas, each a
             process with one torch thread (``features.data_parallel``: on a CPU, the way to use a second core).
         compilation_config: vLLM's name; minifer reads the CPU options ``pack_weights``, ``level`` (or ``mode``),
@@ -213,11 +217,8 @@ class LLM:
         default (``kernels.quant_kernel_for``, else the reference)."""
         from minifer.kernels import quant_kernel_for
         from minifer.loader.quantized import load_model
-        from minifer.quant.linear import (
-            int8_cpu_linear,  # int8 on the CPU: an integer matmul; else the reference
-        )
 
-        kernel = quant_kernel or quant_kernel_for(self.device) or int8_cpu_linear
+        kernel = quant_kernel or quant_kernel_for(self.device)  # weight-only; "w8a8" rounds activations before it
         return load_model(self.model_path, quantization, load_format=load_format, quant_kernel=kernel, quantizer=quantizer,
                           dtype=self.dtype, device=self.device, max_positions=max_positions, seed=seed)
 

@@ -13,7 +13,7 @@ from torch import nn
 from minifer.loader import ModelLoadError
 from minifer.quant.formats import QuantizedWeight
 from minifer.quant.linear import QuantLinear, set_module
-from minifer.quant.model import QuantizationConfig
+from minifer.quant.model import QuantizationConfig, kernel_for, weight_format
 
 CONFIG_FILE = "quantization_config.json"
 WEIGHTS_FILE = "model.safetensors"
@@ -70,7 +70,7 @@ def fill_quantized(model: nn.Module, qcfg: QuantizationConfig, tensors: dict[str
             raise ModelLoadError(f"{path}: missing tensors {missing}")
         if qcfg.symmetric and f"{name}.zeros" in tensors:
             raise ModelLoadError(f"{path}: {name}.zeros is present but quantization_config says symmetric")
-        qw = QuantizedWeight(qcfg.format, tensors.pop(f"{name}.qweight"), tensors.pop(f"{name}.scales"),
+        qw = QuantizedWeight(weight_format(qcfg.format), tensors.pop(f"{name}.qweight"), tensors.pop(f"{name}.scales"),
                              tensors.pop(f"{name}.zeros", None), spec["group_size"], shape)
         try:
             qw.validate()
@@ -78,7 +78,8 @@ def fill_quantized(model: nn.Module, qcfg: QuantizationConfig, tensors: dict[str
             raise ModelLoadError(f"{path}: tensors of {name} do not match its quantization_config entry: {e}") from e
         bias = tensors.pop(f"{name}.bias", None)
         try:
-            set_module(model, name, QuantLinear(qw.to(device), None if bias is None else bias.to(device, dtype)))
+            set_module(model, name, QuantLinear(qw.to(device), None if bias is None else bias.to(device, dtype),
+                                                kernel_for(qcfg.format, None)))
         except ValueError as e:
             raise ModelLoadError(f"{path}: {name}.bias: {e}") from e
     _load_rest(model, tensors, path)

@@ -43,7 +43,7 @@ from minifer.loader.quant_fill import (
     unwrap_llm,
 )
 from minifer.quant.linear import QuantKernel, set_quant_kernel
-from minifer.quant.model import QuantizationConfig, check_quantization, quantize_model
+from minifer.quant.model import QuantizationConfig, check_quantization, kernel_for, quantize_model
 
 
 def is_quantized_checkpoint(path: str | Path) -> bool:
@@ -100,7 +100,8 @@ def load_model(path: Path, quantization: str | None = None, *, load_format: str 
     """What ``LLM`` calls: a folder written by ``save_quantized``, or a GPTQ checkpoint (``gptq_checkpoint``),
     loads as saved (``quantization``, if given, must name its format); any other checkpoint loads with
     ``build_model`` and, when ``quantization`` is given, is quantized by round-to-nearest (``quantize_model``).
-    Quantized layers multiply through ``quant_kernel`` (``QuantKernel``; the PyTorch reference when None);
+    Quantized layers multiply through ``quant_kernel`` (a weight-only ``QuantKernel``, under the activations'
+    rounding for ``"w8a8"``, ``quant.model.kernel_for``; the PyTorch reference when None);
     ``quantizer`` (``quantize_model``'s signature) replaces ``quantize_model``, e.g. with a learner's own."""
     if quantization is not None:
         check_quantization(quantization)
@@ -116,7 +117,7 @@ def load_model(path: Path, quantization: str | None = None, *, load_format: str 
         if quantization not in (None, saved):
             raise ValueError(f"quantization={quantization!r}, but {path} holds a {saved} checkpoint")
         if quant_kernel is not None:
-            set_quant_kernel(model, quant_kernel)
+            set_quant_kernel(model, kernel_for(saved, quant_kernel))
         return model
     model = build_model(path, load_format=load_format, **build_kw)
     if quantization is not None:

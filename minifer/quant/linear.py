@@ -12,11 +12,21 @@ layer to average its error away (with tied embeddings it *is* ``embed_tokens``).
 ``quant_linear_reference``, dequantizes to float32 on every call and caches nothing: slower than ``nn.Linear``,
 but the model holds only the quantized bytes that ``weight_bytes`` counts.
 
-On the CPU dequantizing first makes int8 *slower* than float32, so ``LLM(quantization="int8")`` there uses
-``int8_cpu_linear``: each token's activations rounded to 8 bits with their own scale (vLLM's dynamic per-token W8A8),
-multiplied by the weight codes in integers (``torch._int_mm``). Rounding the activations too, it is not
-token-identical to the reference (``tests/quant`` bounds its log-probability error); the quality benchmarks, which
-measure the *weight format*, keep the reference.
+Two schemes share the int8 weight format (symmetric codes, one scale per output channel) and differ in what the
+activations are, so they are two choices of ``LLM(quantization=...)``, each the same on every device:
+
+- ``"int8"``: weight-only (W8A16 in the literature): the activations stay in the model's dtype and the layer computes
+  ``x @ dequantize(W).T`` (the reference on the CPU, the fused Triton kernel on CUDA). Its only error is the weights'
+  rounding, so it is the format the quality benchmarks measure.
+- ``"w8a8"``: weights *and* activations in int8 (``w8a8_linear``): each token's activations are rounded to 8 bits with
+  their own scale (absmax / 127, computed at run time), vLLM's "INT8 W8A8" scheme (compressed-tensors' W8A8 preset:
+  per-channel weights, dynamic per-token activations). Why it exists: on the CPU, dequantizing first makes int8
+  *slower* than float32 (every step converts every weight back to float before the float GEMM), while int8 x int8
+  codes multiply in an integer GEMM (``torch._int_mm``, int32 accumulate) that reads the one-byte codes directly and
+  needs only a rescale per output. The price is a second rounding: it is not token-identical to ``"int8"``
+  (``tests/quant/test_int8_cpu.py`` bounds both schemes' error from their quantization steps). On CUDA the
+  activations are rounded the same way and handed to the Triton weight-only kernel (``w8a8_kernel``): the same
+  numerics, without an int8 tensor-core GEMM (so no speed-up there; correctness first).
 """
 
 from __future__ import annotations
@@ -111,20 +121,55 @@ def _codes_kn(qw: QuantizedWeight) -> torch.Tensor:
     return hit[2]
 
 
-def int8_cpu_linear(x: torch.Tensor, qw: QuantizedWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """A ``QuantKernel`` for int8 weights on the CPU: each row of ``x`` rounded to int8 with its own scale
-    (absmax / 127), multiplied by the codes in integers (int8 x int8 -> int32), rescaled by both scales. Other
-    formats and devices go to the reference."""
-    if qw.fmt != "int8" or x.device.type != "cpu":
-        return quant_linear_reference(x, qw, bias)
+def quantize_per_token(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """W8A8's activation rounding: ``x`` ``[..., K]`` as rows ``[M, K]`` of int8 codes in -127..127 and a float32
+    scale per row ``[M, 1]`` (absmax / 127, so each value is off by at most half a step, ``scale / 2``). Dynamic:
+    computed from each token's own values at every call, so no calibration data is needed and one outlier token
+    coarsens only its own row."""
     rows = x.reshape(-1, x.shape[-1]).float()  # (few ops: at a small model's sizes each op's overhead shows)
     scale = torch.linalg.vector_norm(rows, float("inf"), dim=1, keepdim=True).clamp_(min=1e-12).div_(127)
-    codes = (rows / scale).round_().to(torch.int8)
+    return (rows / scale).round_().to(torch.int8), scale
+
+
+def _check_w8a8(qw: QuantizedWeight) -> None:
+    if qw.fmt != "int8":
+        raise ValueError(f"W8A8 multiplies int8 weight codes, got a {qw.fmt} weight: quantize with 'w8a8' (int8 "
+                         f"weights) or use a weight-only kernel for {qw.fmt}")
+
+
+def w8a8_linear(x: torch.Tensor, qw: QuantizedWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """A ``QuantKernel`` for ``quantization="w8a8"``: ``quantize_per_token(x) @ dequantize(qw).T + bias`` for int8
+    weights, returned in ``x``'s dtype.
+
+    On the CPU the codes multiply in integers (``torch._int_mm``: int8 x int8 -> int32, exact), then one float
+    rescale by both scales: the reason the scheme exists (the module docstring). On another device the activations
+    are rounded the same way and multiplied by the dequantized weight in float32 (the reference, correct but not
+    fast; ``w8a8_kernel`` puts the device's weight-only kernel under it)."""
+    _check_w8a8(qw)
+    if x.device.type != "cpu":
+        return w8a8_kernel(quant_linear_reference)(x, qw, bias)
+    codes, scale = quantize_per_token(x)
     y = torch._int_mm(codes, _codes_kn(qw)) * scale  # int32 * float32 -> float32
     y.mul_(qw.scales)
     if bias is not None:
         y += bias
     return y.view(*x.shape[:-1], -1).to(x.dtype)
+
+
+def w8a8_kernel(weight_kernel: QuantKernel | None = None) -> QuantKernel:
+    """The W8A8 ``QuantKernel`` over ``weight_kernel``: each token's activations rounded as ``quantize_per_token``
+    does, then multiplied by ``weight_kernel`` (a weight-only ``QuantKernel``: the fused Triton kernel on CUDA, a
+    learner's own). The rounded activations are handed over in ``x``'s dtype (float32 keeps ``code * scale`` to
+    2^-24 of it; bfloat16 rounds it as it rounds every activation). None: ``w8a8_linear`` (the integer GEMM on the CPU)."""
+    if weight_kernel is None:
+        return w8a8_linear
+
+    def kernel(x: torch.Tensor, qw: QuantizedWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
+        _check_w8a8(qw)
+        codes, scale = quantize_per_token(x)
+        return weight_kernel((codes * scale).view(x.shape).to(x.dtype), qw, bias)
+
+    return kernel
 
 
 def decoder_linears(model: nn.Module) -> dict[str, nn.Module]:

@@ -1,4 +1,9 @@
-"""``quantize_model``: weight-only quantization of a loaded decoder, in place, by round-to-nearest.
+"""``quantize_model``: quantization of a loaded decoder's linear layers, in place, by round-to-nearest.
+
+The methods (``QUANTIZATION_METHODS``) are the weight formats of ``formats.py`` (``"int8"``, ``"int4"``, ``"fp8"``:
+weight-only, the activations stay in the model's dtype) and ``"w8a8"``: int8 weights whose layers also round each
+token's activations to int8 (``linear.w8a8_linear``; the module docstring of ``linear.py`` says why it is a choice
+of its own). A method means the same numerics on every device.
 
 A calibrated method (GPTQ) is an offline step before serving, as vLLM leaves it to llm-compressor and GPTQModel:
 it lives in ``minifer.compress``, which hands its per-layer quantizer in through ``calibrate``; the engine core never
@@ -23,8 +28,16 @@ import torch
 from torch import nn
 
 from minifer.quant.formats import FORMATS
-from minifer.quant.linear import QuantKernel, QuantLinear, decoder_linears, set_module, set_quant_kernel
+from minifer.quant.linear import (
+    QuantKernel,
+    QuantLinear,
+    decoder_linears,
+    set_module,
+    set_quant_kernel,
+    w8a8_kernel,
+)
 
+QUANTIZATION_METHODS = (*FORMATS, "w8a8")  # what ``LLM(quantization=...)`` accepts
 CALIBRATIONS = ("rtn", "gptq")  # the methods a saved checkpoint may name; rtn: round-to-nearest, no data
 
 
@@ -32,7 +45,8 @@ CALIBRATIONS = ("rtn", "gptq")  # the methods a saved checkpoint may name; rtn: 
 class QuantizationConfig:
     """What ``quantize_model`` did, and the ``quantization_config.json`` of a saved checkpoint.
 
-    ``layers`` maps each quantized module name to its ``shape`` ``[N, K]``, its ``group_size`` (int4: the one
+    ``format`` is the quantization method (``QUANTIZATION_METHODS``; ``weight_format`` gives the weights' format, int8
+    for ``"w8a8"``, so a W8A8 checkpoint reloads as W8A8). ``layers`` maps each quantized module name to its ``shape`` ``[N, K]``, its ``group_size`` (int4: the one
     actually used, see the module docstring; else None) and whether it has a ``bias``. ``kept`` names the
     linear and embedding layers left in full precision. ``calibration`` describes the data a calibrated method saw."""
 
@@ -82,10 +96,22 @@ def group_for(name: str, k: int, group_size: int) -> int:
                      f"largest power of two that does, down to {MIN_FALLBACK_GROUP})")
 
 
+def weight_format(method: str) -> str:
+    """The format ``method``'s weights are stored in (``formats.py``): ``"w8a8"`` stores int8."""
+    return "int8" if method == "w8a8" else method
+
+
+def kernel_for(method: str, kernel: QuantKernel | None) -> QuantKernel | None:
+    """What ``method``'s layers multiply through, given the weight-only ``kernel`` chosen for the device (None: the
+    reference): W8A8 rounds the activations before it (``w8a8_kernel``), the weight-only methods use it as is."""
+    return w8a8_kernel(kernel) if method == "w8a8" else kernel
+
+
 def check_quantization(method: str, group_size: int = 128, calibration: str | None = None) -> None:
-    """Raise ``ValueError`` for an unknown format or calibration, or a group size that cannot work."""
-    if method not in FORMATS:
-        raise ValueError(f"unknown quantization {method!r}: use one of {', '.join(FORMATS)}")
+    """Raise ``ValueError`` for an unknown method or calibration, or a group size that cannot work."""
+    if method not in QUANTIZATION_METHODS:
+        raise ValueError(f"unknown quantization {method!r}: use one of {', '.join(map(repr, QUANTIZATION_METHODS))} "
+                         f"('int8', 'int4', 'fp8': weight-only; 'w8a8': int8 weights and per-token int8 activations)")
     if calibration not in (None, *CALIBRATIONS):
         raise ValueError(f"unknown calibration {calibration!r}: use None (round-to-nearest) or 'gptq'")
     if method == "int4" and (not isinstance(group_size, int) or group_size < 2 or group_size % 2):
@@ -100,9 +126,11 @@ def quantize_model(model: nn.Module, method: str = "int8", group_size: int = 128
     """Replace every decoder-layer ``nn.Linear`` of ``model`` (a ``LlamaForCausalLM``) by a ``QuantLinear``.
 
     Args:
-        method: the weight format, ``"int8"``, ``"int4"`` or ``"fp8"`` (``formats.py``).
+        method: ``"int8"``, ``"int4"`` or ``"fp8"`` (weight-only, ``formats.py``), or ``"w8a8"`` (int8 weights,
+            int8 activations per token).
         group_size, symmetric: int4 only (see the module docstring for K that ``group_size`` does not divide).
-        kernel: what the new ``QuantLinear`` layers multiply through (``QuantKernel``; the reference by default).
+        kernel: the weight-only ``QuantKernel`` the new layers multiply through (the reference by default);
+            with ``"w8a8"`` it multiplies the rounded activations (``kernel_for``).
         calibrate: a calibrated method in place of round-to-nearest, ``calibrate(model, method, groups,
             symmetric)`` (``groups``: module name -> int4 group size): it replaces the linears itself and returns
             what it saw, with its ``"method"`` (``minifer.compress.gptq_quantize_model`` passes GPTQ's).
@@ -116,17 +144,17 @@ def quantize_model(model: nn.Module, method: str = "int8", group_size: int = 128
     wrong = {n: type(m).__name__ for n, m in targets.items() if not isinstance(m, nn.Linear)}
     if wrong:
         raise ValueError(f"expected nn.Linear layers, found {wrong}")
-    groups = {n: group_for(n, m.in_features, group_size) if method == "int4" else None for n, m in targets.items()}
-    cfg = QuantizationConfig(method, group_size if method == "int4" else None, symmetric if method == "int4" else True)
+    fmt, kernel = weight_format(method), kernel_for(method, kernel)
+    groups = {n: group_for(n, m.in_features, group_size) if fmt == "int4" else None for n, m in targets.items()}
+    cfg = QuantizationConfig(method, group_size if fmt == "int4" else None, symmetric if fmt == "int4" else True)
     if calibrate is not None:
-        cfg.calibration = calibrate(model, method, groups, cfg.symmetric)
+        cfg.calibration = calibrate(model, fmt, groups, cfg.symmetric)
         cfg.method = cfg.calibration["method"]
         if kernel is not None:
             set_quant_kernel(model, kernel)
     else:
         for name, lin in targets.items():
-            set_module(model, name, QuantLinear.from_linear(lin, method, groups[name] or group_size, symmetric,
-                                                             kernel))
+            set_module(model, name, QuantLinear.from_linear(lin, fmt, groups[name] or group_size, symmetric, kernel))
     cfg.layers = {n: {"shape": [m.out_features, m.in_features], "group_size": groups[n], "bias": m.bias is not None}
                   for n, m in targets.items()}
     cfg.kept = [n for n, m in model.named_modules() if isinstance(m, (nn.Linear, nn.Embedding))]

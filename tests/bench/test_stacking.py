@@ -162,7 +162,7 @@ def test_one_engine_at_a_time_frees_the_one_before():
     assert first().engine.block_manager.num_blocks == lazy.budgets["CB+spec"].kv_blocks
     second = lazy.llms["CB+W8+KV8"]
     assert first() is None and second is lazy.llms["CB+W8+KV8"]  # freed; the current one is kept while in use
-    assert second.engine.kv_cache.kv_cache_dtype == "int8" and second.quantization_config is not None
+    assert second.engine.kv_cache.kv_cache_dtype == "int8" and second.quantization_config.format == "w8a8"
     with pytest.raises(KeyError):
         lazy.llms["CB+W4"]
     assert lazy.llms["CB+W8+KV8"] is second  # an unknown name freed nothing

@@ -95,12 +95,10 @@ def test_engine_perplexity_equals_the_harness():
     """minifer.eval's perplexity, through the serving engine's prompt_logprobs (as harnesses score a served model),
     in chunked prefills and with int8 weights, equals the harness's own forward over the same windows."""
     import minifer.eval as ev
-    from minifer.quant.linear import quant_linear_reference
 
-    # int8 through the dequantize-first reference: the CPU default also rounds activations to int8 (W8A8), a step
-    # that turns the float rounding differences of chunked vs whole prefills into code flips; this test checks the
-    # scoring path, and tests/quant/test_int8_cpu.py bounds that kernel's error on its own.
-    for kw in ({}, {"quantization": "int8", "max_num_batched_tokens": 100, "quant_kernel": quant_linear_reference}):
+    # int8 is weight-only (not "w8a8", whose rounding of the activations would turn the float rounding differences
+    # of chunked vs whole prefills into code flips; tests/quant/test_int8_cpu.py bounds that kernel on its own)
+    for kw in ({}, {"quantization": "int8", "max_num_batched_tokens": 100}):
         llm = minifer.LLM("tinystories-target", dtype="float32", device="cpu", **kw)
         windows = ev.heldout_windows(llm.get_tokenizer(), max_len=128, max_tokens=1024)
         assert ev.engine_perplexity(llm, windows) == pytest.approx(ev.perplexity(llm, windows), rel=1e-5)
@@ -112,10 +110,8 @@ def test_served_perplexity_over_http_equals_the_harness():
     import minifer.eval as ev
     from minifer.serve import start_server
 
-    from minifer.quant.linear import quant_linear_reference
-
     llm = minifer.LLM("tinystories-target", dtype="float32", device="cpu", quantization="int8",
-                      max_num_batched_tokens=100, quant_kernel=quant_linear_reference)  # as above
+                      max_num_batched_tokens=100)  # weight-only, as above
     windows = ev.heldout_windows(llm.get_tokenizer(), max_len=128, max_tokens=512)
     want = ev.perplexity(llm, windows)
     with start_server(llm, port=0, model_name="q") as srv:

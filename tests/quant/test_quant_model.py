@@ -127,7 +127,7 @@ def test_llm_quantization_int4_generates(target_llm):
 # --- checkpoints -------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("args", [("int4", 64, False), ("fp8",), ("int8",)])
+@pytest.mark.parametrize("args", [("int4", 64, False), ("fp8",), ("int8",), ("w8a8",)])
 def test_save_load_round_trip_gives_identical_logits(target_llm, windows, tmp_path, args):
     model = quantized_copy(target_llm, *args)
     save_quantized(model, tmp_path, source=target_llm.model_path)
@@ -139,7 +139,7 @@ def test_save_load_round_trip_gives_identical_logits(target_llm, windows, tmp_pa
     assert torch.equal(score_windows(loaded, w).nll, score_windows(model, w).nll)
     llm = minifer.LLM(str(tmp_path), dtype="float32", device="cpu", batching="static")  # transparently quantized
     assert llm.quantization_config.format == args[0]
-    # the same weights through the kernel the LLM chose (int8 on the CPU: the integer matmul, not the reference)
+    # the same weights through the kernel the LLM chose (w8a8 on the CPU: the integer GEMM; else the reference)
     set_quant_kernel(model, next(m.kernel for m in llm.model.modules() if isinstance(m, QuantLinear)))
     assert torch.equal(score_windows(llm.model, w).nll, score_windows(model, w).nll)
 
