@@ -241,7 +241,7 @@ def section_quant_graphs(args) -> dict:
     its old size is filled with ones: the graphs replay with the old buffer's address, which must still be
     theirs."""
     from minifer.bench.speculative import story_openings
-    from minifer.features import quant_matmul as qm
+    from minifer.kernels import quant_matmul as qm
 
     few, long = (3, 100) if getattr(args, "smoke", False) else (12, 900)
     prompts = story_openings(few) + [{"prompt_token_ids": [5 + i % 200 for i in range(long)]}]

@@ -9,8 +9,9 @@ what a chapter's "code it teaches" points at, without the server and the course'
 ``loader/``, ``models/``, ``layers/``, ``sampling.py``, ``engine/``, ``spec/``, ``quant/``, ``kernels/``. The budget:
 at most 5,000 lines in all, no module over 400, no function over 60 (a Triton kernel, ``@triton.jit``, may be
 longer: it is one GPU program and splitting it costs registers or launches). Optional features, which a run loads
-only when it asks for them (``minifer/features/``: speculation's adaptive k and EAGLE, beam search, CUDA graphs, the
-Triton quantized matmul, the CPU's compilation switches, ...), are counted apart (``--features``).
+only when it asks for them (``minifer/features/``: speculation's adaptive k and EAGLE, beam search, the CPU's
+compilation switches, ...), are counted apart (``--features``). CUDA graphs (``engine/``) and the Triton quantized
+matmul (``kernels/``) are core: every CUDA decode step and every quantized CUDA matmul runs them.
 """
 
 from __future__ import annotations
@@ -39,6 +40,8 @@ FEATURES = {
         "loader/quant_fill.py"],
     "Triton paged-attention kernels (and their fp8 decoding)": ["kernels/__init__.py", "kernels/paged_attention.py",
                                                                 "kernels/fp8.py"],
+    "Triton dequantize-matmul of quantized weights (CUDA)": ["kernels/quant_matmul.py", "kernels/quant_matmul_jit.py"],
+    "CUDA graphs of decode steps": ["engine/cuda_graph.py"],
     "8-bit KV cache (int8/fp8)": ["layers/kv_quant.py"],
     "static batching baseline": ["engine/static.py"],
 }

@@ -25,7 +25,7 @@
 # tokens must be those of minifer's own int4 engine.
 #
 # Each exercise explains the idea, gives a function whose body you write, then a **check cell** that grades
-# it against minifer's own (`minifer/quant/formats.py`, `minifer/features/quant_matmul.py`, `minifer/eval.py`).
+# it against minifer's own (`minifer/quant/formats.py`, `minifer/kernels/quant_matmul.py`, `minifer/eval.py`).
 # A check prints `ok` per passing check and stops at the first failure with what differs and a hint.
 
 # %% [markdown] exercise-only
@@ -289,7 +289,7 @@ check_quant_in_engine("quantize_linears", quantize_linears)
 # are the `stride_*` arguments apart, not `K` or `N`: index rows with the strides.
 #
 # Under the interpreter, `print(...)` inside the kernel works (it runs as Python, one program at a time):
-# handy for looking at a tile's shape. minifer's own kernels (`minifer/features/quant_matmul.py`) do the same
+# handy for looking at a tile's shape. minifer's own kernels (`minifer/kernels/quant_matmul.py`) do the same
 # with more tricks: codes turned into floats by bit manipulation, split-K for decode, tensor-core tiles.
 
 # %%
@@ -495,7 +495,7 @@ for label, method, group, symmetric in [("int8", "int8", 128, True), ("int4 g128
 # * `quantize_int4_groupwise` is `minifer.quant.formats.quantize_int4` (with `pack_int4`, `unpack_int4`,
 #   `dequantize`); `quantize_linears` is the int4 path of `quantize_model` (`minifer/quant/model.py`), which the
 #   loader calls (`Components.quantizer` is the seam your step went through);
-# * `int4_matmul_kernel` is a simple version of `minifer/features/quant_matmul.py`: its `tiled` path is the
+# * `int4_matmul_kernel` is a simple version of `minifer/kernels/quant_matmul.py`: its `tiled` path is the
 #   same loop with tensor-core tiles, and its `gemv` path for decode splits K across programs and decodes a
 #   32-bit word of eight codes at a time;
 # * `perplexity` is `minifer.eval.perplexity` (with `token_windows`, `score_windows`), beside greedy and

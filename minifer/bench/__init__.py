@@ -3,8 +3,8 @@ seeded request ``workloads``; ``python -m minifer.bench --help``), speculative d
 quality and kernels of quantization (``quality``, ``quant_kernels``) and the HTTP server (``server_overhead``,
 ``server_sweep``), each with its own ``--help``; ``machine`` describes the machine a result ran on and
 ``provenance`` the code. ``aot`` compiles every Triton kernel for GPU targets without a GPU (registers, spills,
-instructions per weight); ``cpu_attention`` and ``bucketed_attention`` hold the CPU peer benchmark's measured
-counter-examples (decode attention that did not pay): tools and experiments the engine never runs while serving.
+instructions per weight); ``cpu_peer`` compares the CPU path with CTranslate2 and measures each CPU lever alone:
+tools and experiments the engine never runs while serving.
 The chapters' own experiments (roofline, KV memory, block order, the 8-bit KV cache's capacity, stacking the
 levers) live in ``minifer.course``.
 

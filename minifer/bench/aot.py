@@ -56,7 +56,7 @@ def for_arch(spec: KernelSpec, cc: int) -> KernelSpec:
         return spec
     from dataclasses import replace
 
-    from minifer.features.quant_matmul import X_FP16
+    from minifer.kernels.quant_matmul import X_FP16
 
     signature = {k: "*fp16" if v == "*bf16" else v for k, v in spec.signature.items()}
     constexprs = {**spec.constexprs, **({"XKIND": X_FP16} if "XKIND" in spec.constexprs else {})}
@@ -110,7 +110,7 @@ def quant_matmul_specs(all_configs: bool = False, cc: int = 80) -> list[KernelSp
     instead (the ones that compile differently: ``SPLIT_PER_SM`` is a run-time argument), each named with
     its warps and stages (``aot_report_all_configs.json``): the autotuner may pick any of them. ``cc``
     below 80 takes the Turing lists (``quant_matmul.gpu_configs``) and float16 (``for_arch``)."""
-    from minifer.features import quant_matmul as qm
+    from minifer.kernels import quant_matmul as qm
 
     pick = _distinct if all_configs else (lambda configs: configs[:1])
     lists = {path: qm.gpu_configs(path, turing=cc < TURING) for path in qm.CONFIG_PATHS}

@@ -153,7 +153,7 @@ def step_overhead(num_requests: int = 256, slots: int = 16, repeats: int = 3, lo
 
 
 # the engine's step-overhead cuts, each a ``ModelRunner`` switch (on by default) that the benchmark turns off alone
-STEP_CUTS = ("fast_decode_metadata", "fast_greedy")
+STEP_CUTS = ("fast_greedy",)
 
 
 def _continuous(llm, workload, slots: int, switches: dict[str, bool]):

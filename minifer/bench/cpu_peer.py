@@ -368,7 +368,6 @@ def batch1_configs(fast: Minifer, eager: Minifer, ct2: dict[str, CT2Engine] | No
 # matrix-vector products streamed); pack_weights does not combine with compiling, and pays only from 2 rows
 BATCH1_LATENCY = "compile+column_major_weights"
 BATCH1_LEVERS = {"compile": {"level": 3}, "column_major_weights": {"column_major_weights": True},
-                 "decode_attention": {"decode_attention": "bucketed"},
                  BATCH1_LATENCY: {"level": 3, "column_major_weights": True}}
 
 
@@ -444,8 +443,16 @@ def run(model: str = "tinystories-target", num_requests: int = 512, rounds: int 
         result["step_overhead"] = step_overhead(256, 16, rounds, log=log)  # the issue's 256 requests, 16 slots
     from minifer.bench.cpu_targets import targets
 
-    result["targets"] = targets(result, REJECTED)
+    result["targets"] = targets(result, left_out(result))
     return result
+
+
+def left_out(result: dict[str, Any]) -> list[str]:
+    """The levers a result measured alone (at 64 slots) and left out of its fast configuration: those ``REJECTED``
+    here, and any the package no longer has (a lever that measured no gain is removed, its record stays)."""
+    alone = [label.removeprefix("lever alone: ").removesuffix(", 64 slots vs eager") for label in result["ratios"]
+             if label.startswith("lever alone: ") and label.endswith(", 64 slots vs eager")]
+    return sorted(name for name in alone if name in REJECTED or name not in LEVERS)
 
 
 def fast_options() -> tuple[dict[str, Any], dict[str, Any]]:
@@ -517,37 +524,14 @@ def _no_engine_kw() -> dict[str, Any]:
     return {}
 
 
-def _bucketed_kw() -> dict[str, Any]:
-    from minifer.bench.bucketed_attention import BucketedKVCache
-
-    return {"attention_backend": BucketedKVCache}
-
-
-def _step_gather_kw() -> dict[str, Any]:
-    from minifer.bench.cpu_attention import StepGatherKVCache
-
-    return {"attention_backend": StepGatherKVCache}
-
-
 # name -> (LLM keyword arguments, a function making the LLMEngine keyword arguments) that turn the lever on alone
 LEVERS: dict[str, tuple[dict[str, Any], Callable[[], dict[str, Any]]]] = {
     "pack_weights": ({"compilation_config": {"pack_weights": True}}, _no_engine_kw),
-    "step_gather_attention": ({}, _step_gather_kw),
     "compile": ({"compilation_config": {"level": 3}}, _no_engine_kw),
     "column_major_weights": ({"compilation_config": {"column_major_weights": True}}, _no_engine_kw),
-    "bucketed_attention": ({}, _bucketed_kw),
-    # the engine's own bucketed decode attention (layers.decode_attention), bucketed_attention's successor: one index
-    # per step for every layer, the decode rows of mixed steps too, gather buffers kept from step to step
-    "decode_attention": ({"compilation_config": {"decode_attention": "bucketed"}}, _no_engine_kw),
 }
-# measured alone and slower, so left out of the fast path (still measured, so the result says so): the step's one
-# gather of every layer's keys and values (56 MB at 64 slots) measured 0.70x, rounds 0.66-1.00 (cpu_peer.json at
-# 64e1dd5), where the per-layer gathers it replaces stay in the caches their attention then reads. Measured alone at
-# 02ed262 (128 requests, 3 rounds): compile (the decoder through torch.compile) 1.19x at batch 1 (rounds 1.13-1.26) but
-# 0.91x and 0.94x at 16 and 64 slots (rounds 0.67-1.06), and it does not combine with pack_weights (1.20x at 64
-# slots), so it stays a switch of its own; bucketed_attention 0.89x and 0.92x at 16 and 64 slots (rounds 0.64-1.00):
-# on this small model each extra group's gathers and SDPA call cost more than the padding they save. decode_attention
-# (the engine's switch) at 270383a (64 requests, 3 rounds, the other core busy): 1.00x at batch 1, 0.95x at 16 slots
-# (rounds 0.92-0.96), 1.00x at 64, though its attention alone ran 1.08-1.45x faster (python -m
-# minifer.bench.decode_attention): the per-step sort and index cost what the padding saved
-REJECTED = {"step_gather_attention", "compile", "bucketed_attention", "decode_attention"}
+# measured alone and not reliably faster at 16 and 64 slots, so left out of the throughput configuration (still
+# measured, so the result says so): compile (the decoder through torch.compile) pays at batch 1, where it is part of
+# BATCH1_LATENCY, but not with many rows per step, and it does not combine with pack_weights. Three attention levers
+# that measured no gain were removed from the package (benchmarks/results/README.md, "CPU peer")
+REJECTED = {"compile"}

@@ -140,7 +140,7 @@ def _rotation(w: torch.Tensor, qw, fmt: str, group_size: int, calls: int) -> tup
 
 def _plan(path: str, m: int, n: int, k: int, fmt: str, group_size: int, device: torch.device):
     """``quant_matmul.plan`` of the call ``quant_matmul`` makes on ``path`` here (its tuner and configs)."""
-    from minifer.features import quant_matmul as qm
+    from minifer.kernels import quant_matmul as qm
 
     return qm.plan(path, m, n, k, qm._FMT[fmt], group_size if fmt == "int4" else 0, qm._one_dot(device),
                    qm._turing(device))
@@ -149,7 +149,7 @@ def _plan(path: str, m: int, n: int, k: int, fmt: str, group_size: int, device: 
 def bench_case(k: int, n: int, m: int, fmt: str, device: torch.device, *, group_size: int = 128,
                rounds: int = 15, calls: int = 20, path: str = "auto", seed: int = 0) -> dict[str, Any]:
     """One (shape, M, format): correctness against the reference, then interleaved timings."""
-    from minifer.features import quant_matmul as qm
+    from minifer.kernels import quant_matmul as qm
     from minifer.quant import quant_linear_reference
 
     w, qw, x, out = _inputs(k, n, m, fmt, device, group_size, seed)
@@ -185,7 +185,7 @@ def split_sweep(k: int, n: int, m: int, fmt: str, device: torch.device, *, group
                 rounds: int = 15, calls: int = 20, path: str = "auto", seed: int = 0) -> dict[str, Any]:
     """Every split of K for one case, timed in interleaved rounds against bf16 with the autotuned config:
     the measurement behind ``choose_split``. ``chosen`` is the split the launcher uses with that config."""
-    from minifer.features import quant_matmul as qm
+    from minifer.kernels import quant_matmul as qm
 
     w, qw, x, out = _inputs(k, n, m, fmt, device, group_size, seed)
     qm.quant_matmul(x, qw, path=path, out=out)  # autotunes with the default split rule
@@ -236,7 +236,7 @@ def device_info(device: torch.device) -> dict[str, Any]:
     try:
         import triton
 
-        from minifer.features import quant_matmul as qm
+        from minifer.kernels import quant_matmul as qm
 
         info["triton"] = triton.__version__
         info["int4_mma_one_dot"] = qm._one_dot(device)  # which form of the int4 tensor-core kernel runs here

@@ -153,7 +153,7 @@ def check_quant_kernels(variants: Sequence[tuple[str, int | None, bool]] = (
     if device == "cpu" and not INTERPRETING:
         return KernelCheck(False, "skipped: triton was imported before TRITON_INTERPRET=1 was set; restart the "
                                   "kernel and run the first cell first", [])
-    from minifer.features.quant_matmul import quant_matmul
+    from minifer.kernels.quant_matmul import quant_matmul
     from minifer.quant import quant_linear_reference, quantize
 
     gen = torch.Generator().manual_seed(seed)

@@ -13,16 +13,15 @@ from __future__ import annotations
 import torch
 
 from minifer.engine.block_manager import KVBlockAllocator
-from minifer.engine.decode_metadata import DecodeMetadataBuilder
+from minifer.engine.cuda_graph import DecodeGraphs
 from minifer.engine.scheduler import ScheduledBatch
-from minifer.layers.decode_attention import decode_indexer
 from minifer.layers.ops import REFERENCE_OPS, LayerOps
 from minifer.layers.paged_attention import PagedAttentionMetadata, PagedKVCache
 from minifer.models.llama import LlamaForCausalLM
 from minifer.sampling import SampleResult, ranked_logprobs, sample_sequences
 
 
-COMPILATION_KEYS = ("pack_weights", "column_major_weights", "level", "mode", "decode_attention")
+COMPILATION_KEYS = ("pack_weights", "column_major_weights", "level", "mode")
 # vLLM's compilation levels (``CompilationConfig.level``, later ``mode``): 0 runs the model eagerly, 3 is vLLM's own
 # compilation (the graph split at attention), which ``features.compiled_decoder`` does; 1 and 2 are stages of vLLM's
 # Dynamo integration minifer has no separate meaning for
@@ -35,9 +34,7 @@ def compile_model(model: LlamaForCausalLM, config: dict | None, shared_with=None
     ``level`` (or vLLM's newer ``mode``) 3: the decoder compiled by ``torch.compile``, attention left opaque
     (``features.compiled_decoder``; float weights); 0, the default, and ``enforce_eager=True`` keep it eager.
     ``column_major_weights``: float linear weights re-stored column-major, the layout a batch-1 matrix-vector
-    product streams fastest (``features.weight_layout``). ``decode_attention``: ``"padded"`` (the default) or
-    ``"bucketed"``, decode rows attending in length buckets indexed once per step (``layers.decode_attention``).
-    An LLM sharing another's weights shares its model too, so it must ask for the same."""
+    product streams fastest (``features.weight_layout``). An LLM sharing another's weights shares its model too, so it must ask for the same."""
     config = dict(config or {})
     unknown = sorted(set(config) - set(COMPILATION_KEYS))
     if unknown:
@@ -63,10 +60,6 @@ def compile_model(model: LlamaForCausalLM, config: dict | None, shared_with=None
             raise ValueError("compilation_config: column_major_weights is a CPU layout for float linear weights")
     if level == 3:
         _compile_decoder(model)
-    if config.get("decode_attention", "padded") != "padded":
-        from minifer.layers.decode_attention import set_decode_attention
-
-        set_decode_attention(model, config["decode_attention"])
     return config
 
 
@@ -97,9 +90,6 @@ def _compile_decoder(model: LlamaForCausalLM) -> None:
 
 
 class ModelRunner:
-    # pure decode steps build their attention metadata with ``DecodeMetadataBuilder`` (the same tensors as
-    # ``PagedAttentionMetadata.build``, from fewer ops); False: every step through ``build``, the general path
-    fast_decode_metadata: bool = True
     # a batch whose every row is plain greedy takes the argmax and its log-probability directly
     # (``sampling.sample_sequences``, which the static engine uses too); False: every batch through ``sample``
     fast_greedy: bool = True
@@ -109,16 +99,12 @@ class ModelRunner:
         self.model, self.cache, self.blocks = model, cache, blocks
         self.ops = ops  # the RMSNorm and RoPE every forward of this runner uses (LLM's components)
         self.device = model.lm_head.weight.device
-        self.graphs = None  # DecodeGraphs on CUDA (see cuda_graph.py): pure decode steps replay them
+        self.graphs: DecodeGraphs | None = None  # on CUDA (engine/cuda_graph.py): pure decode steps replay them
         # called after each forward with (request_ids, starts, tokens, hidden [N, H]): the last hidden state of every
         # packed token, for a drafter that reads the target's features (EAGLE, ``features/eagle.py``)
         self.hidden_observers: list = []
-        self._decode_meta = DecodeMetadataBuilder(cache.block_size, self.device)
-        self._decode_index = decode_indexer(model, cache)  # decode_attention="bucketed", else None
 
     def enable_cuda_graphs(self, max_batch: int, max_model_len: int) -> None:
-        from minifer.features.cuda_graph import DecodeGraphs
-
         graphs = DecodeGraphs(self.model, self.cache, max_batch, -(-max_model_len // self.cache.block_size))
         graphs.capture()
         self.graphs = graphs
@@ -138,20 +124,12 @@ class ModelRunner:
             rows.extend(range(len(ids) - n_logits, len(ids)))
         dev = self.device
         if self.graphs is not None and len(ids) == len(tokens) and self.graphs.can_run(len(ids)):
-            bs = self.cache.block_size
-            tables = [self.blocks.block_table(r) for r in request_ids]
-            slots = torch.tensor([t[p // bs] * bs + p % bs for t, p in zip(tables, positions)])
-            hidden = self.graphs.run(ids, positions, slots, tables, [p + 1 for p in positions])
+            hidden = self.graphs.run(ids, positions, [self.blocks.block_table(r) for r in request_ids])
             self._notify(request_ids, starts, tokens, hidden[: len(ids)])
             return self._logits(hidden, rows)
         tables, ctx = [self.blocks.block_table(r) for r in request_ids], [s + len(c) for s, c in zip(starts, tokens)]
-        if self.fast_decode_metadata and all(len(c) == 1 for c in tokens):
-            self.cache.meta = self._decode_meta.build(tables, ctx, self.cache.null_slot)
-        else:
-            self.cache.meta = PagedAttentionMetadata.build(tables, ctx, [len(c) for c in tokens], self.cache.block_size,
-                                                           dev, null_slot=self.cache.null_slot)
-        if self._decode_index is not None:
-            self._decode_index.attach(self.cache.meta, ctx)
+        self.cache.meta = PagedAttentionMetadata.build(tables, ctx, [len(c) for c in tokens], self.cache.block_size,
+                                                       dev, null_slot=self.cache.null_slot)
         try:
             hidden = self.model(torch.tensor(ids, device=dev), torch.tensor(positions, device=dev), self.cache,
                                 self.ops)

@@ -122,8 +122,8 @@ class LLM:
             CUDA, the PyTorch reference on the CPU (for ``"w8a8"``: the integer GEMM, ``w8a8_linear``).
         data_parallel_size: vLLM's name: ``generate`` splits its requests over this many engine replicas, each a
             process with one torch thread (``features.data_parallel``: on a CPU, the way to use a second core).
-        compilation_config: vLLM's name; minifer reads the CPU options ``pack_weights``, ``level`` (or ``mode``),
-            ``column_major_weights`` and ``decode_attention`` (``engine.runner.compile_model`` says what each does).
+        compilation_config: vLLM's name; minifer reads the CPU options ``pack_weights``, ``level`` (or ``mode``) and
+            ``column_major_weights`` (``engine.runner.compile_model`` says what each does).
             All are off by default, so the model a learner reads is the one that runs.
         block_allocator, scheduler, sampler, proposer, verifier, attention_backend: the engine's seams
             (``LLMEngine`` lists their contracts); None builds the reference implementation a chapter shows.

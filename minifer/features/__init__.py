@@ -10,9 +10,6 @@ lists (``pyproject.toml``, "the engine core reaches optional features only at it
 - ``eagle``, ``eagle_head``: EAGLE drafting from the target's hidden states (a ``DraftProposer``);
 - ``beam_search``: ``LLM.beam_search``, on the engine's own steps;
 - ``data_parallel``: ``LLM(data_parallel_size=...)``, replicas in worker processes;
-- ``cuda_graph``: captured decode steps (``ModelRunner.enable_cuda_graphs``);
-- ``quant_matmul``, ``quant_matmul_jit``: the fused Triton dequantize-matmul of int8 / int4 / fp8 weights, the
-  ``QuantKernel`` a quantized model runs on CUDA (``minifer.kernels.quant_kernel_for``);
 - ``compiled_decoder``, ``packed_linear``, ``weight_layout``: the CPU's speed switches of ``compilation_config``
   (``ModelRunner``'s ``compile_model``: the decoder under ``torch.compile``, oneDNN-packed weights, column-major
   weights), each checked token-identical to the eager model a learner reads;

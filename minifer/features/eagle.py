@@ -33,11 +33,7 @@ from minifer.engine.block_manager import BlockManager, KVBlockAllocator
 from minifer.engine.proposers import Draft, draw_drafts, stack_probs
 from minifer.engine.runner import ModelRunner
 from minifer.engine.sequence import Sequence
-from minifer.layers.paged_attention import (
-    AttentionGroup,
-    PagedAttentionMetadata,
-    PagedKVCache,
-)
+from minifer.layers.paged_attention import AttentionGroup, PagedAttentionMetadata, PagedKVCache, slot_mapping
 
 if TYPE_CHECKING:
     from minifer.features.eagle_head import EagleHead
@@ -309,7 +305,7 @@ class SelfFedSteps:
         self.tables = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.long, device=dev)
         keys = max(f - p.base[r] + m for r, f, m in zip(self.rids, self.first, self.steps))  # the longest last step
         s = torch.arange(keys, device=dev)
-        slots = self.tables.gather(1, (s // bs).clamp(max=width - 1).expand(len(self.rids), -1)) * bs + s % bs
+        slots = slot_mapping(self.tables, s.clamp(max=width * bs - 1).expand(len(self.rids), -1), bs)
         ctx = (torch.tensor(self.first, device=dev) - base + 1)[None, :] + torch.arange(max(self.steps), device=dev)[:, None]
         self.valid = s[None, None, :] < ctx[:, :, None]  # [steps, b, S]
         self.key_slots = torch.where(self.valid, slots, null)

@@ -1,6 +1,6 @@
-"""Triton kernels, each beside the PyTorch reference it must match: paged attention (``paged_attention.py``) and
-its fp8 decoding (``fp8.py``). The fused dequantize-matmul of quantized weights is an optional feature,
-``minifer/features/quant_matmul.py``, which ``quant_kernel_for`` loads when a quantized model runs on CUDA.
+"""Triton kernels, each beside the PyTorch reference it must match: paged attention (``paged_attention.py``), its
+fp8 decoding (``fp8.py``), and the fused dequantize-matmul of quantized weights (``quant_matmul.py``, its kernels in
+``quant_matmul_jit.py``), which ``quant_kernel_for`` hands a quantized model on CUDA.
 
 ``HAS_TRITON`` says whether Triton imported (Linux wheels only; the CPU path never needs it). Kernels run on a
 CUDA GPU, or on CPU tensors under Triton's interpreter (``TRITON_INTERPRET=1``, set *before* triton is imported),
@@ -30,7 +30,7 @@ def quant_kernel_for(device: torch.device | str):
     """``QuantLinear``'s kernel on ``device`` (its ``QuantKernel`` seam, ``minifer.quant.linear``): ``quant_matmul``
     on a CUDA GPU with Triton; None elsewhere, which leaves the layer on ``quant_linear_reference``."""
     if torch.device(device).type == "cuda" and HAS_TRITON:
-        from minifer.features.quant_matmul import quant_matmul
+        from minifer.kernels.quant_matmul import quant_matmul
 
         return quant_matmul
     return None

@@ -1,6 +1,6 @@
 """fp8 e4m3 in Triton kernels: its bits to float32 in registers, and whether the GPU converts it in hardware.
 Shared by the 8-bit KV cache's decode attention (``paged_attention.py``) and the fused weight kernels
-(``minifer/features/quant_matmul.py``).
+(``minifer/kernels/quant_matmul.py``).
 """
 
 from __future__ import annotations

@@ -20,16 +20,19 @@ import torch
 import torch.nn.functional as F
 
 from minifer.layers.attention import AttentionBackend
-from minifer.layers.decode_attention import BucketedDecodeIndex, bucketed_decode_attention
-
 from minifer.layers.kv_quant import (bytes_per_value, check_kv_cache_dtype, code_dtype, dequantize_kv, quantize_kv,
                                      static_scale)
 
 
-def slot_mapping(block_table: list[int], positions: list[int], block_size: int) -> list[int]:
-    """Cache slot of each token position of one sequence: its block's id times ``block_size`` plus the
-    offset inside the block. (``PagedAttentionMetadata.build`` does the same for a batch, in tensors.)"""
-    return [block_table[p // block_size] * block_size + p % block_size for p in positions]
+def slot_mapping(block_table, positions, block_size: int):
+    """Cache slot of each token position: its block's id times ``block_size`` plus the offset inside the block.
+    Either one sequence as Python lists (chapter 02's exercise writes this form; returns a list), or a batch as
+    tensors, ``block_table`` ``[B, W]`` and ``positions`` ``[B, n]``, each row's positions looked up in its own table
+    (returns ``[B, n]``). Every slot the engine writes or reads is computed here."""
+    if not isinstance(block_table, torch.Tensor):
+        table, pos = torch.tensor(block_table, dtype=torch.long), torch.tensor(positions, dtype=torch.long)
+        return slot_mapping(table, pos, block_size).tolist()
+    return block_table.gather(-1, positions // block_size) * block_size + positions % block_size
 
 
 @dataclass
@@ -61,7 +64,6 @@ class PagedAttentionMetadata:
     null_slot: int | None  # masked keys read this all-zero slot (no zeroing needed after the gather)
     covers_all_in_order: bool  # a single group whose outputs are the packed tokens in order
     query_lens: list[int] | None = None  # new tokens of each sequence (for a backend that attends sequence by sequence)
-    decode_index: BucketedDecodeIndex | None = None  # decode_attention="bucketed": this step's (layers/decode_attention.py)
 
     @classmethod
     def decode_only(cls, slot_mapping: torch.Tensor, block_tables: torch.Tensor, context_lens: torch.Tensor,
@@ -80,28 +82,34 @@ class PagedAttentionMetadata:
         ctx = torch.tensor(context_lens, device=device)
         qlen = torch.tensor(query_lens, device=device)
         starts = torch.cumsum(qlen, 0) - qlen
-        # slot of each new token: position p of sequence i lives at table[i][p // bs] * bs + p % bs
+        # the slot of every position of every sequence up to the longest context: its keys, its new tokens among them
+        key_slots = slot_mapping(tables, torch.arange(max(context_lens), device=device).expand(len(tables), -1),
+                                 block_size)
+        num_tokens = sum(query_lens)
         seq_of_token = torch.repeat_interleave(torch.arange(len(query_lens), device=device), qlen)
-        pos = (ctx - qlen)[seq_of_token] + torch.arange(int(qlen.sum()), device=device) - starts[seq_of_token]
-        slots = tables[seq_of_token, pos // block_size] * block_size + pos % block_size
+        pos = (ctx - qlen)[seq_of_token] + torch.arange(num_tokens, device=device) - starts[seq_of_token]
         groups = []
         decode_rows = [i for i, n in enumerate(query_lens) if n == 1]
         chunk_rows = [i for i, n in enumerate(query_lens) if n > 1]
         for rows in (decode_rows, chunk_rows):
             if rows:
-                groups.append(cls._group(tables[rows], ctx[rows], qlen[rows], starts[rows], block_size, null_slot))
+                r = slice(None) if len(rows) == len(query_lens) else rows
+                longest = (max(query_lens[i] for i in rows), max(context_lens[i] for i in rows))
+                groups.append(cls._group(key_slots[r], ctx[r], qlen[r], starts[r], longest, null_slot))
         in_order = len(groups) == 1 and (not chunk_rows or len(chunk_rows) == len(query_lens))
-        return cls(slots, groups, int(qlen.sum()), tables.to(torch.int32), ctx.to(torch.int32),
-                   not chunk_rows, null_slot, in_order, list(query_lens))
+        return cls(key_slots[seq_of_token, pos], groups, num_tokens, tables.to(torch.int32),
+                   ctx.to(torch.int32), not chunk_rows, null_slot, in_order, list(query_lens))
 
     @staticmethod
-    def _group(tables: torch.Tensor, ctx: torch.Tensor, qlen: torch.Tensor, starts: torch.Tensor,
-               block_size: int, null_slot: int | None) -> AttentionGroup:
-        b, width = tables.shape
-        t_max, s_max = int(qlen.max()), int(ctx.max())
-        device = tables.device
+    def _group(key_slots: torch.Tensor, ctx: torch.Tensor, qlen: torch.Tensor, starts: torch.Tensor,
+               longest: tuple[int, int], null_slot: int | None) -> AttentionGroup:
+        """``key_slots``: ``[b, S]`` the slot of every position of the group's sequences (``S`` at least their
+        longest context); ``longest``: their most new tokens and their longest context."""
+        b = key_slots.shape[0]
+        t_max, s_max = longest
+        device = key_slots.device
         s = torch.arange(s_max, device=device)
-        key_slots = tables.gather(1, (s // block_size).expand(b, -1).clamp(max=width - 1)) * block_size + s % block_size
+        key_slots = key_slots[:, :s_max]
         key_valid = s[None, :] < ctx[:, None]  # [b, S]
         key_slots = torch.where(key_valid, key_slots, torch.full_like(key_slots, null_slot or 0))
         t = torch.arange(t_max, device=device)
@@ -260,41 +268,53 @@ class PagedKVCache:
         self.v_scale.copy_(static_scale(self.v_scale, self.kv_cache_dtype))
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """Write this step's keys and values into their slots (``meta.slot_mapping``), then attend. Three paths,
+        one per situation that needs its own:
+
+        - a decode step on CUDA (``use_triton``): the Triton kernel walks each sequence's block table with an online
+          softmax, reading only its context (an 8-bit cache dequantized in registers); it does no host work, so CUDA
+          graphs capture it;
+        - every other step (any step on the CPU, prompt chunks and verification on a GPU): the PyTorch reference
+          gathers each sequence's keys into a padded batch for dense SDPA, dequantizing an 8-bit cache as it
+          gathers; it is also the oracle the kernel is tested against;
+        - the start-up pass that sets static 8-bit scales (``calibrating``): one prompt from position 0 whose own
+          keys are all there are, attended causally while their magnitudes are recorded, before any scale exists
+          to quantize them with."""
+        if self.calibrating:
+            return self._calibrate(layer, q, k, v)
         meta = self.meta
-        hkv, d = k.shape[1], k.shape[2]
-        if self.use_triton and meta.is_decode:
-            from minifer.kernels.paged_attention import paged_decode_attention, store_kv
+        scales = (None, None) if self.k_scale is None else (self.k_scale[layer], self.v_scale[layer])
+        kernel = self.use_triton and meta.is_decode
+        self._store(layer, k, v, meta.slot_mapping, kernel)
+        if kernel:
+            from minifer.kernels.paged_attention import paged_decode_attention
 
-            if self.kv_cache_dtype == "auto":
-                store_kv(k, v, self.k[layer], self.v[layer], meta.slot_mapping)
-                return paged_decode_attention(q, self.k[layer], self.v[layer], meta.block_tables, meta.context_lens)
-            self._store_quantized(layer, k, v, meta.slot_mapping)
             return paged_decode_attention(q, self.k[layer], self.v[layer], meta.block_tables, meta.context_lens,
-                                          self.k_scale[layer], self.v_scale[layer], self.kv_cache_dtype)
-        if self.calibrating:  # one sequence from position 0: its own keys are all the keys there are
-            for scales, x in ((self.k_scale, k), (self.v_scale, v)):
-                scales[layer] = torch.maximum(scales[layer], x.float().abs().amax(dim=(0, 2)))
-            out = F.scaled_dot_product_attention(q.transpose(0, 1)[None], k.transpose(0, 1)[None],
-                                                 v.transpose(0, 1)[None], is_causal=True, enable_gqa=True)
-            return out[0].transpose(0, 1)
-        if self.kv_cache_dtype != "auto":
-            self._store_quantized(layer, k, v, meta.slot_mapping)
-            return paged_attention_reference(q, self.k[layer], self.v[layer], meta, self.k_scale[layer],
-                                             self.v_scale[layer], self.kv_cache_dtype)
-        self.k[layer].view(-1, hkv, d).index_copy_(0, meta.slot_mapping, k)
-        self.v[layer].view(-1, hkv, d).index_copy_(0, meta.slot_mapping, v)
-        if meta.decode_index is not None:  # compilation_config={"decode_attention": "bucketed"}
-            rest = meta.decode_index.rest  # a mixed step's prompt chunks: the reference's
-            into = None if rest is None else paged_attention_reference(q, self.k[layer], self.v[layer], rest)
-            return bucketed_decode_attention(q, self.k[layer], self.v[layer], meta.decode_index, into)
-        return paged_attention_reference(q, self.k[layer], self.v[layer], meta)
+                                          *scales, self.kv_cache_dtype)
+        return paged_attention_reference(q, self.k[layer], self.v[layer], meta, *scales, self.kv_cache_dtype)
 
-    def _store_quantized(self, layer: int, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-        """Write new keys and values as 8-bit codes: with the static per-head scales, or each (token, head)
-        with its own scale, written beside it."""
+    def _calibrate(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """Record the largest key and value magnitude per head, and attend the prompt to itself."""
+        for scales, x in ((self.k_scale, k), (self.v_scale, v)):
+            scales[layer] = torch.maximum(scales[layer], x.float().abs().amax(dim=(0, 2)))
+        out = F.scaled_dot_product_attention(q.transpose(0, 1)[None], k.transpose(0, 1)[None],
+                                             v.transpose(0, 1)[None], is_causal=True, enable_gqa=True)
+        return out[0].transpose(0, 1)
+
+    def _store(self, layer: int, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor, kernel: bool) -> None:
+        """Write new keys and values to their slots: as they are (``kernel``: with the Triton copy beside the decode
+        kernel, vLLM's ``reshape_and_cache``), or as 8-bit codes, with the static per-head scales or each (token,
+        head) with its own scale written beside it."""
         hkv, d = k.shape[1], k.shape[2]
+        if self.kv_cache_dtype == "auto" and kernel:
+            from minifer.kernels.paged_attention import store_kv
+
+            store_kv(k, v, self.k[layer], self.v[layer], slot_mapping)
+            return
         for cache, scales, x in ((self.k, self.k_scale, k), (self.v, self.v_scale, v)):
-            if self.kv_cache_scales == "head":
+            if self.kv_cache_dtype == "auto":
+                codes = x
+            elif self.kv_cache_scales == "head":
                 codes, _ = quantize_kv(x, self.kv_cache_dtype, scales[layer])
             else:
                 codes, scale = quantize_kv(x, self.kv_cache_dtype)

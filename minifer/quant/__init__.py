@@ -1,5 +1,5 @@
 """Weight-only quantization: the formats and their PyTorch reference (``formats``); the fused Triton
-dequantize-matmul kernels live in ``minifer/features/quant_matmul.py``."""
+dequantize-matmul kernels live in ``minifer/kernels/quant_matmul.py``."""
 
 from minifer.quant.formats import (
     FORMATS,

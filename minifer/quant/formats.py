@@ -2,7 +2,7 @@
 
 Decode reads every weight once per generated token, so its speed is bytes of weights over memory bandwidth
 (chapter 01). Fewer bits per weight cut those bytes; activations stay in bf16/fp32 and the fused kernels of
-``minifer/features/quant_matmul.py`` dequantize the weights on the fly. This module is the pure-PyTorch half: the
+``minifer/kernels/quant_matmul.py`` dequantize the weights on the fly. This module is the pure-PyTorch half: the
 formats, quantize / dequantize, and ``quant_linear_reference``, the CPU path and the kernels' oracle.
 
 Weights keep ``nn.Linear``'s layout, ``W: [N, K]`` (out_features x in_features), and ``y = x @ W^T``.

@@ -7,10 +7,10 @@ per token, so quantizing it saves memory, not bandwidth), and ``lm_head`` writes
 layer to average its error away (with tied embeddings it *is* ``embed_tokens``).
 
 ``QuantLinear`` multiplies through the ``QuantKernel`` the engine hands in: ``LLM`` passes
-``minifer.kernels.quant_kernel_for(device)``, the fused Triton dequantize-matmul on CUDA (an optional feature,
-``minifer/features/quant_matmul.py``). The default,
-``quant_linear_reference``, dequantizes to float32 on every call and caches nothing: slower than ``nn.Linear``,
-but the model holds only the quantized bytes that ``weight_bytes`` counts.
+``minifer.kernels.quant_kernel_for(device)``, the fused Triton dequantize-matmul on CUDA
+(``minifer/kernels/quant_matmul.py``). The default, ``quant_linear_reference``, dequantizes to float32 on every
+call and caches nothing: slower than ``nn.Linear``, but the model holds only the quantized bytes that
+``weight_bytes`` counts.
 
 Two schemes share the int8 weight format (symmetric codes, one scale per output channel) and differ in what the
 activations are, so they are two choices of ``LLM(quantization=...)``, each the same on every device:

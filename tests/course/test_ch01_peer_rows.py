@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from minifer.bench.cpu_peer import REJECTED
+from minifer.bench.cpu_peer import left_out
 from minifer.bench.cpu_targets import targets
 from minifer.course.ch01_diagnose import peer_target_rows
 
@@ -22,4 +22,4 @@ def test_verdicts_follow_the_targets_section():
 
 def test_the_committed_result_carries_the_targets_its_own_figures_give():
     result = json.loads(RESULT.read_text())
-    assert result["targets"] == json.loads(json.dumps(targets(result, REJECTED)))
+    assert result["targets"] == json.loads(json.dumps(targets(result, left_out(result))))

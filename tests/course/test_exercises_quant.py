@@ -30,7 +30,7 @@ def _minifer_quantize(w, group_size, symmetric):
 
 
 def _minifer_int4_matmul(x, packed, scales, zeros, group_size, out):
-    from minifer.features.quant_matmul import quant_matmul
+    from minifer.kernels.quant_matmul import quant_matmul
 
     qw = QuantizedWeight("int4", packed.contiguous(), scales.contiguous(),
                          None if zeros is None else zeros.contiguous(), group_size, (packed.shape[0], x.shape[1]))

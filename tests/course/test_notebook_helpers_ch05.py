@@ -111,7 +111,7 @@ def test_check_quant_kernels_passes_and_catches_a_wrong_kernel(monkeypatch):
     kc = check_quant_kernels(variants=(("int8", None, True), ("int4", 32, False)), runs=(("gemv", 1), ("tiled", 5)))
     assert kc.ran and kc.ok and len(kc.rows) == 4
     assert {r["path"] for r in kc.rows} == {"gemv", "tiled"}
-    from minifer.features import quant_matmul as qm
+    from minifer.kernels import quant_matmul as qm
 
     def half_written(x, qw, bias=None, path="auto", out=None, **kw):  # forgets the last output column
         ref = minifer.quant.quant_linear_reference(x, qw, bias)

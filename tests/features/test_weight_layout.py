@@ -64,11 +64,11 @@ def test_small_model_step_overhead_is_reported_from_both_engines():
     r = step_overhead(num_requests=12, slots=4, repeats=1, log=lambda _: None)
     assert r["model"]["hidden_size"] == SMALL_QWEN3["hidden_size"] == 128 and r["model"]["num_hidden_layers"] == 2
     assert r["static_ms_per_step"] > 0 and r["step_bound"] >= 1
-    for name in ("continuous", "continuous-without-fast_decode_metadata", "continuous-without-fast_greedy"):
+    for name in ("continuous", "continuous-without-fast_greedy"):
         c = r[name]
         assert c["overhead_ms"] == pytest.approx(c["ms_per_step"] - r["static_ms_per_step"])
         assert c["fraction_of_bound"] == pytest.approx(c["over_static"] / r["step_bound"])
-    assert set(r["levers_ms_saved"]) == {"fast_decode_metadata", "fast_greedy"}
+    assert set(r["levers_ms_saved"]) == {"fast_greedy"}
 
 
 def test_decode_bytes_count_each_weight_once_and_the_context(tmp_path):

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from minifer.bench import aot
-from minifer.features import quant_matmul as qm
+from minifer.kernels import quant_matmul as qm
 
 REPORT = Path(__file__).resolve().parents[2] / "benchmarks" / "results" / "aot_report_archs.json"
 # shared memory one block may use: 64 KiB on Turing, 99 KiB on Ada, 163 KiB on A100, 227 KiB on Hopper

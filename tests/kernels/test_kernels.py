@@ -160,7 +160,7 @@ def test_cuda_graph_decode_path_gives_the_same_tokens(kv_cache_dtype, kv_cache_s
     interpreter; greedy tokens must equal the reference path's, for a 16-bit cache and for 8-bit ones (which
     the decode kernel dequantizes as it loads). (Capture itself needs a GPU: gpu_check.sh.)"""
     from minifer import LLM, SamplingParams
-    from minifer.features.cuda_graph import DecodeGraphs
+    from minifer.engine.cuda_graph import DecodeGraphs
 
     prompts = ["Once upon a time", "Tom had a big red", "The cat"]
     params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)

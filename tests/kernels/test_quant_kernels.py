@@ -41,13 +41,13 @@ def _rel(out, ref):
 @pytest.fixture
 def poisoned_workspace(monkeypatch):
     """Split-K scratch filled with NaN: a partial sum read before it is written poisons the output."""
-    from minifer.features import quant_matmul as qm
+    from minifer.kernels import quant_matmul as qm
 
     monkeypatch.setattr(qm, "_workspace", lambda numel, device: torch.full((numel,), float("nan"), device=device))
 
 
 def _run(x, qw, b, path, split_k=None):
-    from minifer.features.quant_matmul import quant_matmul
+    from minifer.kernels.quant_matmul import quant_matmul
 
     out = torch.full((x.shape[0], qw.shape[0]), float("nan"), dtype=x.dtype, device=x.device)  # poisoned
     res = quant_matmul(x, qw, b, path=path, split_k=split_k, out=out)
@@ -78,7 +78,7 @@ def test_float16_activations(fmt, symmetric, group, k, n, path):
 @pytest.mark.parametrize("fmt,symmetric,group", [("int4", False, 32), ("int4", False, 64), ("int8", True, None)])
 def test_every_split_of_k_gives_the_same_answer(path, split_k, fmt, symmetric, group, poisoned_workspace):
     """1 (no workspace), uneven splits, and more splits than K-steps (capped, some programs get none)."""
-    from minifer.features import quant_matmul as qm
+    from minifer.kernels import quant_matmul as qm
 
     x, qw, b = _case(fmt, symmetric, group, 256, 40, 2, torch.float32, seed=split_k)
     out = _run(x, qw, b, path, split_k=split_k)
@@ -92,7 +92,7 @@ def test_every_split_of_k_gives_the_same_answer(path, split_k, fmt, symmetric, g
 @pytest.mark.parametrize("path", ["gemv", "tiled"])
 def test_fp8_native_conversion_path(monkeypatch, path):
     """The hardware e4m3 conversion (sm_89+) and the bit-arithmetic one (sm_80) give the same numbers."""
-    from minifer.features import quant_matmul as qm
+    from minifer.kernels import quant_matmul as qm
 
     x, qw, b = _case("fp8", True, None, 96, 20, 3, torch.float32, seed=3)
     soft = _run(x, qw, b, path)
@@ -121,7 +121,7 @@ def test_every_fp8_bit_pattern_decodes_exactly(path):
 
 
 def test_auto_path_batched_leading_dims_and_empty():
-    from minifer.features.quant_matmul import quant_matmul
+    from minifer.kernels.quant_matmul import quant_matmul
 
     x, qw, b = _case("int4", True, 32, 128, 24, 6, torch.float32, seed=1)
     y = quant_matmul(x.view(2, 3, 128), qw, b)
@@ -136,7 +136,7 @@ def test_auto_path_batched_leading_dims_and_empty():
 def test_int4_decodes_on_tensor_cores_in_its_own_kernel_when_a_group_holds_64_codes():
     """splitk and tiled for int4 take quant_int4_mma_kernel (K-steps of 64 or 128 codes inside one group), each
     with its own configs; groups of 32 take quant_gemm_kernel, which reads bytes and activation pairs."""
-    from minifer.features import quant_matmul as qm
+    from minifer.kernels import quant_matmul as qm
 
     for group, tuner in ((64, ("int4_mma", 64)), (128, ("int4_mma", 128)), (192, ("int4_mma", 64)),
                          (32, ("splitk", 32))):
@@ -159,7 +159,7 @@ def test_int4_tensor_core_decode_on_other_groups(group, symmetric, m, one_dot, m
     """quant_int4_mma_kernel with K-steps of 64 codes inside groups of 192 (three per group), groups of 256,
     and zero points (subtracted after the dot as z * sum(x)); in both its forms (one dot per K-step, as on
     sm_90, and one per code plane, as on sm_80)."""
-    from minifer.features import quant_matmul as qm
+    from minifer.kernels import quant_matmul as qm
 
     monkeypatch.setattr(qm, "_one_dot", lambda device: one_dot)
     x, qw, b = _case("int4", symmetric, group, 2 * group if group > 128 else 384, 20, m, torch.float32, seed=m)
@@ -172,7 +172,7 @@ def test_int4_tensor_core_kernel_one_dot_per_code_plane(fmt, symmetric, group, k
                                                         poisoned_workspace):
     """The sm_80 form of quant_int4_mma_kernel (``ONE_DOT=False``; the CPU runs the sm_90 form by default,
     in ``test_kernel_matches_reference``) on the same cases, bf16 activations."""
-    from minifer.features import quant_matmul as qm
+    from minifer.kernels import quant_matmul as qm
 
     monkeypatch.setattr(qm, "_one_dot", lambda device: False)
     x, qw, b = _case(fmt, symmetric, group, k, n, m, torch.bfloat16, seed=k + m)
@@ -184,7 +184,7 @@ def test_auto_chooses_its_path_by_rule_and_times_nothing(monkeypatch):
     row times no kernel against another to choose a path."""
     import triton.testing
 
-    from minifer.features import quant_matmul as qm
+    from minifer.kernels import quant_matmul as qm
 
     def no_timing(*a, **k):
         raise AssertionError("quant_matmul timed a kernel to choose its path")
@@ -197,7 +197,7 @@ def test_auto_chooses_its_path_by_rule_and_times_nothing(monkeypatch):
 
 
 def test_auto_path_by_format_and_rows():
-    from minifer.features.quant_matmul import auto_path
+    from minifer.kernels.quant_matmul import auto_path
 
     int4, int8 = quantize(torch.randn(8, 256), "int4", 128), quantize(torch.randn(8, 256), "int8")
     assert [auto_path(m, int4) for m in (1, 2, 16, 17)] == ["gemv", "splitk", "splitk", "tiled"]
@@ -206,7 +206,7 @@ def test_auto_path_by_format_and_rows():
 
 
 def test_choose_split():
-    from minifer.features.quant_matmul import MAX_SPLIT, choose_split
+    from minifer.kernels.quant_matmul import MAX_SPLIT, choose_split
 
     assert choose_split(tiles=1000, k_steps=64, sms=132, per_sm=1) == 1  # enough programs already
     assert choose_split(tiles=32, k_steps=64, sms=132, per_sm=4) == MAX_SPLIT
@@ -217,7 +217,7 @@ def test_choose_split():
 
 def test_autotune_configs_try_several_splits():
     """Each tile config comes with several SPLIT_PER_SM values (a runtime argument: no extra compiles)."""
-    from minifer.features import quant_matmul as qm
+    from minifer.kernels import quant_matmul as qm
 
     for configs, values in ((qm.GPU_GEMV_CONFIGS, {2, 3, 4}), (qm.GPU_SPLITK_CONFIGS, {2, 4, 8}),
                             (qm.GPU_INT4_MMA_CONFIGS, {1, 2, 4, 8})):
@@ -230,7 +230,7 @@ def test_autotune_configs_try_several_splits():
 
 
 def test_bad_inputs_raise_clear_errors():
-    from minifer.features.quant_matmul import quant_matmul
+    from minifer.kernels.quant_matmul import quant_matmul
 
     x, qw, b = _case("int4", True, 32, 64, 8, 2, torch.float32)
     with pytest.raises(ValueError, match="x must be float32, bfloat16 or float16"):
@@ -264,7 +264,7 @@ def test_an_outgrown_split_k_counter_buffer_is_never_freed():
     import gc
     import weakref
 
-    from minifer.features import quant_matmul as qm
+    from minifer.kernels import quant_matmul as qm
 
     device = torch.device(DEVICE)
     first = qm._lock_buffer(device, 8)
@@ -279,7 +279,7 @@ def test_an_outgrown_split_k_counter_buffer_is_never_freed():
 
 def test_strided_weights_and_bias_are_refused():
     """The kernels index by shape alone: a strided view would be read as if packed, silently wrong."""
-    from minifer.features.quant_matmul import quant_matmul
+    from minifer.kernels.quant_matmul import quant_matmul
 
     x, qw, b = _case("int8", True, None, 64, 8, 2, torch.float32)
     with pytest.raises(ValueError, match="bias must be contiguous"):
@@ -291,7 +291,7 @@ def test_strided_weights_and_bias_are_refused():
 
 @pytest.mark.skipif(DEVICE == "cuda", reason="checks the CPU-without-interpreter message")
 def test_cpu_tensors_need_the_interpreter(monkeypatch):
-    from minifer.features import quant_matmul as qm
+    from minifer.kernels import quant_matmul as qm
 
     monkeypatch.setattr(qm, "INTERPRETING", False)
     x, qw, _ = _case("int8", True, None, 64, 8, 2, torch.float32)
@@ -375,7 +375,7 @@ def test_benchmark_smoke(tmp_path):
         assert r["rel_err"] < 1e-2 and r["us_quant"] > 0 and r["us_bf16"] > 0 and r["speedup"] > 0
         assert 1 < r["bytes_bound"] < 4
     assert res["copy_bandwidth_Bps"] > 0 and res["environment"]["triton"]
-    from minifer.features.quant_matmul import _one_dot
+    from minifer.kernels.quant_matmul import _one_dot
 
     assert res["environment"]["int4_mma_one_dot"] is _one_dot(torch.device(device))  # the form that ran
     assert res["targets"][0]["measured_speedup"] is None  # the target shape was not run
@@ -421,7 +421,7 @@ def test_a_target_is_met_only_by_a_fast_and_correct_kernel(monkeypatch):
 
 def test_split_sweep_times_every_split():
     from minifer.bench import quant_kernels as bench
-    from minifer.features.quant_matmul import choose_split
+    from minifer.kernels.quant_matmul import choose_split
 
     sweep = bench.split_sweep(256, 96, 1, "int4", torch.device(DEVICE), group_size=32, rounds=2, calls=1)
     json.dumps(sweep)

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from minifer.layers.paged_attention import PagedAttentionMetadata, PagedKVCache
+from minifer.layers.paged_attention import PagedAttentionMetadata, PagedKVCache, slot_mapping
 from minifer.models.llama import LlamaForCausalLM
 
 
@@ -79,22 +79,23 @@ class DecodeGraphs:
     def can_run(self, batch: int) -> bool:
         return 0 < batch <= self.max_batch and bool(self.graphs)
 
-    def run(self, ids: list[int], positions: list[int], slots: torch.Tensor, tables: list[list[int]],
-            ctx: list[int]) -> torch.Tensor:
-        """Replay the smallest captured size >= len(ids); returns the hidden states ``[len(ids), hidden]``."""
+    def run(self, ids: list[int], positions: list[int], tables: list[list[int]]) -> torch.Tensor:
+        """One decode step: sequence ``i`` brings token ``ids[i]`` at ``positions[i]``, its blocks ``tables[i]``.
+        Replays the smallest captured size >= len(ids); returns the hidden states ``[len(ids), hidden]``."""
         b = len(ids)
         size = next(s for s in self.sizes if s >= b)
         dev = self.ids.device
-        self.ids[:b].copy_(torch.tensor(ids), non_blocking=True)
-        self.positions[:b].copy_(torch.tensor(positions), non_blocking=True)
-        self.slots[:b].copy_(slots, non_blocking=True)
-        self.slots[b:size].fill_(self.cache.scratch_slot)
+        pos = torch.tensor(positions)
         table = torch.full((b, self.width), self.cache.scratch_block, dtype=torch.int32)
         for i, t in enumerate(tables):
             table[i, : len(t)] = torch.tensor(t, dtype=torch.int32)
+        self.ids[:b].copy_(torch.tensor(ids), non_blocking=True)
+        self.positions[:b].copy_(pos, non_blocking=True)
+        self.slots[:b].copy_(slot_mapping(table, pos[:, None], self.cache.block_size)[:, 0], non_blocking=True)
+        self.slots[b:size].fill_(self.cache.scratch_slot)
         self.tables[:b].copy_(table.to(dev, non_blocking=True))
         self.tables[b:size].fill_(self.cache.scratch_block)
-        self.ctx[:b].copy_(torch.tensor(ctx, dtype=torch.int32), non_blocking=True)
+        self.ctx[:b].copy_((pos + 1).to(torch.int32), non_blocking=True)
         self.ctx[b:size].fill_(1)
         self.graphs[size].replay()
         return self.outputs[size][:b]

@@ -39,8 +39,8 @@ import triton
 
 from minifer.kernels import INTERPRETING
 from minifer.kernels.fp8 import fp8_native
-from minifer.features.quant_matmul_jit import (FP8, INT4, INT8, MAGIC, X_BF16, X_FP16, X_FP32, quant_gemm_kernel,
-                                               quant_gemv_kernel, quant_int4_mma_kernel)
+from minifer.kernels.quant_matmul_jit import (FP8, INT4, INT8, MAGIC, X_BF16, X_FP16, X_FP32, quant_gemm_kernel,
+                                              quant_gemv_kernel, quant_int4_mma_kernel)
 
 if TYPE_CHECKING:  # the weights' format (minifer.quant.formats); the kernels need only its fields at run time
     from minifer.quant.formats import QuantizedWeight
