@@ -14,7 +14,7 @@ TORCH_SPEC := $(shell sed -n 's/^ *"\(torch[<>=!~][^"]*\)",.*/\1/p' pyproject.to
 CONSTRAINTS ?=
 PIP_C = $(PIP) $(if $(CONSTRAINTS),-c $(CONSTRAINTS),)
 
-.PHONY: course test install install-course torch doctor exercises constraints wheelhouse results
+.PHONY: course test test-core install install-course torch doctor exercises constraints wheelhouse results
 
 # pip reads no index when the installed torch already satisfies the range, so this is a no-op then.
 torch:
@@ -38,6 +38,10 @@ test: install
 	$(PY) -c "import sys; from importlinter.cli import lint_imports; sys.exit(lint_imports())"  # the import contracts (pyproject.toml)
 	$(PY) -m pytest -n 2 --dist loadfile tests
 	$(PY) -m pytest -n 2 --dist loadfile --nbval-lax --nbval-sanitize-with tests/nbval_sanitize.cfg -p no:randomly $(NOTEBOOKS)
+
+# The core tier: the engine's guarantees in under a minute, to run on every change (tests/README.md).
+test-core:
+	$(PY) -m pytest -m core -q
 
 doctor:
 	$(PY) -m minifer doctor

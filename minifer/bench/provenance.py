@@ -4,7 +4,7 @@ A committed number is only worth as much as our ability to say what produced it.
 ``metadata.git`` (the commit, and whether the tree differed from it) and ``metadata.code``: the sha256 of each
 ``minifer`` source module the run had imported and of each bundled checkpoint it read, taken when the result is saved.
 :func:`stale_sources` compares such a record with the tree as it is now, so a result whose engine code or
-weights changed since it was measured is named instead of silently standing (``tests/course/test_claims.py``
+weights changed since it was measured is named instead of silently standing (``tests/repo/test_claims.py``
 reports them; ``make results`` measures them again).
 """
 

@@ -22,7 +22,7 @@ Chapter 06 builds ten engines (``minifer.course.stacking``); on a GPU they are b
 weights they share, and the share is the memory budget its cell passes (``ModelPair.kv_budget``).
 
 ``CHAPTERS`` lists what each chapter keeps alive at its peak, read from its cells; ``chapter_plan`` prices
-it for a pair of configs, a dtype and a GPU size, and ``tests/course/test_install_gpu_track.py`` checks every
+it for a pair of configs, a dtype and a GPU size, and ``tests/repo/test_install_gpu_track.py`` checks every
 chapter against 15 GiB.
 """
 

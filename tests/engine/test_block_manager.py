@@ -10,6 +10,8 @@ import minifer.engine.block_manager as bm
 from minifer.course.block_order import FifoBlockManager
 from minifer.engine.block_manager import BlockManager
 
+pytestmark = pytest.mark.core  # the fast tier (tests/README.md)
+
 
 def test_allocate_grow_free_returns_every_block():
     m = BlockManager(num_blocks=8, block_size=4)

@@ -11,6 +11,8 @@ import torch
 from minifer import LLM, SamplingParams
 from minifer.layers.paged_attention import PagedAttentionMetadata, PagedKVCache
 
+pytestmark = pytest.mark.core  # the fast tier (tests/README.md)
+
 GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
 
 

@@ -10,6 +10,8 @@ import pytest
 import minifer
 from minifer import ModelLoadError, SamplingParams, UnsupportedModelError
 
+pytestmark = pytest.mark.core  # the fast tier (tests/README.md)
+
 # --- SamplingParams ---------------------------------------------------------------------------------
 
 

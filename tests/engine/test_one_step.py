@@ -9,6 +9,8 @@ from minifer import LLM, SamplingParams
 from minifer.engine import llm_engine, spec_step
 from minifer.engine.step import engine_step
 
+pytestmark = pytest.mark.core  # the fast tier (tests/README.md)
+
 PROMPTS = ["Once upon a time, a cat and a dog", "The sun was hot. The sun was hot. The sun was"]
 
 

@@ -14,6 +14,8 @@ from scipy.stats import chisquare
 from minifer import SamplingParams
 from minifer.sampling import apply_min_p, apply_repetition_penalty, apply_top_k, apply_top_p, sample
 
+pytestmark = pytest.mark.core  # the fast tier (tests/README.md)
+
 NEG_INF = float("-inf")
 BORDER = 1e-5  # float32 cumulative sums may land on either side of a threshold this close
 

@@ -21,6 +21,8 @@ from minifer.layers.rotary import apply_rotary
 from minifer.quant.formats import quant_linear_reference
 from minifer.spec.rejection import RejectionVerifier
 
+pytestmark = pytest.mark.core  # the fast tier (tests/README.md)
+
 PROMPTS = ["Once upon a time", "The little dog"]
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
 

@@ -18,6 +18,8 @@ from minifer.quant import (
     unpack_int4,
 )
 
+pytestmark = pytest.mark.core  # the fast tier (tests/README.md)
+
 
 def _weight(n: int, k: int, seed: int = 0, dtype=torch.float32) -> torch.Tensor:
     gen = torch.Generator().manual_seed(seed)

@@ -14,6 +14,8 @@ import pytest
 from minifer import LLM, SamplingParams
 from minifer.serve import sse_events, start_server
 
+pytestmark = pytest.mark.core  # the fast tier (tests/README.md)
+
 MODEL = "tiny"
 MAX_MODEL_LEN = 64
 DOT = 14  # the token "." of the bundled tokenizer

@@ -19,6 +19,8 @@ from minifer.spec import (acceptance_rate, estimate_alpha, expected_accepted, ex
                           expected_tokens_per_forward, ngram_propose, one_hot_draft_probs, optimal_k,
                           probs_from_logits, rejection_sample, verify_greedy)
 
+pytestmark = pytest.mark.core  # the fast tier (tests/README.md)
+
 FAST = settings(max_examples=80, deadline=None, database=None, suppress_health_check=[HealthCheck.too_slow])
 
 
