@@ -24,7 +24,8 @@ from minifer.layers.kv_quant import (bytes_per_value, check_kv_cache_dtype, code
                                      static_scale)
 
 
-def slot_mapping(block_table, positions, block_size: int):
+def slot_mapping(block_table: list[int] | torch.Tensor, positions: list[int] | torch.Tensor,
+                 block_size: int) -> list[int] | torch.Tensor:
     """Cache slot of each token position: its block's id times ``block_size`` plus the offset inside the block.
     Either one sequence as Python lists (chapter 02's exercise writes this form; returns a list), or a batch as
     tensors, ``block_table`` ``[B, W]`` and ``positions`` ``[B, n]``, each row's positions looked up in its own table
