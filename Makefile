@@ -40,7 +40,7 @@ test: install
 	$(PY) -m pytest -n 2 --dist loadfile --nbval-lax --nbval-sanitize-with tests/nbval_sanitize.cfg -p no:randomly $(NOTEBOOKS)
 
 doctor:
-	$(PY) -m minifer doctor
+	$(PY) -m minifer_course.doctor
 
 # Regenerate exercises/ and solutions/ from their single source.
 exercises:
