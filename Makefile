@@ -44,7 +44,7 @@ test-core:
 	$(PY) -m pytest -m core -q
 
 doctor:
-	$(PY) -m minifer doctor
+	$(PY) -m minifer_course.doctor
 
 # Regenerate exercises/ and solutions/ from their single source.
 exercises:

@@ -4,7 +4,7 @@ The public names match vLLM's (``LLM``, ``SamplingParams``, ``RequestOutput``) s
 minifer moves to vLLM unchanged.
 
 They are imported on first use (PEP 562's module ``__getattr__``): ``import minifer`` alone loads neither torch
-nor transformers, so ``python -m minifer doctor``, the server's argument parsing and a tool that needs one
+nor transformers, so the server's argument parsing, the course's installation check and a tool that needs one
 submodule start fast.
 """
 

@@ -27,7 +27,7 @@ The source is a Python file in the "percent" format (the one jupytext and VS Cod
 
     # %%
     # NBVAL_CHECK_OUTPUT
-    from minifer.course.grading.building_blocks import check_rms_norm
+    from minifer_course.grading.building_blocks import check_rms_norm
     check_rms_norm(rms_norm)
 
 Markers (nbgrader's), each alone on its line, in code or markdown cells:
@@ -42,7 +42,7 @@ Markers (nbgrader's), each alone on its line, in code or markdown cells:
 A cell header may add ``exercise-only`` or ``solution-only`` after ``# %%`` / ``# %% [markdown]``.
 Everything before the first ``# %%`` is a note for authors and is not copied. A code cell whose first
 line is ``# NBVAL_CHECK_OUTPUT`` is a check cell: it must print a deterministic report (graders in
-``minifer.course.grading``), the solution must pass it and the untouched exercise must fail it
+``minifer_course.grading``), the solution must pass it and the untouched exercise must fail it
 (``tests/course/test_exercises.py``).
 
 The output is deterministic: cell ids are ``cell-<index in the source>``, notebook metadata is fixed, no

@@ -3,7 +3,8 @@
     python tools/dep_graph.py                  # one line per edge: importer -> imported (number of module imports)
     python tools/dep_graph.py --mermaid        # the same as a mermaid flowchart (docs/dependency_graph.md)
 
-A subpackage is a first-level name under ``minifer`` (``minifer.engine``, ``minifer.config``...). An edge counts the
+A subpackage is a first-level name under ``minifer`` (``minifer.engine``, ``minifer.config``...); the course's
+package, ``minifer_course``, which builds on the engine, is one node of its own. An edge counts the
 module-to-module imports that cross it; imports that only a type checker runs are left out, as in the contracts in
 pyproject.toml. The imports a contract lists under ``ignore_imports`` (the core's wiring points to the optional
 ``features/``, loaded when a run asks for a feature) are shown apart: dotted in the flowchart, their own list in
@@ -22,6 +23,7 @@ from pathlib import Path
 import grimp
 
 PACKAGE = "minifer"
+COURSE = "minifer_course"  # the course's machinery: one node, above the engine
 PYPROJECT = Path(__file__).resolve().parents[1] / "pyproject.toml"
 
 
@@ -38,13 +40,13 @@ def wiring_points(pyproject: Path = PYPROJECT) -> set[tuple[str, str]]:
 
 def subpackage(module: str) -> str:
     parts = module.split(".")
-    return ".".join(parts[:2])
+    return COURSE if parts[0] == COURSE else ".".join(parts[:2])
 
 
 def subpackage_edges(package: str = PACKAGE, wiring: bool = False) -> Counter:
     """(importer subpackage, imported subpackage) -> number of direct module imports between them; the wiring
     points (``wiring_points``) only, with ``wiring=True``, else all the other imports."""
-    graph = grimp.build_graph(package, exclude_type_checking_imports=True)
+    graph = grimp.build_graph(package, COURSE, exclude_type_checking_imports=True)
     ignored = wiring_points()
     edges: Counter = Counter()
     for importer in graph.modules:

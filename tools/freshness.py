@@ -5,13 +5,14 @@ whose hash differs now may still run exactly what ran then:
 
 - its docstrings or comments changed, and nothing else (:func:`code_only` is the same);
 - it moved to another path (git sees a rename since the result's commit) and the modules that import it now name
-  its new path (``import new.path`` or ``from new import path``), and nothing else changed: the program is the
-  same up to a renaming of modules.
+  its new path (``import new.path`` or ``from new import path``, or in a string: ``prog="python -m new.path"``),
+  and nothing else changed: the program is the same up to a renaming of modules.
 
 Both checks read the file back from the result's commit, and the file there must hash to what the run recorded (a
 run at a modified tree, or a clone without the commit, has nothing to compare with: its changed files stay changed).
-The renaming is strict: an import or a module-name string may change only from a renamed module's old name to its
-new one, so an import re-pointed to a different module of the same name still counts as a change.
+The renaming is strict: an import, or a module's dotted name in a string (the whole name, not part of a longer
+one), may change only from a renamed module's old name to its new one, so an import re-pointed to a different module
+of the same name still counts as a change.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from __future__ import annotations
 import ast
 import functools
 import hashlib
+import re
 import subprocess
 from pathlib import Path
 
@@ -38,9 +40,16 @@ def _renamed(name: str, renames: dict[str, str]) -> str:
     return name
 
 
+def _renamed_in_text(text: str, renames: dict[str, str]) -> str:
+    """``text`` with every renamed module's dotted name in it (as a whole name: ``pkg.old`` in ``python -m pkg.old``
+    or ``pkg.old.f``, not in ``pkg.older`` or ``x.pkg.old``) named by its new name, the longest old name first."""
+    names = "|".join(re.escape(old) for old in sorted(renames, key=len, reverse=True))
+    return re.sub(rf"(?<![\w.])({names})(?!\w)", lambda m: renames[m.group(1)], text)
+
+
 def code_only(source: str, renames: dict[str, str] | None = None) -> str:
     """A module's code with its docstrings and comments left out, and the renamed modules (``{old: new}`` dotted
-    names) named by their new names in its imports and module-name strings: two sources with the same
+    names) named by their new names in its imports and strings: two sources with the same
     ``code_only`` run the same statements, so a result measured on one holds for the other. (Pass ``renames``
     for the old source only: a new name that starts with an old one would be renamed twice.)"""
     tree = ast.parse(source)
@@ -62,8 +71,9 @@ def code_only(source: str, renames: dict[str, str] | None = None) -> str:
         if isinstance(node, ast.Import):
             for alias in node.names:
                 alias.name = _renamed(alias.name, renames)
-        elif isinstance(node, ast.Constant) and isinstance(node.value, str) and node.value in renames:
-            node.value = renames[node.value]  # a module named by a string (a lazy import's table)
+        elif isinstance(node, ast.Constant) and isinstance(node.value, str):
+            # a module named in a string: a lazy import's table, ``python -m`` in a command or a parser's prog
+            node.value = _renamed_in_text(node.value, renames)
     return ast.dump(tree, annotate_fields=False, include_attributes=False)
 
 

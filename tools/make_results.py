@@ -47,9 +47,9 @@ def _bench(args: str) -> str:
 PARTS = [
     Part("bound", _bench(f"bound --out {RESULTS}/bound.json --plot"), 1,
          "computed: the scheduler-step bound of continuous over static batching (ch03)", measured=True),
-    Part("kv_memory", f"python -m minifer.course.kv_memory --out {RESULTS}/kv_memory.json", 1,
+    Part("kv_memory", f"python -m minifer_course.kv_memory --out {RESULTS}/kv_memory.json", 1,
          "KV memory wasted by contiguous vs paged caches, prefix sharing, parallel sampling (ch02)", measured=True),
-    Part("kv_quant", f"python -m minifer.course.kv_quant --out {RESULTS}/kv_quant.json", 1,
+    Part("kv_quant", f"python -m minifer_course.kv_quant --out {RESULTS}/kv_quant.json", 1,
          "sequences that fit with an 8-bit KV cache, and free-running greedy agreement (ch05)", measured=True),
     Part("throughput", _bench(f"throughput -n 512 --repeats 3 --modes static continuous hf --no-progress "
                               f"--out {RESULTS}/throughput_512.json --plot"), 9,
@@ -58,7 +58,7 @@ PARTS = [
                                "--plot"), 40, "TTFT/TPOT/ITL under Poisson arrivals (ch03)"),
     Part("profile", _bench(f"profile -n 128 --modes static continuous hf --out {RESULTS}/profile_128.json --plot"),
          1, "where a step's time goes, per engine (ch03)", measured=True),
-    Part("block_order", f"python -m minifer.course.block_order --out {RESULTS}/block_order.json", 1,
+    Part("block_order", f"python -m minifer_course.block_order --out {RESULTS}/block_order.json", 1,
          "the cost of a shuffled free list (ch04 appendix)", measured=True),
     Part("speculative", f"python -m minifer.bench.speculative --out {RESULTS}/speculative.json --plot --repeats 4",
          20, "speculative decoding: alpha, tokens per forward, wall speedup by batch size (ch04, README)", measured=True),
@@ -77,7 +77,7 @@ PARTS = [
          "each engine's step split into its forward and the rest: where adaptive k's plain-step cost lies (ch04)"),
     Part("quality", f"python -m minifer.bench.quality --out {RESULTS}/quant_quality.json --plot", 5,
          "weight quantization: bytes, perplexity, agreement (ch05, README)", measured=True),
-    Part("stacking", f"python -m minifer.course.stacking -n 96 --rounds 3 --out {RESULTS}/stacking.json --plot", 3,
+    Part("stacking", f"python -m minifer_course.stacking -n 96 --rounds 3 --out {RESULTS}/stacking.json --plot", 3,
          "the levers alone and stacked (ch06, README)", measured=True),
     Part("server_overhead", f"python -m minifer.bench.server_overhead --rounds 5 --out {RESULTS}/server_overhead.json "
                             "--plot", 2, "the HTTP server against the direct engine (ch00)", measured=True),

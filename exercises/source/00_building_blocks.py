@@ -66,7 +66,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 # %%
 # NBVAL_CHECK_OUTPUT
-from minifer.course.grading.building_blocks import check_rms_norm
+from minifer_course.grading.building_blocks import check_rms_norm
 
 check_rms_norm(rms_norm)
 
@@ -82,7 +82,7 @@ check_rms_norm(rms_norm)
 
 # %%
 # NBVAL_CHECK_OUTPUT
-from minifer.course.grading.engine import check_in_engine
+from minifer_course.grading.engine import check_in_engine
 
 check_in_engine("rms_norm", rms_norm)
 
@@ -91,7 +91,7 @@ check_in_engine("rms_norm", rms_norm)
 # measured in interleaved rounds on this machine (a measurement, not a check: it varies from run to run).
 
 # %%
-from minifer.course.workbench import piece_throughput
+from minifer_course.workbench import piece_throughput
 
 piece_throughput("rms_norm", rms_norm)
 
@@ -126,7 +126,7 @@ def rope_inv_freq(head_dim: int, theta: float) -> torch.Tensor:
 
 # %%
 # NBVAL_CHECK_OUTPUT
-from minifer.course.grading.building_blocks import check_rope_inv_freq
+from minifer_course.grading.building_blocks import check_rope_inv_freq
 
 check_rope_inv_freq(rope_inv_freq)
 
@@ -140,7 +140,7 @@ check_rope_inv_freq(rope_inv_freq)
 
 # %%
 # NBVAL_CHECK_OUTPUT
-from minifer.course.grading.engine import check_in_engine
+from minifer_course.grading.engine import check_in_engine
 
 check_in_engine("rope_inv_freq", rope_inv_freq)
 
@@ -185,7 +185,7 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
 
 # %%
 # NBVAL_CHECK_OUTPUT
-from minifer.course.grading.building_blocks import check_apply_rotary
+from minifer_course.grading.building_blocks import check_apply_rotary
 
 check_apply_rotary(apply_rotary)
 
@@ -201,7 +201,7 @@ check_apply_rotary(apply_rotary)
 
 # %%
 # NBVAL_CHECK_OUTPUT
-from minifer.course.grading.engine import check_in_engine
+from minifer_course.grading.engine import check_in_engine
 
 check_in_engine("apply_rotary", apply_rotary)
 
@@ -210,7 +210,7 @@ check_in_engine("apply_rotary", apply_rotary)
 # measured in interleaved rounds on this machine (a measurement, not a check: it varies from run to run).
 
 # %%
-from minifer.course.workbench import piece_throughput
+from minifer_course.workbench import piece_throughput
 
 piece_throughput("apply_rotary", apply_rotary)
 
@@ -255,7 +255,7 @@ def top_p_mask(logits: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
 
 # %%
 # NBVAL_CHECK_OUTPUT
-from minifer.course.grading.building_blocks import check_top_p
+from minifer_course.grading.building_blocks import check_top_p
 
 check_top_p(top_p_mask)
 
@@ -271,7 +271,7 @@ check_top_p(top_p_mask)
 
 # %%
 # NBVAL_CHECK_OUTPUT
-from minifer.course.grading.engine import check_in_engine
+from minifer_course.grading.engine import check_in_engine
 
 check_in_engine("top_p_mask", top_p_mask)
 
@@ -280,7 +280,7 @@ check_in_engine("top_p_mask", top_p_mask)
 # measured in interleaved rounds on this machine (a measurement, not a check: it varies from run to run).
 
 # %%
-from minifer.course.workbench import piece_throughput
+from minifer_course.workbench import piece_throughput
 
 piece_throughput("top_p_mask", top_p_mask)
 
@@ -338,7 +338,7 @@ def decoder_layer(layer, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, 
 
 # %%
 # NBVAL_CHECK_OUTPUT
-from minifer.course.grading.building_blocks import check_decoder_layer
+from minifer_course.grading.building_blocks import check_decoder_layer
 
 check_decoder_layer(decoder_layer)
 
@@ -354,7 +354,7 @@ check_decoder_layer(decoder_layer)
 
 # %%
 # NBVAL_CHECK_OUTPUT
-from minifer.course.grading.engine import check_in_engine
+from minifer_course.grading.engine import check_in_engine
 
 check_in_engine("decoder_layer", decoder_layer)
 
@@ -363,7 +363,7 @@ check_in_engine("decoder_layer", decoder_layer)
 # measured in interleaved rounds on this machine (a measurement, not a check: it varies from run to run).
 
 # %%
-from minifer.course.workbench import piece_throughput
+from minifer_course.workbench import piece_throughput
 
 piece_throughput("decoder_layer", decoder_layer)
 

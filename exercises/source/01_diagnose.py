@@ -18,7 +18,7 @@
 #    dominated by the cost every step pays whatever its batch.
 #
 # Each exercise gives a function whose body you write, then a **check cell** that grades it against minifer's
-# own (`minifer/course/roofline.py`) on fixed inputs: two real model shapes and an odd one, or data the grader
+# own (`minifer_course/roofline.py`) on fixed inputs: two real model shapes and an odd one, or data the grader
 # generates. A check never looks at your timings, which differ from machine to machine.
 
 # %% [markdown] exercise-only
@@ -35,10 +35,10 @@ import math
 import numpy as np
 
 from minifer.config import ModelConfig
-from minifer.course import roofline as rl
-from minifer.course.common import format_table, setup_notebook
-from minifer.course.grading.base import or_minifer  # yours once it runs, minifer's until then
-from minifer.course.grading.diagnose import configs
+from minifer_course import roofline as rl
+from minifer_course.common import format_table, setup_notebook
+from minifer_course.grading.base import or_minifer  # yours once it runs, minifer's until then
+from minifer_course.grading.diagnose import configs
 
 print(setup_notebook()["torch_threads"], "thread(s)")
 CONFIGS = configs()  # the bundled target, Qwen3-0.6B (the shipped config: no download) and an odd shape
@@ -80,7 +80,7 @@ def step_flops(cfg: ModelConfig, batch: int, new_tokens: int, context: int) -> f
 
 # %%
 # NBVAL_CHECK_OUTPUT
-from minifer.course.grading.diagnose import check_step_flops
+from minifer_course.grading.diagnose import check_step_flops
 
 check_step_flops(step_flops)
 
@@ -114,7 +114,7 @@ def step_bytes(cfg: ModelConfig, batch: int, new_tokens: int, context: int, dtyp
 
 # %%
 # NBVAL_CHECK_OUTPUT
-from minifer.course.grading.diagnose import check_step_bytes
+from minifer_course.grading.diagnose import check_step_bytes
 
 check_step_bytes(step_bytes)
 
@@ -140,7 +140,7 @@ def roofline_bound(flops: float, bytes_moved: float, peak_flops: float, bandwidt
 
 # %%
 # NBVAL_CHECK_OUTPUT
-from minifer.course.grading.diagnose import check_roofline_bound
+from minifer_course.grading.diagnose import check_roofline_bound
 
 check_roofline_bound(roofline_bound)
 
@@ -228,7 +228,7 @@ def fit_step_cost(batches: list[int], seconds: list[float]) -> tuple[float, floa
 
 # %%
 # NBVAL_CHECK_OUTPUT
-from minifer.course.grading.diagnose import check_fit_step_cost
+from minifer_course.grading.diagnose import check_fit_step_cost
 
 check_fit_step_cost(fit_step_cost)
 
@@ -251,7 +251,7 @@ def crossover_batch(t0: float, t1: float) -> float:
 
 # %%
 # NBVAL_CHECK_OUTPUT
-from minifer.course.grading.diagnose import check_crossover_batch
+from minifer_course.grading.diagnose import check_crossover_batch
 
 check_crossover_batch(crossover_batch)
 
@@ -288,7 +288,7 @@ print("residuals (ms):", ", ".join(f"b{b}: {1e3 * (s - t0 - b * t1):+.2f}" for b
 #
 # ## Where these live in the engine
 #
-# * `step_flops` and `step_bytes` are `minifer.course.roofline.step_cost` (`.flops`, and `.weight_bytes +
+# * `step_flops` and `step_bytes` are `minifer_course.roofline.step_cost` (`.flops`, and `.weight_bytes +
 #   .kv_read_bytes + .kv_write_bytes`; `.bytes` adds the activations, the other extreme);
 # * `roofline_bound` is `step_time_bound` beside `ridge_point` and `attainable_flops`;
 # * the timings are `sweep_decode`, chapter 01's `run_roofline`, which places each step on the roofline plot.

@@ -79,7 +79,7 @@ def slot_mapping(block_table: list[int], positions: list[int], block_size: int) 
 
 # %%
 # NBVAL_CHECK_OUTPUT
-from minifer.course.grading.paging import check_slot_mapping
+from minifer_course.grading.paging import check_slot_mapping
 
 check_slot_mapping(slot_mapping)
 
@@ -139,7 +139,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
 
 # %%
 # NBVAL_CHECK_OUTPUT
-from minifer.course.grading.paging import check_paged_attention
+from minifer_course.grading.paging import check_paged_attention
 
 check_paged_attention(paged_attention)
 
@@ -156,7 +156,7 @@ check_paged_attention(paged_attention)
 
 # %%
 # NBVAL_CHECK_OUTPUT
-from minifer.course.grading.engine import check_in_engine
+from minifer_course.grading.engine import check_in_engine
 
 check_in_engine("paged_attention", paged_attention)
 
@@ -165,7 +165,7 @@ check_in_engine("paged_attention", paged_attention)
 # measured in interleaved rounds on this machine (a measurement, not a check: it varies from run to run).
 
 # %%
-from minifer.course.workbench import piece_throughput
+from minifer_course.workbench import piece_throughput
 
 piece_throughput("paged_attention", paged_attention)
 
@@ -374,7 +374,7 @@ demo_prefix_cache(PrefixCachingAllocator)
 
 # %%
 # NBVAL_CHECK_OUTPUT
-from minifer.course.grading.paging import check_prefix_allocator
+from minifer_course.grading.paging import check_prefix_allocator
 
 check_prefix_allocator(PrefixCachingAllocator)
 
@@ -392,7 +392,7 @@ check_prefix_allocator(PrefixCachingAllocator)
 
 # %%
 # NBVAL_CHECK_OUTPUT
-from minifer.course.grading.engine import check_in_engine
+from minifer_course.grading.engine import check_in_engine
 
 check_in_engine("PrefixCachingAllocator", PrefixCachingAllocator)
 
@@ -401,7 +401,7 @@ check_in_engine("PrefixCachingAllocator", PrefixCachingAllocator)
 # measured in interleaved rounds on this machine (a measurement, not a check: it varies from run to run).
 
 # %%
-from minifer.course.workbench import piece_throughput
+from minifer_course.workbench import piece_throughput
 
 piece_throughput("PrefixCachingAllocator", PrefixCachingAllocator)
 
@@ -433,7 +433,7 @@ def parallel_sampling_blocks(prompt_len: int, output_len: int, n: int, block_siz
 
 # %%
 # NBVAL_CHECK_OUTPUT
-from minifer.course.grading.paging import check_parallel_sampling_blocks
+from minifer_course.grading.paging import check_parallel_sampling_blocks
 
 check_parallel_sampling_blocks(parallel_sampling_blocks)
 
@@ -491,7 +491,7 @@ class ForkingAllocator(PrefixCachingAllocator):
 
 # %%
 # NBVAL_CHECK_OUTPUT
-from minifer.course.grading.paging import check_forking_allocator
+from minifer_course.grading.paging import check_forking_allocator
 
 check_forking_allocator(ForkingAllocator)
 
@@ -500,7 +500,7 @@ check_forking_allocator(ForkingAllocator)
 # extended); saving it calls nothing, so this cell also runs before you have written it.
 
 # %%
-from minifer.course.workbench import save
+from minifer_course.workbench import save
 
 save(ForkingAllocator)
 
@@ -515,7 +515,7 @@ save(ForkingAllocator)
 
 # %%
 # NBVAL_CHECK_OUTPUT
-from minifer.course.grading.forking_engine import check_forking_in_engine
+from minifer_course.grading.forking_engine import check_forking_in_engine
 
 check_forking_in_engine(ForkingAllocator)
 
@@ -529,5 +529,5 @@ check_forking_in_engine(ForkingAllocator)
 #   steps use the Triton kernels of `minifer/kernels/paged_attention.py`, checked against it;
 # * `PrefixCachingAllocator` is `minifer.engine.block_manager.BlockManager`, which also grows sequences
 #   (`append_slots`) and rolls them back (`truncate`, for speculative decoding);
-# * `parallel_sampling_blocks` is `minifer.course.kv_memory.parallel_sampling_blocks`; the sharing itself is
+# * `parallel_sampling_blocks` is `minifer_course.kv_memory.parallel_sampling_blocks`; the sharing itself is
 #   `SequenceGroup` (`minifer/engine/sequence.py`) with the prefix cache doing the work.

@@ -30,7 +30,7 @@ import math
 from collections import deque
 from dataclasses import dataclass
 
-from minifer.course.common import show_source
+from minifer_course.common import show_source
 from minifer.engine.block_manager import KVBlockAllocator
 from minifer.engine.sequence import Sequence, SequenceStatus
 from minifer.engine.step import StepParts
@@ -130,7 +130,7 @@ def schedule_step(running: list[Request], waiting: list[Request], free_blocks: i
 
 # %%
 # NBVAL_CHECK_OUTPUT
-from minifer.course.grading.batching import check_schedule_step
+from minifer_course.grading.batching import check_schedule_step
 
 check_schedule_step(schedule_step)
 
@@ -147,7 +147,7 @@ check_schedule_step(schedule_step)
 
 # %%
 # NBVAL_CHECK_OUTPUT
-from minifer.course.grading.engine import check_in_engine
+from minifer_course.grading.engine import check_in_engine
 
 check_in_engine("schedule_step", schedule_step)
 
@@ -156,7 +156,7 @@ check_in_engine("schedule_step", schedule_step)
 # measured in interleaved rounds on this machine (a measurement, not a check: it varies from run to run).
 
 # %%
-from minifer.course.workbench import piece_throughput
+from minifer_course.workbench import piece_throughput
 
 piece_throughput("schedule_step", schedule_step)
 
@@ -204,7 +204,7 @@ def preempt(running: list[Sequence], waiting: deque[Sequence], blocks: KVBlockAl
 
 # %%
 # NBVAL_CHECK_OUTPUT
-from minifer.course.grading.batching import check_preempt
+from minifer_course.grading.batching import check_preempt
 
 check_preempt(preempt)
 
@@ -221,13 +221,13 @@ check_preempt(preempt)
 
 # %%
 # NBVAL_CHECK_OUTPUT
-from minifer.course.grading.engine import check_in_engine
+from minifer_course.grading.engine import check_in_engine
 
 check_in_engine("preempt", preempt)
 
 # %%
 # NBVAL_CHECK_OUTPUT
-from minifer.course.grading.batching import check_preemptions_in_engine
+from minifer_course.grading.batching import check_preemptions_in_engine
 
 check_preemptions_in_engine(preempt)
 
@@ -236,7 +236,7 @@ check_preemptions_in_engine(preempt)
 # measured in interleaved rounds on this machine (a measurement, not a check: it varies from run to run).
 
 # %%
-from minifer.course.workbench import piece_throughput
+from minifer_course.workbench import piece_throughput
 
 piece_throughput("preempt", preempt)
 
@@ -299,7 +299,7 @@ def engine_step(parts: StepParts) -> list[Sequence]:
 
 # %%
 # NBVAL_CHECK_OUTPUT
-from minifer.course.grading.batching import check_engine_step
+from minifer_course.grading.batching import check_engine_step
 
 check_engine_step(engine_step)
 
@@ -314,7 +314,7 @@ check_engine_step(engine_step)
 
 # %%
 # NBVAL_CHECK_OUTPUT
-from minifer.course.grading.engine import check_in_engine
+from minifer_course.grading.engine import check_in_engine
 
 check_in_engine("engine_step", engine_step)
 
@@ -323,7 +323,7 @@ check_in_engine("engine_step", engine_step)
 # same work and a little more (it times each step and can speculate), so expect a ratio near 1.
 
 # %%
-from minifer.course.workbench import piece_throughput
+from minifer_course.workbench import piece_throughput
 
 piece_throughput("engine_step", engine_step)
 

@@ -96,7 +96,7 @@ def verify_greedy(draft_tokens: list[list[int]], target_argmax: torch.Tensor) ->
 
 # %%
 # NBVAL_CHECK_OUTPUT
-from minifer.course.grading.spec import check_verify_greedy
+from minifer_course.grading.spec import check_verify_greedy
 
 check_verify_greedy(verify_greedy)
 
@@ -112,7 +112,7 @@ check_verify_greedy(verify_greedy)
 
 # %%
 # NBVAL_CHECK_OUTPUT
-from minifer.course.grading.engine import check_in_engine
+from minifer_course.grading.engine import check_in_engine
 
 check_in_engine("verify_greedy", verify_greedy)
 
@@ -121,7 +121,7 @@ check_in_engine("verify_greedy", verify_greedy)
 # measured in interleaved rounds on this machine (a measurement, not a check: it varies from run to run).
 
 # %%
-from minifer.course.workbench import piece_throughput
+from minifer_course.workbench import piece_throughput
 
 piece_throughput("verify_greedy", verify_greedy)
 
@@ -191,7 +191,7 @@ def rejection_sample(draft_tokens: list[int], q: torch.Tensor, p: torch.Tensor,
 
 # %%
 # NBVAL_CHECK_OUTPUT
-from minifer.course.grading.spec import check_rejection_sample
+from minifer_course.grading.spec import check_rejection_sample
 
 check_rejection_sample(rejection_sample)
 
@@ -208,7 +208,7 @@ check_rejection_sample(rejection_sample)
 
 # %%
 # NBVAL_CHECK_OUTPUT
-from minifer.course.grading.engine import check_in_engine
+from minifer_course.grading.engine import check_in_engine
 
 check_in_engine("rejection_sample", rejection_sample)
 
@@ -217,7 +217,7 @@ check_in_engine("rejection_sample", rejection_sample)
 # measured in interleaved rounds on this machine (a measurement, not a check: it varies from run to run).
 
 # %%
-from minifer.course.workbench import piece_throughput
+from minifer_course.workbench import piece_throughput
 
 piece_throughput("rejection_sample", rejection_sample)
 
@@ -292,7 +292,7 @@ def ngram_propose(token_ids: list[int], k: int, prompt_lookup_max: int, prompt_l
 
 # %%
 # NBVAL_CHECK_OUTPUT
-from minifer.course.grading.spec import check_ngram_propose
+from minifer_course.grading.spec import check_ngram_propose
 
 check_ngram_propose(ngram_propose)
 
@@ -308,7 +308,7 @@ check_ngram_propose(ngram_propose)
 
 # %%
 # NBVAL_CHECK_OUTPUT
-from minifer.course.grading.engine import check_in_engine
+from minifer_course.grading.engine import check_in_engine
 
 check_in_engine("ngram_propose", ngram_propose)
 
@@ -317,7 +317,7 @@ check_in_engine("ngram_propose", ngram_propose)
 # measured in interleaved rounds on this machine (a measurement, not a check: it varies from run to run).
 
 # %%
-from minifer.course.workbench import piece_throughput
+from minifer_course.workbench import piece_throughput
 
 piece_throughput("ngram_propose", ngram_propose)
 
@@ -395,7 +395,7 @@ print(f"best k for draft cost {cost}: {best}")
 # `free_blocks`. Write `rollback`: it changes its arguments in place and returns nothing.
 
 # %%
-from minifer.course.workbench_spec import KVView
+from minifer_course.workbench_spec import KVView
 
 
 def rollback(token_ids: list[int], k: int, accepted: int, target: KVView, draft: KVView | None) -> None:
@@ -419,7 +419,7 @@ def rollback(token_ids: list[int], k: int, accepted: int, target: KVView, draft:
 
 # %%
 # NBVAL_CHECK_OUTPUT
-from minifer.course.grading.spec_step import check_rollback
+from minifer_course.grading.spec_step import check_rollback
 
 check_rollback(rollback)
 
@@ -436,12 +436,12 @@ check_rollback(rollback)
 
 # %%
 # NBVAL_CHECK_OUTPUT
-from minifer.course.grading.engine import check_in_engine
+from minifer_course.grading.engine import check_in_engine
 
 check_in_engine("rollback", rollback)
 
 # %%
-from minifer.course.workbench import piece_throughput
+from minifer_course.workbench import piece_throughput
 
 piece_throughput("rollback", rollback)
 
@@ -496,7 +496,7 @@ def eagle_forward(head, features: torch.Tensor, input_ids: torch.Tensor, positio
 
 # %%
 # NBVAL_CHECK_OUTPUT
-from minifer.course.grading.spec_step import check_eagle_forward
+from minifer_course.grading.spec_step import check_eagle_forward
 
 check_eagle_forward(eagle_forward)
 
@@ -511,12 +511,12 @@ check_eagle_forward(eagle_forward)
 
 # %%
 # NBVAL_CHECK_OUTPUT
-from minifer.course.grading.engine import check_in_engine
+from minifer_course.grading.engine import check_in_engine
 
 check_in_engine("eagle_forward", eagle_forward)
 
 # %%
-from minifer.course.workbench import piece_throughput
+from minifer_course.workbench import piece_throughput
 
 piece_throughput("eagle_forward", eagle_forward)
 

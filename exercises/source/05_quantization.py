@@ -55,7 +55,7 @@ import transformers
 
 import minifer
 from minifer.eval import causal_forward, heldout_windows, perplexity as minifer_perplexity, stdlib_windows
-from minifer.course.grading.quant import triton_modules
+from minifer_course.grading.quant import triton_modules
 from minifer.quant import dequantize, quantize, quantize_int4
 from minifer.quant.model import quantize_model
 
@@ -135,7 +135,7 @@ def quantize_int4_groupwise(w: torch.Tensor, group_size: int, symmetric: bool):
 
 # %%
 # NBVAL_CHECK_OUTPUT
-from minifer.course.grading.quant import check_quantize_int4
+from minifer_course.grading.quant import check_quantize_int4
 
 check_quantize_int4(quantize_int4_groupwise)
 
@@ -152,7 +152,7 @@ check_quantize_int4(quantize_int4_groupwise)
 
 # %%
 # NBVAL_CHECK_OUTPUT
-from minifer.course.grading.quant_engine import check_quant_in_engine
+from minifer_course.grading.quant_engine import check_quant_in_engine
 
 check_quant_in_engine("quantize_int4_groupwise", quantize_int4_groupwise)
 
@@ -229,7 +229,7 @@ def quantize_linears(model, quantize, group_size=128, symmetric=True, kernel=Non
 
 # %%
 # NBVAL_CHECK_OUTPUT
-from minifer.course.grading.quant_load import check_quantize_linears
+from minifer_course.grading.quant_load import check_quantize_linears
 
 check_quantize_linears(quantize_linears)
 
@@ -369,7 +369,7 @@ def int4_matmul(x, packed, scales, zeros, group_size, out, BLOCK_M=16, BLOCK_N=1
 
 # %%
 # NBVAL_CHECK_OUTPUT
-from minifer.course.grading.quant import check_int4_matmul_kernel
+from minifer_course.grading.quant import check_int4_matmul_kernel
 
 check_int4_matmul_kernel(int4_matmul)
 
@@ -394,7 +394,7 @@ check_quant_in_engine("int4_matmul", int4_matmul)
 
 # %%
 # NBVAL_CHECK_OUTPUT
-from minifer.course.grading.quant_engine import check_int4_engine
+from minifer_course.grading.quant_engine import check_int4_engine
 
 check_int4_engine()
 
@@ -452,7 +452,7 @@ def perplexity(model_fn, token_ids: torch.Tensor, window: int) -> float:
 
 # %%
 # NBVAL_CHECK_OUTPUT
-from minifer.course.grading.quant import check_perplexity
+from minifer_course.grading.quant import check_perplexity
 
 check_perplexity(perplexity)
 

@@ -18,7 +18,7 @@
 #    to tell a lever's effect from the machine's noise.
 #
 # Each exercise explains the idea, gives a function whose body you write, then a **check cell** that grades it
-# against minifer's own (`minifer/course/stacking.py`, `minifer/bench/speculative.py`) or on data it generates. A
+# against minifer's own (`minifer_course/stacking.py`, `minifer/bench/speculative.py`) or on data it generates. A
 # check prints `ok` per passing check and stops at the first failure with what differs and a hint.
 
 # %% [markdown] exercise-only
@@ -37,9 +37,9 @@ import statistics
 from pathlib import Path
 
 import minifer
-from minifer.course.stacking import LEVERS, SHORT, configurations, label
-from minifer.course.stacking import lever_analysis as minifer_lever_analysis
-from minifer.course.stacking import split_budget
+from minifer_course.stacking import LEVERS, SHORT, configurations, label
+from minifer_course.stacking import lever_analysis as minifer_lever_analysis
+from minifer_course.stacking import split_budget
 
 RESULTS = Path(minifer.__file__).resolve().parents[1] / "benchmarks" / "results"
 
@@ -70,7 +70,7 @@ def kv_blocks(memory: int, weight_bytes: int, block_bytes: int) -> int:
 
 # %%
 # NBVAL_CHECK_OUTPUT
-from minifer.course.grading.stacking import check_kv_blocks
+from minifer_course.grading.stacking import check_kv_blocks
 
 check_kv_blocks(kv_blocks)
 
@@ -149,7 +149,7 @@ def lever_analysis(gain: dict[frozenset, float]) -> dict:
 
 # %%
 # NBVAL_CHECK_OUTPUT
-from minifer.course.grading.stacking import check_lever_analysis
+from minifer_course.grading.stacking import check_lever_analysis
 
 check_lever_analysis(lever_analysis)
 
@@ -231,7 +231,7 @@ def interleaved_speedups(run_a, run_b, rounds: int) -> list[float]:
 
 # %%
 # NBVAL_CHECK_OUTPUT
-from minifer.course.grading.measure import check_interleaved_speedups
+from minifer_course.grading.measure import check_interleaved_speedups
 
 check_interleaved_speedups(interleaved_speedups)
 
@@ -248,7 +248,7 @@ def relative_spread(values: list[float]) -> float:
 
 # %%
 # NBVAL_CHECK_OUTPUT
-from minifer.course.grading.measure import check_relative_spread
+from minifer_course.grading.measure import check_relative_spread
 
 check_relative_spread(relative_spread)
 
@@ -274,7 +274,7 @@ def median_ci(values: list[float], level: float = 0.95, seed: int = 0) -> tuple[
 
 # %%
 # NBVAL_CHECK_OUTPUT
-from minifer.course.grading.measure import check_median_ci
+from minifer_course.grading.measure import check_median_ci
 
 check_median_ci(median_ci)
 
@@ -297,7 +297,7 @@ def noise_verdict(speedups: list[float], aa_speedups: list[float], level: float 
 
 # %%
 # NBVAL_CHECK_OUTPUT
-from minifer.course.grading.measure import check_noise_verdict
+from minifer_course.grading.measure import check_noise_verdict
 
 check_noise_verdict(noise_verdict)
 
@@ -316,8 +316,8 @@ import time
 
 from minifer import LLM
 from minifer.bench.speculative import median_ci as minifer_median_ci
-from minifer.course.grading import measure as ref
-from minifer.course.grading.base import or_minifer  # yours once it runs, minifer's until then
+from minifer_course.grading import measure as ref
+from minifer_course.grading.base import or_minifer  # yours once it runs, minifer's until then
 from minifer.sampling import SamplingParams
 
 
@@ -363,11 +363,11 @@ print("int8 weights:", verdict_of(lever, aa, 0.95))
 #
 # ## Where these live in the engine
 #
-# * `kv_blocks` is `minifer.course.stacking.split_budget` (which also counts static batching's rows); the engine's
+# * `kv_blocks` is `minifer_course.stacking.split_budget` (which also counts static batching's rows); the engine's
 #   `CacheConfig.num_blocks` (`minifer/engine/llm_engine.py`) does the same from `kv_cache_memory` on a CPU or
 #   `gpu_memory_utilization` on a GPU, less the two blocks its cache holds back (`usable_blocks`);
-# * `lever_analysis` is `minifer.course.stacking.lever_analysis`, which also reads each lever's gain in every
+# * `lever_analysis` is `minifer_course.stacking.lever_analysis`, which also reads each lever's gain in every
 #   context of the others (`contexts`) and the cumulative path in the course's order (`path`);
 # * `interleaved_speedups` is the method of `minifer.bench.speculative.run_interleaved`, which interleaves single
 #   engine *steps* in a fresh random order each turn; `median_ci` is `minifer.bench.speculative.median_ci`; the A/A
-#   band is `aa_band` in `minifer.course.stacking.analyse_rounds`.
+#   band is `aa_band` in `minifer_course.stacking.analyse_rounds`.

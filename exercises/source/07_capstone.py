@@ -35,7 +35,7 @@
 # | `int4_matmul` (the Triton kernel) | `05_quantization`, section 3 | its "now your kernel serves requests" cell; here, "Your int4 engine" |
 #
 # The check below loads each saved piece, grades it again with its exercise's checks, and builds
-# `LLM("tinystories-target", components=...)` from them (`minifer.course.workbench.components_from` turns each
+# `LLM("tinystories-target", components=...)` from them (`minifer_course.workbench.components_from` turns each
 # exercise's signature into the engine's seam). It then serves two batches, one greedy and one sampled with a
 # seed per request, both speculating, in a KV cache small enough that requests are preempted; a third, greedy
 # and not speculating, that your engine step drives (speculation's step stays minifer's); and a fourth, greedy,
@@ -62,7 +62,7 @@ SOLUTION = True  # the solved twin runs whatever the solution notebooks saved, m
 
 # %%
 # NBVAL_CHECK_OUTPUT
-from minifer.course.grading.engine import check_capstone
+from minifer_course.grading.engine import check_capstone
 
 check_capstone(solution=SOLUTION)
 
@@ -70,7 +70,7 @@ check_capstone(solution=SOLUTION)
 # Whose pieces ran (`yours`, or minifer's and why):
 
 # %%
-from minifer.course.grading.engine import print_origins
+from minifer_course.grading.engine import print_origins
 
 print_origins()
 
@@ -84,7 +84,7 @@ print_origins()
 # throughput cell measured one piece alone.
 
 # %%
-from minifer.course.grading.engine import capstone_throughput
+from minifer_course.grading.engine import capstone_throughput
 
 capstone_throughput(solution=SOLUTION)
 
@@ -102,7 +102,7 @@ capstone_throughput(solution=SOLUTION)
 
 # %%
 # NBVAL_CHECK_OUTPUT
-from minifer.course.grading.quant_engine import check_int4_engine, print_int4_origins
+from minifer_course.grading.quant_engine import check_int4_engine, print_int4_origins
 
 check_int4_engine(solution=SOLUTION)
 
@@ -115,7 +115,7 @@ print_int4_origins()
 # your kernel; on a GPU the same cell compares two compiled kernels.
 
 # %%
-from minifer.course.grading.quant_engine import int4_throughput
+from minifer_course.grading.quant_engine import int4_throughput
 
 int4_throughput(solution=SOLUTION)
 

@@ -6,7 +6,7 @@ quality and kernels of quantization (``quality``, ``quant_kernels``) and the HTT
 instructions per weight); ``cpu_peer`` compares the CPU path with CTranslate2 and measures each CPU lever alone:
 tools and experiments the engine never runs while serving.
 The chapters' own experiments (roofline, KV memory, block order, the 8-bit KV cache's capacity, stacking the
-levers) live in ``minifer.course``.
+levers) live in ``minifer_course``.
 
 Submodules are not imported here, so ``python -m minifer.bench.speculative`` runs without the warning that
 ``runpy`` gives when a package has already imported the module it is asked to run.

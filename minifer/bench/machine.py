@@ -1,6 +1,6 @@
 """The machine a measurement runs on: its description (``environment``, stored beside every result), the threads
 and paths the benchmarks use, the timing primitives, and its memory's copy bandwidth. Shared by the benchmarks
-(``minifer.bench``) and the chapters' experiments (``minifer.course``), which import it from here.
+(``minifer.bench``) and the chapters' experiments (``minifer_course``), which import it from here.
 """
 
 from __future__ import annotations

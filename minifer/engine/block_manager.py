@@ -317,7 +317,7 @@ class BlockManager:
     def _pop_free(self) -> int:
         """The lowest-numbered free block, not the longest free (a FIFO): blocks come back in an order that depends on
         history (rollbacks, the order sequences finish), and a FIFO would hand it on, scattering a batch's KV over
-        the pool, which slows the CPU's token-by-token key gather (``python -m minifer.course.block_order``).
+        the pool, which slows the CPU's token-by-token key gather (``python -m minifer_course.block_order``).
         Lowest-first keeps the blocks in use packed at the start of the pool. Cached blocks are not in this heap:
         they go out least recently used first, once no free block is left (``_take_free``)."""
         return heapq.heappop(self._free)

@@ -129,7 +129,7 @@ class LLM:
             (``LLMEngine`` lists their contracts); None builds the reference implementation a chapter shows.
         components: a ``Components`` holding any of those seams and ``quant_kernel``, plus the RMSNorm and RoPE
             functions the model's layers call (``rms_norm``, ``apply_rotary``): the course's way to run a learner's
-            own pieces together (``minifer.course.workbench``). A piece may be given here or as an argument, not both.
+            own pieces together (``minifer_course.workbench``). A piece may be given here or as an argument, not both.
         share_weights_with: another ``LLM`` of the same model, dtype, device and quantization whose loaded weights
             (and draft model, when both use the same draft) this one uses: two engines to compare in one process
             (chapter 04), without separate copies, whose placement in memory alone can change their speed.

@@ -19,7 +19,7 @@ bytes per ``head_dim`` codes: (128 + 2) / 256 = 0.51 of bf16's bytes at a head_d
 ``kv_cache_scales="head"`` keeps instead one *static* scale per (layer, head) for keys and one for values (vLLM's
 ``k_scale``/``v_scale``): exactly one byte per number. They are calibrated once, at start-up, on
 :data:`CALIBRATION_TEXT` (the largest magnitude seen per head, times :data:`STATIC_HEADROOM`; a later value beyond
-that saturates). The price is precision, one range for every token (``python -m minifer.course.kv_quant``).
+that saturates). The price is precision, one range for every token (``python -m minifer_course.kv_quant``).
 """
 
 from __future__ import annotations

@@ -232,7 +232,7 @@ def test_cli_bound_and_plot(tmp_path):
 def test_block_order_smoke(tmp_path):
     """The allocator-order benchmark runs end to end, its FIFO engines decode the same tokens, and its rows hold a
     median inside its interval (speed itself is never asserted: ratios on a shared machine are measured, not tested)."""
-    from minifer.course import block_order
+    from minifer_course import block_order
 
     out = tmp_path / "block_order.json"
     block_order.main(["--smoke", "--out", str(out)])

@@ -1,4 +1,4 @@
-"""minifer.course.kv_memory (chapter 02): reservation arithmetic, the bookkeeping-only simulation against the
+"""minifer_course.kv_memory (chapter 02): reservation arithmetic, the bookkeeping-only simulation against the
 real engine (with preemption and prefix caching), paged attention against dense attention, and the demos."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from minifer.course import kv_memory as kvm
+from minifer_course import kv_memory as kvm
 from minifer.bench.workloads import BenchRequest, Workload
 
 

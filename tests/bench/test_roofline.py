@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from minifer import ModelConfig
-from minifer.course import roofline as rl
+from minifer_course import roofline as rl
 from minifer.loader import BUNDLED_MODELS, load_config
 
 # A toy Llama: every number below can be recomputed on paper.

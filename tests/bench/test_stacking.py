@@ -1,4 +1,4 @@
-"""Chapter 06's benchmark (``minifer.course.stacking``): the configurations, the arithmetic that reads the gains,
+"""Chapter 06's benchmark (``minifer_course.stacking``): the configurations, the arithmetic that reads the gains,
 the memory budget, and one small run on the bundled pair (correctness only: no timing is asserted)."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from minifer.course import stacking as st
+from minifer_course import stacking as st
 
 
 def test_configurations_are_static_plus_the_continuous_factorial():

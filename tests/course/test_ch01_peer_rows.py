@@ -7,7 +7,7 @@ from pathlib import Path
 
 from minifer.bench.cpu_peer import left_out
 from minifer.bench.cpu_targets import targets
-from minifer.course.ch01_diagnose import peer_target_rows
+from minifer_course.ch01_diagnose import peer_target_rows
 
 RESULT = Path(__file__).resolve().parents[2] / "benchmarks" / "results" / "cpu_peer.json"
 

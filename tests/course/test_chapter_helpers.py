@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from minifer.course.common import check_prediction
+from minifer_course.common import check_prediction
 
 ROOT = Path(__file__).resolve().parents[2]
 RESULTS = ROOT / "benchmarks" / "results"
@@ -27,7 +27,7 @@ def test_a_prediction_is_set_beside_the_measurement(prediction, verdict):
 
 
 def test_spec_ceilings_are_labelled_and_computed_from_the_datasheet_bandwidths():
-    from minifer.course.ch05_quantization import SPEC_GPUS, decode_ceiling_rows
+    from minifer_course.ch05_quantization import SPEC_GPUS, decode_ceiling_rows
 
     step = [{"label": "bf16", "total": 16e9, "total_vs_bf16": 1.0}, {"label": "int4", "total": 5e9, "total_vs_bf16": 3.2}]
     rows = decode_ceiling_rows(step, {"H200 (measured)": 4.3e12})
@@ -38,7 +38,7 @@ def test_spec_ceilings_are_labelled_and_computed_from_the_datasheet_bandwidths()
 
 
 def test_chapter05_literature_table_renders_from_the_committed_results():
-    from minifer.course import ch05_quantization as ch5
+    from minifer_course import ch05_quantization as ch5
     from minifer.loader import load_config, resolve_model
 
     qual = json.loads((RESULTS / "quant_quality.json").read_text())
@@ -58,7 +58,7 @@ def test_chapter05_literature_table_renders_from_the_committed_results():
 def test_real_shape_comparison_reports_what_the_chapter_prints():
     """On the bundled model (seconds): every figure is there and finite; no verdict depends on the timings."""
     from minifer import LLM
-    from minifer.course.ch01_diagnose import DECODE_COMPARISON_COLUMNS, decode_comparison_rows, decode_vs_weight_reads
+    from minifer_course.ch01_diagnose import DECODE_COMPARISON_COLUMNS, decode_comparison_rows, decode_vs_weight_reads
 
     llm = LLM("tinystories-target", device="cpu", num_kv_blocks=16)
     run = decode_vs_weight_reads(llm.model, context=16, rounds=2)

@@ -1,11 +1,11 @@
-"""``minifer doctor``'s install-route checks, each case without the hardware it describes: the checks are a
-pure function of what the machine reports."""
+"""``python -m minifer_course.doctor``'s install-route checks, each case without the hardware it describes: the
+checks are a pure function of what the machine reports."""
 
 from __future__ import annotations
 
 import pytest
 
-from minifer.doctor import CPU_INDEX, install_checks, torch_requirement
+from minifer_course.doctor import CPU_INDEX, install_checks, torch_requirement
 
 LAPTOP = dict(torch_version="2.13.0+cpu", cuda_build=None, gpu_capability=None, gpu_memory_bytes=None,
               system="Linux", track=None, requirement="torch<2.16,>=2.12", have_jupyterlab=True, have_triton=True)

@@ -1,7 +1,7 @@
 """The exercise mechanism: generated notebooks in sync with their sources, solutions that pass their
 checks, untouched exercises that fail them, and graders that reject the classic mistakes.
 
-The graders in ``minifer.course.grading`` are the same functions the notebooks' check cells call; here they
+The graders in ``minifer_course.grading`` are the same functions the notebooks' check cells call; here they
 also grade minifer's own implementations (which must pass) and deliberately wrong ones (which must fail).
 """
 
@@ -15,7 +15,7 @@ import nbformat
 import pytest
 import torch
 
-from minifer.course.grading import building_blocks, paging
+from minifer_course.grading import building_blocks, paging
 from minifer.layers.norm import rms_norm as ref_rms_norm
 from minifer.layers.rotary import apply_rotary as ref_apply_rotary
 from minifer.layers.rotary import rope_inv_freq as ref_rope_inv_freq
@@ -76,10 +76,10 @@ def _errors(cell) -> list:
 
 @pytest.fixture
 def my_engine(tmp_path_factory, monkeypatch, request):
-    """The pieces the notebooks save (``minifer.course.workbench``) go to a temporary folder, one per kind of run
+    """The pieces the notebooks save (``minifer_course.workbench``) go to a temporary folder, one per kind of run
     (the solutions' and the untouched exercises' never mix), as they would to ``my_engine/`` beside the notebooks;
     never to a learner's own folder."""
-    from minifer.course import workbench
+    from minifer_course import workbench
 
     folder = tmp_path_factory.getbasetemp() / f"my_engine_{request.function.__name__}"
     monkeypatch.setenv(workbench.FOLDER_ENV, str(folder))

@@ -1,5 +1,5 @@
-"""The graders of exercise 01 (``minifer.course.grading.diagnose``) and of exercise 06's measurement section
-(``minifer.course.grading.measure``): minifer's own implementations pass with a deterministic report, other correct
+"""The graders of exercise 01 (``minifer_course.grading.diagnose``) and of exercise 06's measurement section
+(``minifer_course.grading.measure``): minifer's own implementations pass with a deterministic report, other correct
 routes pass too, and each classic mistake fails with the hint that names it. (The generated notebooks, their
 execution and the untouched exercises are covered by ``tests/course/test_exercises.py``.)"""
 
@@ -13,9 +13,9 @@ import pytest
 import scipy.stats
 
 from minifer.bench.speculative import median_ci as ref_median_ci
-from minifer.course import roofline as rl
-from minifer.course.grading import diagnose as gd
-from minifer.course.grading import measure as gm
+from minifer_course import roofline as rl
+from minifer_course.grading import diagnose as gd
+from minifer_course.grading import measure as gm
 from test_exercises import test_graders_pass_minifers_own_implementation as passes_deterministically
 
 # --- exercise 01: the references and other correct routes ----------------------------------------------------

@@ -9,8 +9,8 @@ import pytest
 import torch
 
 import minifer.engine.block_manager as _bm
-from minifer.course.kv_memory import parallel_sampling_blocks
-from minifer.course.grading import batching, paging
+from minifer_course.kv_memory import parallel_sampling_blocks
+from minifer_course.grading import batching, paging
 from minifer.engine.block_manager import BlockManager
 from minifer.layers.paged_attention import PagedAttentionMetadata, paged_attention_reference
 from minifer.layers.paged_attention import slot_mapping as ref_slot_mapping
@@ -465,7 +465,7 @@ def test_exercise_03_graders_accept_the_notebooks_variants():
 
 @pytest.mark.slow
 def test_a_correct_forking_allocator_serves_parallel_sampling_and_beam_search(capsys):
-    from minifer.course.grading.forking_engine import check_forking_in_engine
+    from minifer_course.grading.forking_engine import check_forking_in_engine
 
     check_forking_in_engine(_forking_with())
     assert capsys.readouterr().out.rstrip().endswith("5/5 checks passed")
@@ -474,7 +474,7 @@ def test_a_correct_forking_allocator_serves_parallel_sampling_and_beam_search(ca
 @pytest.mark.slow
 def test_beams_that_never_copy_on_write_are_caught_in_the_engine(monkeypatch):
     """A fork without copy-on-write, let past its grader: beam search in the engine tells."""
-    from minifer.course.grading import forking_engine
+    from minifer_course.grading import forking_engine
 
     monkeypatch.setattr(forking_engine, "check_forking_allocator", lambda cls: None)
     with pytest.raises(AssertionError, match="(?s)check 5/5.*the beams of prompt .*copy_on_write"):
@@ -482,7 +482,7 @@ def test_beams_that_never_copy_on_write_are_caught_in_the_engine(monkeypatch):
 
 
 def test_a_wrong_fork_never_reaches_the_engine():
-    from minifer.course.grading.forking_engine import check_forking_in_engine
+    from minifer_course.grading.forking_engine import check_forking_in_engine
 
     with pytest.raises(AssertionError, match="(?s)check 1/5.*does not go into the engine.*ref_count"):
         check_forking_in_engine(_forking_with(add_refs=False))

@@ -1,4 +1,4 @@
-"""The graders of exercise 04's engine pieces (``minifer.course.grading.spec_step``): minifer's rule and head pass,
+"""The graders of exercise 04's engine pieces (``minifer_course.grading.spec_step``): minifer's rule and head pass,
 and each classic mistake fails with the hint that names it."""
 
 from __future__ import annotations
@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from minifer.course.grading import spec_step
-from minifer.course.workbench_spec import KVView
+from minifer_course.grading import spec_step
+from minifer_course.workbench_spec import KVView
 
 
 def test_the_references_pass(capsys):

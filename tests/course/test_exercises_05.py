@@ -1,4 +1,4 @@
-"""The grader of exercise 05's load step (``minifer.course.grading.quant_load.check_quantize_linears``): the
+"""The grader of exercise 05's load step (``minifer_course.grading.quant_load.check_quantize_linears``): the
 exercise's solution and minifer's own load step pass; each classic mistake fails with the hint that names it
 (quantizing ``lm_head``, groups along the wrong axis, no group fallback, a lost bias, the float weight left
 resident, the kernel not passed on, the module not swapped); the untouched stub is "not implemented yet".
@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 from torch import nn
 
-from minifer.course import workbench_quant
-from minifer.course.grading.quant_load import check_quantize_linears
+from minifer_course import workbench_quant
+from minifer_course.grading.quant_load import check_quantize_linears
 from minifer.quant.formats import QuantizedWeight
 from minifer.quant.linear import QuantLinear
 from minifer.quant.model import group_for

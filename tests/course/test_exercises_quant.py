@@ -1,4 +1,4 @@
-"""The chapter-05 graders (``minifer.course.grading.quant``): minifer's own implementations pass, the classic
+"""The chapter-05 graders (``minifer_course.grading.quant``): minifer's own implementations pass, the classic
 mistakes fail with a message that names them, and untouched stubs say "not implemented yet".
 
 The Triton kernels here run under the interpreter on CPU (the root conftest sets ``TRITON_INTERPRET=1``
@@ -13,7 +13,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from minifer.course.grading import quant as grading_quant
+from minifer_course.grading import quant as grading_quant
 from minifer.eval import WindowScores, token_windows
 from minifer.kernels import HAS_TRITON, TRITON_ERROR
 from minifer.quant.formats import QuantizedWeight, quantize_int4

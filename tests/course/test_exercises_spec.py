@@ -1,4 +1,4 @@
-"""The chapter-04 graders (``minifer.course.grading.spec``): minifer's own implementations pass, the classic
+"""The chapter-04 graders (``minifer_course.grading.spec``): minifer's own implementations pass, the classic
 mistakes fail with a message that names them, and the chi-squared helper agrees with scipy.
 
 (The generated notebooks themselves are covered by ``tests/course/test_exercises.py``, which discovers every
@@ -10,7 +10,7 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
-from minifer.course.grading import spec as grading_spec
+from minifer_course.grading import spec as grading_spec
 from minifer.spec.ngram import ngram_propose as ref_ngram_propose
 from minifer.spec.rejection import verify_greedy as ref_verify_greedy
 

@@ -1,4 +1,4 @@
-"""The chapter-06 graders (``minifer.course.grading.stacking``): minifer's own implementations pass, the classic mistakes
+"""The chapter-06 graders (``minifer_course.grading.stacking``): minifer's own implementations pass, the classic mistakes
 fail with a message that names them. (The generated notebooks are covered by ``tests/course/test_exercises.py``.)"""
 
 from __future__ import annotations
@@ -7,8 +7,8 @@ import math
 
 import pytest
 
-from minifer.course.grading import stacking as gs
-from minifer.course import stacking as st
+from minifer_course.grading import stacking as gs
+from minifer_course import stacking as st
 
 
 def _blocks(memory, weights, block):

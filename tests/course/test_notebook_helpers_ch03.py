@@ -1,4 +1,4 @@
-"""Chapter 03's notebook helpers (minifer.course): the slot timeline against the step counts of
+"""Chapter 03's notebook helpers (minifer_course): the slot timeline against the step counts of
 minifer.bench.serving, and the bookkeeping of the chunked-prefill and max_num_seqs measurements (never
 their speed)."""
 
@@ -10,7 +10,7 @@ import matplotlib
 import pytest
 
 from minifer.bench.serving import continuous_steps, static_steps
-from minifer.course.ch03_batching import (chunked_prefill_stall, max_num_seqs_sweep, plot_max_num_seqs,
+from minifer_course.ch03_batching import (chunked_prefill_stall, max_num_seqs_sweep, plot_max_num_seqs,
     plot_slot_timeline, slot_timeline)
 
 matplotlib.use("Agg")

@@ -1,4 +1,4 @@
-"""Chapter 04's notebook helpers (minifer.course): the rejection-sampling toy and its chi-squared verdicts,
+"""Chapter 04's notebook helpers (minifer_course): the rejection-sampling toy and its chi-squared verdicts,
 one speculative step spelled out, the adaptive-k table read from a speculator's rule, the speedup grid and
 widget, and the bookkeeping of the live engine timing (never its speed)."""
 
@@ -9,7 +9,7 @@ import pytest
 
 import minifer
 from minifer.features.adaptive_k import CostTable
-from minifer.course.ch04_speculative import (adaptive_k_table, plot_adaptive_k, plot_rejection_toy, plot_verify_cost,
+from minifer_course.ch04_speculative import (adaptive_k_table, plot_adaptive_k, plot_rejection_toy, plot_verify_cost,
     rejection_toy, speculative_step, speedup_explorer, speedup_grid, time_engines, verify_cost_rounds)
 from minifer.spec.theory import expected_speedup, optimal_k
 

@@ -1,4 +1,4 @@
-"""Chapter 05's notebook helpers (minifer.course): byte counts against the formats and the quantized model,
+"""Chapter 05's notebook helpers (minifer_course): byte counts against the formats and the quantized model,
 round-trip errors and their half-step guarantee, the int4 packing drawing, the live kernel check (and that it
 catches a wrong kernel), the readers of the committed kernel, AOT and quality results, the live quality
 comparison and the KV-cache runs (their bookkeeping, never their speed)."""
@@ -15,11 +15,11 @@ import torch
 import minifer
 from minifer.kernels import HAS_TRITON, TRITON_ERROR
 from minifer.loader import load_config, resolve_model
-from minifer.course.ch05_quantization import (aot_table, check_quant_kernels, decode_weight_bytes,
+from minifer_course.ch05_quantization import (aot_table, check_quant_kernels, decode_weight_bytes,
     decoder_linear_shapes, int4_packing_text, kernel_speedup_table, kernel_time_fit, kv_cache_runs, live_quality,
     plot_kernel_speedups, plot_quant_quality, plot_roundtrip_errors, quality_table, quantized_linear_bytes,
     register_limited_warps, roundtrip_errors)
-from minifer.course.common import ModelPair
+from minifer_course.common import ModelPair
 from minifer.quant import quantize
 from minifer.quant.linear import weight_bytes
 from minifer.quant.model import quantize_model

@@ -1,4 +1,4 @@
-"""The learner's pieces inside the engine (``minifer.course.workbench``, ``minifer.course.grading.engine``): every
+"""The learner's pieces inside the engine (``minifer_course.workbench``, ``minifer_course.grading.engine``): every
 solution piece of the exercises, plugged into ``LLM(components=...)``, gives the reference engine's tokens; a wrong one
 is stopped by its grader, with the grader's hint, before it reaches the engine; the untouched stubs fail as "not
 implemented yet"; a piece that passes its grader but breaks in the engine is named; saved pieces survive a restart
@@ -18,8 +18,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from minifer.course import workbench
-from minifer.course.grading import engine as graded
+from minifer_course import workbench
+from minifer_course.grading import engine as graded
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "tools"))
@@ -141,7 +141,7 @@ def _schedule_no_preemption(running, waiting, free_blocks, block_size, max_num_s
 
 
 def _rollback_keeps_the_bonus_kv(token_ids, k, accepted, target, draft):
-    from minifer.course.grading.spec_step import reference_rollback
+    from minifer_course.grading.spec_step import reference_rollback
 
     reference_rollback(token_ids, k, accepted, target, draft)
     target.num_tokens += 1  # the off-by-one: the KV of the token the target emits next is not there yet

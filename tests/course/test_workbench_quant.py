@@ -1,4 +1,4 @@
-"""Exercise 05's pieces inside the engine (``minifer.course.workbench_quant``, ``minifer.course.grading.quant_engine``):
+"""Exercise 05's pieces inside the engine (``minifer_course.workbench_quant``, ``minifer_course.grading.quant_engine``):
 the solutions of the quantizer, the load step and the Triton kernel (under the interpreter) serve minifer's int4
 engine's tokens with log-probabilities within the bound; a wrong piece is stopped by its grader, hint first, before
 any engine is built; a piece that passes its grader but breaks in the engine is named; a kernel that passes the
@@ -16,10 +16,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from minifer.course import workbench, workbench_quant
-from minifer.course.grading import engine as graded
-from minifer.course.grading import quant_engine
-from minifer.course.grading.quant import triton_modules
+from minifer_course import workbench, workbench_quant
+from minifer_course.grading import engine as graded
+from minifer_course.grading import quant_engine
+from minifer_course.grading.quant import triton_modules
 from minifer.kernels import HAS_TRITON, TRITON_ERROR
 from minifer.quant.formats import QuantizedWeight, quant_linear_reference, quantize, quantize_int4
 from minifer.quant.linear import QuantLinear, decoder_linears

@@ -1,4 +1,4 @@
-"""Chapter 04's pieces inside the engine (``minifer.course.workbench_spec``): the ``rollback`` and ``eagle_forward``
+"""Chapter 04's pieces inside the engine (``minifer_course.workbench_spec``): the ``rollback`` and ``eagle_forward``
 seams run what they are given, the rollback adapter stops a cut the allocator disagrees with, the engine-level checks
 (no leaked block; the EAGLE head's acceptance rate) can fail, and the seams refuse an engine they do not apply to."""
 
@@ -10,9 +10,9 @@ import pytest
 import torch
 
 from minifer import LLM, SamplingParams
-from minifer.course import workbench
-from minifer.course.grading.spec_step import reference_eagle_forward, reference_rollback
-from minifer.course.workbench_spec import (
+from minifer_course import workbench
+from minifer_course.grading.spec_step import reference_eagle_forward, reference_rollback
+from minifer_course.workbench_spec import (
     ALPHA_TOLERANCE,
     DRAFT_SPEC,
     EAGLE_SPEC,

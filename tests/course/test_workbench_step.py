@@ -9,9 +9,9 @@ from __future__ import annotations
 import pytest
 
 from minifer import LLM, SamplingParams
-from minifer.course import workbench
-from minifer.course.grading import batching
-from minifer.course.grading.toy_engine import build_world, run_to_end
+from minifer_course import workbench
+from minifer_course.grading import batching
+from minifer_course.grading.toy_engine import build_world, run_to_end
 from minifer.engine.components import Components
 from minifer.engine.scheduler import Scheduler, preempt_by_recompute
 from minifer.engine.step import engine_step, run_checked

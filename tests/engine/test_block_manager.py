@@ -7,7 +7,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import minifer.engine.block_manager as bm
-from minifer.course.block_order import FifoBlockManager
+from minifer_course.block_order import FifoBlockManager
 from minifer.engine.block_manager import BlockManager
 
 pytestmark = pytest.mark.core  # the fast tier (tests/README.md)

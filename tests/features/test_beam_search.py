@@ -293,7 +293,7 @@ def test_max_model_len_caps_the_output():
 
 
 def test_notebook_comparison_with_transformers(beam_llm, monkeypatch):
-    from minifer.course.ch00_generation import compare_beam_search_with_transformers
+    from minifer_course.ch00_generation import compare_beam_search_with_transformers
 
     params = BeamSearchParams(3, 16)
     report = compare_beam_search_with_transformers(beam_llm, STORY_STARTS[:2], params)

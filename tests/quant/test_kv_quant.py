@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from minifer import LLM, SamplingParams
-from minifer.course.kv_quant import sequences_that_fit
+from minifer_course.kv_quant import sequences_that_fit
 from minifer.layers.kv_quant import dequantize_kv, quantize_kv
 from minifer.layers.paged_attention import PagedAttentionMetadata, PagedKVCache, paged_attention_reference
 
@@ -167,7 +167,7 @@ def test_static_fp8_kv_doubles_what_fits_and_costs_at_most_twice_the_per_token_e
     of each 8-bit cache measured teacher-forced against the float32 cache in the same run. Per-token fp8
     scales are the control; static per-head scales (half the scale bytes, calibrated once) must stay within
     twice its error, and a zeroed or saturated static cache must fail that same check. (Free-running greedy
-    agreement depends on where the first near-tie falls and is reported by ``minifer.course.kv_quant``.)"""
+    agreement depends on where the first near-tie falls and is reported by ``minifer_course.kv_quant``.)"""
     prompts = [" ".join(s.split()[:8]) for s in heldout_stories[:8]]
     budget = dict(dtype=torch.float32, kv_cache_memory=2**24)
     ref = LLM("tinystories-target", **budget)
@@ -205,7 +205,7 @@ def test_static_fp8_kv_doubles_what_fits_and_costs_at_most_twice_the_per_token_e
 
 
 def test_kv_quant_benchmark_table_has_both_scale_layouts():
-    from minifer.course.kv_quant import memory_table
+    from minifer_course.kv_quant import memory_table
     from minifer.loader import load_config, resolve_model
 
     cfg = load_config(resolve_model("Qwen/Qwen3-0.6B", need_weights=False))

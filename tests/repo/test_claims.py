@@ -199,6 +199,13 @@ def test_code_only_names_a_renamed_module_by_its_new_name_and_nothing_else():
     nested = {"pkg": "pkg2", "pkg.a": "other.a"}  # the most specific rename wins, whatever the order
     assert freshness.code_only("from pkg.a import f\nfrom pkg.b import g\n", nested) == \
         freshness.code_only("from other.a import f\nfrom pkg2.b import g\n")
+    # A module named inside a string (a command, a parser's prog) takes its new name, as a whole name only.
+    assert freshness.code_only('P = "python -m pkg.a --out x"\nQ = f"{P} pkg.b.f"\n', nested) == \
+        freshness.code_only('P = "python -m other.a --out x"\nQ = f"{P} pkg2.b.f"\n')
+    assert freshness.code_only('P = "python -m pkg.a"\n', nested) != freshness.code_only('P = "python -m pkg.a"\n')
+    untouched = 'P = "run pkgs.a, x.pkg.a"\n'  # a longer name, or a name inside another, is not the module's
+    assert freshness.code_only(untouched, nested) == freshness.code_only(untouched)
+    assert freshness.code_only('P = "python -m pkg.a"\n', nested) != freshness.code_only('P = "python -m pkg.b"\n')
 
 
 def _repo(tmp_path, monkeypatch, files: dict[str, str]) -> tuple[Callable, str]:

@@ -35,8 +35,17 @@ def test_the_engine_core_layers_in_minifers_graph():
     assert ("minifer.engine", "minifer.layers") in edges
     core = {"minifer.config", "minifer.loader", "minifer.models", "minifer.layers", "minifer.sampling",
             "minifer.engine", "minifer.spec", "minifer.quant", "minifer.kernels"}
-    assert not [e for e in edges if e[0] in core and e[1] in ("minifer.course", "minifer.bench")], edges
+    assert not [e for e in edges if e[0] in core and e[1] in ("minifer_course", "minifer.bench")], edges
     assert not [e for e in edges if e[0] in ("minifer.layers", "minifer.kernels") and e[1] == "minifer.engine"]
+
+
+def test_the_course_builds_on_the_engine_and_never_the_other_way():
+    """``minifer_course`` is one node of the graph: it imports the engine's subpackages, and no module of
+    ``minifer`` (benchmarks included) imports it."""
+    dg = _tool()
+    edges = dg.subpackage_edges()
+    assert ("minifer_course", "minifer.engine") in edges and ("minifer_course", "minifer.bench") in edges
+    assert not [e for e in edges if e[1] == "minifer_course"], edges
 
 
 def test_the_core_reaches_features_only_at_the_wiring_points():

@@ -1,7 +1,7 @@
 """The GPU track is opt-in, says what it downloads, and every chapter's plan fits a 16 GB GPU.
 
 No GPU here: CUDA's presence and capability are monkeypatched, and the memory is arithmetic
-(``minifer.course.gpu_plan``), not allocations."""
+(``minifer_course.gpu_plan``), not allocations."""
 
 from __future__ import annotations
 
@@ -11,10 +11,10 @@ import pytest
 import torch
 
 import minifer
-from minifer.course import common as notebook, gpu_plan
+from minifer_course import common as notebook, gpu_plan
 from minifer.config import ModelConfig
 from minifer.loader import SHIPPED_CONFIGS
-from minifer.course.common import BUNDLED_PAIR, GPU_PAIR, ModelPair, choose_models
+from minifer_course.common import BUNDLED_PAIR, GPU_PAIR, ModelPair, choose_models
 
 ROOT = Path(__file__).resolve().parents[2]
 TARGET = ModelConfig.from_file(SHIPPED_CONFIGS["Qwen/Qwen3-1.7B"])
@@ -152,7 +152,7 @@ def test_pair_load_sizes_the_cache_after_the_chapters_models(fake_cuda, monkeypa
 
 def test_chapter_06_builds_one_engine_at_a_time_within_the_budget(fake_cuda, monkeypatch):
     """Chapter 06's ten configurations would hold ten caches at once; on a GPU they are built one at a time
-    (minifer.course.stacking), so a T4 holds the two weight sets, two drafts and the largest one cache: the memory
+    (minifer_course.stacking), so a T4 holds the two weight sets, two drafts and the largest one cache: the memory
     budget its cell passes (pair.kv_budget()) is what the models leave, and a speculating configuration, whose
     budget also pays for the draft's weights, still gets its MIN_KV_BLOCKS."""
     monkeypatch.setattr(notebook, "gpu_available_bytes", lambda device="cuda": gpu_plan.T4_VISIBLE_BYTES)
@@ -169,7 +169,7 @@ def test_the_parity_check_compares_in_the_models_dtype_on_a_gpu():
     on the CPU a 16-bit engine is still compared through a float32 copy, and a float32 one as it is."""
     from types import SimpleNamespace
 
-    from minifer.course.ch00_generation import _reference_copy
+    from minifer_course.ch00_generation import _reference_copy
 
     gpu_llm = SimpleNamespace(dtype=torch.bfloat16, device=torch.device("cuda"))
     with _reference_copy(gpu_llm) as ref:

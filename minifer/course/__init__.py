@@ -1,8 +1,0 @@
-"""The course's machinery: what the notebooks call to compare, measure and draw, and the exercises' graders.
-
-One module per chapter (``ch00_generation`` ... ``ch05_quantization``) plus ``common`` (which models to run, the
-notebook's setup, tables), ``grading`` (one module per exercise notebook, on the machinery of
-``grading.base``), and the chapters' experiments: ``roofline`` (01), ``kv_memory`` (02), ``block_order`` (04),
-``kv_quant`` (05) and ``stacking`` (06), each runnable as ``python -m minifer.course.NAME``. The engine core (``minifer`` outside ``course`` and ``bench``) never imports this package; an
-import contract in ``pyproject.toml`` (``lint-imports``) checks it, so the engine a learner reads stays the engine.
-"""

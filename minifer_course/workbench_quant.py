@@ -1,0 +1,188 @@
+"""The learner's int4 pieces of chapter 05 inside the engine: their quantizer, their quantize-and-load step and their
+Triton kernel, turned into the seams of ``LLM("tinystories-target", quantization="int4", components=...)``.
+
+Exercise 05 writes three pieces:
+
+* ``quantize_int4_groupwise(w, group_size, symmetric) -> (packed, scales, zeros)``: minifer's int4 bytes;
+* ``quantize_linears(model, quantize, group_size, symmetric, kernel)``: the load step that swaps every decoder
+  projection for a ``QuantLinear`` holding ``quantize``'s bytes;
+* ``int4_matmul(x, packed, scales, zeros, group_size, out, BLOCK_M, BLOCK_N, BLOCK_K)``: the wrapper that launches
+  their Triton kernel.
+
+The first two become ``Components.quantizer`` (what the load path calls instead of ``quantize_model``), the third
+``Components.quant_kernel`` (``QuantKernel``). A piece not given stays minifer's: ``quantize_int4``, the load step
+below (``minifers_load_step``), the reference kernel. The engine's weights are then the learner's bytes, multiplied
+by the learner's kernel, so its tokens are compared with minifer's own int4 engine (int4 is not float32: the
+float engine would be the wrong reference).
+
+Without a GPU the kernel runs under Triton's interpreter, which executes the grid's programs one after another in
+numpy: the exercise's 16 x 16 tiles take about 10 s per decode step of the bundled model, so on the CPU the adapter
+launches large tiles (up to 64 x 512 x 256: about 1 s a step, measured) and the pieces serve a small batch.
+"""
+
+from __future__ import annotations
+
+import inspect
+import os
+import sys
+import textwrap
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from minifer_course import workbench
+from minifer_course.workbench import PRELUDE, Piece, source_of
+from minifer.engine.components import Components
+from minifer.quant.formats import QuantizedWeight, quantize_int4
+from minifer.quant.linear import QuantKernel, QuantLinear, decoder_linears, set_module
+from minifer.quant.model import QuantizationConfig, group_for
+
+QUANT_PIECES: dict[str, Piece] = {p.name: p for p in (
+    Piece("quantize_int4_groupwise", "05_quantization", "quantizer"),
+    Piece("quantize_linears", "05_quantization", "quantizer"),
+    Piece("int4_matmul", "05_quantization", "quant_kernel"),
+)}
+# Given code a saved piece calls (saved with it): the wrapper launches the learner's kernel.
+QUANT_HELPERS = {"int4_matmul": ("int4_matmul_kernel",)}
+
+# What a saved piece of exercise 05 may use besides workbench.PRELUDE: Triton (in its interpreter without a GPU,
+# which must be chosen before a kernel is decorated) and minifer's quantized layer.
+QUANT_PRELUDE = """\
+import os
+
+from torch import nn
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+import triton
+import triton.language as tl
+
+from minifer.quant import QuantizedWeight
+from minifer.quant.linear import QuantLinear
+from minifer.quant.model import group_for
+"""
+
+INT4 = {"group_size": 128, "symmetric": True}  # LLM(quantization="int4"): g128, symmetric (the fallback: group_for)
+
+
+# --- saving and loading -------------------------------------------------------------------------------------
+
+
+def save_quant(obj: Any, name: str | None = None, path: str | Path | None = None) -> Path:
+    """``workbench.save`` for exercise 05's pieces: the file also imports Triton and minifer's quantized layer, and
+    ``int4_matmul``'s file carries the ``@triton.jit`` kernel it launches."""
+    piece = name or obj.__name__
+    if piece not in QUANT_PIECES:
+        raise ValueError(f"{piece!r} is not a piece of exercise 05 (those are {', '.join(QUANT_PIECES)})")
+    parts = []
+    for helper in QUANT_HELPERS.get(piece, ()):
+        h = workbench._globals_of(obj).get(helper)
+        if h is not None:  # a Triton kernel's own function is in .fn; its source starts at the decorator
+            parts.append(textwrap.dedent(inspect.getsource(getattr(h, "fn", h))))
+    parts.append(source_of(obj))
+    if obj.__name__ != piece:
+        parts.append(f"{piece} = {obj.__name__}\n")
+    out = workbench.folder(path)
+    out.mkdir(parents=True, exist_ok=True)
+    file = out / f"{piece}.py"
+    file.write_text(f"# {piece}: saved by minifer_course.workbench_quant.save_quant; the notebook's cell is the "
+                    f"original.\n{PRELUDE}{QUANT_PRELUDE}\n\n" + "\n\n".join(parts))
+    return file
+
+
+def load_quant(path: str | Path | None = None, errors: dict[str, str] | None = None) -> dict[str, Any]:
+    """The saved pieces of exercise 05, by name (``workbench.load_saved``). Without a GPU the kernel needs Triton's
+    interpreter, chosen before triton is imported: if it was imported without it, the kernel is left out (why, in
+    ``errors``)."""
+    late = not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1" and "triton" in sys.modules
+    if not torch.cuda.is_available():
+        os.environ.setdefault("TRITON_INTERPRET", "1")  # before a saved kernel is decorated
+    found = workbench.load_saved(path, errors, names=QUANT_PIECES)
+    if late and found.pop("int4_matmul", None) is not None and errors is not None:
+        errors["int4_matmul"] = ("int4_matmul: Triton was imported before TRITON_INTERPRET=1 was set, so your kernel "
+                                 "cannot run on the CPU: restart the kernel and run the notebook from its first cell")
+    return found
+
+
+# --- adapters: the exercise's signatures -> the engine's seams ------------------------------------------------
+
+
+def interpreter_tiles(m: int, n: int, k: int) -> dict[str, int]:
+    """Tiles for Triton's CPU interpreter, whose cost is per program and per operation, not per element: as few
+    programs and K steps as the shapes allow (powers of two; the exercise's kernel masks what overhangs)."""
+    def fit(size: int, low: int, high: int) -> int:
+        return max(low, min(high, 1 << max(size - 1, 0).bit_length()))
+    return {"BLOCK_M": fit(m, 16, 64), "BLOCK_N": fit(n, 16, 512), "BLOCK_K": fit(k, 32, 256)}
+
+
+def quant_kernel_with(int4_matmul: Callable[..., Any]) -> QuantKernel:
+    """A ``QuantKernel`` around the learner's ``int4_matmul(x, packed, scales, zeros, group_size, out, ...)``: the
+    activations flattened to float32 rows ``[M, K]``, a float32 ``out`` ``[M, N]`` for the kernel to fill, then the
+    bias added and the model's shape and dtype restored."""
+
+    def kernel(x: torch.Tensor, qw: QuantizedWeight, bias: torch.Tensor | None) -> torch.Tensor:
+        if qw.fmt != "int4":
+            raise ValueError(f"your int4_matmul multiplies int4 weights, not {qw.fmt}: serve it with "
+                             f"quantization='int4'")
+        rows = x.reshape(-1, x.shape[-1]).float().contiguous()
+        out = torch.empty(rows.shape[0], qw.shape[0], dtype=torch.float32, device=x.device)
+        tiles = {} if x.is_cuda else interpreter_tiles(rows.shape[0], *qw.shape)
+        int4_matmul(rows, qw.qweight, qw.scales, qw.zeros, qw.group_size, out, **tiles)
+        if bias is not None:
+            out += bias
+        return out.view(*x.shape[:-1], qw.shape[0]).to(x.dtype)
+
+    return kernel
+
+
+def minifers_quantize(w: torch.Tensor, group_size: int, symmetric: bool):
+    """``quantize_int4`` in the exercise's signature."""
+    qw = quantize_int4(w, group_size, symmetric)
+    return qw.qweight, qw.scales, qw.zeros
+
+
+def minifers_load_step(model: nn.Module, quantize: Callable[..., Any], group_size: int = 128, symmetric: bool = True,
+                       kernel: QuantKernel | None = None) -> None:
+    """``quantize_model``'s int4 path with any quantizer: every decoder projection becomes a ``QuantLinear`` of
+    ``quantize``'s bytes (at ``group_for``'s group), its bias kept; ``embed_tokens`` and ``lm_head`` stay."""
+    for name, linear in decoder_linears(model).items():
+        g = group_for(name, linear.in_features, group_size)
+        packed, scales, zeros = quantize(linear.weight.detach().float(), g, symmetric)
+        qw = QuantizedWeight("int4", packed, scales, zeros, g, tuple(linear.weight.shape))
+        bias = None if linear.bias is None else linear.bias.detach().clone()
+        set_module(model, name, QuantLinear(qw, bias, kernel))
+
+
+def quantizer_with(quantize_int4_groupwise: Callable[..., Any] | None = None,
+                   quantize_linears: Callable[..., Any] | None = None) -> Callable[..., QuantizationConfig]:
+    """A ``Components.quantizer`` (``quantize_model``'s signature) that runs the learner's load step with the
+    learner's quantizer (minifer's for a piece not given), as ``quantization="int4"`` asks: g128, symmetric."""
+    quantize = quantize_int4_groupwise or minifers_quantize
+    load = quantize_linears or minifers_load_step
+
+    def quantizer(model: nn.Module, method: str, kernel: QuantKernel | None = None) -> QuantizationConfig:
+        if method != "int4":
+            raise ValueError(f"your pieces quantize to int4, not {method}: serve them with quantization='int4'")
+        shapes = decoder_linears(model)  # before the load step replaces them
+        load(model, quantize, INT4["group_size"], INT4["symmetric"], kernel)
+        cfg = QuantizationConfig("int4", INT4["group_size"], INT4["symmetric"], "rtn")
+        cfg.layers = {n: {"shape": [m.out_features, m.in_features], "group_size": group_for(n, m.in_features, INT4["group_size"]),
+                          "bias": m.bias is not None} for n, m in shapes.items()}
+        cfg.kept = [n for n, m in model.named_modules() if isinstance(m, (nn.Linear, nn.Embedding))]
+        model.quantization_config = cfg
+        return cfg
+
+    return quantizer
+
+
+def quant_components(pieces: dict[str, Any]) -> Components:
+    """The ``Components`` that run these exercise-05 pieces (by name); a piece not given stays minifer's."""
+    p = pieces.get
+    quantizer = None
+    if p("quantize_int4_groupwise") or p("quantize_linears"):
+        quantizer = quantizer_with(p("quantize_int4_groupwise"), p("quantize_linears"))
+    return Components(quantizer=quantizer,
+                      quant_kernel=quant_kernel_with(p("int4_matmul")) if p("int4_matmul") else None)
