@@ -19,8 +19,6 @@ from conftest import TINY_VOCAB, build_hf_model, minifer_forward, rel_err
 import minifer
 from minifer import SamplingParams
 
-pytestmark = pytest.mark.core  # the fast tier (tests/README.md)
-
 TINY_KINDS = ["llama", "qwen2", "qwen3"]
 PROMPT_LENGTHS = (1, 5, 17)
 NEW_TOKENS = 32
