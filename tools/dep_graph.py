@@ -1,4 +1,4 @@
-"""minifer's dependency graph between its subpackages (issue 24), from grimp, the graph import-linter checks.
+"""minifer's dependency graph between its subpackages, from grimp, the graph import-linter checks.
 
     python tools/dep_graph.py                  # one line per edge: importer -> imported (number of module imports)
     python tools/dep_graph.py --mermaid        # the same as a mermaid flowchart (docs/dependency_graph.md)
