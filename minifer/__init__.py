@@ -17,22 +17,23 @@ __version__ = "0.1.0"
 
 _EXPORTS = {
     "LLM": "minifer.entrypoints.llm",
-    "SamplingParams": "minifer.sampling", "BeamSearchParams": "minifer.sampling", "Logprob": "minifer.sampling",
+    "SamplingParams": "minifer.sampling_params", "BeamSearchParams": "minifer.sampling_params",
+    "Logprob": "minifer.sampling_params",
     "RequestOutput": "minifer.outputs", "CompletionOutput": "minifer.outputs",
-    "BeamSearchOutput": "minifer.features.beam_search", "BeamSearchSequence": "minifer.features.beam_search",
+    "BeamSearchOutput": "minifer.beam_search", "BeamSearchSequence": "minifer.beam_search",
     "ModelConfig": "minifer.config", "UnsupportedModelError": "minifer.config",
-    "ModelLoadError": "minifer.loader", "BUNDLED_MODELS": "minifer.loader",
+    "ModelLoadError": "minifer.model_loader", "BUNDLED_MODELS": "minifer.model_loader",
 }
 
 __all__ = [*_EXPORTS, "__version__"]
 
 if TYPE_CHECKING:
     from minifer.config import ModelConfig, UnsupportedModelError
-    from minifer.features.beam_search import BeamSearchOutput, BeamSearchSequence
+    from minifer.beam_search import BeamSearchOutput, BeamSearchSequence
     from minifer.entrypoints.llm import LLM
-    from minifer.loader import BUNDLED_MODELS, ModelLoadError
+    from minifer.model_loader import BUNDLED_MODELS, ModelLoadError
     from minifer.outputs import CompletionOutput, RequestOutput
-    from minifer.sampling import BeamSearchParams, Logprob, SamplingParams
+    from minifer.sampling_params import BeamSearchParams, Logprob, SamplingParams
 
 
 def __getattr__(name: str):

@@ -1,5 +1,5 @@
 """Command line: ``python -m minifer serve MODEL`` serves a model over an OpenAI-compatible HTTP API
-(``minifer/serve.py``). Whether an installation is ready for the course is the course's question:
+(``minifer/entrypoints/openai/serve.py``). Whether an installation is ready for the course is the course's question:
 ``python -m minifer_course.doctor``."""
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ def main(argv: list[str] | None = None) -> int:
                    add_help=False)
     args, rest = ap.parse_known_args(argv)
     if args.command == "serve":
-        from minifer.serve import main as serve
+        from minifer.entrypoints.openai.serve import main as serve
 
         return serve(rest)
     return 2

@@ -41,7 +41,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from minifer.layers.attention import ContiguousKVCache, causal_backend
+from minifer.attention.layer import ContiguousKVCache, causal_backend
 
 DATA = Path(__file__).resolve().parents[1] / "data" / "tinystories"
 HELDOUT, TRAIN = DATA / "heldout.txt", DATA / "train.txt"

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from minifer.sampling import Logprob
+from minifer.sampling_params import Logprob
 
 
 @dataclass

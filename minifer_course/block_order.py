@@ -30,8 +30,8 @@ from typing import Any
 import torch
 
 from minifer.bench.speculative import _engine, median_ci, run_interleaved, story_openings
-from minifer.engine.block_manager import BlockManager
-from minifer.sampling import SamplingParams
+from minifer.core.kv_cache_manager import BlockManager
+from minifer.sampling_params import SamplingParams
 from minifer.bench.provenance import save_result
 
 

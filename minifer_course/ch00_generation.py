@@ -9,7 +9,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from minifer.sampling import BeamSearchParams, SamplingParams, process_logits
+from minifer.sampling_params import BeamSearchParams, SamplingParams
+from minifer.sample.sampler import process_logits
 
 if TYPE_CHECKING:  # imported lazily at run time: matplotlib and ipywidgets are course extras
     from matplotlib.figure import Figure
@@ -73,7 +74,7 @@ def prompt_logits(model: torch.nn.Module, token_ids: Sequence[int]) -> torch.Ten
 
     The engine itself only projects the last position (``compute_logits`` on one row); here every row is
     projected so that each position can be compared with transformers."""
-    from minifer.layers.attention import ContiguousKVCache
+    from minifer.attention.layer import ContiguousKVCache
 
     cfg = model.config
     w = model.lm_head.weight
@@ -324,6 +325,6 @@ def post_json(url: str, body: dict[str, Any], *, stream: bool = False) -> tuple[
         return e.code, json.loads(e.read())
     if not stream:
         return status, json.loads(text)
-    from minifer.openai_protocol import sse_events
+    from minifer.entrypoints.openai.protocol import sse_events
 
     return status, sse_events(text)

@@ -227,7 +227,7 @@ DECODE_COMPARISON_COLUMNS = {
 
 def load_fused(llm: Any) -> Any:
     """The same model compiled by ``torch.compile`` (``compilation_config={"level": 3}``,
-    ``minifer.features.compiled_decoder``: the element-wise ops of each layer fused, attention left as it is), or
+    ``minifer.compilation.compiled_decoder``: the element-wise ops of each layer fused, attention left as it is), or
     None off the CPU, where CUDA graphs remove the per-op overhead instead. Compiling happens at the first step
     (tens of seconds on a small CPU)."""
     from minifer import LLM

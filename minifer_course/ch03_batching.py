@@ -89,7 +89,7 @@ def chunked_prefill_stall(llm: "LLM", settings: Mapping[str, tuple[bool, int]], 
     from minifer.bench.serving import greedy_params
     from minifer.bench.workloads import make_workload
     from minifer.engine.llm_engine import CacheConfig, LLMEngine
-    from minifer.engine.scheduler import SchedulerConfig
+    from minifer.core.sched.scheduler import SchedulerConfig
 
     bos = llm.tokenizer.bos_token_id if llm.tokenizer is not None else None
     kw = dict(vocab_size=llm.model_config.vocab_size, max_model_len=llm.max_model_len, bos_token_id=bos)

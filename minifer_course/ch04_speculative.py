@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from minifer_course.ch00_generation import prompt_logits
-from minifer.sampling import SamplingParams
+from minifer.sampling_params import SamplingParams
 
 if TYPE_CHECKING:  # imported lazily at run time: matplotlib and ipywidgets are course extras
     from matplotlib.figure import Figure
@@ -56,7 +56,7 @@ def plot_verify_cost(rows: Sequence[Mapping[str, float]]) -> "Figure":
 
 def rejection_toy(p: Sequence[float], q: Sequence[float], n: int = 20_000, seed: int = 0,
                   threshold: float = 1e-3) -> dict[str, Any]:
-    """One draft token per sequence, ``n`` sequences, through :func:`minifer.spec.rejection.rejection_sample`
+    """One draft token per sequence, ``n`` sequences, through :func:`minifer.sample.rejection_sampler.rejection_sample`
     (the engine's verifier; each sequence its own seeded generator, as in the engine): the draft token is
     drawn from ``q``, the target's distribution is ``p``. Returns the frequencies of the first emitted
     token, the fraction of drafts accepted, and ``sum(min(p, q))`` (the acceptance rate theory predicts).
@@ -66,7 +66,7 @@ def rejection_toy(p: Sequence[float], q: Sequence[float], n: int = 20_000, seed:
     resamples from ``p`` instead of the residual ``max(p - q, 0)`` (it emits
     ``min(p, q) + (1 - alpha) p``, which the same test must reject). Deterministic for a given ``seed``."""
     from minifer_course.grading.spec import chi2_pvalue
-    from minifer.spec.rejection import rejection_sample
+    from minifer.sample.rejection_sampler import rejection_sample
 
     pt, qt = torch.tensor(p, dtype=torch.float32), torch.tensor(q, dtype=torch.float32)
     if pt.shape != qt.shape or pt.dim() != 1:
@@ -217,7 +217,7 @@ def speedup_grid(alphas: Sequence[float], ks: Sequence[int], draft_cost: float) 
     """Leviathan's expected speedup ``E[tokens] / (k c + 1)`` for every ``alpha`` (rows) and ``k``
     (columns ``k1``, ``k2``, ...), and the best k up to the largest of ``ks``: a static table for when the
     widget cannot run."""
-    from minifer.spec.theory import expected_speedup, optimal_k
+    from minifer.spec_decode.theory import expected_speedup, optimal_k
 
     return [{"alpha": a, **{f"k{k}": expected_speedup(a, k, draft_cost) for k in ks},
              "best_k": optimal_k(a, draft_cost, max(ks))} for a in alphas]
@@ -225,7 +225,7 @@ def speedup_grid(alphas: Sequence[float], ks: Sequence[int], draft_cost: float) 
 
 def speedup_explorer(alpha: float = 0.8, k: int = 4, draft_cost: float = 0.1, k_max: int = 12) -> Any:
     """Sliders for ``alpha``, ``k`` and the draft cost ``c`` (ipywidgets): the expected speedup
-    ``E[tokens] / (k c + 1)`` of ``minifer.spec.theory.expected_speedup`` against k, with the chosen k and
+    ``E[tokens] / (k c + 1)`` of ``minifer.spec_decode.theory.expected_speedup`` against k, with the chosen k and
     the best one marked. Draws the initial setting at once, so the notebook also runs headless; without
     ipywidgets it returns a short message."""
     try:
@@ -234,7 +234,7 @@ def speedup_explorer(alpha: float = 0.8, k: int = 4, draft_cost: float = 0.1, k_
         return "ipywidgets is not installed: pip install ipywidgets (or the course extra: pip install -e '.[course]')"
     import matplotlib.pyplot as plt
     from IPython.display import display
-    from minifer.spec.theory import (
+    from minifer.spec_decode.theory import (
         expected_speedup,
         expected_tokens_per_forward,
         optimal_k,
@@ -279,7 +279,7 @@ def speculative_step(spec_llm: "LLM", prompt: str, k: int = 4) -> dict[str, Any]
     ``k`` tokens greedily, one forward at a time; the target scores the prompt plus all ``k`` in **one**
     forward, which gives its greedy token at ``k + 1`` positions; ``verify_greedy`` keeps the agreeing prefix
     plus the target's own next token. Returns the token strings of each, and how many drafts were accepted."""
-    from minifer.spec.rejection import verify_greedy
+    from minifer.sample.rejection_sampler import verify_greedy
 
     if spec_llm.draft_model is None:
         raise ValueError("speculative_step needs an LLM built with speculative_config method 'draft_model'")

@@ -11,7 +11,7 @@ import torch
 
 from minifer_course.common import ModelPair
 from minifer_course.weight_bytes import decoder_linear_shapes, quantized_linear_bytes  # noqa: F401 (chapter 05 shows them)
-from minifer.sampling import SamplingParams
+from minifer.sampling_params import SamplingParams
 
 if TYPE_CHECKING:  # imported lazily at run time: matplotlib and ipywidgets are course extras
     from matplotlib.figure import Figure
@@ -26,7 +26,7 @@ def decode_weight_bytes(cfg: Any, fmt: str, group_size: int = 128, symmetric: bo
     embedding), the norms and one embedding row. int4 groups that do not divide a layer's K fall back as in
     ``quantize_model`` (the largest power of two that divides it)."""
     from minifer_course.roofline import layer_matmul_params, weight_bytes
-    from minifer.quant.model import group_for
+    from minifer.quantization.model import group_for
 
     shapes = decoder_linear_shapes(cfg)
     layers = cfg.num_hidden_layers
@@ -47,7 +47,7 @@ def roundtrip_errors(w: torch.Tensor, group_sizes: Sequence[int] = (32, 64, 128,
     weight actually stored, the relative error ``||W - W_hat|| / ||W||`` (Frobenius), the largest error as a
     fraction of the quantization step (``within_half_step``: every element within half a step of its original,
     the formats' guarantee; None for fp8, whose step depends on the value)."""
-    from minifer.quant import dequantize, quantize
+    from minifer.quantization import dequantize, quantize
 
     wf = w.detach().float()
     k = wf.shape[1]
@@ -103,7 +103,7 @@ def plot_roundtrip_errors(panels: Mapping[str, Sequence[Mapping[str, Any]]]) -> 
 def int4_packing_text(qw: Any, row: int = 0, columns: int = 8) -> str:
     """The first ``columns`` codes of one row of an int4 ``QuantizedWeight`` and the bytes that hold them:
     byte ``j`` is ``code[2j] | code[2j + 1] << 4``, the even column in the low nibble."""
-    from minifer.quant import unpack_int4
+    from minifer.quantization import unpack_int4
 
     if qw.fmt != "int4":
         raise ValueError(f"int4_packing_text takes an int4 weight, got {qw.fmt}")
@@ -154,7 +154,7 @@ def check_quant_kernels(variants: Sequence[tuple[str, int | None, bool]] = (
         return KernelCheck(False, "skipped: triton was imported before TRITON_INTERPRET=1 was set; restart the "
                                   "kernel and run the first cell first", [])
     from minifer.kernels.quant_matmul import quant_matmul
-    from minifer.quant import quant_linear_reference, quantize
+    from minifer.quantization import quant_linear_reference, quantize
 
     gen = torch.Generator().manual_seed(seed)
     w = torch.randn(n, k, generator=gen) / k ** 0.5
@@ -375,7 +375,7 @@ def kv_cache_runs(pair: ModelPair, kv_cache_dtypes: Sequence[str], prompts: Sequ
     sequences match the first format's."""
     import gc
 
-    from minifer.layers.paged_attention import PagedKVCache
+    from minifer.attention.backends.paged import PagedKVCache
 
     params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
     rows, first = [], None

@@ -77,7 +77,7 @@ class ModelPair:
 
 def model_config(name: str) -> Any:
     """A model's ``ModelConfig`` from its config.json alone: nothing but that file is fetched."""
-    from minifer.loader import load_config, resolve_model
+    from minifer.model_loader import load_config, resolve_model
 
     return load_config(resolve_model(name, need_weights=False))
 
@@ -107,7 +107,7 @@ def gpu_track_download_note(pair: Sequence[str] = GPU_PAIR) -> str:
     """What the GPU track downloads from the Hugging Face Hub, said before it does: each hub model not yet in
     the local cache and its weights' size (parameters x 2 bytes, from the shipped config.json)."""
     from minifer.config import ModelConfig
-    from minifer.loader import SHIPPED_CONFIGS
+    from minifer.model_loader import SHIPPED_CONFIGS
 
     parts = []
     for repo in dict.fromkeys(pair):

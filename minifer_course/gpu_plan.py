@@ -44,7 +44,7 @@ def kv_block_bytes(cfg: ModelConfig, dtype_bytes: int, block_size: int = 16, kv_
     their scales)."""
     import torch
 
-    from minifer.layers.paged_attention import PagedKVCache
+    from minifer.attention.backends.paged import PagedKVCache
 
     dtype = {2: torch.bfloat16, 4: torch.float32}[dtype_bytes]
     return PagedKVCache.bytes_per_block(cfg.num_hidden_layers, block_size, cfg.num_key_value_heads, cfg.head_dim,
@@ -73,7 +73,7 @@ def weight_bytes(cfg: ModelConfig, dtype_bytes: int, quantization: str | None = 
         return total
     from minifer_course.weight_bytes import decoder_linear_shapes, quantized_linear_bytes
 
-    from minifer.quant.model import group_for
+    from minifer.quantization.model import group_for
 
     shapes = decoder_linear_shapes(cfg)
     linears = cfg.num_hidden_layers * sum(n * k for n, k in shapes.values())
@@ -193,7 +193,7 @@ def chapter_plan(chapter: str, target: ModelConfig, draft: ModelConfig, dtype_by
 def gpu_track_needs(dtype_bytes: int = 2) -> dict[str, int]:
     """Each chapter's least GPU memory for the GPU pair (Qwen3-1.7B + Qwen3-0.6B, shipped configs): its models,
     ``MIN_KV_BLOCKS`` per KV cache and the headroom. On a GPU the caches grow into whatever is beyond."""
-    from minifer.loader import SHIPPED_CONFIGS
+    from minifer.model_loader import SHIPPED_CONFIGS
 
     target = ModelConfig.from_file(SHIPPED_CONFIGS["Qwen/Qwen3-1.7B"])
     draft = ModelConfig.from_file(SHIPPED_CONFIGS["Qwen/Qwen3-0.6B"])

@@ -27,7 +27,7 @@ realistic lengths, what paging recovers, and what prefix caching saves.
   completions sharing the prompt's blocks (prefix caching on) and without; it counts the KV blocks held, the
   prompt tokens computed, and checks that both give the same tokens (seeded).
 - **Beam search.** ``measure_beam_search`` counts the same for beams that fork by sharing blocks and copy only
-  the last, partly filled one they write (``features/beam_search.py``), and the KV tokens those copies carry
+  the last, partly filled one they write (``beam_search.py``), and the KV tokens those copies carry
   against what a contiguous cache copies.
 
 ``python -m minifer_course.kv_memory --out benchmarks/results/kv_memory.json`` runs the chapter's
@@ -53,7 +53,7 @@ from typing import Any
 import torch
 
 from minifer.bench.machine import enable_triton_interpreter  # noqa: F401 (chapters 02 and 05 call it from here)
-from minifer.engine.runner import ModelRunner
+from minifer.worker.model_runner import ModelRunner
 from minifer.bench.workloads import BenchRequest, Workload, make_workload
 from minifer.bench.provenance import save_result
 
@@ -233,8 +233,8 @@ def null_engine(*, max_model_len: int, block_size: int = 16, num_kv_blocks: int 
     """An ``LLMEngine`` with these cache and scheduler settings over a ``NullModel`` (run by a ``NullRunner``). Prompts are token ids; a
     request's output is clipped to what ``max_model_len`` leaves after its prompt, as ``LLM`` clips it."""
     from minifer.engine.llm_engine import CacheConfig, LLMEngine
-    from minifer.engine.scheduler import SchedulerConfig
-    from minifer.engine.sequence import Sequence
+    from minifer.core.sched.scheduler import SchedulerConfig
+    from minifer.request import Sequence
 
     def make_sequence(i, prompt, params, request_id=None):
         ids = list(prompt["prompt_token_ids"])
@@ -260,7 +260,7 @@ def engine_settings(engine) -> dict[str, Any]:
 
 
 def greedy_ignore_eos(max_tokens: int):
-    from minifer.sampling import SamplingParams
+    from minifer.sampling_params import SamplingParams
 
     return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
 
@@ -372,7 +372,7 @@ def estimate_generation_seconds(points: Sequence[dict[str, float]], prompt_len: 
 def greedy_by_recompute(model, prompt_ids: Sequence[int], new_tokens: int) -> list[int]:
     """Greedy generation with no KV cache kept between steps: every token runs the whole sequence so far
     through the model again (into a throwaway cache) and takes the argmax at the last position."""
-    from minifer.layers.attention import ContiguousKVCache
+    from minifer.attention.layer import ContiguousKVCache
 
     cfg, w = model.config, model.lm_head.weight
     ids = list(prompt_ids)
@@ -392,7 +392,7 @@ def _scattered_case(seed: int, *, context_lens: Sequence[int], query_lens: Seque
                     num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype, device: str | torch.device):
     """A pool poisoned with NaN, sequences whose blocks are scattered at random, their K/V written through
     the slot mapping. Returns (q, k_cache, v_cache, tables, dense K/V per sequence)."""
-    from minifer.layers.paged_attention import slot_mapping
+    from minifer.attention.backends.paged import slot_mapping
 
     gen = torch.Generator().manual_seed(seed)
     need = [blocks_for(c, block_size) for c in context_lens]
@@ -436,7 +436,7 @@ def paged_vs_dense(seed: int = 0, *, context_lens: Sequence[int] = (37, 1, 70, 1
     """``paged_attention_reference`` on one ragged batch (a whole prompt, decodes, a prefill chunk) whose
     blocks are scattered over a NaN-poisoned pool, against dense causal attention on each sequence's
     contiguous keys and values. Returns the largest absolute difference and whether any NaN leaked."""
-    from minifer.layers.paged_attention import PagedAttentionMetadata, paged_attention_reference
+    from minifer.attention.backends.paged import PagedAttentionMetadata, paged_attention_reference
 
     q, k_cache, v_cache, tables, dense = _scattered_case(
         seed, context_lens=context_lens, query_lens=query_lens, block_size=block_size, num_heads=num_heads,
@@ -463,15 +463,15 @@ class TritonCheck:
 
 def triton_vs_reference(seed: int = 0, *, context_lens: Sequence[int] = (1, 17, 40, 100), block_size: int = 16,
                         num_heads: int = 8, num_kv_heads: int = 2, head_dim: int = 32) -> TritonCheck:
-    """The Triton kernels of ``minifer/kernels/paged_attention.py`` against the PyTorch reference on a decode
+    """The Triton kernels of ``minifer/kernels/triton_attention.py`` against the PyTorch reference on a decode
     batch with scattered blocks: ``store_kv`` must write exactly the reference's slots, and
     ``paged_decode_attention`` must match ``paged_attention_reference``. Runs on the GPU when there is one,
     else under Triton's interpreter; without Triton it returns ``ran=False`` and the reason."""
     available, message = enable_triton_interpreter()
     if not available:
         return TritonCheck(False, message)
-    from minifer.kernels.paged_attention import paged_decode_attention, store_kv
-    from minifer.layers.paged_attention import PagedAttentionMetadata, paged_attention_reference
+    from minifer.kernels.triton_attention import paged_decode_attention, store_kv
+    from minifer.attention.backends.paged import PagedAttentionMetadata, paged_attention_reference
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     b = len(context_lens)
@@ -502,7 +502,7 @@ def block_table_demo(block_size: int = 4, num_blocks: int = 24, prefix_caching: 
     per decode step, as in a batch), D joins them, B finishes, and E arrives and takes the lowest-numbered free
     blocks, B's old ones first (``BlockManager._take_free``).
     Returns ``(block_manager, {name: tokens stored})``."""
-    from minifer.engine.block_manager import BlockManager
+    from minifer.core.kv_cache_manager import BlockManager
 
     bm = BlockManager(num_blocks, block_size, prefix_caching)
     lens: dict[str, int] = {}
@@ -535,7 +535,7 @@ def prefix_sharing_demo(block_size: int = 4, num_blocks: int = 16, system_len: i
     """A small ``BlockManager`` with prefix caching: request A (a ``system_len``-token system prompt and a
     question) is computed and published; B and C arrive with the same system prompt and other questions and
     share its full blocks. Returns ``(block_manager, {name: tokens stored}, {name: tokens served from cache})``."""
-    from minifer.engine.block_manager import BlockManager
+    from minifer.core.kv_cache_manager import BlockManager
 
     bm = BlockManager(num_blocks, block_size, enable_prefix_caching=True)
     rng = random.Random(1)
@@ -649,7 +649,7 @@ def _fresh_engine(llm, *, sharing: bool, block_size: int, num_blocks: int, max_n
                   max_num_batched_tokens: int = 4096):
     """A fresh continuous engine over ``llm``'s loaded model, with its own KV pool (prefix caching = ``sharing``)."""
     from minifer.engine.llm_engine import CacheConfig, LLMEngine
-    from minifer.engine.scheduler import SchedulerConfig
+    from minifer.core.sched.scheduler import SchedulerConfig
 
     return LLMEngine.from_llm(llm, CacheConfig(block_size=block_size, num_kv_blocks=num_blocks,
                                                enable_prefix_caching=sharing),
@@ -683,7 +683,7 @@ def _run_parallel(llm, prompts: Sequence[list[int]], n: int, *, sharing: bool, b
     (no preemption), prefix caching on (the completions share the prompt) or off (each holds its own copy).
     After every step, count the blocks in the running sequences' tables and the distinct physical blocks."""
     from minifer import SamplingParams
-    from minifer.engine.sequence import sequences_of
+    from minifer.request import sequences_of
 
     seqs = len(prompts) * n
     room = seqs * blocks_for(max(map(len, prompts)) + max_tokens, block_size)
@@ -769,7 +769,7 @@ def beam_search_demo(llm, *, beam_width: int = 3, prompt: str = "Once upon a tim
     import copy
 
     from minifer import BeamSearchParams
-    from minifer.features.beam_search import BeamSearch
+    from minifer.beam_search import BeamSearch
 
     engine = _fresh_engine(llm, sharing=True, block_size=block_size, num_blocks=num_blocks, max_num_seqs=beam_width)
     tok = llm.tokenizer
@@ -809,7 +809,7 @@ def measure_beam_search(llm, *, shapes: Sequence[tuple[int, int]] = ((256, 32), 
     steps. It also counts the forks, the copy-on-write block copies and the cached tokens they carried, against
     the tokens a contiguous cache would copy (every beam's whole cache, every step)."""
     from minifer import BeamSearchParams
-    from minifer.features.beam_search import BeamSearch, blocks_bound
+    from minifer.beam_search import BeamSearch, blocks_bound
 
     rows = []
     for prompt_len, max_tokens, prompts in _shape_prompts(llm, shapes, num_prompts, seed):

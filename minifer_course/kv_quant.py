@@ -19,12 +19,12 @@ from typing import Any
 
 import torch
 
-from minifer.layers.kv_quant import KV_CACHE_DTYPES
+from minifer.quantization.kv_cache import KV_CACHE_DTYPES
 
 # (kv_cache_dtype, kv_cache_scales) measured, the model's own dtype first
 FORMATS = [("auto", "token")] + [(kv, scales) for scales in ("token", "head") for kv in KV_CACHE_DTYPES[1:]]
-from minifer.layers.paged_attention import PagedKVCache
-from minifer.sampling import SamplingParams
+from minifer.attention.backends.paged import PagedKVCache
+from minifer.sampling_params import SamplingParams
 from minifer.bench.provenance import save_result
 
 BUDGET = 2**30  # bytes
@@ -78,7 +78,7 @@ def run(model: str = "tinystories-target", num_prompts: int = 32, config_of: str
     from minifer.bench.serving import metadata
     from minifer.bench.speculative import story_openings
     from minifer.bench.workloads import sharegpt_specs
-    from minifer.loader import load_config, resolve_model
+    from minifer.model_loader import load_config, resolve_model
 
     prompt_spec, output_spec = sharegpt_specs(4096)
     rng = random.Random(0)

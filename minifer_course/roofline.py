@@ -45,7 +45,7 @@ import torch
 from minifer.bench.machine import (_device, _sync, _times, default_results_path, default_threads,  # noqa: F401
                                     device_name, environment, measure_copy_bandwidth)
 from minifer.config import ModelConfig
-from minifer.layers.attention import ContiguousKVCache
+from minifer.attention.layer import ContiguousKVCache
 from minifer.models.llama import LlamaForCausalLM
 
 # --- counting ---------------------------------------------------------------------------------------
@@ -451,7 +451,7 @@ def time_generate(llm: Any, *, batch: int = 1, prompt_len: int = 32, max_tokens:
                   seed: int = 0) -> dict[str, float]:
     """Decode speed through the whole engine (``LLM.generate``: sampling, stop checks, detokenizing),
     from the requests' own timestamps: seconds per decode step after the first token, and tokens/s."""
-    from minifer.sampling import SamplingParams
+    from minifer.sampling_params import SamplingParams
 
     gen = torch.Generator().manual_seed(seed)
     vocab = llm.model_config.vocab_size
@@ -510,7 +510,7 @@ LLAMA2_7B = {"architectures": ["LlamaForCausalLM"], "vocab_size": 32000, "hidden
 
 def reference_configs() -> dict[str, ModelConfig]:
     """Published models by hub id: the configs shipped in ``minifer/assets/configs`` plus Llama-2-7B."""
-    from minifer.loader import SHIPPED_CONFIGS, load_config
+    from minifer.model_loader import SHIPPED_CONFIGS, load_config
 
     configs = {name: load_config(path) for name, path in SHIPPED_CONFIGS.items()}
     configs["meta-llama/Llama-2-7b-hf"] = ModelConfig.from_dict(LLAMA2_7B)

@@ -52,7 +52,7 @@ from typing import Any
 
 import torch
 
-from minifer.sampling import SamplingParams
+from minifer.sampling_params import SamplingParams
 
 LEVERS = ("continuous", "speculative", "int8_weights", "int8_kv")
 INT8_WEIGHTS = "w8a8"  # the int8_weights lever's quantization (the module docstring says why W8A8)
@@ -206,7 +206,7 @@ class Workload:
 
 def tokenizer_for(model: str):
     """The tokenizer of a bundled name, local folder or hub id (the prompts are made before any engine)."""
-    from minifer.loader import load_tokenizer, resolve_model
+    from minifer.model_loader import load_tokenizer, resolve_model
 
     return load_tokenizer(resolve_model(model))
 

@@ -8,7 +8,7 @@ from typing import Any
 
 def decoder_linear_shapes(cfg: Any) -> dict[str, tuple[int, int]]:
     """``[N, K]`` (out x in features) of each projection of one decoder layer, fused as minifer runs them
-    (the names of ``minifer.quant.linear.LINEAR_NAMES``)."""
+    (the names of ``minifer.quantization.linear.LINEAR_NAMES``)."""
     h, q, kv, i = cfg.hidden_size, cfg.q_size, cfg.kv_size, cfg.intermediate_size
     return {"self_attn.qkv_proj": (q + 2 * kv, h), "self_attn.o_proj": (h, q), "mlp.gate_up_proj": (2 * i, h),
             "mlp.down_proj": (h, i)}
@@ -16,7 +16,7 @@ def decoder_linear_shapes(cfg: Any) -> dict[str, tuple[int, int]]:
 
 def quantized_linear_bytes(n: int, k: int, fmt: str, group_size: int = 128, symmetric: bool = True) -> int:
     """Bytes an ``[n, k]`` weight takes in ``fmt`` (``"bf16"``, ``"int8"``, ``"fp8"`` or ``"int4"``) as
-    ``minifer.quant.formats`` lays it out: the codes, a float32 scale per row (int8, fp8) or per group of
+    ``minifer.quantization.formats`` lays it out: the codes, a float32 scale per row (int8, fp8) or per group of
     ``group_size`` inputs (int4), and a uint8 zero point per group for asymmetric int4."""
     if fmt == "bf16":
         return 2 * n * k

@@ -33,16 +33,16 @@ from typing import Any
 import torch
 
 from minifer_course.workbench_spec import EAGLE_WORKLOAD, ROLLBACK_WORKLOAD, rollback_with
-from minifer.engine.block_manager import BlockManager
+from minifer.core.kv_cache_manager import BlockManager
 from minifer.engine.components import Components
-from minifer.engine.proposers import NgramProposer
-from minifer.engine.scheduler import ScheduledBatch, Scheduler
-from minifer.engine.sequence import SequenceStatus
+from minifer.spec_decode.ngram_proposer import NgramProposer
+from minifer.core.sched.scheduler import ScheduledBatch, Scheduler
+from minifer.request import SequenceStatus
 from minifer.engine.speculative import SpeculativeConfig
 from minifer_course.workbench_step import pieces_for, step_seams
-from minifer.layers.paged_attention import PagedKVCache
-from minifer.sampling import history_tensors, sample
-from minifer.spec.rejection import RejectionVerifier
+from minifer.attention.backends.paged import PagedKVCache
+from minifer.sample.sampler import history_tensors, sample
+from minifer.sample.rejection_sampler import RejectionVerifier
 
 FOLDER_ENV = "MINIFER_MY_ENGINE"  # overrides the folder (the tests use a temporary one)
 
@@ -58,7 +58,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from minifer.engine.sequence import SequenceStatus
+from minifer.request import SequenceStatus
 """
 
 

@@ -36,9 +36,9 @@ from torch import nn
 from minifer_course import workbench
 from minifer_course.workbench import PRELUDE, Piece, source_of
 from minifer.engine.components import Components
-from minifer.quant.formats import QuantizedWeight, quantize_int4
-from minifer.quant.linear import QuantKernel, QuantLinear, decoder_linears, set_module
-from minifer.quant.model import QuantizationConfig, group_for
+from minifer.quantization.formats import QuantizedWeight, quantize_int4
+from minifer.quantization.linear import QuantKernel, QuantLinear, decoder_linears, set_module
+from minifer.quantization.model import QuantizationConfig, group_for
 
 QUANT_PIECES: dict[str, Piece] = {p.name: p for p in (
     Piece("quantize_int4_groupwise", "05_quantization", "quantizer"),
@@ -60,9 +60,9 @@ if not torch.cuda.is_available():
 import triton
 import triton.language as tl
 
-from minifer.quant import QuantizedWeight
-from minifer.quant.linear import QuantLinear
-from minifer.quant.model import group_for
+from minifer.quantization import QuantizedWeight
+from minifer.quantization.linear import QuantLinear
+from minifer.quantization.model import group_for
 """
 
 INT4 = {"group_size": 128, "symmetric": True}  # LLM(quantization="int4"): g128, symmetric (the fallback: group_for)

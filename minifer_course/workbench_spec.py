@@ -22,7 +22,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from minifer.engine.proposers import DraftModelProposer
+from minifer.spec_decode.draft_model import DraftModelProposer
 from minifer.engine.speculative import Rollback, Speculator
 
 DRAFT_SPEC = {"method": "draft_model", "model": "tinystories-draft", "num_speculative_tokens": 4, "adaptive": False}

@@ -1,7 +1,7 @@
 """Exercise 03's pieces in the engine: the learner's preemption as the scheduler's, their engine step as the engine's.
 
 Both exercises have the engine's own signatures (``preempt(running, waiting, blocks)`` is
-``minifer.engine.scheduler.preempt_by_recompute``'s, ``engine_step(parts)`` is ``minifer.engine.step.engine_step``'s),
+``minifer.core.sched.scheduler.preempt_by_recompute``'s, ``engine_step(parts)`` is ``minifer.engine.core.engine_step``'s),
 so the adapters only put them where the engine looks: a ``Scheduler`` whose ``preempt`` is theirs, and
 ``Components.step``. A given step runs only where the engine does not speculate (speculation's step is the engine's
 own), so the capstone hands it to its plain batch and not to the speculative ones (``pieces_for``).
@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from minifer.engine.scheduler import Scheduler
+from minifer.core.sched.scheduler import Scheduler
 
 
 def scheduler_with_preemption(preempt: Callable[..., Any]) -> type[Scheduler]:

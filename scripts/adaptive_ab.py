@@ -25,7 +25,7 @@ import torch
 
 from minifer.bench.speculative import (DRAFT, _engine, grounded_prompts, median_ci, run_interleaved,
                                        story_openings)
-from minifer.sampling import SamplingParams
+from minifer.sampling_params import SamplingParams
 
 
 def emulate_old(ctl) -> None:

@@ -11,7 +11,7 @@ import torch
 from collections import Counter
 torch.set_num_threads(1)
 from minifer.bench.speculative import _engine, DRAFT, story_openings, run_interleaved
-from minifer.sampling import SamplingParams
+from minifer.sampling_params import SamplingParams
 plain = _engine("tinystories-target", None, 32, None)
 ad = _engine("tinystories-target", {"method": "draft_model", "model": DRAFT, "num_speculative_tokens": 5, "adaptive": True}, 32, None, plain)
 engines = {"plain": plain, "adaptive": ad}

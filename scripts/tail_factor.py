@@ -19,7 +19,7 @@ import time
 import torch
 
 from minifer.bench.speculative import DRAFT, _engine, median_ci, run_interleaved, story_openings
-from minifer.sampling import SamplingParams
+from minifer.sampling_params import SamplingParams
 
 
 def recorder(llm, log):

@@ -1,4 +1,4 @@
-"""Train the EAGLE draft head (``minifer/features/eagle_head.py``) on the shipped target's own features (chapter 04).
+"""Train the EAGLE draft head (``minifer/models/llama_eagle.py``) on the shipped target's own features (chapter 04).
 
 Why a script of its own: the head is trained *from* the bundled target, not with it, so the target is frozen
 and run once. Recipe (seeded, fixed step budget, one command, a few tens of minutes on 2 CPU cores):
@@ -61,9 +61,9 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from train_pair import DATA, encode_stream, fixed_windows, hardware, read_stories
 
-from minifer.layers.attention import causal_backend
-from minifer.loader import build_model, load_tokenizer, resolve_model
-from minifer.features.eagle_head import EagleHead, eagle3_aux_layers
+from minifer.attention.layer import causal_backend
+from minifer.model_loader import build_model, load_tokenizer, resolve_model
+from minifer.models.llama_eagle import EagleHead, eagle3_aux_layers
 
 
 @dataclass

@@ -151,7 +151,7 @@ def heldout_stories() -> list[str]:
 
 def minifer_forward(llm, ids: list[int]) -> torch.Tensor:
     """Logits ``[T, vocab]`` of one sequence through minifer's model with a ``ContiguousKVCache`` prefill."""
-    from minifer.layers.attention import ContiguousKVCache
+    from minifer.attention.layer import ContiguousKVCache
 
     cfg = llm.model_config
     n = len(ids)

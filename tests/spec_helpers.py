@@ -11,7 +11,7 @@ from scipy import stats as scipy_stats
 
 from conftest import minifer_forward
 from minifer import LLM, SamplingParams
-from minifer.sampling import process_logits
+from minifer.sample.sampler import process_logits
 
 GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
 

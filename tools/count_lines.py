@@ -29,12 +29,15 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 FUNCTION = 50
-# speculative decoding's modules inside engine/: not part of a plain decode step
-SPECULATIVE = ("engine/speculative.py", "engine/spec_step.py", "engine/proposers.py")
-DECODE_PATH = ("engine", "models", "layers", "sampling.py")
+# modules inside the decode path's folders that a plain decode step never runs (speculation, adaptive k, EAGLE's
+# head, data-parallel replicas)
+SPECULATIVE = ("engine/speculative.py", "engine/spec_step.py", "engine/adaptive_k.py", "engine/data_parallel.py",
+               "models/llama_eagle.py")
+DECODE_PATH = ("engine", "core", "worker", "models", "layers", "attention", "sample/sampler.py", "sampling_params.py",
+               "request.py", "quantization/kv_cache.py")
 TARGET = {"package": 8000, "decode_path": 3200, "long_functions": 0}
-CEILING = {"package": 9629, "decode_path": 2483, "long_functions": 5}
-STEP_FILES = {"target": 10, "ceiling": 11}  # distinct minifer/ files one plain decode step enters
+CEILING = {"package": 9633, "decode_path": 2507, "long_functions": 5}
+STEP_FILES = {"target": 10, "ceiling": 12}  # distinct minifer/ files one plain decode step enters
 
 
 def code_lines(source: str) -> set[int]:

@@ -17,7 +17,7 @@
 #
 # Each exercise explains the idea, gives a function whose body you write (replace the
 # `raise NotImplementedError`), then a **check cell** that grades your function against minifer's own
-# (`minifer/layers/norm.py`, `minifer/layers/rotary.py`, `minifer/sampling.py`) on random inputs, odd
+# (`minifer/layers/layernorm.py`, `minifer/layers/rotary_embedding.py`, `minifer/sample/sampler.py`) on random inputs, odd
 # shapes and edge cases. A check prints `ok` per passing check and stops at the first failure with what
 # differs and a hint. The test suite runs the very same checks.
 
@@ -227,7 +227,7 @@ piece_throughput("apply_rotary", apply_rotary)
 # token is kept when the probability of the tokens ranked **above** it is still below $p$, so the token
 # that crosses $p$ is kept, and the most likely token always is. Every other token's logit becomes
 # $-\infty$, so the softmax that follows gives it probability 0. Each row has its own $p$, because every
-# request in a batch chooses its own sampling parameters. In minifer (`minifer/sampling.py`) this step runs
+# request in a batch chooses its own sampling parameters. In minifer (`minifer/sample/sampler.py`) this step runs
 # after the temperature and top-k and before min-p.
 #
 # Example: probabilities $(0.5, 0.25, 0.2, 0.05)$ and $p = 0.7$ keep the first two ($0.5 < 0.7$, then
@@ -370,10 +370,10 @@ piece_throughput("decoder_layer", decoder_layer)
 # %% [markdown]
 # ## Where these live in the engine
 #
-# * `rms_norm` is `minifer.layers.norm.rms_norm`, called twice per decoder layer and once at the end;
-# * `rope_inv_freq` and `apply_rotary` are in `minifer/layers/rotary.py`; `RotaryEmbedding` precomputes
+# * `rms_norm` is `minifer.layers.layernorm.rms_norm`, called twice per decoder layer and once at the end;
+# * `rope_inv_freq` and `apply_rotary` are in `minifer/layers/rotary_embedding.py`; `RotaryEmbedding` precomputes
 #   `cos`/`sin` for all positions, and the model rotates queries and keys right after their projection;
-# * `top_p_mask` is `minifer.sampling.apply_top_p`, one of the logits processors of `process_logits`;
+# * `top_p_mask` is `minifer.sample.sampler.apply_top_p`, one of the logits processors of `process_logits`;
 # * `decoder_layer` is `minifer.models.llama.DecoderLayer.forward`, which `LlamaModel` calls once per layer.
 #
 # minifer's versions differ in details (`apply_top_p` sorts in *ascending* order and drops the tail whose

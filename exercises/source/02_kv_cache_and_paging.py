@@ -14,7 +14,7 @@
 #    and (3c) the fork and copy-on-write of beam search.
 #
 # Each exercise explains the idea, gives a function (or a class) whose body you write, then a **check cell**
-# that grades it against minifer's own (`minifer/layers/paged_attention.py`, `minifer/engine/block_manager.py`)
+# that grades it against minifer's own (`minifer/attention/backends/paged.py`, `minifer/core/kv_cache_manager.py`)
 # on hand-built cases and random ones. A check prints `ok` per passing check and stops at the first failure with
 # what differs and a hint. Who runs at each step, and what happens when the blocks run out, is exercise 03's.
 
@@ -523,11 +523,11 @@ check_forking_in_engine(ForkingAllocator)
 # %% [markdown]
 # ## Where these live in the engine
 #
-# * `slot_mapping` is `minifer.layers.paged_attention.slot_mapping`; `PagedAttentionMetadata.build` computes
+# * `slot_mapping` is `minifer.attention.backends.paged.slot_mapping`; `PagedAttentionMetadata.build` computes
 #   the same for a whole batch in tensors, once per step, together with the gather indices and causal masks;
 # * `paged_attention` is `paged_attention_reference` (the CPU path, for a ragged batch); on a GPU, decode
-#   steps use the Triton kernels of `minifer/kernels/paged_attention.py`, checked against it;
-# * `PrefixCachingAllocator` is `minifer.engine.block_manager.BlockManager`, which also grows sequences
+#   steps use the Triton kernels of `minifer/kernels/triton_attention.py`, checked against it;
+# * `PrefixCachingAllocator` is `minifer.core.kv_cache_manager.BlockManager`, which also grows sequences
 #   (`append_slots`) and rolls them back (`truncate`, for speculative decoding);
 # * `parallel_sampling_blocks` is `minifer_course.kv_memory.parallel_sampling_blocks`; the sharing itself is
-#   `SequenceGroup` (`minifer/engine/sequence.py`) with the prefix cache doing the work.
+#   `SequenceGroup` (`minifer/request.py`) with the prefix cache doing the work.

@@ -12,7 +12,7 @@
 # 3. **the engine step**: schedule, run, sample, append, free, the loop every request goes through.
 #
 # Each exercise explains the idea, gives a function whose body you write, then a **check cell** that grades it
-# against minifer's own (`minifer/engine/scheduler.py`, `minifer/engine/step.py`) on hand-built cases and random
+# against minifer's own (`minifer/core/sched/scheduler.py`, `minifer/engine/core.py`) on hand-built cases and random
 # ones. A check prints `ok` per passing check and stops at the first failure with what differs and a hint. Each
 # piece then serves requests inside a real engine.
 
@@ -31,9 +31,9 @@ from collections import deque
 from dataclasses import dataclass
 
 from minifer_course.common import show_source
-from minifer.engine.block_manager import KVBlockAllocator
-from minifer.engine.sequence import Sequence, SequenceStatus
-from minifer.engine.step import StepParts
+from minifer.core.kv_cache_manager import KVBlockAllocator
+from minifer.request import Sequence, SequenceStatus
+from minifer.engine.core import StepParts
 
 # %% [markdown]
 # ## 1 · One step of continuous batching
@@ -176,7 +176,7 @@ piece_throughput("schedule_step", schedule_step)
 # calls the scheduler's `preempt(running, waiting, blocks)` and counts the preemption:
 
 # %%
-from minifer.engine.scheduler import Scheduler
+from minifer.core.sched.scheduler import Scheduler
 
 show_source(Scheduler.preempt_newest)
 
@@ -330,11 +330,11 @@ piece_throughput("engine_step", engine_step)
 # %% [markdown]
 # ## Where these live in the engine
 #
-# * `schedule_step` is `minifer.engine.scheduler.Scheduler.schedule`, which works on `Sequence` objects and
+# * `schedule_step` is `minifer.core.sched.scheduler.Scheduler.schedule`, which works on `Sequence` objects and
 #   the `BlockManager` directly: admission asks `can_allocate` (prefix-cache hits included), and a preempted
 #   request returns to the *front* of the waiting queue with its generated tokens as part of its prompt;
-# * `preempt` is `minifer.engine.scheduler.preempt_by_recompute`, the `Scheduler`'s `preempt`;
-# * `engine_step` is `minifer.engine.step.engine_step`, the function `LLMEngine.step` (`minifer/engine/llm_engine.py`)
+# * `preempt` is `minifer.core.sched.scheduler.preempt_by_recompute`, the `Scheduler`'s `preempt`;
+# * `engine_step` is `minifer.engine.core.engine_step`, the function `LLMEngine.step` (`minifer/engine/llm_engine.py`)
 #   runs every step, adding the step's timing and the merging of a request's `n` completions around it; when
 #   speculating (chapter 04) it runs through hooks that propose drafts before the forward and verify them after
 #   (`minifer/engine/spec_step.py`).

@@ -21,7 +21,7 @@
 # 5. (section 6) **the EAGLE head's forward**: a drafter that reads the target's own features.
 #
 # Each exercise explains the idea, gives a function whose body you write, then a **check cell** that grades
-# it against minifer's own (`minifer/spec/rejection.py`, `minifer/spec/ngram.py`). A check prints `ok` per
+# it against minifer's own (`minifer/sample/rejection_sampler.py`, `minifer/spec_decode/ngram_proposer.py`). A check prints `ok` per
 # passing check and stops at the first failure with what differs and a hint.
 
 # %% [markdown] exercise-only
@@ -40,8 +40,8 @@ from pathlib import Path
 import torch
 
 import minifer
-from minifer.spec import estimate_alpha, expected_speedup, expected_tokens_per_forward, optimal_k
-from minifer.spec import rejection_sample as minifer_rejection_sample
+from minifer.spec_decode.theory import estimate_alpha, expected_speedup, expected_tokens_per_forward, optimal_k
+from minifer.sample.rejection_sampler import rejection_sample as minifer_rejection_sample
 
 torch.set_num_threads(1)
 
@@ -332,7 +332,7 @@ piece_throughput("ngram_propose", ngram_propose)
 #
 # Each extra draft token is worth less than the one before it. With `c` the cost of a draft step relative to
 # a target step, a speculative step costs `k·c + 1` target steps, and the expected speedup is
-# `E[tokens] / (k·c + 1)` (Leviathan et al., 2023). `minifer.spec.theory` has these formulas, and
+# `E[tokens] / (k·c + 1)` (Leviathan et al., 2023). `minifer.spec_decode.theory` has these formulas, and
 # `optimal_k` the `k` that maximises the speedup (0: don't speculate).
 
 # %%
@@ -523,15 +523,15 @@ piece_throughput("eagle_forward", eagle_forward)
 # %% [markdown]
 # ## Where these live in the engine
 #
-# * `verify_greedy` is `minifer.spec.rejection.verify_greedy`, on the same ragged batch;
-# * `rejection_sample` is `minifer.spec.rejection.rejection_sample`, for a ragged batch: the `p(x) / q(x)`
+# * `verify_greedy` is `minifer.sample.rejection_sampler.verify_greedy`, on the same ragged batch;
+# * `rejection_sample` is `minifer.sample.rejection_sampler.rejection_sample`, for a ragged batch: the `p(x) / q(x)`
 #   of every draft in one gather, the accepted counts of all rows at once, one generator per row in the
 #   order of this exercise. `probs_from_logits` applies the sampling knobs to target and draft logits
 #   exactly as plain sampling does (a greedy row becomes a one-hot, so rejection sampling reduces to greedy
 #   verification), and `one_hot_draft_probs` gives the `q` of a deterministic proposer such as n-grams;
-# * `ngram_propose` is `minifer.spec.ngram.ngram_propose`;
-# * the formulas of section 4 are `minifer.spec.theory`;
+# * `ngram_propose` is `minifer.spec_decode.ngram_proposer.ngram_propose`;
+# * the formulas of section 4 are `minifer.spec_decode.theory`;
 # * `rollback` is `Speculator.rollback` (`minifer/engine/speculative.py`), with the allocator's `truncate`
-#   (`minifer/engine/block_manager.py`) doing the block bookkeeping, prefix-cache entries included;
-# * `eagle_forward` is `EagleHead.forward` (`minifer/features/eagle_head.py`); `EagleProposer`
-#   (`minifer/features/eagle.py`) pairs the features with the tokens and keeps the head's paged cache.
+#   (`minifer/core/kv_cache_manager.py`) doing the block bookkeeping, prefix-cache entries included;
+# * `eagle_forward` is `EagleHead.forward` (`minifer/models/llama_eagle.py`); `EagleProposer`
+#   (`minifer/spec_decode/eagle.py`) pairs the features with the tokens and keeps the head's paged cache.

@@ -25,7 +25,7 @@
 # tokens must be those of minifer's own int4 engine.
 #
 # Each exercise explains the idea, gives a function whose body you write, then a **check cell** that grades
-# it against minifer's own (`minifer/quant/formats.py`, `minifer/kernels/quant_matmul.py`, `minifer/eval.py`).
+# it against minifer's own (`minifer/quantization/formats.py`, `minifer/kernels/quant_matmul.py`, `minifer/eval.py`).
 # A check prints `ok` per passing check and stops at the first failure with what differs and a hint.
 
 # %% [markdown] exercise-only
@@ -56,8 +56,8 @@ import transformers
 import minifer
 from minifer.eval import causal_forward, heldout_windows, perplexity as minifer_perplexity, stdlib_windows
 from minifer_course.grading.quant import triton_modules
-from minifer.quant import dequantize, quantize, quantize_int4
-from minifer.quant.model import quantize_model
+from minifer.quantization import dequantize, quantize, quantize_int4
+from minifer.quantization.model import quantize_model
 
 torch.set_num_threads(1)
 transformers.utils.logging.set_verbosity_error()  # no tokenizer warnings in the outputs
@@ -177,7 +177,7 @@ for name, qw in [("int8, per row", quantize(w, "int8")), ("fp8 e4m3, per row", q
 #
 # A quantizer makes bytes; a model has to hold them. minifer loads a checkpoint into an ordinary float model, then,
 # when `LLM(..., quantization="int4")` asks for it, walks the decoder and swaps each projection for a `QuantLinear`
-# (`minifer/quant/linear.py`): a module that keeps the codes, scales and zero points as buffers and whose forward
+# (`minifer/quantization/linear.py`): a module that keeps the codes, scales and zero points as buffers and whose forward
 # multiplies through a **kernel** handed to it (`QuantLinear(qw, bias, kernel)`, `qw` a `QuantizedWeight`). Write
 # that step, `quantize_linears(model, quantize, group_size, symmetric, kernel)`, in place:
 #
@@ -188,7 +188,7 @@ for name, qw in [("int8, per row", quantize(w, "int8")), ("fp8 e4m3, per row", q
 #   layer averages its error away;
 # * **groups along K**: quantize the weight as `nn.Linear` stores it, `[N, K]` (float32: `linear.weight.detach()
 #   .float()`), so that a group is `g` consecutive *inputs* of a row, the numbers one dot product sums. `group_size`
-#   must divide K, and `down_proj`'s K is 704 = 11 × 64: `group_for(name, K, group_size)` (`minifer.quant.model`)
+#   must divide K, and `down_proj`'s K is 704 = 11 × 64: `group_for(name, K, group_size)` (`minifer.quantization.model`)
 #   gives each layer its group, falling back to the largest power of two that divides K (64 here), as minifer does;
 # * **the bias**: only the weight is quantized; a layer's bias (Qwen2's `qkv_proj` has one) goes to the
 #   `QuantLinear` as it is;
@@ -204,9 +204,9 @@ for name, qw in [("int8, per row", quantize(w, "int8")), ("fp8 e4m3, per row", q
 # %%
 from torch import nn
 
-from minifer.quant import QuantizedWeight
-from minifer.quant.linear import QuantLinear
-from minifer.quant.model import group_for
+from minifer.quantization import QuantizedWeight
+from minifer.quantization.linear import QuantLinear
+from minifer.quantization.model import group_for
 
 
 def quantize_linears(model, quantize, group_size=128, symmetric=True, kernel=None):
@@ -492,8 +492,8 @@ for label, method, group, symmetric in [("int8", "int8", 128, True), ("int4 g128
 #
 # ## Where these live in the engine
 #
-# * `quantize_int4_groupwise` is `minifer.quant.formats.quantize_int4` (with `pack_int4`, `unpack_int4`,
-#   `dequantize`); `quantize_linears` is the int4 path of `quantize_model` (`minifer/quant/model.py`), which the
+# * `quantize_int4_groupwise` is `minifer.quantization.formats.quantize_int4` (with `pack_int4`, `unpack_int4`,
+#   `dequantize`); `quantize_linears` is the int4 path of `quantize_model` (`minifer/quantization/model.py`), which the
 #   loader calls (`Components.quantizer` is the seam your step went through);
 # * `int4_matmul_kernel` is a simple version of `minifer/kernels/quant_matmul.py`: its `tiled` path is the
 #   same loop with tensor-core tiles, and its `gemv` path for decode splits K across programs and decodes a

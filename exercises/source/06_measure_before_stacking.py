@@ -318,7 +318,7 @@ from minifer import LLM
 from minifer.bench.speculative import median_ci as minifer_median_ci
 from minifer_course.grading import measure as ref
 from minifer_course.grading.base import or_minifer  # yours once it runs, minifer's until then
-from minifer.sampling import SamplingParams
+from minifer.sampling_params import SamplingParams
 
 
 PROMPTS = ["Once upon a time there was a little", "The dog ran to the", "Lily wanted to play with her",

@@ -123,8 +123,8 @@ int4_throughput(solution=SOLUTION)
 # ## What is still minifer's
 #
 # The rest of the model's forward (`minifer/models/llama.py`: the embedding, the final norm, the logits), the
-# weight loader, the model runner that packs a batch into tensors (`minifer/engine/runner.py`), the engine's own
+# weight loader, the model runner that packs a batch into tensors (`minifer/worker/model_runner.py`), the engine's own
 # step around yours (`minifer/engine/llm_engine.py`: timing, outputs, speculation), the speculative loop
 # around your verifier and rollback (`minifer/engine/speculative.py`) and the quantized layer itself
-# (`QuantLinear`, `minifer/quant/linear.py`). Reading them with your pieces in mind is the next step: each calls
+# (`QuantLinear`, `minifer/quantization/linear.py`). Reading them with your pieces in mind is the next step: each calls
 # one of yours through a seam (`minifer/engine/components.py` lists them).

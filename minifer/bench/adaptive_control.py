@@ -33,7 +33,7 @@ import torch
 from minifer.bench.provenance import save_result
 from minifer.bench.speculative import (DRAFT, _engine, adaptive_verdict, grounded_prompts, median_ci,
                                        run_interleaved, story_openings)
-from minifer.sampling import SamplingParams
+from minifer.sampling_params import SamplingParams
 
 ENGINES = ("plain", "plain_again", "adaptive", "plain_after")  # the order they are built in
 FROM_8 = 6  # rounds from 8 sequences on, per round below 8: where the question is (speculative.py: 4)

@@ -30,8 +30,8 @@ from minifer.bench.adaptive_control import add_arguments, method_specs
 from minifer.bench.adaptive_pooled import interval
 from minifer.bench.provenance import save_result
 from minifer.bench.speculative import DRAFT, _engine, run_interleaved
-from minifer.features.adaptive_k import ForwardTimer
-from minifer.sampling import SamplingParams
+from minifer.engine.adaptive_k import ForwardTimer
+from minifer.sampling_params import SamplingParams
 
 ENGINES = ("plain", "plain_again", "adaptive")
 

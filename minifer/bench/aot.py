@@ -66,7 +66,7 @@ def for_arch(spec: KernelSpec, cc: int) -> KernelSpec:
 def kernel_specs(cc: int = 80) -> list[KernelSpec]:
     """One spec per kernel and representative configuration (the shapes of the bundled target and Qwen3), as
     compiled for compute capability ``cc`` (``for_arch``; the quantized kernels' configs of that GPU)."""
-    from minifer.kernels import paged_attention as pa
+    from minifer.kernels import triton_attention as pa
 
     specs = [KernelSpec("store_kv[Hkv=8,D=128]", pa.store_kv_kernel,
                         {"k_ptr": "*bf16", "v_ptr": "*bf16", "k_cache_ptr": "*bf16", "v_cache_ptr": "*bf16",

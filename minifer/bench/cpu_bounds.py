@@ -53,7 +53,7 @@ def _decode_steps(llm, prompt_len: int, steps: int) -> list[float]:
     """Wall seconds of each of ``steps`` batch-1 decode steps of one greedy request (its prefill not counted)."""
     from minifer.bench.serving import greedy_params
     from minifer.engine.llm_engine import CacheConfig, LLMEngine
-    from minifer.engine.scheduler import SchedulerConfig
+    from minifer.core.sched.scheduler import SchedulerConfig
 
     engine = LLMEngine(llm.model, None, llm.make_sequence, CacheConfig(num_kv_blocks=16), SchedulerConfig(1, 2048, True),
                        max_model_len=llm.max_model_len)
@@ -72,7 +72,7 @@ def real_shape_decode(rounds: int = 5, prompt_len: int = 128, steps: int = 3, na
     """Batch-1 decode of ``name``'s shape (dummy float32 weights) against the copy bandwidth measured in the same
     rounds, for each weight layout of ``LAYOUTS``: median step, median bandwidth, the bound and the share of it."""
     from minifer import LLM
-    from minifer.features.weight_layout import column_major_linears
+    from minifer.compilation.weight_layout import column_major_linears
 
     torch.set_num_threads(1)
     llm = LLM(name, load_format="dummy", dtype="float32", device="cpu", num_kv_blocks=16)
@@ -158,7 +158,7 @@ STEP_CUTS = ("fast_greedy",)
 
 def _continuous(llm, workload, slots: int, switches: dict[str, bool]):
     from minifer.bench.serving import run_continuous
-    from minifer.engine.runner import ModelRunner
+    from minifer.worker.model_runner import ModelRunner
 
     saved = {name: getattr(ModelRunner, name) for name in switches}
     for name, value in switches.items():

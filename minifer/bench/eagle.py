@@ -37,8 +37,8 @@ from minifer.bench.speculative import (
     run_interleaved,
     story_openings,
 )
-from minifer.sampling import SamplingParams
-from minifer.spec.theory import expected_tokens_per_forward
+from minifer.sampling_params import SamplingParams
+from minifer.spec_decode.theory import expected_tokens_per_forward
 
 METHODS = {"eagle": {"method": "eagle", "model": "tinystories-target-eagle"},
            "eagle3": {"method": "eagle3", "model": "tinystories-target-eagle3"},
@@ -158,8 +158,8 @@ def head_profile(llm, context: int = 128, reps: int = 200) -> dict[str, Any]:
     self-fed metadata is one step's share of a ``k = 4`` proposal's three (``SelfFedSteps``)."""
     from types import SimpleNamespace
 
-    from minifer.features.eagle import SelfFedSteps
-    from minifer.layers.paged_attention import PagedAttentionMetadata, PagedKVCache
+    from minifer.spec_decode.eagle import SelfFedSteps
+    from minifer.attention.backends.paged import PagedAttentionMetadata, PagedKVCache
 
     head, target = llm.engine.speculator.proposer.head, llm.model
     cfg, dtype, dev = head.config, head.fc.weight.dtype, head.fc.weight.device

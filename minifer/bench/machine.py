@@ -114,7 +114,7 @@ def default_results_path(name: str = "roofline.json") -> Path:
 def enable_triton_interpreter() -> tuple[bool, str]:
     """Switch Triton to its CPU interpreter when there is no CUDA GPU, then report whether Triton imports.
 
-    ``TRITON_INTERPRET=1`` must be set before a kernel is defined (``minifer.kernels.paged_attention`` is
+    ``TRITON_INTERPRET=1`` must be set before a kernel is defined (``minifer.kernels.triton_attention`` is
     imported), so call this first. Returns ``(available, message)``; on macOS (no Triton wheels) the
     message says why the kernel cells skip."""
     if not torch.cuda.is_available():

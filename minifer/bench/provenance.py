@@ -52,7 +52,7 @@ def code_fingerprint() -> dict[str, str]:
 
     Taken at save time, the imported modules are the code the run executed (a benchmark imports what it
     measures), and the checkpoints are the bundled folders the loader was asked for
-    (:func:`minifer.loader.bundled_used`): retraining the EAGLE head leaves a throughput result fresh."""
+    (:func:`minifer.model_loader.bundled_used`): retraining the EAGLE head leaves a throughput result fresh."""
     files: dict[str, str] = {}
     for module in list(sys.modules.values()):
         f = getattr(module, "__file__", None)
@@ -61,7 +61,7 @@ def code_fingerprint() -> dict[str, str]:
         path = Path(f).resolve()
         if path.suffix == ".py" and path.is_relative_to(PACKAGE) and path.exists():
             files[path.relative_to(ROOT).as_posix()] = _sha(path)
-    loader = sys.modules.get("minifer.loader")
+    loader = sys.modules.get("minifer.model_loader")
     used = loader.bundled_used() if loader is not None else []
     for path in sorted(p for folder in used for p in folder.glob("*")):
         if path.suffix in (".safetensors", ".json") and path.name != "training.json":

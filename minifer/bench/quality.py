@@ -3,7 +3,7 @@
     python -m minifer.bench.quality --out benchmarks/results/quant_quality.json --plot
 
 On the bundled target, for every variant: the bytes of the decoder-layer linear weights (the part
-quantized, see ``minifer.quant.linear``) and their ratio to bf16 (2 bytes per parameter), the whole model's
+quantized, see ``minifer.quantization.linear``) and their ratio to bf16 (2 bytes per parameter), the whole model's
 bytes with the kept layers (embeddings, lm_head, norms) in bf16, held-out perplexity and its change,
 greedy agreement with the float32 model (teacher-forced, and free-running over ``--gen-tokens``; see
 ``minifer.eval``), and the perplexity change on Python standard-library source, a domain the model never
@@ -44,9 +44,9 @@ import torch
 from minifer.eval import (STDLIB_FILES, WindowScores, greedy_continuations, heldout_prompts, heldout_windows,
                           prefix_agreement, score_windows, stdlib_windows)
 from minifer.kernels import quant_kernel_for
-from minifer.quant.linear import decoder_linears, weight_bytes
+from minifer.quantization.linear import decoder_linears, weight_bytes
 from minifer.compress import gptq_quantize_model
-from minifer.quant.model import quantize_model
+from minifer.quantization.model import quantize_model
 
 
 @dataclass(frozen=True)

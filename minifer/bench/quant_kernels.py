@@ -121,7 +121,7 @@ def _copies(nbytes: int, device: torch.device, calls: int) -> int:
 def _inputs(k: int, n: int, m: int, fmt: str, device: torch.device, group_size: int, seed: int):
     """A random bf16 weight ``[n, k]`` (unit-scale outputs), its quantized form, activations ``[m, k]`` and an
     output buffer."""
-    from minifer.quant import quantize
+    from minifer.quantization import quantize
 
     gen = torch.Generator(device=device).manual_seed(seed)
     w = (torch.randn(n, k, device=device, generator=gen) / math.sqrt(k)).to(torch.bfloat16)
@@ -131,7 +131,7 @@ def _inputs(k: int, n: int, m: int, fmt: str, device: torch.device, group_size: 
 
 def _rotation(w: torch.Tensor, qw, fmt: str, group_size: int, calls: int) -> tuple[list, list, int]:
     """Copies of both weights for ``calls`` calls to rotate through (``_copies``): ``(quantized, bf16, n)``."""
-    from minifer.quant import quantize
+    from minifer.quantization import quantize
 
     n_copies = _copies(min(qw.nbytes(), w.numel() * 2), w.device, calls)
     return ([qw] + [quantize(w, fmt, group_size=group_size) for _ in range(n_copies - 1)],
@@ -150,7 +150,7 @@ def bench_case(k: int, n: int, m: int, fmt: str, device: torch.device, *, group_
                rounds: int = 15, calls: int = 20, path: str = "auto", seed: int = 0) -> dict[str, Any]:
     """One (shape, M, format): correctness against the reference, then interleaved timings."""
     from minifer.kernels import quant_matmul as qm
-    from minifer.quant import quant_linear_reference
+    from minifer.quantization import quant_linear_reference
 
     w, qw, x, out = _inputs(k, n, m, fmt, device, group_size, seed)
     y = qm.quant_matmul(x, qw, path=path, out=out).float()  # autotunes here, before any capture

@@ -2,7 +2,7 @@
 in interleaved rounds, compared by output-token throughput.
 
 - ``direct``: the engine driven in-process, the way ``LLM.generate`` drives it;
-- ``http``: through ``minifer.serve`` with plain JSON answers (one persistent connection per client);
+- ``http``: through ``minifer.entrypoints.openai.serve`` with plain JSON answers (one persistent connection per client);
 - ``http-stream``: the same with ``"stream": true``, one server-sent event per token.
 
 Beside the wall-clock throughput, each run records the CPU seconds of the server's process (the engine and,
@@ -43,7 +43,7 @@ from datetime import datetime, timezone
 from typing import Any
 
 from minifer.bench.workloads import Workload, make_workload
-from minifer.openai_protocol import sse_events
+from minifer.entrypoints.openai.protocol import sse_events
 
 MODES = ("direct", "http", "http-stream")
 
@@ -125,7 +125,7 @@ def run_threads(requests: list, concurrency: int, client) -> float:
 
 def run_http(llm, workload: Workload, concurrency: int, stream: bool, pool: ProcessPoolExecutor) -> dict[str, Any]:
     """The same closed loop through a server on a free local port, the clients in ``pool``'s process."""
-    from minifer.serve import start_server
+    from minifer.entrypoints.openai.serve import start_server
 
     requests = [(r.request_id, r.prompt_token_ids, r.max_tokens) for r in workload.requests]
     with start_server(llm, port=0, model_name="m") as server:

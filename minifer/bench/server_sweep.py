@@ -73,7 +73,7 @@ def run_clients(host: str, port: int, model: str, requests: list[tuple[list[int]
 
 def sweep(llm, workload: Workload, concurrencies: list[int]) -> dict[str, Any]:
     """Each concurrency in turn, after a warm-up, through one server over ``llm``."""
-    from minifer.serve import start_server
+    from minifer.entrypoints.openai.serve import start_server
 
     requests = [(r.prompt_token_ids, r.max_tokens) for r in workload.requests]
     out_tokens = sum(r.max_tokens for r in workload.requests)

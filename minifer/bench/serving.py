@@ -52,7 +52,7 @@ import torch
 
 from minifer.bench.provenance import git_commit, metadata, save_result  # noqa: F401 (re-exported)
 from minifer.bench.workloads import BenchRequest, LengthSpec, Workload, make_workload
-from minifer.sampling import SamplingParams
+from minifer.sampling_params import SamplingParams
 
 MODES = ("static", "continuous", "hf")
 MODE_LABELS = {"static": "minifer static", "continuous": "minifer continuous", "hf": "transformers generate"}
@@ -251,7 +251,7 @@ def run_continuous(llm, workload: Workload, *, max_num_seqs: int = 16, max_num_b
                    progress: bool = True) -> RunResult:
     """Serve the workload online with a fresh ``LLMEngine`` over ``llm``'s model (see the module docstring)."""
     from minifer.engine.llm_engine import CacheConfig, LLMEngine
-    from minifer.engine.scheduler import SchedulerConfig
+    from minifer.core.sched.scheduler import SchedulerConfig
 
     engine = LLMEngine.from_llm(llm, CacheConfig(enable_prefix_caching=enable_prefix_caching),
                                 SchedulerConfig(max_num_seqs, max_num_batched_tokens, enable_chunked_prefill))
@@ -510,10 +510,15 @@ def _profile_targets() -> dict[str, tuple[str, int, str]]:
     """pstats keys (file, first line, name) of the functions whose time we attribute."""
     import inspect
 
-    from minifer.engine import block_manager, llm_engine, runner, scheduler, sequence, static
-    from minifer.layers import attention, paged_attention
+    from minifer import request as sequence
+    from minifer.attention import layer as attention
+    from minifer.attention.backends import paged as paged_attention
+    from minifer.core import kv_cache_manager as block_manager
+    from minifer.core.sched import scheduler
+    from minifer.engine import llm_engine, static
     from minifer.models import llama
-    from minifer import sampling
+    from minifer.sample import sampler as sampling
+    from minifer.worker import model_runner as runner
 
     def key(fn) -> tuple[str, int, str]:
         fn = inspect.unwrap(fn)

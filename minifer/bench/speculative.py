@@ -45,8 +45,8 @@ from typing import Any
 
 import torch
 
-from minifer.sampling import SamplingParams
-from minifer.spec.theory import expected_tokens_per_forward
+from minifer.sampling_params import SamplingParams
+from minifer.spec_decode.theory import expected_tokens_per_forward
 from minifer.bench.provenance import save_result
 
 DRAFT = "tinystories-draft"

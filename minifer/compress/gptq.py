@@ -45,10 +45,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from minifer.layers.attention import causal_backend
-from minifer.quant.formats import FP8_MAX, QuantizedWeight, dequantize, pack_int4, quantize
-from minifer.quant.linear import LINEAR_NAMES, QuantKernel, QuantLinear, set_module
-from minifer.quant.model import QuantizationConfig, quantize_model
+from minifer.attention.layer import causal_backend
+from minifer.quantization.formats import FP8_MAX, QuantizedWeight, dequantize, pack_int4, quantize
+from minifer.quantization.linear import LINEAR_NAMES, QuantKernel, QuantLinear, set_module
+from minifer.quantization.model import QuantizationConfig, quantize_model
 
 
 DAMP = 0.1  # times the mean of diag(H), added to its diagonal

@@ -1,13 +1,13 @@
 """``save_gptq``: an int4 model as a GPTQ checkpoint, the folder vLLM's ``LLM(path)`` and transformers'
 ``AutoModelForCausalLM.from_pretrained(path)`` (with GPTQModel installed) read. Offline, like GPTQ's calibration
-(``minifer.compress``): a server only reads such folders (``minifer.features.gptq_checkpoint``), and
-``save_quantized`` (``minifer.loader.quantized``) writes minifer's own layout, which only minifer reads::
+(``minifer.compress``): a server only reads such folders (``minifer.model_loader.gptq``), and
+``save_quantized`` (``minifer.model_loader.quantized``) writes minifer's own layout, which only minifer reads::
 
     config.json          the source's, plus "quantization_config": {"quant_method": "gptq", "bits": 4,
                          "group_size", "desc_act": false, "sym", "checkpoint_format": "gptq" | "gptq_v2", ...}
     model.safetensors    transformers' module names, the fused projections split back into
                          q_proj/k_proj/v_proj and gate_proj/up_proj, each quantized linear as
-                         qweight, qzeros, scales, g_idx (minifer.features.gptq_layout draws them) [+ bias];
+                         qweight, qzeros, scales, g_idx (minifer.quantization.gptq_layout draws them) [+ bias];
                          embeddings, norms and lm_head as the model holds them
     tokenizer files, generation_config.json   copied from the source
 
@@ -34,11 +34,11 @@ import torch
 from torch import nn
 
 from minifer.config import ModelConfig
-from minifer.loader.quant_fill import WEIGHTS_FILE, copy_checkpoint_files, unwrap_llm
-from minifer.quant.formats import QuantizedWeight, unpack_int4
-from minifer.features.gptq_layout import CHECKPOINT_FORMATS, PACK, SHIFTS, check_gptq_shape
-from minifer.quant.linear import LINEAR_NAMES
-from minifer.quant.model import QuantizationConfig
+from minifer.model_loader.quant_fill import WEIGHTS_FILE, copy_checkpoint_files, unwrap_llm
+from minifer.quantization.formats import QuantizedWeight, unpack_int4
+from minifer.quantization.gptq_layout import CHECKPOINT_FORMATS, PACK, SHIFTS, check_gptq_shape
+from minifer.quantization.linear import LINEAR_NAMES
+from minifer.quantization.model import QuantizationConfig
 
 
 def _pack_words(codes: torch.Tensor, dim: int) -> torch.Tensor:

@@ -17,16 +17,16 @@ import torch
 from minifer.layers.ops import LayerOps
 
 if TYPE_CHECKING:
-    from minifer.engine.block_manager import KVBlockAllocator
-    from minifer.features.eagle import EagleForward
-    from minifer.engine.proposers import DraftProposer
-    from minifer.engine.scheduler import SchedulerPolicy
+    from minifer.core.kv_cache_manager import KVBlockAllocator
+    from minifer.spec_decode.eagle import EagleForward
+    from minifer.spec_decode.metadata import DraftProposer
+    from minifer.core.sched.scheduler import SchedulerPolicy
     from minifer.engine.speculative import Rollback, SpeculativeConfig
-    from minifer.engine.step import EngineStep
-    from minifer.layers.paged_attention import PagedAttentionBackend
-    from minifer.quant.linear import QuantKernel
-    from minifer.sampling import Sampler
-    from minifer.spec.rejection import Verifier
+    from minifer.engine.core import EngineStep
+    from minifer.attention.backends.paged import PagedAttentionBackend
+    from minifer.quantization.linear import QuantKernel
+    from minifer.sample.sampler import Sampler
+    from minifer.sample.rejection_sampler import Verifier
 
 SEAMS = ("block_allocator", "scheduler", "sampler", "proposer", "verifier", "attention_backend", "rollback",
          "eagle_forward", "step")
@@ -36,8 +36,8 @@ SEAMS = ("block_allocator", "scheduler", "sampler", "proposer", "verifier", "att
 class Components:
     """The engine's replaceable pieces; None keeps the reference. ``rms_norm``, ``apply_rotary``, ``rope_inv_freq``
     and ``decoder_layer`` are ``LayerOps``' (``minifer.layers.ops``); the others are ``LLM``'s seams of the same names, with the same contracts
-    (``LLMEngine``'s docstring lists them; ``quant_kernel``: ``minifer.quant.linear.QuantKernel``; ``quantizer``:
-    what the load path calls in place of ``minifer.quant.model.quantize_model``)."""
+    (``LLMEngine``'s docstring lists them; ``quant_kernel``: ``minifer.quantization.linear.QuantKernel``; ``quantizer``:
+    what the load path calls in place of ``minifer.quantization.model.quantize_model``)."""
 
     rms_norm: Callable[[torch.Tensor, torch.Tensor, float], torch.Tensor] | None = None
     apply_rotary: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor] | None = None
@@ -53,9 +53,9 @@ class Components:
     rollback: Rollback | None = None  # what a speculative step keeps of its drafts' KV (``speculative.Rollback``)
     eagle_forward: EagleForward | None = None  # the EAGLE head's forward (``features.eagle.EagleForward``)
     # what turns the loaded model's linear layers into QuantLinear ones: ``quantize_model``'s signature
-    # (``quantizer(model, method, kernel=...)``, in place); None: ``minifer.quant.model.quantize_model``
+    # (``quantizer(model, method, kernel=...)``, in place); None: ``minifer.quantization.model.quantize_model``
     quantizer: Callable[..., Any] | None = None
-    step: EngineStep | None = None  # the whole engine step (minifer.engine.step), not speculating; no vLLM counterpart
+    step: EngineStep | None = None  # the whole engine step (minifer.engine.core), not speculating; no vLLM counterpart
 
     def given(self) -> dict[str, Any]:
         """The fields that are set, by name."""

@@ -23,23 +23,23 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from minifer.engine.block_manager import BlockManager, KVBlockAllocator
-from minifer.engine.runner import ModelRunner
-from minifer.engine.scheduler import ScheduledBatch, Scheduler, SchedulerConfig, SchedulerPolicy
-from minifer.engine.sequence import Sequence, SequenceGroup, SequenceStatus, sequences_of
-from minifer.engine.step import EngineStep, StepParts, engine_step, run_checked
-from minifer.layers.kv_quant import CALIBRATION_TEXT
+from minifer.core.kv_cache_manager import BlockManager, KVBlockAllocator
+from minifer.worker.model_runner import ModelRunner
+from minifer.core.sched.scheduler import ScheduledBatch, Scheduler, SchedulerConfig, SchedulerPolicy
+from minifer.request import Sequence, SequenceGroup, SequenceStatus, sequences_of
+from minifer.engine.core import EngineStep, StepParts, engine_step, run_checked
+from minifer.quantization.kv_cache import CALIBRATION_TEXT
 from minifer.layers.ops import REFERENCE_OPS, LayerOps
-from minifer.layers.paged_attention import PagedAttentionBackend, PagedKVCache
+from minifer.attention.backends.paged import PagedAttentionBackend, PagedKVCache
 from minifer.models.llama import LlamaForCausalLM
 from minifer.outputs import RequestOutput
-from minifer.sampling import Sampler
+from minifer.sample.sampler import Sampler
 
 if TYPE_CHECKING:  # speculation's modules load only for an engine that speculates (``__init__``)
-    from minifer.features.eagle import EagleForward
-    from minifer.engine.proposers import DraftProposer
+    from minifer.spec_decode.eagle import EagleForward
+    from minifer.spec_decode.metadata import DraftProposer
     from minifer.engine.speculative import Rollback, SpeculativeConfig, Speculator
-    from minifer.spec.rejection import Verifier
+    from minifer.sample.rejection_sampler import Verifier
 
 
 @dataclass
@@ -129,7 +129,7 @@ class LLMEngine:
         self.scheduler = scheduler(scheduler_config, self.block_manager)
         self.runner = ModelRunner(model, self.kv_cache, self.block_manager, layer_ops or REFERENCE_OPS)
         self.sampler: Sampler = sampler or ModelRunner.sample
-        self.custom_step = step  # a caller's step (minifer.engine.step) in place of engine_step
+        self.custom_step = step  # a caller's step (minifer.engine.core) in place of engine_step
         self._scheduled = False  # whether the current step's scheduler gave it a batch to execute
         if self.kv_cache.kv_cache_scales == "head":
             self._calibrate_kv_scales()
@@ -146,12 +146,22 @@ class LLMEngine:
                 self.runner.graphs = None
         self.speculator: Speculator | None = None
         if speculative_config is not None:
-            from minifer.engine.speculative import build_speculator
+            self.speculator = self._speculator(speculative_config, draft_model, num_blocks, cache_config.block_size,
+                                               proposer, verifier, rollback, eagle_forward)
 
-            self.speculator = build_speculator(speculative_config, draft_model, self.runner, self.block_manager,
-                                               cfg.vocab_size, num_blocks, cache_config.block_size, proposer=proposer,
-                                               verifier=verifier, sampler=self.sampler, rollback=rollback,
-                                               eagle_forward=eagle_forward)
+    def _speculator(self, cfg: SpeculativeConfig, draft_model, num_blocks: int, block_size: int, proposer, verifier,
+                    rollback, eagle_forward) -> Speculator:
+        """The fixed-k ``Speculator`` (the reference), or adaptive k's when ``cfg.adaptive`` asks for that policy."""
+        from minifer.engine.speculative import Speculator, build_proposer
+
+        drafter = build_proposer(cfg, draft_model, self.runner, num_blocks, block_size, proposer, eagle_forward)
+        if cfg.adaptive:
+            from minifer.engine.adaptive_k import build_adaptive_speculator
+
+            return build_adaptive_speculator(cfg, drafter, self.runner, self.block_manager,
+                                             self.runner.model.config.vocab_size, verifier, self.sampler, rollback)
+        return Speculator(cfg, drafter, self.block_manager, self.runner.model.config.vocab_size, verifier,
+                          self.sampler, rollback)
 
     @classmethod
     def from_llm(cls, llm, cache_config: CacheConfig | None = None,
@@ -188,7 +198,8 @@ class LLMEngine:
     def _check_thread(self) -> None:
         """The engine is not thread-safe: while a server's loop owns it (``owner``), other threads may not drive it."""
         if self.owner is not None and threading.current_thread() is not self.owner:
-            raise RuntimeError(f"this engine is driven by the thread {self.owner.name!r} (a server, minifer.serve): "
+            raise RuntimeError(f"this engine is driven by the thread {self.owner.name!r} "
+                               "(a server, minifer.entrypoints.openai.serve): "
                                "send it requests over HTTP, or shut the server down first")
 
     def add_sequence(self, request: Sequence | SequenceGroup) -> Sequence | SequenceGroup:
@@ -278,7 +289,7 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """One forward pass over the scheduled batch. Returns outputs of the requests that got a token.
 
-        The step itself is ``engine_step`` (``engine/step.py``, chapter 03), or a caller's (``step=``), or, when
+        The step itself is ``engine_step`` (``engine/core.py``, chapter 03), or a caller's (``step=``), or, when
         speculating, ``Speculator.step`` (``engine_step`` with drafts, ``engine/spec_step.py``); around it the engine
         reports the outputs and merges a request's ``n`` completions."""
         self._check_thread()

@@ -12,10 +12,10 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from minifer.engine.scheduler import ScheduledBatch
-from minifer.engine.sequence import Sequence
-from minifer.engine.step import StepParts, engine_step
-from minifer.sampling import SampleResult, token_logprobs
+from minifer.core.sched.scheduler import ScheduledBatch
+from minifer.request import Sequence
+from minifer.engine.core import StepParts, engine_step
+from minifer.sample.sampler import SampleResult, token_logprobs
 
 if TYPE_CHECKING:
     from minifer.engine.speculative import Proposal, Speculator

@@ -2,7 +2,7 @@
 
 Decode is memory-bandwidth-bound: at small batches a forward over ``k + 1`` new tokens per sequence costs about as
 much as one. So each step every decoding sequence brings ``k`` guessed tokens (``num_speculative_tokens``); the
-target scores its last token plus the guesses in one forward over the paged cache, and :mod:`minifer.spec.rejection`
+target scores its last token plus the guesses in one forward over the paged cache, and :mod:`minifer.sample.rejection_sampler`
 keeps the longest acceptable prefix plus one token of the target's own: 1 to ``k + 1`` tokens, exactly what plain
 decoding would give (greedy: the same tokens; sampled: the same distribution). The KV of rejected guesses is rolled
 back (``BlockManager.truncate``), in the target's cache and the draft's. A step is five moves: propose, verify in one
@@ -10,11 +10,11 @@ target forward, accept or reject, roll back, append (``spec_step.py`` runs them 
 
 The proposers (``speculative_config["method"]``, vLLM's names): ``"draft_model"``, a small model with the same
 tokenizer and its own paged cache, and ``"ngram"``, prompt lookup (``proposers.py``); ``"eagle"``, a head reading
-the target's hidden states (``features/eagle.py``).
+the target's hidden states (``spec_decode/eagle.py``).
 
 Because k is fixed, a seeded sampled request draws the same tokens whatever shares its batch: its drafts and its
 verification read only its own generator. Adaptive k (``"adaptive": True``, opt-in) chooses k each step from
-measured costs; it subclasses ``Speculator`` in ``features/adaptive_k.py`` and nothing of it runs here.
+measured costs; it subclasses ``Speculator`` in ``engine/adaptive_k.py`` and nothing of it runs here.
 
 Limits: requests whose distribution reads their history (penalties, ``min_tokens``: ``SamplingParams.reads_history``)
 decode without speculation.
@@ -29,18 +29,20 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from minifer.engine.block_manager import KVBlockAllocator
-from minifer.engine.proposers import Draft, DraftModelProposer, DraftProposer, NgramProposer
-from minifer.engine.runner import ModelRunner
-from minifer.engine.sequence import Sequence
+from minifer.core.kv_cache_manager import KVBlockAllocator
+from minifer.spec_decode.metadata import Draft, DraftProposer
+from minifer.spec_decode.draft_model import DraftModelProposer
+from minifer.spec_decode.ngram_proposer import NgramProposer
+from minifer.worker.model_runner import ModelRunner
+from minifer.request import Sequence
 from minifer.engine.spec_step import speculative_step
-from minifer.engine.step import StepParts
+from minifer.engine.core import StepParts
 from minifer.models.llama import LlamaForCausalLM
-from minifer.sampling import Sampler, greedy_argmax
-from minifer.spec.rejection import RejectionVerifier, Verifier, probs_from_logits
+from minifer.sample.sampler import Sampler, greedy_argmax
+from minifer.sample.rejection_sampler import RejectionVerifier, Verifier, probs_from_logits
 
 if TYPE_CHECKING:
-    from minifer.features.eagle import EagleForward
+    from minifer.spec_decode.eagle import EagleForward
 
 METHODS = ("draft_model", "ngram", "eagle")
 MAX_SPECULATIVE_TOKENS = 16
@@ -59,7 +61,7 @@ class SpeculativeConfig:
     model: Any = None  # draft or EAGLE head: bundled name, local folder (a draft: also a hub id or a built model)
     prompt_lookup_max: int = 4
     prompt_lookup_min: int = 1
-    adaptive: bool = False  # opt-in: choose k each step from measured costs (features/adaptive_k.py)
+    adaptive: bool = False  # opt-in: choose k each step from measured costs (engine/adaptive_k.py)
     margin: float = 1.1  # adaptive only: speculate only if predicted (and measured) >= margin x plain
 
     @classmethod
@@ -268,13 +270,11 @@ class Speculator:
         }
 
 
-def build_speculator(cfg: SpeculativeConfig, draft_model: LlamaForCausalLM | None, target_runner: ModelRunner,
-                     target_blocks: KVBlockAllocator, vocab_size: int, num_blocks: int, block_size: int, *,
-                     proposer: DraftProposer | None = None, verifier: Verifier | None = None,
-                     sampler: Sampler | None = None, rollback: Rollback | None = None,
-                     eagle_forward: EagleForward | None = None) -> Speculator:
-    """The proposer ``cfg`` asks for (or ``proposer``, handed in), wired to the target's runner, in a fixed-k
-    ``Speculator``, or in adaptive k's when ``cfg.adaptive``. ``eagle_forward`` replaces the EAGLE head's forward."""
+def build_proposer(cfg: SpeculativeConfig, draft_model: LlamaForCausalLM | None, target_runner: ModelRunner,
+                   num_blocks: int, block_size: int, proposer: DraftProposer | None = None,
+                   eagle_forward: EagleForward | None = None) -> DraftProposer:
+    """The proposer ``cfg`` asks for (or ``proposer``, handed in), wired to the target's runner.
+    ``eagle_forward`` replaces the EAGLE head's forward."""
     if eagle_forward is not None and (cfg.method != "eagle" or proposer is not None):
         raise ValueError("eagle_forward is the forward of the EAGLE head that speculative_config method 'eagle' "
                          f"builds; this engine speculates with {'a proposer handed in' if proposer else cfg.method!r}")
@@ -283,16 +283,9 @@ def build_speculator(cfg: SpeculativeConfig, draft_model: LlamaForCausalLM | Non
     if proposer is None and cfg.method == "draft_model":
         proposer = DraftModelProposer(draft_model, num_blocks, block_size)
     elif proposer is None and cfg.method == "eagle":
-        from minifer.features.eagle import EagleProposer
+        from minifer.spec_decode.eagle import EagleProposer
 
         proposer = EagleProposer(draft_model, target_runner, num_blocks, block_size, eagle_forward)
     elif proposer is None:
         proposer = NgramProposer(cfg)
-    if cfg.adaptive:  # opt-in: the policy, and everything it measures with, lives in features/
-        from minifer.features.adaptive_k import AdaptiveK, build_adaptive_speculator
-        from minifer.features.adaptive_ngram import NgramAdaptiveK
-
-        controller = NgramAdaptiveK if isinstance(proposer, NgramProposer) else AdaptiveK  # n-grams: look, then decide
-        return build_adaptive_speculator(controller, cfg, proposer, target_runner, target_blocks, vocab_size,
-                                         verifier, sampler, rollback)
-    return Speculator(cfg, proposer, target_blocks, vocab_size, verifier, sampler, rollback)
+    return proposer

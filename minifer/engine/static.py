@@ -14,10 +14,10 @@ from collections.abc import Callable
 
 import torch
 
-from minifer.engine.sequence import Sequence, SequenceStatus
-from minifer.layers.attention import ContiguousKVCache
+from minifer.request import Sequence, SequenceStatus
+from minifer.attention.layer import ContiguousKVCache
 from minifer.models.llama import LlamaForCausalLM
-from minifer.sampling import sample_sequences
+from minifer.sample.sampler import sample_sequences
 
 
 @torch.inference_mode()

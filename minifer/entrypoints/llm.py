@@ -20,12 +20,12 @@ import torch
 from minifer.config import ModelConfig, resolve_device, resolve_dtype
 from minifer.engine.components import SEAMS, Components, check_seams, merge_components
 from minifer.engine.llm_engine import CacheConfig, LLMEngine
-from minifer.engine.runner import compile_model
-from minifer.engine.scheduler import SchedulerConfig
-from minifer.engine.sequence import Sequence, SequenceGroup, sequences_of
+from minifer.worker.model_runner import compile_model
+from minifer.core.sched.scheduler import SchedulerConfig
+from minifer.request import Sequence, SequenceGroup, sequences_of
 from minifer.engine.static import generate_static
-from minifer.layers.kv_quant import check_kv_cache_dtype
-from minifer.loader import (
+from minifer.quantization.kv_cache import check_kv_cache_dtype
+from minifer.model_loader import (
     build_model,
     chat_token_ids,
     load_config,
@@ -33,20 +33,20 @@ from minifer.loader import (
     resolve_model,
 )
 from minifer.outputs import RequestOutput
-from minifer.sampling import BeamSearchParams, SamplingParams
+from minifer.sampling_params import BeamSearchParams, SamplingParams
 
 if TYPE_CHECKING:  # the features a run does not ask for are imported where it asks (a result then fingerprints
     # only the code it ran: minifer.bench.provenance)
-    from minifer.features.beam_search import BeamSearchOutput
-    from minifer.engine.block_manager import KVBlockAllocator
-    from minifer.features.data_parallel import EngineReplicas
+    from minifer.beam_search import BeamSearchOutput
+    from minifer.core.kv_cache_manager import KVBlockAllocator
+    from minifer.engine.data_parallel import EngineReplicas
     from minifer.engine.speculative import SpeculativeConfig
-    from minifer.engine.proposers import DraftProposer
-    from minifer.engine.scheduler import SchedulerPolicy
-    from minifer.layers.paged_attention import PagedAttentionBackend
-    from minifer.quant.linear import QuantKernel
-    from minifer.sampling import Sampler
-    from minifer.spec.rejection import Verifier
+    from minifer.spec_decode.metadata import DraftProposer
+    from minifer.core.sched.scheduler import SchedulerPolicy
+    from minifer.attention.backends.paged import PagedAttentionBackend
+    from minifer.quantization.linear import QuantKernel
+    from minifer.sample.sampler import Sampler
+    from minifer.sample.rejection_sampler import Verifier
 
 Prompt = str | dict[str, Any]
 
@@ -55,7 +55,7 @@ def _replicas(llm_kwargs: dict[str, Any], size: Any, shared: LLM | None) -> Engi
     """``data_parallel.start_replicas``, imported only when there are replicas to start (or a size to refuse)."""
     if isinstance(size, int) and size == 1:
         return None
-    from minifer.features.data_parallel import start_replicas
+    from minifer.engine.data_parallel import start_replicas
 
     return start_replicas(LLM, llm_kwargs, size, shared)
 
@@ -69,7 +69,7 @@ def _speculative(config: dict | SpeculativeConfig | None) -> tuple[SpeculativeCo
 
     eagle3 = None
     if isinstance(config, dict) and config.get("method") in ("eagle", "eagle3"):
-        from minifer.features.eagle import split_eagle3
+        from minifer.spec_decode.eagle import split_eagle3
 
         config, eagle3 = split_eagle3(config)  # "eagle3": an "eagle" of fused layers
     return SpeculativeConfig.from_dict(config), eagle3
@@ -112,13 +112,13 @@ class LLM:
             or ``"head"`` (one static scale per layer and head, calibrated at start-up; vLLM's are per layer).
         enforce_eager: on CUDA, decode steps replay CUDA graphs unless this is True (vLLM's name).
         quantization: None, ``"int8"``, ``"int4"`` (g128, symmetric) or ``"fp8"``: weight-only, round-to-nearest
-            on load (chapter 05; ``minifer.quant``); ``"w8a8"``: int8 weights and each token's activations rounded
+            on load (chapter 05; ``minifer.quantization``); ``"w8a8"``: int8 weights and each token's activations rounded
             to int8 (vLLM's INT8 W8A8; on the CPU an integer GEMM, faster than dequantizing the weights every
             step). Each means the same numerics on every device. A folder written by ``save_quantized`` loads
             quantized anyway.
         max_logprobs: the most candidates ``logprobs`` and ``prompt_logprobs`` may ask for (vLLM's limit).
         quant_kernel: what quantized layers multiply through (a weight-only ``QuantKernel``,
-            ``minifer.quant.linear``; with ``"w8a8"`` it multiplies the rounded activations); default: Triton on
+            ``minifer.quantization.linear``; with ``"w8a8"`` it multiplies the rounded activations); default: Triton on
             CUDA, the PyTorch reference on the CPU (for ``"w8a8"``: the integer GEMM, ``w8a8_linear``).
         data_parallel_size: vLLM's name: ``generate`` splits its requests over this many engine replicas, each a
             process with one torch thread (``features.data_parallel``: on a CPU, the way to use a second core).
@@ -205,7 +205,7 @@ class LLM:
             return self._load_draft(spec)
         if spec is not None and spec.method == "eagle":
             from minifer.engine.speculative import MAX_SPECULATIVE_TOKENS
-            from minifer.features.eagle_head import load_eagle_head
+            from minifer.models.llama_eagle import load_eagle_head
 
             return load_eagle_head(resolve_model(spec.model), self.model, self.dtype,
                                    self.max_model_len + MAX_SPECULATIVE_TOKENS, fused=self._eagle3)
@@ -216,7 +216,7 @@ class LLM:
         """The target's weights (quantized as asked), its quantized layers on ``quant_kernel`` or the device's
         default (``kernels.quant_kernel_for``, else the reference)."""
         from minifer.kernels import quant_kernel_for
-        from minifer.loader.quantized import load_model
+        from minifer.model_loader.quantized import load_model
 
         kernel = quant_kernel or quant_kernel_for(self.device)  # weight-only; "w8a8" rounds activations before it
         return load_model(self.model_path, quantization, load_format=load_format, quant_kernel=kernel, quantizer=quantizer,
@@ -346,7 +346,7 @@ class LLM:
 
         All prompts are validated before any work starts, so a bad one raises a ``ValueError`` naming it. A
         ``max_tokens`` beyond what ``max_model_len`` leaves after a prompt is clipped to that room (finish reason
-        "length"); the server (``minifer.serve``) refuses such an explicit one instead, as vLLM's does.
+        "length"); the server (``minifer.entrypoints.openai.serve``) refuses such an explicit one instead, as vLLM's does.
         """
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
@@ -408,7 +408,7 @@ class LLM:
     def beam_search(self, prompts: Prompt | SequenceT[Prompt], params: BeamSearchParams,
                     use_tqdm: bool = False) -> list[BeamSearchOutput]:
         """Beam search for every prompt (vLLM's ``LLM.beam_search``): each returns its ``params.beam_width`` best
-        finished sequences, best first (``features/beam_search.py``, chapter 02). It needs the engine idle: no other
+        finished sequences, best first (``beam_search.py``, chapter 02). It needs the engine idle: no other
         requests under way, no server owning it."""
         if not isinstance(params, BeamSearchParams):
             raise TypeError(f"params must be a BeamSearchParams, got {type(params).__name__}")
@@ -420,7 +420,7 @@ class LLM:
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
         ids = [self._prompt_ids(i, p)[1] for i, p in enumerate(prompts)]
-        from minifer.features.beam_search import BeamSearch
+        from minifer.beam_search import BeamSearch
 
         search = BeamSearch(self.engine, params, self.eos_token_ids, self.tokenizer, self.max_model_len,
                             self.max_num_seqs)

@@ -27,7 +27,7 @@ INTERPRETING = os.environ.get("TRITON_INTERPRET") == "1"
 
 
 def quant_kernel_for(device: torch.device | str):
-    """``QuantLinear``'s kernel on ``device`` (its ``QuantKernel`` seam, ``minifer.quant.linear``): ``quant_matmul``
+    """``QuantLinear``'s kernel on ``device`` (its ``QuantKernel`` seam, ``minifer.quantization.linear``): ``quant_matmul``
     on a CUDA GPU with Triton; None elsewhere, which leaves the layer on ``quant_linear_reference``."""
     if torch.device(device).type == "cuda" and HAS_TRITON:
         from minifer.kernels.quant_matmul import quant_matmul

@@ -3,7 +3,7 @@
 W never exists in full precision in memory: each program loads its tile of codes, turns them into numbers in
 registers and multiplies them at once. Decode is bound by the bytes of weights it reads (chapter 01), and a 4-bit
 weight is a quarter of the bytes of a bf16 one (vLLM's int4 kernels of this kind: Marlin). Formats:
-``minifer/quant/formats.py``, whose ``quant_linear_reference`` is the oracle (``tests/kernels/test_quant_kernels.py``).
+``minifer/quantization/formats.py``, whose ``quant_linear_reference`` is the oracle (``tests/kernels/test_quant_kernels.py``).
 
 Three paths (``quant_matmul(..., path=)``):
 
@@ -42,8 +42,8 @@ from minifer.kernels.fp8 import fp8_native
 from minifer.kernels.quant_matmul_jit import (FP8, INT4, INT8, MAGIC, X_BF16, X_FP16, X_FP32, quant_gemm_kernel,
                                               quant_gemv_kernel, quant_int4_mma_kernel)
 
-if TYPE_CHECKING:  # the weights' format (minifer.quant.formats); the kernels need only its fields at run time
-    from minifer.quant.formats import QuantizedWeight
+if TYPE_CHECKING:  # the weights' format (minifer.quantization.formats); the kernels need only its fields at run time
+    from minifer.quantization.formats import QuantizedWeight
 
 _FMT = {"int8": INT8, "int4": INT4, "fp8": FP8}
 _XKIND = {torch.bfloat16: X_BF16, torch.float16: X_FP16, torch.float32: X_FP32}

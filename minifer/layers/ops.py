@@ -12,17 +12,17 @@ from dataclasses import dataclass
 
 import torch
 
-from minifer.layers.norm import rms_norm
-from minifer.layers.rotary import apply_rotary
+from minifer.layers.layernorm import rms_norm
+from minifer.layers.rotary_embedding import apply_rotary
 
 
 @dataclass(frozen=True)
 class LayerOps:
-    """``rms_norm(x, weight, eps)`` as ``minifer.layers.norm.rms_norm``; ``apply_rotary(x, cos, sin)`` as
-    ``minifer.layers.rotary.apply_rotary`` (``x`` ``[tokens, heads, head_dim]``, ``cos``/``sin`` ``[tokens,
+    """``rms_norm(x, weight, eps)`` as ``minifer.layers.layernorm.rms_norm``; ``apply_rotary(x, cos, sin)`` as
+    ``minifer.layers.rotary_embedding.apply_rotary`` (``x`` ``[tokens, heads, head_dim]``, ``cos``/``sin`` ``[tokens,
     head_dim]``); ``decoder_layer(layer, x, cos, sin, attn, ops)``: a whole decoder layer's forward over that layer's
     modules and weights, in place of ``DecoderLayer.forward`` (None: the model's own); ``rope_inv_freq(head_dim,
-    theta)``: RoPE's frequencies as ``minifer.layers.rotary.rope_inv_freq`` (None: the table the model precomputed)."""
+    theta)``: RoPE's frequencies as ``minifer.layers.rotary_embedding.rope_inv_freq`` (None: the table the model precomputed)."""
 
     rms_norm: Callable[[torch.Tensor, torch.Tensor, float], torch.Tensor] = rms_norm
     apply_rotary: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor] = apply_rotary

@@ -15,10 +15,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from minifer.config import ModelConfig
-from minifer.layers.attention import AttentionBackend
-from minifer.layers.norm import RMSNorm
+from minifer.attention.layer import AttentionBackend
+from minifer.layers.layernorm import RMSNorm
 from minifer.layers.ops import REFERENCE_OPS, LayerOps
-from minifer.layers.rotary import RotaryEmbedding
+from minifer.layers.rotary_embedding import RotaryEmbedding
 
 
 class Attention(nn.Module):
@@ -118,7 +118,7 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
-        self.compiled = None  # a CompiledDecoder (features/compiled_decoder.py) once compilation_config asks for one
+        self.compiled = None  # a CompiledDecoder (compilation/compiled_decoder.py) once compilation_config asks for one
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionBackend,
                 ops: LayerOps = REFERENCE_OPS) -> torch.Tensor:

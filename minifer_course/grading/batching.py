@@ -19,11 +19,11 @@ def _schedule_with_minifer(running: list[StepRequest], waiting: list[StepRequest
                            block_size: int, max_num_seqs: int, token_budget: int
                            ) -> tuple[list[tuple[str, int]], list[str]]:
     """The same state built in minifer's Scheduler (prefix caching off, chunked prefill on): its answer."""
-    from minifer.engine.block_manager import BlockManager
-    from minifer.engine.scheduler import Scheduler, SchedulerConfig
-    from minifer.engine.sequence import Sequence as EngineSequence
-    from minifer.engine.sequence import SequenceStatus
-    from minifer.sampling import SamplingParams
+    from minifer.core.kv_cache_manager import BlockManager
+    from minifer.core.sched.scheduler import Scheduler, SchedulerConfig
+    from minifer.request import Sequence as EngineSequence
+    from minifer.request import SequenceStatus
+    from minifer.sampling_params import SamplingParams
 
     total = free_blocks + sum(r.num_blocks for r in running)
     blocks = BlockManager(max(total, 1), block_size, enable_prefix_caching=False)
@@ -138,7 +138,7 @@ def _fmt_plan(plan: tuple[list[tuple[str, int]], list[str]]) -> str:
 def check_schedule_step(fn: Callable[..., Any]) -> None:
     """Grade ``fn(running, waiting, free_blocks, block_size, max_num_seqs, token_budget) -> (scheduled,
     preempted)`` on hand-built scenarios (known answers, the same as minifer's Scheduler gives) and on random
-    states compared with :class:`minifer.engine.scheduler.Scheduler`."""
+    states compared with :class:`minifer.core.sched.scheduler.Scheduler`."""
     import random
 
     def normalise(got: Any) -> tuple[list[tuple[str, int]], list[str]]:
@@ -193,7 +193,7 @@ def check_schedule_step(fn: Callable[..., Any]) -> None:
 
 def _preempt_diagnosis(victim: Any, before: dict[str, Any], world: Any) -> str | None:
     """What is wrong with one preemption (None if nothing), from the state before it and the victim returned."""
-    from minifer.engine.sequence import Sequence, SequenceStatus
+    from minifer.request import Sequence, SequenceStatus
 
     newest, oldest = before["running"][-1], before["running"][0]
     sched, blocks = world.scheduler, world.blocks
@@ -231,7 +231,7 @@ def _preempt_case(fn: Callable[..., Any], prompts: list[int], max_tokens: int, s
     """Advance a toy engine ``steps`` steps with the reference, then preempt once with ``fn``."""
     def run() -> None:
         from minifer_course.grading.toy_engine import build_world
-        from minifer.engine.step import engine_step
+        from minifer.engine.core import engine_step
 
         world = build_world([[7 + i] * p for i, p in enumerate(prompts)], [max_tokens] * len(prompts), num_blocks=64,
                             max_num_seqs=max_num_seqs)
@@ -256,8 +256,8 @@ def _served_with_preemption(fn: Callable[..., Any], sampled: bool, num_blocks: i
         import random
 
         from minifer_course.grading.toy_engine import build_world, run_to_end
-        from minifer.engine.scheduler import Scheduler
-        from minifer.engine.step import engine_step
+        from minifer.core.sched.scheduler import Scheduler
+        from minifer.engine.core import engine_step
 
         class Learners(Scheduler):
             preempt = staticmethod(fn)
@@ -279,7 +279,7 @@ def _served_with_preemption(fn: Callable[..., Any], sampled: bool, num_blocks: i
 
 
 def check_preempt(fn: Callable[..., Any]) -> None:
-    """Grade ``fn(running, waiting, blocks) -> victim`` against :func:`minifer.engine.scheduler.preempt_by_recompute`:
+    """Grade ``fn(running, waiting, blocks) -> victim`` against :func:`minifer.core.sched.scheduler.preempt_by_recompute`:
     single preemptions in a toy engine's real scheduler state, then whole workloads in a cache too small for them,
     with the scheduler preempting through ``fn`` (tokens and preemption counts compared)."""
     checks: list[Check] = [
@@ -320,7 +320,7 @@ def _step_case(fn: Callable[..., Any], prompts: list[list[int]], max_tokens: lis
     ``eos_from``: the EOS is the token the reference samples third for request ``eos_from`` (so it stops early)."""
     def run() -> None:
         from minifer_course.grading.toy_engine import build_world, run_to_end, snapshot
-        from minifer.engine.step import engine_step
+        from minifer.engine.core import engine_step
 
         eos = None
         if eos_from is not None:
@@ -355,8 +355,8 @@ def _random_step_case(fn: Callable[..., Any], seed: int) -> Check:
 
 
 def check_engine_step(fn: Callable[..., Any]) -> None:
-    """Grade ``fn(parts) -> sampled sequences`` (``minifer.engine.step.StepParts``) against
-    :func:`minifer.engine.step.engine_step`, step by step, in toy engines (``toy_engine``: minifer's scheduler,
+    """Grade ``fn(parts) -> sampled sequences`` (``minifer.engine.core.StepParts``) against
+    :func:`minifer.engine.core.engine_step`, step by step, in toy engines (``toy_engine``: minifer's scheduler,
     allocator and sampler around a model-free runner): what it returns, every sequence's tokens and computed count,
     who runs, who waits, free and cached blocks."""
     opening = list(range(1, 13))  # three blocks of 4 that two prompts share

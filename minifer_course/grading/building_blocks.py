@@ -57,9 +57,9 @@ def _rms_norm_low_precision_problem(got: torch.Tensor, x: torch.Tensor, weight: 
 
 
 def check_rms_norm(fn: Callable[[torch.Tensor, torch.Tensor, float], torch.Tensor]) -> None:
-    """Grade ``fn(x, weight, eps)`` against :func:`minifer.layers.norm.rms_norm`; in bfloat16, to half an ulp of
+    """Grade ``fn(x, weight, eps)`` against :func:`minifer.layers.layernorm.rms_norm`; in bfloat16, to half an ulp of
     the notebook's order of operations (normalise in float32, cast back, multiply by weight)."""
-    from minifer.layers.norm import rms_norm as ref
+    from minifer.layers.layernorm import rms_norm as ref
 
     gen = seeded(0)
     hint = "rms_norm(x) = x / sqrt(mean(x**2 over the last dim) + eps) * weight"
@@ -109,8 +109,8 @@ def check_rms_norm(fn: Callable[[torch.Tensor, torch.Tensor, float], torch.Tenso
 
 
 def check_rope_inv_freq(fn: Callable[[int, float], torch.Tensor]) -> None:
-    """Grade ``fn(head_dim, theta)`` against :func:`minifer.layers.rotary.rope_inv_freq` (no scaling)."""
-    from minifer.layers.rotary import rope_inv_freq as ref
+    """Grade ``fn(head_dim, theta)`` against :func:`minifer.layers.rotary_embedding.rope_inv_freq` (no scaling)."""
+    from minifer.layers.rotary_embedding import rope_inv_freq as ref
 
     hint = ("one frequency per pair: theta ** (-2i / head_dim) for i = 0 .. head_dim/2 - 1, "
             "as a float32 tensor of shape [head_dim // 2]")
@@ -131,7 +131,7 @@ def check_rope_inv_freq(fn: Callable[[int, float], torch.Tensor]) -> None:
 
 def _cos_sin(positions: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype = torch.float32
              ) -> tuple[torch.Tensor, torch.Tensor]:
-    from minifer.layers.rotary import rope_inv_freq
+    from minifer.layers.rotary_embedding import rope_inv_freq
 
     freqs = torch.outer(positions.float(), rope_inv_freq(head_dim, theta))
     emb = torch.cat((freqs, freqs), dim=-1)
@@ -140,8 +140,8 @@ def _cos_sin(positions: torch.Tensor, head_dim: int, theta: float, dtype: torch.
 
 def check_apply_rotary(fn: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]) -> None:
     """Grade ``fn(x, cos, sin)`` (x ``[tokens, heads, head_dim]``, cos/sin ``[tokens, head_dim]``) against
-    :func:`minifer.layers.rotary.apply_rotary`."""
-    from minifer.layers.rotary import apply_rotary as ref
+    :func:`minifer.layers.rotary_embedding.apply_rotary`."""
+    from minifer.layers.rotary_embedding import apply_rotary as ref
 
     gen = seeded(1)
     hint = ("rotate-half layout: feature i pairs with feature i + head_dim/2; "
@@ -210,9 +210,9 @@ def _tokens(n: int) -> str:
 
 
 def check_top_p(fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> None:
-    """Grade ``fn(logits [B, V], top_p [B])`` against :func:`minifer.sampling.apply_top_p`: dropped tokens
+    """Grade ``fn(logits [B, V], top_p [B])`` against :func:`minifer.sample.sampler.apply_top_p`: dropped tokens
     must be ``-inf``, kept tokens must keep their logit, the nucleus must be exactly the reference's."""
-    from minifer.sampling import apply_top_p as ref
+    from minifer.sample.sampler import apply_top_p as ref
 
     gen = seeded(2)
 
@@ -292,7 +292,7 @@ def _tiny_layer(qk_norm: bool, seed: int):
 def _layer_case(fn: Callable | None, qk_norm: bool, batch: int, seq_len: int, seed: int,
                 ops=None) -> tuple[torch.Tensor, torch.Tensor]:
     """Run ``fn`` (the reference when None) on a fresh cache: the layer's output for random hidden states, and them."""
-    from minifer.layers.attention import causal_backend
+    from minifer.attention.layer import causal_backend
     from minifer.layers.ops import REFERENCE_OPS
 
     with torch.random.fork_rng():
@@ -327,9 +327,9 @@ def check_decoder_layer(fn: Callable[..., torch.Tensor]) -> None:
         return run
 
     def uses_the_given_ops() -> None:
-        from minifer.layers.norm import rms_norm
+        from minifer.layers.layernorm import rms_norm
         from minifer.layers.ops import LayerOps
-        from minifer.layers.rotary import apply_rotary
+        from minifer.layers.rotary_embedding import apply_rotary
 
         calls: list[str] = []
         ops = LayerOps(lambda *a: calls.append("rms_norm") or rms_norm(*a),

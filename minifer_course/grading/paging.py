@@ -20,8 +20,8 @@ __all__ = ["check_slot_mapping", "check_paged_attention", "check_prefix_allocato
 
 def check_slot_mapping(fn: Callable[[list[int], list[int], int], list[int]]) -> None:
     """Grade ``fn(block_table, positions, block_size)`` against
-    :func:`minifer.layers.paged_attention.slot_mapping`."""
-    from minifer.layers.paged_attention import slot_mapping as ref
+    :func:`minifer.attention.backends.paged.slot_mapping`."""
+    from minifer.attention.backends.paged import slot_mapping as ref
 
     hint = ("position p is slot p % block_size of logical block p // block_size, which lives in physical block "
             "block_table[p // block_size]: slot = block_table[p // block_size] * block_size + p % block_size")
@@ -76,15 +76,15 @@ def check_slot_mapping(fn: Callable[[list[int], list[int], int], list[int]]) -> 
 
 def check_paged_attention(fn: Callable[..., torch.Tensor]) -> None:
     """Grade ``fn(q, k_cache, v_cache, block_table, context_len)`` (one sequence's ``T`` new queries, the
-    last ``T`` positions of its context) against :func:`minifer.layers.paged_attention.paged_attention_reference`.
+    last ``T`` positions of its context) against :func:`minifer.attention.backends.paged.paged_attention_reference`.
 
     Cache slots outside the sequence's context hold garbage (large random values, or NaN), as in a real
     pool where other sequences and earlier owners wrote them: none of it may change the output."""
-    from minifer.layers.paged_attention import (
+    from minifer.attention.backends.paged import (
         PagedAttentionMetadata,
         paged_attention_reference,
     )
-    from minifer.layers.paged_attention import slot_mapping as ref_slots
+    from minifer.attention.backends.paged import slot_mapping as ref_slots
 
     gen = seeded(4)
     base_hint = ("gather the keys/values of positions 0 .. context_len-1 through the block table, then "
@@ -188,7 +188,7 @@ def _drive_allocator(cls: Any, ops: list[tuple], num_blocks: int, block_size: in
     """Run ``ops`` on the learner's allocator and on minifer's BlockManager; compare what can be observed."""
     from unittest import mock
 
-    import minifer.engine.block_manager as bm
+    import minifer.core.kv_cache_manager as bm
 
     with mock.patch.object(bm, "chain_hash", hash_fn or bm.chain_hash):
         ref = bm.BlockManager(num_blocks, block_size)
@@ -332,7 +332,7 @@ def _beam_ops_random(seed: int, block_size: int, width: int, steps: int) -> list
 
 def check_forking_allocator(cls: Any) -> None:
     """Grade ``fork`` and ``copy_on_write`` of an allocator class (the prefix-caching allocator plus a given
-    ``grow``) against :class:`minifer.engine.block_manager.BlockManager`'s, by the same comparison as
+    ``grow``) against :class:`minifer.core.kv_cache_manager.BlockManager`'s, by the same comparison as
     :func:`check_prefix_allocator`: which blocks the sequences share, reference counts, free and cached blocks,
     and each ``copy_on_write`` decision."""
     bs = 4
@@ -384,7 +384,7 @@ def check_forking_allocator(cls: Any) -> None:
 def check_prefix_allocator(cls: Any) -> None:
     """Grade an allocator class (``cls(num_blocks, block_size, hash_fn=...)`` with ``can_allocate``,
     ``allocate``, ``register_computed``, ``free``, ``num_free_blocks``, ``cache``, ``tables``, ``ref_count``)
-    by running the same operations on it and on :class:`minifer.engine.block_manager.BlockManager` and
+    by running the same operations on it and on :class:`minifer.core.kv_cache_manager.BlockManager` and
     comparing what can be observed: cached-token counts, free and cached block counts, which blocks the
     sequences share (physical ids may differ), reference counts."""
     bs = 4

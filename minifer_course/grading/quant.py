@@ -1,12 +1,12 @@
 """Graders for the chapter-05 exercises (quantization), on the machinery of :mod:`minifer_course.grading.base`.
 
 * :func:`check_quantize_int4` grades ``fn(w, group_size, symmetric) -> (packed, scales, zeros)`` against
-  :func:`minifer.quant.formats.quantize_int4`: codes, scales and zero points equal minifer's, then a
+  :func:`minifer.quantization.formats.quantize_int4`: codes, scales and zero points equal minifer's, then a
   round-trip bound. A wrong answer is matched against the classic mistakes (nibbles swapped, ``absmax / 8``,
   the ``+ 8`` offset forgotten, groups along the wrong axis, a zero point outside 0..15, a range that does
   not include 0, an all-zero group divided by 0) to name the one made;
 * :func:`check_int4_matmul_kernel` grades a Triton int4 dequantize-matmul kernel, or a wrapper that
-  launches one, against :func:`~minifer.quant.formats.quant_linear_reference`: odd shapes, inputs and
+  launches one, against :func:`~minifer.quantization.formats.quant_linear_reference`: odd shapes, inputs and
   output placed inside larger NaN-filled buffers (an unmasked load reads NaN, an unmasked store is seen in
   the margin), the output poisoned with NaN before every launch. Without a GPU it runs under Triton's
   interpreter (``TRITON_INTERPRET=1``, set before triton is imported); where Triton is not installed
@@ -84,7 +84,7 @@ def _where(n: int, k: int, w: torch.Tensor, group_size: int) -> str:
 
 def _compare_int4(got: Any, w: torch.Tensor, group_size: int, symmetric: bool) -> None:
     """Raise an AssertionError naming the first difference from ``quantize_int4`` and the likely mistake."""
-    from minifer.quant.formats import quantize_int4, unpack_int4
+    from minifer.quantization.formats import quantize_int4, unpack_int4
 
     n, k = w.shape
     packed, scales, zeros = _as_int4_triple(got, n, k, group_size, symmetric)
@@ -168,8 +168,8 @@ def _compare_int4(got: Any, w: torch.Tensor, group_size: int, symmetric: bool) -
 
 def check_quantize_int4(fn: Callable[[torch.Tensor, int, bool], Any]) -> None:
     """Grade ``fn(w, group_size, symmetric) -> (packed, scales, zeros)`` against
-    :func:`minifer.quant.formats.quantize_int4` (exact codes and zero points, scales to float rounding)."""
-    from minifer.quant.formats import QuantizedWeight, dequantize
+    :func:`minifer.quantization.formats.quantize_int4` (exact codes and zero points, scales to float rounding)."""
+    from minifer.quantization.formats import QuantizedWeight, dequantize
 
     gen = seeded(50)
 
@@ -331,7 +331,7 @@ def _in_margin(t: torch.Tensor, fill: float | int, device: str,
 def _dequant_variant(qw: Any, *, swap: bool = False, zero_point: bool = True, scale: bool = True,
                      group_of: Callable[[torch.Tensor], torch.Tensor] | None = None) -> torch.Tensor:
     """``dequantize(qw)`` with one of the kernel's classic mistakes (to name the mistake a result fits)."""
-    from minifer.quant.formats import unpack_int4
+    from minifer.quantization.formats import unpack_int4
 
     n, k = qw.shape
     q = unpack_int4(qw.qweight).float()
@@ -441,7 +441,7 @@ def check_int4_matmul_kernel(kernel_or_wrapper: Any) -> None:
 
     def case(m: int, n: int, k: int, group: int, symmetric: bool, seed: int) -> Check:
         def run() -> None:
-            from minifer.quant.formats import quant_linear_reference, quantize_int4
+            from minifer.quantization.formats import quant_linear_reference, quantize_int4
 
             gen = seeded(seed)
             qw = quantize_int4(torch.randn(n, k, generator=gen), group, symmetric)

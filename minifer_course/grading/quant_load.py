@@ -2,7 +2,7 @@
 loaded model's float projections into ``QuantLinear`` layers, in place.
 
 The learner's function runs on copies of the bundled ``tinystories-target`` (float32), with minifer's quantizer
-handed in (so that only the load step is graded), and is compared with ``minifer.quant.model.quantize_model`` on
+handed in (so that only the load step is graded), and is compared with ``minifer.quantization.model.quantize_model`` on
 another copy: which modules became ``QuantLinear`` (the decoder projections, not ``lm_head`` nor the embeddings),
 their shapes and groups (``[N, K]``, groups along K, ``group_for``'s fallback for ``down_proj``), their bytes, their
 biases (on a copy given biases: the bundled model has none), the kernel they multiply through, the bytes the model
@@ -45,7 +45,7 @@ def _with_biases(model: nn.Module) -> nn.Module:
 
 
 def _minifers_quantize(w: torch.Tensor, group_size: int, symmetric: bool):
-    from minifer.quant.formats import quantize_int4
+    from minifer.quantization.formats import quantize_int4
 
     qw = quantize_int4(w, group_size, symmetric)
     return qw.qweight, qw.scales, qw.zeros
@@ -53,7 +53,7 @@ def _minifers_quantize(w: torch.Tensor, group_size: int, symmetric: bool):
 
 def _marked_kernel(x: torch.Tensor, qw: Any, bias: torch.Tensor | None) -> torch.Tensor:
     """The reference kernel under another name: the grader checks each layer was handed the kernel it was given."""
-    from minifer.quant.formats import quant_linear_reference
+    from minifer.quantization.formats import quant_linear_reference
 
     return quant_linear_reference(x, qw, bias)
 
@@ -78,8 +78,8 @@ def _logits(model: nn.Module) -> torch.Tensor:
 
 def check_quantize_linears(fn: Callable[..., Any]) -> None:
     """Grade ``fn(model, quantize, group_size, symmetric, kernel)`` against ``quantize_model`` (int4)."""
-    from minifer.quant.linear import QuantLinear, decoder_linears
-    from minifer.quant.model import quantize_model
+    from minifer.quantization.linear import QuantLinear, decoder_linears
+    from minifer.quantization.model import quantize_model
 
     done: dict[tuple[bool, bool], tuple[nn.Module, nn.Module]] = {}
 

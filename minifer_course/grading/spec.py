@@ -1,14 +1,14 @@
 """Graders for the chapter-04 exercises (speculative decoding), on the machinery of :mod:`minifer_course.grading.base`.
 
 * :func:`check_verify_greedy` grades ``fn(draft_tokens, target_argmax)``, the batched greedy verification,
-  against :func:`minifer.spec.rejection.verify_greedy`;
+  against :func:`minifer.sample.rejection_sampler.verify_greedy`;
 * :func:`check_rejection_sample` grades ``fn(draft_tokens, q, p, generator)``, rejection sampling for one
   sequence, two ways: token for token against minifer's on fixed seeds (the exercise fixes the order of
   the random draws), and by what makes the method worth having, **losslessness**: a chi-squared test that
   the emitted tokens follow the target distribution, with a hint naming the classic mistake whose
   distribution the draws fit instead. The report says pass or fail, never a p-value;
 * :func:`check_ngram_propose` grades ``fn(token_ids, k, prompt_lookup_max, prompt_lookup_min)`` against
-  :func:`minifer.spec.ngram.ngram_propose`.
+  :func:`minifer.spec_decode.ngram_proposer.ngram_propose`.
 
 Each takes well under two seconds on a CPU; the tests (``tests/course/test_exercises_spec.py``) check that
 minifer's own implementations pass and the classic mistakes fail.
@@ -41,8 +41,8 @@ def _as_rows(got: Any, rows: int, what: str) -> list[list[int]]:
 def check_verify_greedy(fn: Callable[[list[list[int]], torch.Tensor], list[list[int]]]) -> None:
     """Grade ``fn(draft_tokens, target_argmax) -> emitted tokens per row`` on hand-built batches (padding
     filled with tokens that must never be read) and random ragged ones, against
-    :func:`minifer.spec.rejection.verify_greedy`."""
-    from minifer.spec.rejection import verify_greedy as ref
+    :func:`minifer.sample.rejection_sampler.verify_greedy`."""
+    from minifer.sample.rejection_sampler import verify_greedy as ref
 
     def case(drafts: list[list[int]], target: list[list[int]], hint: str) -> Check:
         def run() -> None:
@@ -121,9 +121,9 @@ def chi2_pvalue(counts: torch.Tensor, probs: torch.Tensor) -> float:
 
 def _rejection_sample_with_minifer(draft_tokens: list[int], q: torch.Tensor, p: torch.Tensor,
                                    generator: torch.Generator) -> list[int]:
-    """minifer's batched :func:`~minifer.spec.rejection.rejection_sample` for one sequence (the exercise's
+    """minifer's batched :func:`~minifer.sample.rejection_sampler.rejection_sample` for one sequence (the exercise's
     signature)."""
-    from minifer.spec.rejection import rejection_sample
+    from minifer.sample.rejection_sampler import rejection_sample
 
     return rejection_sample([list(draft_tokens)], q[None], p[None], [generator])[0]
 
@@ -270,8 +270,8 @@ def check_rejection_sample(fn: Callable[[list[int], torch.Tensor, torch.Tensor, 
 
 def check_ngram_propose(fn: Callable[[list[int], int, int, int], list[int]]) -> None:
     """Grade ``fn(token_ids, k, prompt_lookup_max, prompt_lookup_min) -> proposed tokens`` against
-    :func:`minifer.spec.ngram.ngram_propose` on hand-built sequences and random ones."""
-    from minifer.spec.ngram import ngram_propose as ref
+    :func:`minifer.spec_decode.ngram_proposer.ngram_propose` on hand-built sequences and random ones."""
+    from minifer.spec_decode.ngram_proposer import ngram_propose as ref
 
     def case(tokens: list[int], k: int, hi: int, lo: int, hint: str) -> Check:
         def run() -> None:

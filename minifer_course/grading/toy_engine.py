@@ -15,12 +15,12 @@ from dataclasses import dataclass
 
 import torch
 
-from minifer.engine.block_manager import BlockManager
-from minifer.engine.runner import ModelRunner
-from minifer.engine.scheduler import ScheduledBatch, Scheduler, SchedulerConfig
-from minifer.engine.sequence import Sequence
-from minifer.engine.step import StepParts
-from minifer.sampling import SamplingParams
+from minifer.core.kv_cache_manager import BlockManager
+from minifer.worker.model_runner import ModelRunner
+from minifer.core.sched.scheduler import ScheduledBatch, Scheduler, SchedulerConfig
+from minifer.request import Sequence
+from minifer.engine.core import StepParts
+from minifer.sampling_params import SamplingParams
 
 VOCAB = 64
 

@@ -65,7 +65,7 @@ def test_static_batch_usage_by_hand():
 
 def test_generation_flops_counts():
     from minifer.config import ModelConfig
-    from minifer.loader import load_config, resolve_model
+    from minifer.model_loader import load_config, resolve_model
 
     cfg: ModelConfig = load_config(resolve_model("tinystories-target", need_weights=False))
     c = kvm.generation_flops(cfg, prompt_len=16, new_tokens=10)
@@ -139,7 +139,7 @@ def test_simulation_equals_engine(draft, blocks, prefix):
     """Step for step, including preemption (14 blocks of 8 cannot hold every request at once) and the prefix
     cache serving preempted requests their own blocks back."""
     from minifer.engine.llm_engine import CacheConfig, LLMEngine
-    from minifer.engine.scheduler import SchedulerConfig
+    from minifer.core.sched.scheduler import SchedulerConfig
 
     w = _workload([(20, 30), (9, 12), (33, 5), (4, 40), (17, 17), (25, 9)])
     engine = LLMEngine(draft.model, draft.tokenizer, draft.make_sequence,
@@ -154,7 +154,7 @@ def test_simulation_equals_engine(draft, blocks, prefix):
 
 def test_record_engine_refuses_a_busy_engine(draft):
     from minifer.engine.llm_engine import CacheConfig, LLMEngine
-    from minifer.engine.scheduler import SchedulerConfig
+    from minifer.core.sched.scheduler import SchedulerConfig
 
     engine = LLMEngine(draft.model, draft.tokenizer, draft.make_sequence, CacheConfig(num_kv_blocks=32),
                        SchedulerConfig())

@@ -10,7 +10,7 @@ import torch
 
 from minifer import ModelConfig
 from minifer_course import roofline as rl
-from minifer.loader import BUNDLED_MODELS, load_config
+from minifer.model_loader import BUNDLED_MODELS, load_config
 
 # A toy Llama: every number below can be recomputed on paper.
 TOY = ModelConfig.from_dict({

@@ -39,7 +39,7 @@ def test_spec_ceilings_are_labelled_and_computed_from_the_datasheet_bandwidths()
 
 def test_chapter05_literature_table_renders_from_the_committed_results():
     from minifer_course import ch05_quantization as ch5
-    from minifer.loader import load_config, resolve_model
+    from minifer.model_loader import load_config, resolve_model
 
     qual = json.loads((RESULTS / "quant_quality.json").read_text())
     kern = json.loads((RESULTS / "quant_kernels_h200_decode.json").read_text())

@@ -16,10 +16,10 @@ import pytest
 import torch
 
 from minifer_course.grading import building_blocks, paging
-from minifer.layers.norm import rms_norm as ref_rms_norm
-from minifer.layers.rotary import apply_rotary as ref_apply_rotary
-from minifer.layers.rotary import rope_inv_freq as ref_rope_inv_freq
-from minifer.sampling import apply_top_p as ref_apply_top_p
+from minifer.layers.layernorm import rms_norm as ref_rms_norm
+from minifer.layers.rotary_embedding import apply_rotary as ref_apply_rotary
+from minifer.layers.rotary_embedding import rope_inv_freq as ref_rope_inv_freq
+from minifer.sample.sampler import apply_top_p as ref_apply_top_p
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "tools"))

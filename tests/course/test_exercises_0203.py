@@ -8,12 +8,12 @@ from collections import OrderedDict, deque
 import pytest
 import torch
 
-import minifer.engine.block_manager as _bm
+import minifer.core.kv_cache_manager as _bm
 from minifer_course.kv_memory import parallel_sampling_blocks
 from minifer_course.grading import batching, paging
-from minifer.engine.block_manager import BlockManager
-from minifer.layers.paged_attention import PagedAttentionMetadata, paged_attention_reference
-from minifer.layers.paged_attention import slot_mapping as ref_slot_mapping
+from minifer.core.kv_cache_manager import BlockManager
+from minifer.attention.backends.paged import PagedAttentionMetadata, paged_attention_reference
+from minifer.attention.backends.paged import slot_mapping as ref_slot_mapping
 
 
 
@@ -366,9 +366,9 @@ def test_graders_accept_the_correct_variants():
 
 # --- exercise 03: preemption by recompute, the engine step -------------------------------------------------
 
-from minifer.engine.scheduler import preempt_by_recompute  # noqa: E402
-from minifer.engine.sequence import SequenceStatus  # noqa: E402
-from minifer.engine.step import engine_step  # noqa: E402
+from minifer.core.sched.scheduler import preempt_by_recompute  # noqa: E402
+from minifer.request import SequenceStatus  # noqa: E402
+from minifer.engine.core import engine_step  # noqa: E402
 
 
 def _preempt(running, waiting, blocks, *, oldest=False, free=True, reset=True, front=True, keep_tokens=True,

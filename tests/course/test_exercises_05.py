@@ -15,9 +15,9 @@ from torch import nn
 
 from minifer_course import workbench_quant
 from minifer_course.grading.quant_load import check_quantize_linears
-from minifer.quant.formats import QuantizedWeight
-from minifer.quant.linear import QuantLinear
-from minifer.quant.model import group_for
+from minifer.quantization.formats import QuantizedWeight
+from minifer.quantization.linear import QuantLinear
+from minifer.quantization.model import group_for
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from test_workbench_quant import exercise_pieces  # noqa: E402

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from minifer_course.grading import quant as grading_quant
 from minifer.eval import WindowScores, token_windows
 from minifer.kernels import HAS_TRITON, TRITON_ERROR
-from minifer.quant.formats import QuantizedWeight, quantize_int4
+from minifer.quantization.formats import QuantizedWeight, quantize_int4
 
 needs_triton = pytest.mark.skipif(not HAS_TRITON, reason=TRITON_ERROR)
 

@@ -11,8 +11,8 @@ import torch
 from scipy.stats import chisquare
 
 from minifer_course.grading import spec as grading_spec
-from minifer.spec.ngram import ngram_propose as ref_ngram_propose
-from minifer.spec.rejection import verify_greedy as ref_verify_greedy
+from minifer.spec_decode.ngram_proposer import ngram_propose as ref_ngram_propose
+from minifer.sample.rejection_sampler import verify_greedy as ref_verify_greedy
 
 REFERENCES = [
     (grading_spec.check_verify_greedy, ref_verify_greedy, "verify_greedy: 7/7 checks passed"),

@@ -8,10 +8,10 @@ import matplotlib
 import pytest
 
 import minifer
-from minifer.features.adaptive_k import CostTable
+from minifer.engine.adaptive_k import CostTable
 from minifer_course.ch04_speculative import (adaptive_k_table, plot_adaptive_k, plot_rejection_toy, plot_verify_cost,
     rejection_toy, speculative_step, speedup_explorer, speedup_grid, time_engines, verify_cost_rounds)
-from minifer.spec.theory import expected_speedup, optimal_k
+from minifer.spec_decode.theory import expected_speedup, optimal_k
 
 matplotlib.use("Agg")
 

@@ -14,15 +14,15 @@ import torch
 
 import minifer
 from minifer.kernels import HAS_TRITON, TRITON_ERROR
-from minifer.loader import load_config, resolve_model
+from minifer.model_loader import load_config, resolve_model
 from minifer_course.ch05_quantization import (aot_table, check_quant_kernels, decode_weight_bytes,
     decoder_linear_shapes, int4_packing_text, kernel_speedup_table, kernel_time_fit, kv_cache_runs, live_quality,
     plot_kernel_speedups, plot_quant_quality, plot_roundtrip_errors, quality_table, quantized_linear_bytes,
     register_limited_warps, roundtrip_errors)
 from minifer_course.common import ModelPair
-from minifer.quant import quantize
-from minifer.quant.linear import weight_bytes
-from minifer.quant.model import quantize_model
+from minifer.quantization import quantize
+from minifer.quantization.linear import weight_bytes
+from minifer.quantization.model import quantize_model
 
 matplotlib.use("Agg")
 
@@ -114,7 +114,7 @@ def test_check_quant_kernels_passes_and_catches_a_wrong_kernel(monkeypatch):
     from minifer.kernels import quant_matmul as qm
 
     def half_written(x, qw, bias=None, path="auto", out=None, **kw):  # forgets the last output column
-        ref = minifer.quant.quant_linear_reference(x, qw, bias)
+        ref = minifer.quantization.quant_linear_reference(x, qw, bias)
         out[:, :-1] = ref[:, :-1]
         return out
 

@@ -21,8 +21,8 @@ from minifer_course.grading import engine as graded
 from minifer_course.grading import quant_engine
 from minifer_course.grading.quant import triton_modules
 from minifer.kernels import HAS_TRITON, TRITON_ERROR
-from minifer.quant.formats import QuantizedWeight, quant_linear_reference, quantize, quantize_int4
-from minifer.quant.linear import QuantLinear, decoder_linears
+from minifer.quantization.formats import QuantizedWeight, quant_linear_reference, quantize, quantize_int4
+from minifer.quantization.linear import QuantLinear, decoder_linears
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from test_workbench import definitions  # noqa: E402
@@ -135,7 +135,7 @@ def _no_engine(pieces):
 
 
 def _swapped_nibbles(w, group_size, symmetric):
-    from minifer.quant import quantize_int4  # self-contained: the tests save it and load it in a fresh namespace
+    from minifer.quantization import quantize_int4  # self-contained: the tests save it and load it in a fresh namespace
 
     qw = quantize_int4(w, group_size, symmetric)
     return (qw.qweight >> 4) | ((qw.qweight & 0xF) << 4), qw.scales, qw.zeros

@@ -20,7 +20,7 @@ from minifer_course.workbench_spec import (
     ROLLBACK_WORKLOAD,
     rollback_with,
 )
-from minifer.engine.block_manager import BlockManager
+from minifer.core.kv_cache_manager import BlockManager
 from minifer.engine.components import Components
 
 PARAMS = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)

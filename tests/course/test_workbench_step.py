@@ -1,4 +1,4 @@
-"""Exercise 03's seams: a caller's engine step (``Components(step=...)``, ``minifer.engine.step``) and a learner's
+"""Exercise 03's seams: a caller's engine step (``Components(step=...)``, ``minifer.engine.core``) and a learner's
 preemption (``Scheduler.preempt``), in the real engine and in the toy one the graders use (``grading.toy_engine``).
 
 A step or a preemption that would hang the engine or leak its blocks is refused with the reason, never left to loop.
@@ -13,8 +13,8 @@ from minifer_course import workbench
 from minifer_course.grading import batching
 from minifer_course.grading.toy_engine import build_world, run_to_end
 from minifer.engine.components import Components
-from minifer.engine.scheduler import Scheduler, preempt_by_recompute
-from minifer.engine.step import engine_step, run_checked
+from minifer.core.sched.scheduler import Scheduler, preempt_by_recompute
+from minifer.engine.core import engine_step, run_checked
 
 PROMPTS = workbench.PROMPTS
 SMALL = {"num_kv_blocks": 12, "max_num_batched_tokens": 64}  # 8 requests of 32 tokens: it preempts

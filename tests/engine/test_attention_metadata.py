@@ -13,8 +13,8 @@ import torch
 
 import minifer
 from minifer import SamplingParams
-from minifer.engine.runner import ModelRunner
-from minifer.layers.paged_attention import PagedAttentionMetadata, slot_mapping
+from minifer.worker.model_runner import ModelRunner
+from minifer.attention.backends.paged import PagedAttentionMetadata, slot_mapping
 
 BS = 16
 
@@ -98,7 +98,7 @@ def test_greedy_fast_path_returns_what_sample_returns(monkeypatch):
 
 
 def test_greedy_fast_path_leaves_every_other_request_to_sample():
-    from minifer.sampling import _plain_greedy
+    from minifer.sample.sampler import _plain_greedy
 
     assert _plain_greedy(SamplingParams(temperature=0))
     for kw in ({"temperature": 0.5}, {"logprobs": 0}, {"logit_bias": {3: 1.0}}, {"repetition_penalty": 1.2},

@@ -6,9 +6,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-import minifer.engine.block_manager as bm
+import minifer.core.kv_cache_manager as bm
 from minifer_course.block_order import FifoBlockManager
-from minifer.engine.block_manager import BlockManager
+from minifer.core.kv_cache_manager import BlockManager
 
 pytestmark = pytest.mark.core  # the fast tier (tests/README.md)
 
@@ -133,7 +133,7 @@ def test_copy_on_write_without_a_free_block_changes_nothing():
 def test_copy_blocks_copies_keys_values_and_scales_in_every_layer():
     import torch
 
-    from minifer.layers.paged_attention import PagedKVCache
+    from minifer.attention.backends.paged import PagedKVCache
 
     for kv_dtype in ("auto", "int8"):
         cache = PagedKVCache(3, 6, 4, 2, 8, torch.float32, "cpu", kv_cache_dtype=kv_dtype)

@@ -9,7 +9,7 @@ import torch
 import minifer
 from minifer import SamplingParams
 from minifer.eval import heldout_prompts
-from minifer.features.packed_linear import PackedLinear, pack_linears
+from minifer.compilation.packed_linear import PackedLinear, pack_linears
 
 
 def greedy(llm, prompts, n=48, **kw):
@@ -58,7 +58,7 @@ def test_compilation_config_is_checked(target_llm):
 
 
 def test_two_replicas_give_the_eager_tokens_in_prompt_order(prompts, eager_tokens):
-    from minifer.features.data_parallel import balance
+    from minifer.engine.data_parallel import balance
 
     llm = minifer.LLM("tinystories-target", dtype="float32", device="cpu", data_parallel_size=2)
     try:

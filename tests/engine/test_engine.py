@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from minifer import LLM, SamplingParams
-from minifer.layers.paged_attention import PagedAttentionMetadata, PagedKVCache
+from minifer.attention.backends.paged import PagedAttentionMetadata, PagedKVCache
 
 pytestmark = pytest.mark.core  # the fast tier (tests/README.md)
 

@@ -85,7 +85,7 @@ def test_rope_inv_freq_matches_transformers_llama3():
     from transformers import LlamaConfig
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-    from minifer.layers.rotary import rope_inv_freq
+    from minifer.layers.rotary_embedding import rope_inv_freq
 
     scaling = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                "original_max_position_embeddings": 32}

@@ -11,7 +11,7 @@ from conftest import MODELS_DIR, TINY_VOCAB, hf_classes, hf_config, minifer_forw
 
 import minifer
 from minifer import ModelConfig, ModelLoadError
-from minifer.loader import ASSETS, SHIPPED_CONFIGS
+from minifer.model_loader import ASSETS, SHIPPED_CONFIGS
 
 IDS = [3, 14, 15, 92, 65, 35, 89, 79, 32, 38, 46, 26, 43, 38, 32, 79, 50, 28]
 

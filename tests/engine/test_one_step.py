@@ -1,4 +1,4 @@
-"""``LLMEngine.step`` runs ``engine_step`` (``engine/step.py``, the function chapter 03 shows) for every step, plain
+"""``LLMEngine.step`` runs ``engine_step`` (``engine/core.py``, the function chapter 03 shows) for every step, plain
 and speculating (``engine/spec_step.py`` runs it through its hooks), instead of a copy of its own that could drift."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import pytest
 
 from minifer import LLM, SamplingParams
 from minifer.engine import llm_engine, spec_step
-from minifer.engine.step import engine_step
+from minifer.engine.core import engine_step
 
 pytestmark = pytest.mark.core  # the fast tier (tests/README.md)
 

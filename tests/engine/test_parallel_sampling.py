@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 
 from minifer import LLM, SamplingParams
-from minifer.engine.sequence import SequenceGroup
+from minifer.request import SequenceGroup
 
 BS = 16
 PROMPT = {"prompt_token_ids": [0] + [(37 * i) % 1900 + 50 for i in range(99)]}  # 100 tokens: 6 full blocks + 4

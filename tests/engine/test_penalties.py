@@ -11,7 +11,7 @@ from scipy.stats import chisquare
 
 import minifer
 from minifer import SamplingParams
-from minifer.sampling import apply_frequency_presence, history_tensors, process_logits, sample
+from minifer.sample.sampler import apply_frequency_presence, history_tensors, process_logits, sample
 
 
 def test_formula_on_output_counts():
@@ -27,7 +27,7 @@ def test_formula_on_output_counts():
 
 
 def test_history_counts_output_only_and_bans_stop_tokens_before_min_tokens():
-    from minifer.engine.sequence import Sequence
+    from minifer.request import Sequence
 
     params = [SamplingParams(frequency_penalty=1.0), SamplingParams(min_tokens=2, stop_token_ids=[8]),
               SamplingParams(min_tokens=1)]

@@ -10,7 +10,7 @@ import torch
 
 import minifer
 from minifer import SamplingParams
-from minifer.sampling import sample
+from minifer.sample.sampler import sample
 
 STORIES = ["Once upon a time, there was a little girl named Lily. She loved to play outside in the sun.",
            "Tom had a red ball and a blue car. He liked to play with them every day after school.",
@@ -108,7 +108,7 @@ def test_served_perplexity_over_http_equals_the_harness():
     """The same windows scored over the OpenAI API (echo, max_tokens=0, as a harness reaching a server does),
     against minifer's own server with int8 weights and chunked prefills."""
     import minifer.eval as ev
-    from minifer.serve import start_server
+    from minifer.entrypoints.openai.serve import start_server
 
     llm = minifer.LLM("tinystories-target", dtype="float32", device="cpu", quantization="int8",
                       max_num_batched_tokens=100)  # weight-only, as above
@@ -134,7 +134,7 @@ def test_limits_and_cache_statistics():
 def test_greedy_speculation_takes_the_biased_argmax_in_float32():
     """In bf16, adding a bias and rounding back can tie two tokens that float32 tells apart; the argmax that
     speculative drafts and verification take must be what plain sampling (float32) picks."""
-    from minifer.sampling import greedy_argmax
+    from minifer.sample.sampler import greedy_argmax
 
     logits = torch.tensor([[10.0, 9.9375] + [0.0] * 8], dtype=torch.bfloat16)
     params = SamplingParams(temperature=0, logit_bias={1: 0.07})

@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 from scipy.stats import chisquare
 
 from minifer import SamplingParams
-from minifer.sampling import apply_min_p, apply_repetition_penalty, apply_top_k, apply_top_p, sample
+from minifer.sample.sampler import apply_min_p, apply_repetition_penalty, apply_top_k, apply_top_p, sample
 
 pytestmark = pytest.mark.core  # the fast tier (tests/README.md)
 
@@ -253,7 +253,7 @@ def test_a_temperature_below_0_01_is_raised_to_0_01_as_in_vllm():
 def test_top_k_beyond_the_vocabulary_keeps_every_token():
     """A top_k larger than the vocabulary means no truncation, and never reaches a tensor as is (not even one set
     after validation, beyond int64: ``torch.tensor`` would fail the whole batch)."""
-    from minifer.sampling import process_logits
+    from minifer.sample.sampler import process_logits
 
     logits = random_logits(3, 3, 10, 1.0)
     huge = SamplingParams()
@@ -503,7 +503,7 @@ def test_stop_strings_on_multibyte_text_match_a_full_decode(target_llm, words, d
     whole output after every token; the request must stop at the first token whose full decode contains the
     stop string, with the text cut before it, even where characters span several byte tokens. With
     ``min_tokens=k`` the stop string must end past the characters that the first k-1 tokens completed."""
-    from minifer.engine.sequence import Sequence
+    from minifer.request import Sequence
 
     tok = target_llm.get_tokenizer()
     text = "".join(words)
@@ -536,7 +536,7 @@ def test_a_stop_string_ending_in_the_character_the_min_tokens_th_token_completes
     """"é" is two byte tokens; with min_tokens=4 on "café" the fourth token completes it, so the stop string
     "é" ends in that token's text and stops the request (a decode of the first three tokens ends in U+FFFD,
     which must not count as a character already written)."""
-    from minifer.engine.sequence import Sequence
+    from minifer.request import Sequence
 
     tok = target_llm.get_tokenizer()
     ids = tok.encode("café", add_special_tokens=False)

@@ -11,15 +11,15 @@ import pytest
 import torch
 
 from minifer import LLM, SamplingParams
-from minifer.engine.block_manager import BlockManager
+from minifer.core.kv_cache_manager import BlockManager
 from minifer.engine.components import Components
-from minifer.engine.proposers import NgramProposer
-from minifer.engine.runner import ModelRunner
-from minifer.engine.scheduler import Scheduler
-from minifer.layers.norm import rms_norm
-from minifer.layers.rotary import apply_rotary
-from minifer.quant.formats import quant_linear_reference
-from minifer.spec.rejection import RejectionVerifier
+from minifer.spec_decode.ngram_proposer import NgramProposer
+from minifer.worker.model_runner import ModelRunner
+from minifer.core.sched.scheduler import Scheduler
+from minifer.layers.layernorm import rms_norm
+from minifer.layers.rotary_embedding import apply_rotary
+from minifer.quantization.formats import quant_linear_reference
+from minifer.sample.rejection_sampler import RejectionVerifier
 
 pytestmark = pytest.mark.core  # the fast tier (tests/README.md)
 
@@ -114,7 +114,7 @@ def test_seams_that_cannot_apply_are_refused(reference):
 
 
 def test_an_attention_backend_handed_in_is_the_one_the_model_attends_through(reference):
-    from minifer.layers.paged_attention import PagedKVCache
+    from minifer.attention.backends.paged import PagedKVCache
 
     calls = []
 
@@ -149,7 +149,7 @@ def test_the_layers_call_the_rms_norm_and_rope_handed_in(reference):
 
 
 def test_the_rope_frequencies_handed_in_build_every_forward_s_rotation(reference):
-    from minifer.layers.rotary import RotaryEmbedding, rope_inv_freq
+    from minifer.layers.rotary_embedding import RotaryEmbedding, rope_inv_freq
 
     calls: list[str] = []
     mine = LLM("tinystories-target", share_weights_with=reference[0],

@@ -11,7 +11,7 @@ from collections import Counter
 import pytest
 
 from minifer import LLM, SamplingParams
-from minifer.features.adaptive_k import PROBE_BUDGET, TRIAL_STEPS, CostTable, StepRecord
+from minifer.engine.adaptive_k import PROBE_BUDGET, TRIAL_STEPS, CostTable, StepRecord
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3, "prompt_lookup_min": 1,
          "adaptive": True}
@@ -147,7 +147,7 @@ def test_a_loss_at_a_smaller_batch_holds_off_larger_ones_until_their_retry(spec)
 
 
 def test_a_clear_plain_decision_is_reused_for_a_few_steps(spec, monkeypatch):
-    from minifer.features.adaptive_k import PLAIN_HOLD
+    from minifer.engine.adaptive_k import PLAIN_HOLD
 
     calls = []
     real = spec.predicted_rate
@@ -164,8 +164,8 @@ def test_ngram_lookups_that_cannot_pay_are_skipped_for_a_few_steps(monkeypatch):
     """When the match statistics say lookups cannot pay at a batch size, that decision is held like a clear plain
     one (``PLAIN_HOLD``): the check runs once per ``PLAIN_HOLD + 1`` pure-decode steps, and decoding is plain."""
     from minifer import SamplingParams
-    from minifer.features.adaptive_k import PLAIN_HOLD
-    from minifer.features.adaptive_ngram import NgramAdaptiveK
+    from minifer.engine.adaptive_k import PLAIN_HOLD
+    from minifer.engine.adaptive_k import NgramAdaptiveK
 
     llm = LLM("tinystories-target", speculative_config=NGRAM, max_num_seqs=8)
     spec = llm.engine.speculator
@@ -186,7 +186,7 @@ def test_held_plain_steps_are_timed_one_in_light_every(spec):
     """A held plain step skips the prediction and, except every ``LIGHT_EVERY``-th, the measurement: every one of
     them adds its time to the probe budget, and one in ``LIGHT_EVERY`` reaches the cost table and the plain step
     time."""
-    from minifer.features.adaptive_k import LIGHT_EVERY
+    from minifer.engine.adaptive_k import LIGHT_EVERY
 
     _step(spec, 8, 0.010, 8)
     before = len(spec.target_cost.samples[8])
@@ -206,7 +206,7 @@ def test_held_plain_steps_are_timed_one_in_light_every(spec):
 def test_held_plain_steps_run_as_the_plain_step_but_one_in_light_every(spec):
     """``plain_step`` lets a held step bypass ``propose`` altogether, except every ``LIGHT_EVERY``-th, which goes
     through it to be measured; each one it lets through uses up a held step and is counted for the probe rule."""
-    from minifer.features.adaptive_k import LIGHT_EVERY
+    from minifer.engine.adaptive_k import LIGHT_EVERY
 
     assert not spec.plain_step(8)  # nothing held
     spec.plain_hold[8] = 3 * LIGHT_EVERY
@@ -229,7 +229,7 @@ def test_a_held_batch_decodes_through_the_plain_step(config):
     """With plain decoding held at the batch's size, the engine's steps skip the speculator (no proposal, nothing
     recorded) but every LIGHT_EVERY-th: the same tokens as a plain engine, every step counted, nothing left behind
     in the draft's cache."""
-    from minifer.features.adaptive_k import LIGHT_EVERY
+    from minifer.engine.adaptive_k import LIGHT_EVERY
 
     llm = LLM("tinystories-target", max_num_seqs=8, speculative_config=config)
     speculator = llm.engine.speculator
@@ -262,8 +262,8 @@ def test_the_probe_budget_is_a_sliding_window(spec):
 def test_a_speculative_step_counts_its_expected_tokens(spec):
     """A trial measures a step's cost; its luck with acceptance (1 to k + 1 tokens per sequence) is averaged over
     every verification by the acceptance estimate instead of deciding an 8-step trial."""
-    from minifer.engine.proposers import Draft
-    from minifer.spec.theory import expected_tokens_per_forward
+    from minifer.spec_decode.metadata import Draft
+    from minifer.spec_decode.theory import expected_tokens_per_forward
 
     b = 4
     _step(spec, b, 0.010, b)  # plain: 4 tokens in 10 ms
@@ -314,7 +314,7 @@ def test_the_drafts_catch_up_is_spread_over_a_trial():
 
 def test_probes_are_counted_apart_from_speculative_steps():
     """A probe is a plain step with one sequence speculating: k = 0 in the histogram, and counted on its own."""
-    from minifer.features.adaptive_k import Decision
+    from minifer.engine.adaptive_k import Decision
 
     spec = LLM("tinystories-target", speculative_config=NGRAM).engine.speculator
     assert spec.record_choice(8, Decision(3, probe=True)).k == 0

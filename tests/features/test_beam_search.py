@@ -1,4 +1,4 @@
-"""Beam search over the paged cache (``features/beam_search.py``) against the oracle, HF transformers'
+"""Beam search over the paged cache (``beam_search.py``) against the oracle, HF transformers'
 ``generate(num_beams=w, early_stopping="never")``: the same finished sequences, in the same order, with the same
 scores. Then what the paging must not change (block size, copy-on-write, prefix caching, an 8-bit cache,
 prompts searched side by side or alone), the bookkeeping (no block leaks, even on an error) and the errors."""
@@ -13,7 +13,7 @@ from conftest import TINY_VOCAB, build_hf_model
 
 import minifer
 from minifer import BeamSearchParams, SamplingParams
-from minifer.features.beam_search import BeamSearch, blocks_bound
+from minifer.beam_search import BeamSearch, blocks_bound
 
 
 def _first(eos: int | list[int]) -> int:

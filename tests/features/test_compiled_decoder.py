@@ -11,7 +11,7 @@ from torch._dynamo.utils import counters
 
 import minifer
 from minifer import SamplingParams
-from minifer.features.compiled_decoder import CompiledDecoder
+from minifer.compilation.compiled_decoder import CompiledDecoder
 from minifer.layers.ops import LayerOps
 
 

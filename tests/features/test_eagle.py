@@ -16,9 +16,9 @@ from conftest import REPO
 from spec_helpers import GREEDY, PROMPT, _second_token_test, mixed_prompts, story_prompts, tokens
 
 from minifer import LLM, SamplingParams
-from minifer.features.eagle import EagleProposer
-from minifer.loader import resolve_model
-from minifer.features.eagle_head import load_eagle_head
+from minifer.spec_decode.eagle import EagleProposer
+from minifer.model_loader import resolve_model
+from minifer.models.llama_eagle import load_eagle_head
 
 EAGLE = {"method": "eagle", "model": "tinystories-target-eagle", "num_speculative_tokens": 4}
 EAGLE3 = {"method": "eagle3", "model": "tinystories-target-eagle3", "num_speculative_tokens": 4}  # test_eagle3.py

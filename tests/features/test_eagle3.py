@@ -19,9 +19,9 @@ from test_eagle import EAGLE3, _assert_nothing_leaked
 from spec_helpers import GREEDY, mixed_prompts, story_prompts, tokens
 
 from minifer import LLM, SamplingParams
-from minifer.layers.attention import causal_backend
-from minifer.loader import resolve_model
-from minifer.features.eagle_head import AUX_KEY, EagleHead, eagle3_aux_layers, load_eagle_head
+from minifer.attention.layer import causal_backend
+from minifer.model_loader import resolve_model
+from minifer.models.llama_eagle import AUX_KEY, EagleHead, eagle3_aux_layers, load_eagle_head
 
 @pytest.fixture(scope="module")
 def plain():

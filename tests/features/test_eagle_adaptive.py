@@ -9,7 +9,7 @@ import pytest
 from test_eagle import EAGLE
 
 from minifer import LLM
-from minifer.features.eagle import EagleProposer
+from minifer.spec_decode.eagle import EagleProposer
 
 TARGET_S = 0.010  # an injected target forward: flat up to 8 tokens, then linear (a memory-bound decode)
 

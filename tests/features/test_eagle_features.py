@@ -8,7 +8,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from minifer.features.eagle import KeptFeatures
+from minifer.spec_decode.eagle import KeptFeatures
 
 H = 3
 

@@ -20,8 +20,8 @@ from spec_helpers import (
 )
 
 from minifer import LLM, SamplingParams
-from minifer.loader import resolve_model
-from minifer.features.eagle_head import EagleHead, draft_to_target_offsets, load_eagle_head
+from minifer.model_loader import resolve_model
+from minifer.models.llama_eagle import EagleHead, draft_to_target_offsets, load_eagle_head
 
 
 @pytest.fixture(scope="module")

@@ -10,7 +10,7 @@ import torch
 
 import minifer
 from minifer import SamplingParams
-from minifer.features.weight_layout import column_major_linears, is_column_major
+from minifer.compilation.weight_layout import column_major_linears, is_column_major
 
 
 def _greedy(llm, prompts, n=24):

@@ -14,7 +14,7 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
 def _case(b, hq, hkv, d, block_size, max_ctx, dtype, seed):
-    from minifer.layers.paged_attention import PagedAttentionMetadata
+    from minifer.attention.backends.paged import PagedAttentionMetadata
 
     gen = torch.Generator().manual_seed(seed)
     width = -(-max_ctx // block_size)
@@ -38,8 +38,8 @@ def _case(b, hq, hkv, d, block_size, max_ctx, dtype, seed):
 ])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_paged_decode_matches_reference(b, hq, hkv, d, block_size, max_ctx, dtype):
-    from minifer.kernels.paged_attention import paged_decode_attention
-    from minifer.layers.paged_attention import paged_attention_reference
+    from minifer.kernels.triton_attention import paged_decode_attention
+    from minifer.attention.backends.paged import paged_attention_reference
 
     q, kc, vc, tables, ctx, meta = _case(b, hq, hkv, d, block_size, max_ctx, dtype, seed=b * 100 + d)
     out = torch.full_like(q, float("nan"))  # poisoned: every element must be written
@@ -57,9 +57,9 @@ def test_paged_decode_reads_an_8bit_cache(kv_cache_dtype, static, fp8_native, b,
                                           monkeypatch):
     """The kernel dequantizes 8-bit codes as it loads them (per token-and-head or static per-head scales;
     fp8 by the hardware conversion or by its bits); the oracle is the CPU path, which dequantizes as it gathers."""
-    from minifer.kernels import paged_attention as pa
-    from minifer.layers.kv_quant import quantize_kv, static_scale
-    from minifer.layers.paged_attention import paged_attention_reference
+    from minifer.kernels import triton_attention as pa
+    from minifer.quantization.kv_cache import quantize_kv, static_scale
+    from minifer.attention.backends.paged import paged_attention_reference
 
     if DEVICE == "cpu":
         monkeypatch.setattr(pa, "fp8_native", lambda device: fp8_native)
@@ -80,7 +80,7 @@ def test_paged_decode_reads_an_8bit_cache(kv_cache_dtype, static, fp8_native, b,
 
 
 def test_paged_decode_names_a_cache_that_does_not_match_its_scales():
-    from minifer.kernels.paged_attention import paged_decode_attention
+    from minifer.kernels.triton_attention import paged_decode_attention
 
     q, kc, vc, tables, ctx, _ = _case(2, 6, 2, 8, 4, 9, torch.float32, 0)
     codes = kc.to(torch.int8)
@@ -96,7 +96,7 @@ def test_paged_decode_names_a_cache_that_does_not_match_its_scales():
 
 
 def test_paged_decode_rejects_bad_grouping():
-    from minifer.kernels.paged_attention import paged_decode_attention
+    from minifer.kernels.triton_attention import paged_decode_attention
 
     q, kc, vc, tables, ctx, _ = _case(2, 6, 2, 8, 4, 9, torch.float32, 0)
     with pytest.raises(ValueError, match="multiple of KV heads"):
@@ -105,7 +105,7 @@ def test_paged_decode_rejects_bad_grouping():
 
 @pytest.mark.parametrize("n,hkv,d", [(1, 1, 8), (7, 2, 32), (33, 3, 24)])
 def test_store_kv_writes_exactly_its_slots(n, hkv, d):
-    from minifer.kernels.paged_attention import store_kv
+    from minifer.kernels.triton_attention import store_kv
 
     gen = torch.Generator().manual_seed(n)
     kc = torch.full((10, 4, hkv, d), float("nan"), device=DEVICE)
@@ -160,7 +160,7 @@ def test_cuda_graph_decode_path_gives_the_same_tokens(kv_cache_dtype, kv_cache_s
     interpreter; greedy tokens must equal the reference path's, for a 16-bit cache and for 8-bit ones (which
     the decode kernel dequantizes as it loads). (Capture itself needs a GPU: gpu_check.sh.)"""
     from minifer import LLM, SamplingParams
-    from minifer.engine.cuda_graph import DecodeGraphs
+    from minifer.worker.cuda_graph import DecodeGraphs
 
     prompts = ["Once upon a time", "Tom had a big red", "The cat"]
     params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from minifer.kernels import HAS_TRITON, TRITON_ERROR
-from minifer.quant import quant_linear_reference, quantize
+from minifer.quantization import quant_linear_reference, quantize
 
 pytestmark = pytest.mark.skipif(not HAS_TRITON, reason=TRITON_ERROR)
 
@@ -106,7 +106,7 @@ def test_fp8_native_conversion_path(monkeypatch, path):
 def test_every_fp8_bit_pattern_decodes_exactly(path):
     """All 254 non-NaN codes (subnormals, both zeros, +-448): row n of W holds code n in column 0, and
     x = e_0 reads that column out exactly."""
-    from minifer.quant import QuantizedWeight
+    from minifer.quantization import QuantizedWeight
 
     bits = torch.arange(256, dtype=torch.uint8)
     bits = bits[(bits & 0x7F) != 0x7F]  # the two NaN codes never occur in quantized weights

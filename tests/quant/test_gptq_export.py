@@ -1,4 +1,4 @@
-"""int4 checkpoints in the GPTQ layout (``minifer.features.gptq_layout``, ``minifer.features.gptq_checkpoint``).
+"""int4 checkpoints in the GPTQ layout (``minifer.quantization.gptq_layout``, ``minifer.model_loader.gptq``).
 
 The layout is checked against a reference unpacking written here, bit by bit, from the published format
 (AutoGPTQ's ``QuantLinear``, read by vLLM and transformers/GPTQModel): ``qweight`` int32 ``[K/8, N]`` with input
@@ -26,15 +26,15 @@ import torch
 import minifer
 from conftest import REPO, minifer_forward
 from minifer.eval import greedy_continuations
-from minifer.loader import ModelLoadError
+from minifer.model_loader import ModelLoadError
 from minifer.compress.gptq_export import save_gptq, to_gptq
-from minifer.features.gptq_checkpoint import load_gptq
-from minifer.loader.quantized import is_gptq_checkpoint
-from minifer.quant.formats import QuantizedWeight, dequantize, quantize_int4
-from minifer.features.gptq_layout import from_gptq
-from minifer.quant.linear import decoder_linears
+from minifer.model_loader.gptq import load_gptq
+from minifer.model_loader.quantized import is_gptq_checkpoint
+from minifer.quantization.formats import QuantizedWeight, dequantize, quantize_int4
+from minifer.quantization.gptq_layout import from_gptq
+from minifer.quantization.linear import decoder_linears
 from minifer.compress import gptq_quantize_model
-from minifer.quant.model import quantize_model
+from minifer.quantization.model import quantize_model
 
 
 def reference_dequantize(t: dict[str, torch.Tensor], v1: bool) -> np.ndarray:

@@ -15,15 +15,15 @@ import torch
 
 import minifer
 from minifer.eval import causal_forward, heldout_windows
-from minifer.quant.formats import dequantize, quant_linear_reference, quantize
-from minifer.quant.linear import (
+from minifer.quantization.formats import dequantize, quant_linear_reference, quantize
+from minifer.quantization.linear import (
     QuantLinear,
     decoder_linears,
     quantize_per_token,
     w8a8_kernel,
     w8a8_linear,
 )
-from minifer.quant.model import check_quantization, quantize_model
+from minifer.quantization.model import check_quantization, quantize_model
 
 FLOAT_TOL = 1e-4  # float32 sums in another order: a few ulps of logits of magnitude ~10
 
@@ -91,7 +91,7 @@ def test_llm_kernels_on_the_cpu():
 
 
 def test_a_saved_w8a8_model_reloads_as_w8a8(draft_llm, tmp_path):
-    from minifer.loader.quantized import load_model, save_quantized
+    from minifer.model_loader.quantized import load_model, save_quantized
 
     model = copy.deepcopy(draft_llm.model)
     quantize_model(model, "w8a8")

@@ -9,8 +9,8 @@ import torch
 
 from minifer import LLM, SamplingParams
 from minifer_course.kv_quant import sequences_that_fit
-from minifer.layers.kv_quant import dequantize_kv, quantize_kv
-from minifer.layers.paged_attention import PagedAttentionMetadata, PagedKVCache, paged_attention_reference
+from minifer.quantization.kv_cache import dequantize_kv, quantize_kv
+from minifer.attention.backends.paged import PagedAttentionMetadata, PagedKVCache, paged_attention_reference
 
 
 @pytest.mark.parametrize("fmt", ["int8", "fp8"])
@@ -206,7 +206,7 @@ def test_static_fp8_kv_doubles_what_fits_and_costs_at_most_twice_the_per_token_e
 
 def test_kv_quant_benchmark_table_has_both_scale_layouts():
     from minifer_course.kv_quant import memory_table
-    from minifer.loader import load_config, resolve_model
+    from minifer.model_loader import load_config, resolve_model
 
     cfg = load_config(resolve_model("Qwen/Qwen3-0.6B", need_weights=False))
     rows = {(r["model_dtype"], r["kv_cache_dtype"], r["kv_cache_scales"]): r

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from minifer.quant import (
+from minifer.quantization import (
     QuantizedWeight,
     dequantize,
     pack_int4,

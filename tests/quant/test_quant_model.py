@@ -18,13 +18,13 @@ import minifer
 from minifer import SamplingParams
 from minifer.eval import (greedy_continuations, heldout_prompts, heldout_windows,
                           perplexity, score_windows)
-from minifer.loader import ModelLoadError
-from minifer.loader.quantized import load_quantized, save_quantized
-from minifer.quant.formats import dequantize, quantize
+from minifer.model_loader import ModelLoadError
+from minifer.model_loader.quantized import load_quantized, save_quantized
+from minifer.quantization.formats import dequantize, quantize
 from minifer.eval import calibration_data
 from minifer.compress import gptq_quantize_model, gptq_quantize_weight, output_error
-from minifer.quant.linear import QuantLinear, decoder_linears, set_quant_kernel, weight_bytes
-from minifer.quant.model import quantize_model
+from minifer.quantization.linear import QuantLinear, decoder_linears, set_quant_kernel, weight_bytes
+from minifer.quantization.model import quantize_model
 
 
 @pytest.fixture(scope="module")

@@ -262,14 +262,14 @@ def test_an_import_re_pointed_to_another_module_is_a_change(tmp_path, monkeypatc
 
 
 def test_a_saved_result_records_the_code_it_ran_and_the_checkpoints_it_read(tmp_path, monkeypatch):
-    import minifer.engine.scheduler  # noqa: F401  (a module the "run" executed)
-    from minifer import loader
+    import minifer.core.sched.scheduler  # noqa: F401  (a module the "run" executed)
+    from minifer import model_loader as loader
 
     monkeypatch.setattr(loader, "_bundled_used", set())  # a fresh process: nothing read yet
     loader.load_config(loader.resolve_model("tinystories-target"))
     path = provenance.save_result({"kind": "t", "metadata": {"git": {}}}, tmp_path / "r.json")
     code = json.loads(path.read_text())["metadata"]["code"]
-    assert code["minifer/engine/scheduler.py"] == provenance._sha(ROOT / "minifer/engine/scheduler.py")
+    assert code["minifer/core/sched/scheduler.py"] == provenance._sha(ROOT / "minifer/core/sched/scheduler.py")
     assert "minifer/assets/models/tinystories-target/model.safetensors" in code
     assert not any("tinystories-target-eagle" in f or "tinystories-draft" in f for f in code), \
         "a checkpoint the run never read is not part of what it measured"

@@ -13,7 +13,7 @@ import torch
 import minifer
 from minifer_course import common as notebook, gpu_plan
 from minifer.config import ModelConfig
-from minifer.loader import SHIPPED_CONFIGS
+from minifer.model_loader import SHIPPED_CONFIGS
 from minifer_course.common import BUNDLED_PAIR, GPU_PAIR, ModelPair, choose_models
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -188,9 +188,9 @@ def test_the_plan_prices_the_bundled_pair_too(target_llm):
     equals the bytes a quantized copy really holds."""
     import copy
 
-    from minifer.loader import load_config, resolve_model
-    from minifer.quant.linear import weight_bytes
-    from minifer.quant.model import quantize_model
+    from minifer.model_loader import load_config, resolve_model
+    from minifer.quantization.linear import weight_bytes
+    from minifer.quantization.model import quantize_model
 
     target, draft = (load_config(resolve_model(m)) for m in BUNDLED_PAIR)
     model = copy.deepcopy(target_llm.model).to(torch.bfloat16)

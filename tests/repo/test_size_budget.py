@@ -52,7 +52,7 @@ def test_long_functions_are_found_and_triton_kernels_are_exempt():
 
 def test_the_decode_path_leaves_out_speculation_and_the_package_its_benchmarks():
     cl = _tool()
-    assert cl.in_decode_path("engine/scheduler.py") and cl.in_decode_path("layers/paged_attention.py")
+    assert cl.in_decode_path("core/sched/scheduler.py") and cl.in_decode_path("attention/backends/paged.py")
     assert not cl.in_decode_path("engine/speculative.py") and not cl.in_decode_path("kernels/quant_matmul.py")
     m = cl.measure(ROOT)
     assert not any(rel.startswith("bench/") for rel in m["modules"])
@@ -69,6 +69,6 @@ def test_the_engine_within_its_ceilings():
 
 def test_a_plain_decode_step_enters_few_files():
     files = _tool().trace_step()
-    assert {"engine/llm_engine.py", "engine/scheduler.py", "engine/runner.py", "models/llama.py",
-            "layers/paged_attention.py", "sampling.py"} <= set(files), sorted(files)
+    assert {"engine/llm_engine.py", "core/sched/scheduler.py", "worker/model_runner.py", "models/llama.py",
+            "attention/backends/paged.py", "sample/sampler.py"} <= set(files), sorted(files)
     assert len(files) <= _tool().STEP_FILES["ceiling"], sorted(files)

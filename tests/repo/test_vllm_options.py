@@ -17,7 +17,7 @@ import pytest
 
 from minifer import LLM, SamplingParams
 from minifer.engine.speculative import SpeculativeConfig
-from minifer.sampling import BeamSearchParams
+from minifer.sampling_params import BeamSearchParams
 
 ROOT = Path(__file__).resolve().parents[2]
 DATA = json.loads((ROOT / "references" / "vllm_options.json").read_text())

@@ -1,4 +1,4 @@
-"""The OpenAI-compatible server (``minifer/serve.py``) against ``LLM.generate`` as the oracle: the same tokens
+"""The OpenAI-compatible server (``minifer/entrypoints/openai/serve.py``) against ``LLM.generate`` as the oracle: the same tokens
 over HTTP, alone and concurrently; streaming deltas that add up; clear 4xx errors that leave other requests
 alone; a client that disconnects has its request aborted and its blocks freed; a failing step fails only the
 requests in flight."""
@@ -15,7 +15,7 @@ import urllib.request
 import pytest
 
 from minifer import LLM, SamplingParams
-from minifer.serve import sse_events, start_server
+from minifer.entrypoints.openai.serve import sse_events, start_server
 
 MODEL = "tiny"
 
@@ -584,7 +584,7 @@ def test_accepted_connections_are_tcp_sockets_that_asyncio_sets_nodelay_on():
     then body) waited 40 ms for the client's delayed ACK."""
     import socket
 
-    from minifer.serve import listening_socket
+    from minifer.entrypoints.openai.serve import listening_socket
 
     with listening_socket("127.0.0.1", 0) as s, socket.create_connection(s.getsockname()) as client:
         conn, _ = s.accept()
@@ -593,7 +593,7 @@ def test_accepted_connections_are_tcp_sockets_that_asyncio_sets_nodelay_on():
 
 
 def test_unknown_fields_are_ignored_with_a_warning_as_in_vllm(server, caplog):
-    with caplog.at_level("WARNING", logger="minifer.serve"):
+    with caplog.at_level("WARNING", logger="minifer.entrypoints.openai.serve"):
         status, body = post(server, "/v1/completions", greedy(3, prompt="Tom", foo=1, client_tag="x"))
     assert status == 200 and body["usage"]["completion_tokens"] <= 3
     assert any("fields ignored" in r.message and "client_tag, foo" in r.message for r in caplog.records)

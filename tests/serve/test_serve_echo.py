@@ -90,8 +90,8 @@ def test_a_streamed_answer_adds_up_to_the_plain_one(server, prompt, max_tokens, 
 def test_chat_top_logprobs_lists_k_candidates_even_with_ties():
     """The engine keeps the sampled token beside the k best; a tie with the k-th gives it rank <= k too."""
     from minifer.outputs import CompletionOutput
-    from minifer.sampling import Logprob
-    from minifer.openai_protocol import chat_logprobs_json
+    from minifer.sampling_params import Logprob
+    from minifer.entrypoints.openai.protocol import chat_logprobs_json
 
     entry = {5: Logprob(-1.0, 1, "a"), 7: Logprob(-1.0, 1, "b"), 9: Logprob(-1.0, 1, "c")}  # 9 was sampled
     c = CompletionOutput(0, "c", [9], None, [entry])

@@ -1,4 +1,4 @@
-"""The server's edges (``minifer/serve.py``): values that would break a step are refused before they reach it, an
+"""The server's edges (``minifer/entrypoints/openai/serve.py``): values that would break a step are refused before they reach it, an
 explicit ``max_tokens`` the context cannot hold is vLLM's 400, stop tokens stay out of the text, OpenAI's other
 prompt and content forms, ``null`` fields, and HTTP details (chunked bodies, 405, query strings), each error
 OpenAI's JSON body."""
@@ -12,7 +12,7 @@ import threading
 import pytest
 
 from minifer import LLM, SamplingParams
-from minifer.serve import sse_events, start_server
+from minifer.entrypoints.openai.serve import sse_events, start_server
 
 pytestmark = pytest.mark.core  # the fast tier (tests/README.md)
 
@@ -217,7 +217,7 @@ def test_errors_name_the_prompt_at_fault(server):
 
 
 def test_a_request_for_more_completions_than_the_server_makes_is_refused(server):
-    from minifer.serve import MAX_COMPLETIONS_PER_REQUEST as most
+    from minifer.entrypoints.openai.serve import MAX_COMPLETIONS_PER_REQUEST as most
 
     status, err = post(server, greedy(2, prompt=["Tom", "Lily"], n=most // 2 + 1))
     assert status == 400 and err["error"]["param"] == "n" and f"at most {most} per request" in err["error"]["message"]

@@ -18,7 +18,7 @@ import time
 import pytest
 
 from minifer import LLM
-from minifer.serve import start_server
+from minifer.entrypoints.openai.serve import start_server
 
 MODEL = "tiny"
 TIMEOUT = 1.0  # the server's read timeout here, seconds
@@ -260,7 +260,7 @@ def test_an_oversized_head_in_one_piece_gets_a_json_400(server):
 
 
 def test_head_bytes_stop_at_a_blank_line_that_straddles_two_reads():
-    from minifer.entrypoints.http_protocol import head_bytes_in
+    from minifer.entrypoints.openai.http_protocol import head_bytes_in
 
     assert head_bytes_in(b"", b"GET / HTTP/1.1\r\nHost: x\r\n\r\nbody") == (23, b"ody")
     counted, tail = head_bytes_in(b"", b"GET / HTTP/1.1\r\nHost: x\r\n")

@@ -13,7 +13,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from minifer import LLM
-from minifer.serve import start_server
+from minifer.entrypoints.openai.serve import start_server
 
 MODEL = "tiny"
 

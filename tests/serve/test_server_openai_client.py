@@ -9,7 +9,7 @@ import pytest
 openai = pytest.importorskip("openai")
 
 from minifer import LLM, SamplingParams
-from minifer.serve import resolve_chat_template, start_server
+from minifer.entrypoints.openai.serve import resolve_chat_template, start_server
 
 KEY = "sk-test-key"
 

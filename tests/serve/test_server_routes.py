@@ -15,7 +15,7 @@ import urllib.request
 import pytest
 
 from minifer import LLM
-from minifer.serve import make_arg_parser, resolve_chat_template, start_server
+from minifer.entrypoints.openai.serve import make_arg_parser, resolve_chat_template, start_server
 
 
 @pytest.fixture(scope="module")

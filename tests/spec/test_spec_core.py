@@ -14,10 +14,10 @@ from hypothesis import strategies as st
 from scipy.stats import chisquare
 
 from minifer import SamplingParams
-from minifer.sampling import process_logits
-from minifer.spec import (acceptance_rate, estimate_alpha, expected_accepted, expected_speedup,
-                          expected_tokens_per_forward, ngram_propose, one_hot_draft_probs, optimal_k,
-                          probs_from_logits, rejection_sample, verify_greedy)
+from minifer.sample.sampler import process_logits
+from minifer.spec_decode.theory import acceptance_rate, estimate_alpha, expected_accepted, expected_speedup, expected_tokens_per_forward, optimal_k
+from minifer.spec_decode.ngram_proposer import ngram_propose
+from minifer.sample.rejection_sampler import one_hot_draft_probs, probs_from_logits, rejection_sample, verify_greedy
 
 pytestmark = pytest.mark.core  # the fast tier (tests/README.md)
 

@@ -10,7 +10,7 @@ import pytest
 
 from minifer import LLM, SamplingParams
 from minifer.engine.speculative import SpeculativeConfig
-from minifer.features.adaptive_k import CostTable
+from minifer.engine.adaptive_k import CostTable
 from spec_helpers import GREEDY, PROMPT, _second_token_test, mixed_prompts, story_prompts, tokens
 
 DRAFT = {"method": "draft_model", "model": "tinystories-draft", "num_speculative_tokens": 4}
@@ -87,7 +87,7 @@ def test_sampled_distribution_equals_the_targets(target_llm, params):
 def test_the_chi_squared_test_catches_a_lossy_sampler(target_llm):
     """A sampler that accepts every draft token (so emits the *draft's* distribution) must fail the same
     test: otherwise the test above could not fail."""
-    from minifer.spec.rejection import RejectionVerifier
+    from minifer.sample.rejection_sampler import RejectionVerifier
 
     class AcceptsEverything(RejectionVerifier):  # handed in through the engine's verifier seam
         @staticmethod

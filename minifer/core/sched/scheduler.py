@@ -1,0 +1,203 @@
+"""Iteration-level (continuous) batching: decide, before every forward pass, which tokens of which
+requests it computes.
+
+Static batching admits a batch, runs it until its longest request ends, and only then admits the next.
+Continuous batching (Orca, OSDI 2022) re-decides at *every step*: a finished request's slot is refilled
+at the next step. Each step here:
+
+1. every running request gets its next token(s): one decode token, or the next chunk of a prompt;
+2. if the KV blocks for that run out, the *newest* running request is preempted — its blocks are freed
+   and it goes back to the front of the waiting queue, to be recomputed later (vLLM's "recompute"
+   preemption: nothing is lost, its tokens so far become its prompt);
+3. waiting requests are admitted first-come-first-served while ``max_num_seqs`` sequences and
+   ``max_num_batched_tokens`` tokens allow. With chunked prefill a long prompt is split across steps
+   and shares them with decodes instead of stalling them.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from minifer.core.kv_cache_manager import KVBlockAllocator
+from minifer.request import Sequence, SequenceStatus
+
+
+@dataclass
+class SchedulerConfig:
+    max_num_seqs: int = 16
+    max_num_batched_tokens: int = 2048
+    enable_chunked_prefill: bool = True
+
+    def __post_init__(self) -> None:
+        if self.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        if self.max_num_batched_tokens < 1:
+            raise ValueError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
+
+
+@dataclass
+class ScheduledBatch:
+    seqs: list[Sequence] = field(default_factory=list)
+    num_new_tokens: list[int] = field(default_factory=list)
+    preempted: list[Sequence] = field(default_factory=list)
+
+    def __len__(self) -> int:
+        return len(self.seqs)
+
+
+class SchedulerPolicy(Protocol):
+    """The seam between the engine and the policy that decides who runs each step (chapter 03); ``Scheduler`` below is
+    the reference (first come first served, chunked prefill, preemption by recomputation). The engine builds one
+    (``LLMEngine``'s ``scheduler``: a callable ``(SchedulerConfig, KVBlockAllocator)``, ``Scheduler`` by default).
+
+    ``add(seq)`` queues a new sequence, ``add_front(seqs)`` queues sequences ahead of the others (siblings of a
+    request whose prompt is computed). ``schedule()`` returns the step's ``ScheduledBatch``: the sequences that run,
+    how many new tokens each brings (at most ``config.max_num_batched_tokens`` in all, at most
+    ``config.max_num_seqs`` sequences), with their KV slots already reserved in the allocator, and the sequences it
+    preempted (their blocks freed, to be recomputed later). ``finish(seq)`` and ``abort(seq)`` take a sequence out and
+    free its blocks. ``check_fits(seq)`` raises ``ValueError`` for a request that could never be scheduled.
+    ``running``, ``waiting`` and ``num_preemptions`` are read for statistics; ``has_unfinished()`` says whether any
+    sequence is still queued or running. Every admitted sequence must eventually be scheduled: a step that schedules
+    nothing while sequences wait makes the engine raise."""
+
+    config: SchedulerConfig
+    waiting: Any
+    running: list[Sequence]
+    num_preemptions: int
+
+    def check_fits(self, seq: Sequence) -> None: ...
+
+    def add(self, seq: Sequence) -> None: ...
+
+    def add_front(self, seqs: list[Sequence]) -> None: ...
+
+    def has_unfinished(self) -> bool: ...
+
+    def abort(self, seq: Sequence) -> None: ...
+
+    def finish(self, seq: Sequence) -> None: ...
+
+    def schedule(self) -> ScheduledBatch: ...
+
+
+def preempt_by_recompute(running: list[Sequence], waiting: deque[Sequence], blocks: KVBlockAllocator) -> Sequence:
+    """Preempt the newest running sequence by recomputation (vLLM's default) and return it.
+
+    The newest has the least work to lose, and the oldest, which have waited longest, keep making progress: the
+    queue stays first come first served and nothing starves. Its blocks are freed outright (nothing is swapped out),
+    so its KV must be computed again: ``num_computed_tokens`` goes back to 0 and its tokens so far, generated ones
+    included, become the prompt it is re-admitted with (``all_token_ids``); nothing it generated is lost. It goes to
+    the *front* of the waiting queue: it arrived before every request still waiting."""
+    victim = running.pop()
+    blocks.free(victim.request_id)
+    victim.status, victim.num_computed_tokens = SequenceStatus.WAITING, 0
+    waiting.appendleft(victim)
+    return victim
+
+
+Preemption = Callable[[list[Sequence], "deque[Sequence]", KVBlockAllocator], Sequence]
+
+
+class Scheduler:
+    # Who is preempted and how, when a running sequence's blocks run out (a class attribute, so that a subclass, such
+    # as a course's, replaces only this): ``preempt(running, waiting, blocks)`` takes one sequence out of ``running``,
+    # frees its blocks, requeues it, and returns it.
+    preempt: Preemption = staticmethod(preempt_by_recompute)
+
+    def __init__(self, config: SchedulerConfig, blocks: KVBlockAllocator) -> None:
+        self.config, self.blocks = config, blocks
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.num_preemptions = 0
+
+    def check_fits(self, seq: Sequence) -> None:
+        """Reject up front a request that could never run, instead of letting it wait forever."""
+        need = self.blocks.blocks_needed(len(seq.prompt_token_ids) + seq.max_tokens)
+        if need > self.blocks.num_blocks:
+            raise ValueError(f"request {seq.request_id!r} needs up to {need} KV blocks "
+                             f"({len(seq.prompt_token_ids)} prompt + {seq.max_tokens} output tokens) but the whole "
+                             f"cache has {self.blocks.num_blocks}: lower max_tokens or give the cache more memory")
+        if not self.config.enable_chunked_prefill and len(seq.prompt_token_ids) > self.config.max_num_batched_tokens:
+            raise ValueError(f"request {seq.request_id!r} has a {len(seq.prompt_token_ids)}-token prompt, more than "
+                             f"max_num_batched_tokens={self.config.max_num_batched_tokens} without chunked prefill")
+
+    def add(self, seq: Sequence) -> None:
+        self.check_fits(seq)
+        seq.status = SequenceStatus.WAITING
+        self.waiting.append(seq)
+
+    def add_front(self, seqs: list[Sequence]) -> None:
+        """Queue ``seqs`` ahead of every waiting request, in their order (siblings of a request already
+        admitted: parallel sampling's completions, ``SequenceGroup``)."""
+        for seq in seqs:
+            self.check_fits(seq)
+        for seq in reversed(seqs):
+            seq.status = SequenceStatus.WAITING
+            self.waiting.appendleft(seq)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def abort(self, seq: Sequence) -> None:
+        if seq in self.running:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        if self.blocks.has_seq(seq.request_id):
+            self.blocks.free(seq.request_id)
+
+    def finish(self, seq: Sequence) -> None:
+        self.running.remove(seq)
+        self.blocks.free(seq.request_id)
+
+    def preempt_newest(self, batch: ScheduledBatch) -> Sequence:
+        """Preempt one running sequence through ``preempt`` (the newest, by default), and count it."""
+        victim = self.preempt(self.running, self.waiting, self.blocks)
+        if victim in self.running:  # it would be chosen again and again: the step would never end
+            raise RuntimeError(f"preempt returned {victim.request_id!r} but left it running")
+        victim.num_preemptions += 1
+        self.num_preemptions += 1
+        batch.preempted.append(victim)
+        return victim
+
+    def schedule(self) -> ScheduledBatch:
+        batch = ScheduledBatch()
+        budget = self.config.max_num_batched_tokens
+        # 1. running requests, oldest first; preempt the newest when blocks run out
+        i = 0
+        while i < len(self.running) and budget > 0:
+            seq = self.running[i]
+            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            while not self.blocks.can_append(seq.request_id, seq.num_computed_tokens + n):
+                victim = self.preempt_newest(batch)
+                if victim is seq:
+                    break
+            if seq.status is not SequenceStatus.RUNNING:
+                break  # it preempted itself: nothing newer is left to run
+            self.blocks.append_slots(seq.request_id, seq.num_computed_tokens + n)
+            batch.seqs.append(seq)
+            batch.num_new_tokens.append(n)
+            budget -= n
+            i += 1
+        # 2. admit waiting requests first-come-first-served (never past a preemption in this step)
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs and not batch.preempted:
+            seq = self.waiting[0]
+            tokens = seq.all_token_ids
+            use_cache = not seq.needs_prompt_logprobs
+            if not self.blocks.can_allocate(tokens, use_cache):
+                break
+            if not self.config.enable_chunked_prefill and len(tokens) > budget:
+                break
+            self.waiting.popleft()
+            cached = self.blocks.allocate(seq.request_id, tokens, use_cache)
+            seq.num_computed_tokens = cached
+            n = min(len(tokens) - cached, budget)
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            batch.seqs.append(seq)
+            batch.num_new_tokens.append(n)
+            budget -= n
+        return batch

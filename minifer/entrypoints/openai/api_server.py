@@ -1,0 +1,374 @@
+"""The ASGI application (FastAPI): OpenAI's routes and vLLM's, over one ``EngineLoop``.
+
+    GET  /health, /ping           200 while the engine loop is alive (503 once it stopped)
+    GET  /version                 minifer's version
+    GET  /metrics                 Prometheus metrics under vLLM's names (``minifer.entrypoints.openai.metrics``)
+    GET  /v1/models[/{id}]        the served model under each of its names, with ``max_model_len``
+    POST /v1/completions          prompt (a text, token ids, or a list of either) -> choices, usage; SSE if "stream"
+    POST /v1/chat/completions     messages through the chat template
+    POST /tokenize, /detokenize   vLLM's: text or messages to token ids, and back
+
+Each request costs the event loop only its I/O: the body is read under a size cap and a deadline, then parsed,
+checked and tokenized on the request side's worker (``Preprocessor``), and its sequences go to the engine
+thread, whose outputs come back through an ``asyncio.Queue``. A client that leaves has its requests aborted
+(their KV blocks freed): a stream when its connection closes under the response, a plain request when the
+disconnect arrives while it waits. Every error is OpenAI's JSON body, ``{"error": {message, type, param,
+code}}``, with ``param`` naming the field at fault. With an API key, the ``/v1`` routes need
+``Authorization: Bearer <key>`` (compared in constant time), as in vLLM; the probes and metrics stay open.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import secrets
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from http import HTTPStatus
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.middleware.cors import CORSMiddleware
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
+
+from minifer.entrypoints.openai.engine_loop import DONE, EngineLoop
+from minifer.entrypoints.openai.serving import Prepared, Preprocessor
+from minifer.entrypoints.openai.metrics import CONTENT_TYPE, ServerMetrics
+from minifer.entrypoints.openai.protocol import (
+    RequestError,
+    chat_logprobs_json,
+    choice_index,
+    echoed_choice,
+    error_body,
+    logprobs_json,
+    prompt_logprobs_json,
+    usage,
+)
+from minifer.outputs import CompletionOutput, RequestOutput
+
+logger = logging.getLogger("minifer.entrypoints.openai.serve")
+
+
+@dataclass
+class ServerState:
+    loop: EngineLoop
+    pre: Preprocessor
+    metrics: ServerMetrics
+    served_names: list[str]
+    max_model_len: int
+    api_key: str | None = None
+    read_timeout: float = 30.0
+    created: int = field(default_factory=lambda: int(time.time()))
+
+
+def error_response(e: RequestError, headers: dict[str, str] | None = None) -> JSONResponse:
+    return JSONResponse({"error": error_body(e)}, status_code=int(e.status), headers=headers)
+
+
+def build_app(state: ServerState, *, allowed_origins=("*",), allowed_methods=("*",), allowed_headers=("*",),
+              allow_credentials: bool = False) -> FastAPI:
+    """The application over ``state``; CORS as vLLM configures it (its flags' defaults allow any origin)."""
+    app = FastAPI(title="minifer", docs_url=None, redoc_url=None, openapi_url=None)
+    app.add_middleware(CORSMiddleware, allow_origins=list(allowed_origins), allow_methods=list(allowed_methods),
+                       allow_headers=list(allowed_headers), allow_credentials=allow_credentials)
+
+    @app.exception_handler(RequestError)
+    async def _refused(request: Request, e: RequestError) -> JSONResponse:
+        # the body may be unread (413, 408): do not parse the rest of it as the next request
+        close = e.status in (HTTPStatus.REQUEST_ENTITY_TOO_LARGE, HTTPStatus.REQUEST_TIMEOUT)
+        return error_response(e, {"Connection": "close"} if close else None)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, e: StarletteHTTPException) -> JSONResponse:
+        status = HTTPStatus(e.status_code)
+        message = {HTTPStatus.NOT_FOUND: f"no route {request.url.path!r}",
+                   HTTPStatus.METHOD_NOT_ALLOWED: f"{request.url.path} accepts {(e.headers or {}).get('Allow')} "
+                                                  f"only, got {request.method}"}.get(status, str(e.detail))
+        return error_response(RequestError(message, status=status), e.headers)
+
+    @app.exception_handler(ClientDisconnect)
+    @app.exception_handler(_ClientGone)
+    async def _gone(request: Request, e: Exception) -> Response:
+        return Response(status_code=499)  # nobody reads it; uvicorn drops it
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(request: Request, e: RequestValidationError) -> JSONResponse:
+        return error_response(RequestError(str(e)[:500]))
+
+    @app.exception_handler(Exception)
+    async def _failed(request: Request, e: Exception) -> JSONResponse:
+        logger.exception("request failed")
+        return error_response(RequestError(f"{type(e).__name__}: {e}", status=HTTPStatus.INTERNAL_SERVER_ERROR))
+
+    def authorize(request: Request) -> None:
+        if state.api_key is None:
+            return
+        given = request.headers.get("authorization", "")
+        if not secrets.compare_digest(given.encode(), f"Bearer {state.api_key}".encode()):
+            raise RequestError("invalid or missing API key: send 'Authorization: Bearer <key>'",
+                               status=HTTPStatus.UNAUTHORIZED)
+
+    # probes
+    @app.api_route("/health", methods=["GET", "HEAD"])
+    async def health() -> JSONResponse:
+        ok = state.loop.alive()
+        return JSONResponse({"status": "ok" if ok else "down"}, status_code=200 if ok else 503)
+
+    @app.api_route("/ping", methods=["GET", "HEAD", "POST"])
+    async def ping() -> JSONResponse:
+        return await health()
+
+    @app.get("/version")
+    async def version() -> JSONResponse:
+        from minifer import __version__
+
+        return JSONResponse({"version": __version__})
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        data = await asyncio.get_running_loop().run_in_executor(None, state.metrics.render)
+        return Response(data, media_type=CONTENT_TYPE)
+
+    # models
+    def model_card(name: str) -> dict[str, Any]:
+        return {"id": name, "object": "model", "created": state.created, "owned_by": "minifer",
+                "root": state.served_names[0], "parent": None, "max_model_len": state.max_model_len,
+                "permission": []}
+
+    @app.get("/v1/models")
+    async def models(request: Request) -> JSONResponse:
+        authorize(request)
+        return JSONResponse({"object": "list", "data": [model_card(n) for n in state.served_names]})
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str, request: Request) -> JSONResponse:
+        authorize(request)
+        if model_id not in state.served_names:
+            raise RequestError(f"model {model_id!r} is not served here", "model", HTTPStatus.NOT_FOUND)
+        return JSONResponse(model_card(model_id))
+
+    # tokenizer
+    @app.post("/tokenize")
+    async def tokenize(request: Request) -> JSONResponse:
+        return JSONResponse(await state.pre.run(state.pre.tokenize, await read_body(request)))
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request) -> JSONResponse:
+        return JSONResponse(await state.pre.run(state.pre.detokenize, await read_body(request)))
+
+    # generation
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        authorize(request)
+        return await generate(request, chat=False)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        authorize(request)
+        return await generate(request, chat=True)
+
+    async def read_body(request: Request) -> bytes:
+        """The body, at most ``max_body_bytes`` of it, within ``read_timeout`` seconds."""
+        cap = state.pre.max_body_bytes
+        length = request.headers.get("content-length")
+        if length is not None and length.isdigit() and int(length) > cap:
+            raise RequestError(f"the body must be at most {cap:,} bytes (the longest prompt this model takes), got "
+                               f"{int(length):,}", status=HTTPStatus.REQUEST_ENTITY_TOO_LARGE)
+        parts: list[bytes] = []
+
+        async def read() -> None:
+            size = 0
+            async for chunk in request.stream():
+                size += len(chunk)
+                if size > cap:
+                    raise RequestError(f"the body must be at most {cap:,} bytes (the longest prompt this model "
+                                       "takes)", status=HTTPStatus.REQUEST_ENTITY_TOO_LARGE)
+                parts.append(chunk)
+
+        try:
+            await asyncio.wait_for(read(), state.read_timeout)
+        except asyncio.TimeoutError:
+            raise RequestError(f"the body did not arrive within {state.read_timeout:g} s",
+                               status=HTTPStatus.REQUEST_TIMEOUT) from None
+        return b"".join(parts)
+
+    async def generate(request: Request, chat: bool) -> Response:
+        arrival = time.perf_counter()
+        raw = await read_body(request)
+        request_id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
+        prep: Prepared = await state.pre.run(state.pre.completion, raw, chat, request_id, arrival)
+        if prep.ignored:  # vLLM's behaviour: unknown fields are ignored, and said so
+            logger.warning("request %s: fields ignored (minifer does not know them): %s", request_id,
+                           ", ".join(prep.ignored))
+        outputs: asyncio.Queue = asyncio.Queue()
+        aloop = asyncio.get_running_loop()
+
+        def deliver(item: Any) -> None:  # called on the engine thread
+            try:
+                aloop.call_soon_threadsafe(outputs.put_nowait, item)
+            except RuntimeError:  # the event loop has closed (shutdown): nobody waits for this any more
+                pass
+
+        state.loop.submit(prep.seqs, deliver, stream=prep.stream, arrival=arrival)
+        events = _Events(outputs, state.loop, prep.ids)
+        try:
+            if prep.stream:  # the status line waits for the first output: an engine refusal is still a 400
+                first = await until_disconnect(request, events.next())
+                response = StreamingResponse(stream(prep, events, first), media_type="text/event-stream",
+                                             headers={"Cache-Control": "no-cache"})
+                events = None  # the stream owns them now
+                return response
+            return JSONResponse(await until_disconnect(request, answer(prep, events)))
+        finally:
+            if events is not None:
+                events.close()  # a no-op once all finished; else the client left or it failed: free its sequences
+
+    return app
+
+
+class _ClientGone(Exception):
+    """The client closed its connection while its request ran."""
+
+
+async def until_disconnect(request: Request, work):
+    """Await ``work`` unless the client disconnects first (then ``_ClientGone``; ``work`` is cancelled)."""
+    task = asyncio.ensure_future(work)
+
+    async def disconnected() -> None:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+
+    watch = asyncio.ensure_future(disconnected())
+    try:
+        done, _ = await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
+    except asyncio.CancelledError:
+        task.cancel()
+        raise
+    finally:
+        watch.cancel()
+    if task in done:
+        return task.result()
+    task.cancel()
+    raise _ClientGone()
+
+
+class _Events:
+    """An HTTP request's outputs from the engine thread. ``close()`` aborts what has not finished."""
+
+    def __init__(self, outputs: asyncio.Queue, loop: EngineLoop, ids: list[str]) -> None:
+        self.outputs, self.loop, self.ids = outputs, loop, ids
+        self.done = False
+
+    async def next(self) -> RequestOutput | None:
+        """The next output, or None when there are no more; raises what the engine reported."""
+        if self.done:
+            return None
+        item = await self.outputs.get()
+        if item is DONE:
+            self.done = True
+            return None
+        if isinstance(item, RequestError):
+            raise item
+        if isinstance(item, Exception):  # the engine failed (a step, or the loop stopped): this request's 500
+            raise RequestError(str(item), status=HTTPStatus.INTERNAL_SERVER_ERROR)
+        return item
+
+    def close(self) -> None:
+        if not self.done:
+            self.done = True
+            self.loop.abort(self.ids)
+
+
+async def answer(prep: Prepared, events: _Events) -> dict[str, Any]:
+    """A plain (non-streamed) answer: every completion's last report, once all finished."""
+    latest: dict[tuple[str, int], CompletionOutput] = {}  # each completion's last report (they end apart)
+    prompts: dict[str, RequestOutput] = {}  # each prompt's last report: its tokens and prompt_logprobs
+    ids, echo, n = prep.ids, prep.echo, prep.n
+    while (o := await events.next()) is not None:
+        prompts[o.request_id] = o
+        for c in o.outputs:
+            latest[o.request_id, c.index] = c
+    choices = []
+    for (rid, index), c in sorted(latest.items(), key=lambda kv: choice_index(ids, kv[0][0], n, kv[0][1])):
+        idx = choice_index(ids, rid, n, index)
+        if prep.chat:
+            choices.append({"index": idx, "message": {"role": "assistant", "content": c.text},
+                            "logprobs": chat_logprobs_json(c, c.token_ids, 0, prep.top_logprobs),
+                            "finish_reason": c.finish_reason, "stop_reason": c.stop_reason})
+            continue
+        choice = {"index": idx, "text": c.text, "logprobs": logprobs_json(c, c.token_ids, 0),
+                  "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
+        if echo is not None:
+            choice.update(echoed_choice(prompts[rid], c, echo, prep.echoed[rid]))
+        if prompts[rid].prompt_logprobs is not None and (echo is None or echo.prompt_logprobs):
+            choice["prompt_logprobs"] = prompt_logprobs_json(prompts[rid].prompt_logprobs)
+        choices.append(choice)
+    prompt_tokens = sum(len(o.prompt_token_ids) for o in prompts.values())
+    completion_tokens = 0 if echo is not None and echo.prompt_only else sum(len(c.token_ids) for c in latest.values())
+    return {"id": prep.request_id, "object": "chat.completion" if prep.chat else "text_completion",
+            "created": int(time.time()), "model": prep.model, "choices": choices,
+            "usage": usage(prompt_tokens, completion_tokens)}
+
+
+def _event(payload: dict[str, Any]) -> bytes:
+    return b"data: " + json.dumps(payload).encode() + b"\n\n"
+
+
+async def stream(prep: Prepared, events: _Events, first: RequestOutput | None) -> AsyncIterator[bytes]:
+    """Server-sent events: one ``data: {chunk}`` per completion that advanced, then ``data: [DONE]``. Closing
+    the generator (the client left: Starlette cancels it) aborts what has not finished."""
+    head = {"id": prep.request_id, "object": "chat.completion.chunk" if prep.chat else "text_completion",
+            "created": int(time.time()), "model": prep.model}
+    ids, echo, n = prep.ids, prep.echo, prep.n
+    text_pos: dict[tuple[str, int], int] = {}  # per completion seen: where its next token's logprob offset is
+    prompt_tokens = completion_tokens = 0
+    o = first
+    try:
+        while o is not None:
+            for c in o.outputs:
+                key = (o.request_id, c.index)
+                idx = choice_index(ids, o.request_id, n, c.index)
+                completion_tokens += 0 if echo is not None and echo.prompt_only else len(c.new_token_ids)
+                start = len(c.token_ids) - len(c.new_token_ids)
+                if prep.chat:
+                    delta = {"content": c.delta_text} if key in text_pos else {"role": "assistant",
+                                                                               "content": c.delta_text}
+                    choice = {"index": idx, "delta": delta, "finish_reason": c.finish_reason,
+                              "stop_reason": c.stop_reason,
+                              "logprobs": chat_logprobs_json(c, c.new_token_ids, start, prep.top_logprobs)}
+                else:
+                    choice = {"index": idx, "text": c.delta_text,
+                              "logprobs": logprobs_json(c, c.new_token_ids, start, text_pos.get(key, 0)),
+                              "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
+                    if key not in text_pos and o.prompt_logprobs is not None and (echo is None
+                                                                                  or echo.prompt_logprobs):
+                        choice["prompt_logprobs"] = prompt_logprobs_json(o.prompt_logprobs)  # once, first
+                    if echo is not None and key not in text_pos:  # the prompt goes out in the first chunk
+                        choice.update(echoed_choice(o, c, echo, prep.echoed[o.request_id], c.new_token_ids,
+                                                    c.delta_text))
+                    elif echo is not None and echo.prompt_only:
+                        choice.update(text="", logprobs=None, finish_reason=choice["finish_reason"] and "length")
+                # offsets run over the tokens' texts, as in the plain answer, whatever text a chunk held back
+                lp = None if prep.chat else choice["logprobs"]
+                text_pos[key] = lp["text_offset"][-1] + len(lp["tokens"][-1]) if lp and lp["tokens"] else \
+                    text_pos.get(key, 0)
+                yield _event({**head, "choices": [choice]})
+            if o.finished:
+                prompt_tokens += len(o.prompt_token_ids)
+            o = await events.next()
+        if prep.include_usage:
+            yield _event({**head, "choices": [], "usage": usage(prompt_tokens, completion_tokens)})
+    except RequestError as e:  # the status line has gone: report in the stream, as vLLM does
+        yield _event({"error": error_body(e)})
+    finally:
+        events.close()  # a no-op once everything finished; else the client left: free its sequences
+    yield b"data: [DONE]\n\n"
+
+
+__all__ = ["ServerState", "build_app"]
