@@ -528,7 +528,7 @@ def _profile_targets() -> dict[str, tuple[str, int, str]]:
         "engine.step": key(llm_engine.LLMEngine.step),
         "run_static_batch": key(static.run_static_batch),
         "scheduler.schedule": key(scheduler.Scheduler.schedule),
-        "runner.execute": key(runner.ModelRunner.execute),
+        "runner.execute": key(runner.ModelRunner.execute_model),
         "paged metadata build": key(paged_attention.PagedAttentionMetadata.build),
         "model forward": key(llama.LlamaModel.forward),
         "attention (paged attend)": key(paged_attention.PagedKVCache.attend),

@@ -316,7 +316,7 @@ class LLMEngine:
         now = time.perf_counter()
         for seq in batch.seqs:
             seq.metrics.first_scheduled_time = seq.metrics.first_scheduled_time or now
-        return self.runner.execute(batch, drafts)
+        return self.runner.execute_model(batch, drafts)
 
     def _num_waiting(self) -> int:
         """Sequences waiting for a slot: the scheduler's queue plus siblings held until their prompt is computed."""

@@ -126,7 +126,7 @@ class Proposal:
 
     @property
     def drafts(self) -> list[list[int]]:
-        """Each row's draft tokens, the extra tokens the target's forward scores (``ModelRunner.execute``)."""
+        """Each row's draft tokens, the extra tokens the target's forward scores (``ModelRunner.execute_model``)."""
         return [d.tokens for d in self.drafts_of]
 
 

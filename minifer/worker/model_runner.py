@@ -146,7 +146,7 @@ class ModelRunner:
     def _logits(self, hidden: torch.Tensor, rows: list[int]) -> torch.Tensor:
         return self.model.compute_logits(hidden[torch.tensor(rows, device=self.device, dtype=torch.long)])
 
-    def execute(self, batch: ScheduledBatch, drafts: list[list[int]] | None = None) -> tuple[list[int], torch.Tensor]:
+    def execute_model(self, batch: ScheduledBatch, drafts: list[list[int]] | None = None) -> tuple[list[int], torch.Tensor]:
         """Run one step. Sequence ``i`` of the batch computes its next ``num_new_tokens[i]`` tokens plus, when
         speculating, its ``drafts[i]``. Returns the indices (into ``batch.seqs``) of the sequences that get
         logits — those whose prompt is complete — and the logits: one row per such sequence, or
