@@ -37,7 +37,7 @@ from minifer.entrypoints.openai.protocol import RequestError, sse_events
 __all__ = ["EngineLoop", "MAX_COMPLETIONS_PER_REQUEST", "RequestError", "Server", "main", "sse_events",
            "start_server"]
 
-CHAT_TEMPLATES = Path(__file__).resolve().parent / "assets" / "chat_templates"
+CHAT_TEMPLATES = Path(__file__).resolve().parents[2] / "assets" / "chat_templates"
 # the chat template the command line uses for a bundled model, whose tokenizer has none
 BUNDLED_CHAT_TEMPLATES = {"tinystories-target": "tinystories", "tinystories-draft": "tinystories"}
 
