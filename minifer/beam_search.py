@@ -4,9 +4,9 @@ Beam search keeps the ``beam_width`` most likely continuations (*beams*) of a pr
 ``beam_width`` proposals over all beams survive, so a beam may fork (several children) or die (none). With a
 contiguous cache a fork copies the parent's whole cache (HF's ``reorder_cache`` gathers every layer's keys and
 values along the beam axis, every step). On a paged cache a fork copies the parent's *block table* and raises its
-blocks' reference counts (``BlockManager.fork``), so beams share every block they have in common. Shared blocks
+blocks' reference counts (``KVCacheManager.fork``), so beams share every block they have in common. Shared blocks
 are read-only: a beam's last, partly filled block is copied only when a second sharer is about to write into it
-(``BlockManager.copy_on_write``, then ``PagedKVCache.copy_blocks``), the vLLM paper's copy-on-write (Kwon et al.
+(``KVCacheManager.copy_on_write``, then ``PagedKVCache.copy_blocks``), the vLLM paper's copy-on-write (Kwon et al.
 2023, §4.4). Chapter 02 measures what it saves.
 
 The search is HF transformers' ``generate(num_beams=w, early_stopping="never")``, the tests' oracle. Each step:
@@ -59,7 +59,7 @@ class BeamSearchStats:
     """What the KV cache went through (chapter 02): blocks in the beams' tables vs distinct physical blocks."""
 
     steps: int = 0
-    forks: int = 0  # beams that took a parent's blocks by reference (``BlockManager.fork``)
+    forks: int = 0  # beams that took a parent's blocks by reference (``KVCacheManager.fork``)
     block_copies: int = 0  # copy-on-write copies of a shared last block
     kv_tokens_copied: int = 0  # the cached tokens those copies carried (at most block_size - 1 each)
     kv_tokens_reordered: int = 0  # what a contiguous cache copies instead: every beam's whole cache, every step
@@ -112,7 +112,7 @@ class BeamSearch:
     def __init__(self, engine, params: BeamSearchParams, eos_token_ids, tokenizer=None,
                  max_model_len: int | None = None, max_num_seqs: int = 16) -> None:
         self.engine, self.params, self.tokenizer = engine, params, tokenizer
-        self.blocks, self.runner, self.cache = engine.block_manager, engine.runner, engine.kv_cache
+        self.blocks, self.runner, self.cache = engine.kv_cache_manager, engine.runner, engine.kv_cache
         self.eos = frozenset() if params.ignore_eos else frozenset(eos_token_ids)
         self.max_model_len = max_model_len
         # prompts searched side by side: their beams fill a batch of max_num_seqs, within the step's token budget (a

@@ -1,6 +1,6 @@
 """One request's state while it is generated: tokens so far, how it samples, and when it must stop.
 
-Both batching modes (static here, continuous in the engine chapters) drive the same ``Sequence``: they
+Both batching modes (static here, continuous in the engine chapters) drive the same ``Request``: they
 differ in *which* sequences share a forward pass, never in how a sequence appends a token or decides that
 it is finished.
 """
@@ -17,14 +17,14 @@ from minifer.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from minifer.sampling_params import Logprob, SamplingParams
 
 
-class SequenceStatus(Enum):
+class RequestStatus(Enum):
     WAITING = "waiting"
     RUNNING = "running"
     FINISHED = "finished"
 
 
 @dataclass
-class Sequence:
+class Request:
     request_id: str
     prompt: str | None
     prompt_token_ids: list[int]
@@ -32,12 +32,12 @@ class Sequence:
     max_tokens: int  # params.max_tokens clipped to what max_model_len leaves after the prompt
     eos_token_ids: frozenset[int]
     generator: torch.Generator | None = None
-    index: int = 0  # which completion of its request this is (``SamplingParams.n > 1``: see ``SequenceGroup``)
+    index: int = 0  # which completion of its request this is (``SamplingParams.n > 1``: see ``ParentRequest``)
     output_token_ids: list[int] = field(default_factory=list)
     logprobs: list[dict[int, Logprob]] | None = None
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None  # filled as the prompt is computed
     cumulative_logprob: float = 0.0
-    status: SequenceStatus = SequenceStatus.WAITING
+    status: RequestStatus = RequestStatus.WAITING
     num_computed_tokens: int = 0  # tokens whose KV is in the cache (paged engine)
     num_preemptions: int = 0
     finish_reason: str | None = None
@@ -83,7 +83,7 @@ class Sequence:
 
     @property
     def is_finished(self) -> bool:
-        return self.status is SequenceStatus.FINISHED
+        return self.status is RequestStatus.FINISHED
 
     def append_token(self, token: int, logprob: float, entry: dict[int, Logprob] | None, tokenizer) -> None:
         """Record a sampled token and check, in order: stop token / EOS, stop string, length."""
@@ -143,7 +143,7 @@ class Sequence:
         return True
 
     def _finish(self, reason: str, stop_reason: int | str | None) -> None:
-        self.status = SequenceStatus.FINISHED
+        self.status = RequestStatus.FINISHED
         self.finish_reason, self.stop_reason = reason, stop_reason
         self.metrics.finished_time = time.perf_counter()
 
@@ -215,10 +215,10 @@ class Sequence:
 
 
 @dataclass
-class SequenceGroup:
+class ParentRequest:
     """One request with ``SamplingParams.n > 1``: n completions sampled from one prompt (parallel sampling).
 
-    Each completion is an ordinary ``Sequence``, so the scheduler, the sampler and speculation never hear of
+    Each completion is an ordinary ``Request``, so the scheduler, the sampler and speculation never hear of
     groups. As in vLLM, completion ``i`` is the sequence ``f"{i}_{request_id}"`` and, when the request has a
     seed, draws from ``seed + i`` (n copies of one seed would sample n identical texts).
 
@@ -230,12 +230,12 @@ class SequenceGroup:
     """
 
     request_id: str
-    seqs: list[Sequence]
-    pending: list[Sequence] = field(default_factory=list)  # siblings not yet given to the scheduler
+    seqs: list[Request]
+    pending: list[Request] = field(default_factory=list)  # siblings not yet given to the scheduler
 
     @classmethod
-    def fan_out(cls, seq: Sequence) -> "SequenceGroup":
-        """The n completions of a validated request (``seq.params.n > 1``), each a ``Sequence`` with ``n=1``."""
+    def fan_out(cls, seq: Request) -> "ParentRequest":
+        """The n completions of a validated request (``seq.params.n > 1``), each a ``Request`` with ``n=1``."""
         n, seed = seq.params.n, seq.params.seed
         children = []
         for i in range(n):
@@ -245,7 +245,7 @@ class SequenceGroup:
             if seed is not None:
                 device = seq.generator.device if seq.generator is not None else "cpu"
                 generator = torch.Generator(device=device).manual_seed(child_seed)
-            children.append(Sequence(f"{i}_{seq.request_id}", seq.prompt, list(seq.prompt_token_ids), params,
+            children.append(Request(f"{i}_{seq.request_id}", seq.prompt, list(seq.prompt_token_ids), params,
                                      seq.max_tokens, seq.eos_token_ids, generator=generator, index=i,
                                      metrics=RequestMetrics(seq.metrics.arrival_time)))
         return cls(seq.request_id, children)
@@ -284,6 +284,6 @@ def _wrap_int64(seed: int) -> int:
     return (seed + 2**63) % 2**64 - 2**63
 
 
-def sequences_of(request: Sequence | SequenceGroup) -> list[Sequence]:
+def sequences_of(request: Request | ParentRequest) -> list[Request]:
     """The sequences a request runs as: itself, or a group's completions."""
-    return request.seqs if isinstance(request, SequenceGroup) else [request]
+    return request.seqs if isinstance(request, ParentRequest) else [request]

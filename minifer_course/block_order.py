@@ -8,7 +8,7 @@ depends on where they are. Speed can. On the CPU, attention gathers the cached k
 (``index_select`` over slots), so the blocks a batch reads are as scattered in memory as the free list was when
 they were handed out. A FIFO free list (the longest-free block first) hands history on: the order sequences
 finished in, speculative rollbacks, a start-up calibration that frees its scratch blocks last-first. minifer's
-``BlockManager`` hands out the lowest-numbered free block instead, which keeps the blocks in use packed at the
+``KVCacheManager`` hands out the lowest-numbered free block instead, which keeps the blocks in use packed at the
 start of the pool whatever happened before.
 
 The measurement: plain engines on the same weights decode the same greedy batch, their steps interleaved
@@ -30,17 +30,17 @@ from typing import Any
 import torch
 
 from minifer.bench.speculative import _engine, median_ci, run_interleaved, story_openings
-from minifer.core.kv_cache_manager import BlockManager
+from minifer.core.block_pool import BlockPool
+from minifer.core.kv_cache_manager import KVCacheManager
 from minifer.sampling_params import SamplingParams
 from minifer.bench.provenance import save_result
 
 
-class FifoBlockManager(BlockManager):
+class FifoBlockPool(BlockPool):
     """The textbook free list: freed blocks join the back of a queue, new ones come from its front."""
 
-    def __init__(self, num_blocks: int, block_size: int = 16, enable_prefix_caching: bool = True,
-                 shuffle_seed: int | None = None) -> None:
-        super().__init__(num_blocks, block_size, enable_prefix_caching)
+    def __init__(self, num_blocks: int, shuffle_seed: int | None = None) -> None:
+        super().__init__(num_blocks)
         order = list(range(num_blocks))
         if shuffle_seed is not None:
             random.Random(shuffle_seed).shuffle(order)
@@ -53,10 +53,18 @@ class FifoBlockManager(BlockManager):
         return self._free.popleft()  # type: ignore[attr-defined]
 
 
-def _use_allocator(llm, manager: BlockManager) -> None:
+def fifo_manager(num_blocks: int, block_size: int = 16, enable_prefix_caching: bool = False,
+                 shuffle_seed: int | None = None) -> KVCacheManager:
+    """A KV cache manager whose pool hands blocks out first-in, first-out."""
+    manager = KVCacheManager(num_blocks, block_size, enable_prefix_caching)
+    manager.block_pool = FifoBlockPool(num_blocks, shuffle_seed)
+    return manager
+
+
+def _use_allocator(llm, manager: KVCacheManager) -> None:
     """Swap an idle engine's allocator (the scheduler and the runner share it)."""
     engine = llm.engine
-    engine.block_manager = engine.scheduler.blocks = engine.runner.blocks = manager
+    engine.kv_cache_manager = engine.scheduler.blocks = engine.runner.blocks = manager
 
 
 def run(model: str = "tinystories-target", batch: int = 64, max_tokens: int = 64, rounds: int = 10,
@@ -66,9 +74,9 @@ def run(model: str = "tinystories-target", batch: int = 64, max_tokens: int = 64
     first = _engine(model, None, batch, device)
     engines = {"lowest_first": first, "fifo_ordered": _engine(model, None, batch, device, first),
                "fifo_scattered": _engine(model, None, batch, device, first)}
-    bm = first.engine.block_manager
-    _use_allocator(engines["fifo_ordered"], FifoBlockManager(bm.num_blocks, bm.block_size, False))
-    _use_allocator(engines["fifo_scattered"], FifoBlockManager(bm.num_blocks, bm.block_size, False, seed))
+    bm = first.engine.kv_cache_manager
+    _use_allocator(engines["fifo_ordered"], fifo_manager(bm.num_blocks, bm.block_size))
+    _use_allocator(engines["fifo_scattered"], fifo_manager(bm.num_blocks, bm.block_size, shuffle_seed=seed))
     prompts = story_openings(batch)
     params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
     for llm in engines.values():  # warm-up

@@ -39,15 +39,15 @@ def plot_cache_vs_recompute(points: Sequence[Mapping[str, float]]) -> "Figure":
     return fig
 
 
-def plot_block_pool(block_manager: Any, lengths: Mapping[str, int], ncols: int = 8,
+def plot_block_pool(kv_cache_manager: Any, lengths: Mapping[str, int], ncols: int = 8,
                     title: str = "the KV block pool") -> "Figure":
-    """The physical blocks of a ``BlockManager`` as a grid, coloured by the sequence that owns each one
+    """The physical blocks of a ``KVCacheManager`` as a grid, coloured by the sequence that owns each one
     (hatched when several share it), each filled up to the tokens it holds; the block tables beside it.
     ``lengths``: tokens stored by each live sequence."""
     import matplotlib.pyplot as plt
     from matplotlib.patches import Rectangle
 
-    bm = block_manager
+    bm = kv_cache_manager
     bs = bm.block_size
     colours = plt.get_cmap("tab10").colors
     names = list(lengths)

@@ -381,7 +381,7 @@ def kv_cache_runs(pair: ModelPair, kv_cache_dtypes: Sequence[str], prompts: Sequ
     rows, first = [], None
     for kv in kv_cache_dtypes:
         llm = pair.load("target", kv_cache_dtype=kv, **engine_kw)
-        cfg, bm = llm.model_config, llm.engine.block_manager
+        cfg, bm = llm.model_config, llm.engine.kv_cache_manager
         tokens = [o.outputs[0].token_ids for o in llm.generate(list(prompts), params, use_tqdm=False)]
         per_block = PagedKVCache.bytes_per_block(cfg.num_hidden_layers, bm.block_size, cfg.num_key_value_heads,
                                                  cfg.head_dim, llm.dtype, kv)

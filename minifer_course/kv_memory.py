@@ -147,7 +147,7 @@ class StepRecord:
 def _record(engine, preemptions_before: int = 0) -> StepRecord:
     """The KV state after one step, read off ``engine``: its running sequences, its block manager's counts, and the
     utilisation the engine itself reports (``LLMEngine.stats``; not computed a second time here)."""
-    sched, bm = engine.scheduler, engine.block_manager
+    sched, bm = engine.scheduler, engine.kv_cache_manager
     lengths = tuple(s.num_computed_tokens for s in sched.running)
     return StepRecord(len(sched.running), len(sched.waiting), sum(lengths), bm.num_blocks - bm.num_free_blocks,
                       sum(len(s.prompt_token_ids) + s.max_tokens for s in sched.running),
@@ -234,26 +234,26 @@ def null_engine(*, max_model_len: int, block_size: int = 16, num_kv_blocks: int 
     request's output is clipped to what ``max_model_len`` leaves after its prompt, as ``LLM`` clips it."""
     from minifer.engine.llm_engine import CacheConfig, LLMEngine
     from minifer.core.sched.scheduler import SchedulerConfig
-    from minifer.request import Sequence
+    from minifer.request import Request
 
     def make_sequence(i, prompt, params, request_id=None):
         ids = list(prompt["prompt_token_ids"])
         room = max_model_len - len(ids)
         if room < 1:
             raise ValueError(f"{request_id}: prompt of {len(ids)} tokens leaves no room in {max_model_len}")
-        return Sequence(request_id, None, ids, params, min(params.max_tokens, room), frozenset())
+        return Request(request_id, None, ids, params, min(params.max_tokens, room), frozenset())
 
     engine = LLMEngine(NullModel(max_model_len=max_model_len), None, make_sequence,
                        CacheConfig(block_size, num_kv_blocks, enable_prefix_caching=enable_prefix_caching),
                        SchedulerConfig(max_num_seqs, max_num_batched_tokens, enable_chunked_prefill),
                        max_model_len=max_model_len)
-    engine.runner = NullRunner(engine.runner.model, engine.kv_cache, engine.block_manager)
+    engine.runner = NullRunner(engine.runner.model, engine.kv_cache, engine.kv_cache_manager)
     return engine
 
 
 def engine_settings(engine) -> dict[str, Any]:
     """The cache and scheduler settings of an ``LLMEngine``, as ``simulate_kv`` keyword arguments."""
-    bm, cfg = engine.block_manager, engine.scheduler.config
+    bm, cfg = engine.kv_cache_manager, engine.scheduler.config
     return {"block_size": bm.block_size, "num_kv_blocks": bm.num_blocks, "max_num_seqs": cfg.max_num_seqs,
             "max_num_batched_tokens": cfg.max_num_batched_tokens,
             "enable_chunked_prefill": cfg.enable_chunked_prefill, "enable_prefix_caching": bm.enable_prefix_caching}
@@ -498,13 +498,13 @@ def triton_vs_reference(seed: int = 0, *, context_lens: Sequence[int] = (1, 17, 
 
 
 def block_table_demo(block_size: int = 4, num_blocks: int = 24, prefix_caching: bool = False):
-    """A small ``BlockManager`` after a scripted run: sequences A, B, C arrive, grow in turns (one token each
+    """A small ``KVCacheManager`` after a scripted run: sequences A, B, C arrive, grow in turns (one token each
     per decode step, as in a batch), D joins them, B finishes, and E arrives and takes the lowest-numbered free
-    blocks, B's old ones first (``BlockManager._take_free``).
-    Returns ``(block_manager, {name: tokens stored})``."""
-    from minifer.core.kv_cache_manager import BlockManager
+    blocks, B's old ones first (``BlockPool.get_new_block``).
+    Returns ``(kv_cache_manager, {name: tokens stored})``."""
+    from minifer.core.kv_cache_manager import KVCacheManager
 
-    bm = BlockManager(num_blocks, block_size, prefix_caching)
+    bm = KVCacheManager(num_blocks, block_size, prefix_caching)
     lens: dict[str, int] = {}
     rng = random.Random(0)
 
@@ -532,12 +532,12 @@ def block_table_demo(block_size: int = 4, num_blocks: int = 24, prefix_caching: 
 
 
 def prefix_sharing_demo(block_size: int = 4, num_blocks: int = 16, system_len: int = 10):
-    """A small ``BlockManager`` with prefix caching: request A (a ``system_len``-token system prompt and a
+    """A small ``KVCacheManager`` with prefix caching: request A (a ``system_len``-token system prompt and a
     question) is computed and published; B and C arrive with the same system prompt and other questions and
-    share its full blocks. Returns ``(block_manager, {name: tokens stored}, {name: tokens served from cache})``."""
-    from minifer.core.kv_cache_manager import BlockManager
+    share its full blocks. Returns ``(kv_cache_manager, {name: tokens stored}, {name: tokens served from cache})``."""
+    from minifer.core.kv_cache_manager import KVCacheManager
 
-    bm = BlockManager(num_blocks, block_size, enable_prefix_caching=True)
+    bm = KVCacheManager(num_blocks, block_size, enable_prefix_caching=True)
     rng = random.Random(1)
     system = [rng.randrange(1, 1000) for _ in range(system_len)]
     lens, cached = {}, {}
@@ -576,7 +576,7 @@ def _serve_one_by_one(llm, prompts: Sequence[list[int]], *, prefix_caching: bool
             engine.step()
         m = seq.metrics
         ttfts.append(m.first_token_time - m.arrival_time)
-    bm = engine.block_manager
+    bm = engine.kv_cache_manager
     prompt_tokens = sum(len(p) for p in prompts)
     computed = prompt_tokens - bm.cache_hits * bm.block_size
     return {"ttft": ttfts, "mean_ttft": statistics.fmean(ttfts), "hit_rate": engine.stats()["prefix_cache_hit_rate"],
@@ -659,7 +659,7 @@ def _fresh_engine(llm, *, sharing: bool, block_size: int, num_blocks: int, max_n
 def parallel_sampling_demo(llm, *, n: int = 3, prompt_len: int = 10, block_size: int = 4, num_blocks: int = 16,
                            steps: int = 3, seed: int = 0):
     """One request for ``n`` completions of a ``prompt_len``-token prompt in a tiny pool, stepped ``steps`` times.
-    Returns ``(block_manager, {sequence: tokens stored}, log)``; ``log`` says, after each step, which sequences
+    Returns ``(kv_cache_manager, {sequence: tokens stored}, log)``; ``log`` says, after each step, which sequences
     were running and which waiting."""
     from minifer import SamplingParams
 
@@ -674,7 +674,7 @@ def parallel_sampling_demo(llm, *, n: int = 3, prompt_len: int = 10, block_size:
         running = [s.request_id for s in engine.scheduler.running]
         waiting = [s.request_id for s in engine.scheduler.waiting]
         log.append(f"after step {step}: running {running}, waiting {waiting}")
-    return engine.block_manager, {s.request_id: s.num_computed_tokens for s in group.seqs}, log
+    return engine.kv_cache_manager, {s.request_id: s.num_computed_tokens for s in group.seqs}, log
 
 
 def _run_parallel(llm, prompts: Sequence[list[int]], n: int, *, sharing: bool, block_size: int, max_tokens: int,
@@ -691,7 +691,7 @@ def _run_parallel(llm, prompts: Sequence[list[int]], n: int, *, sharing: bool, b
                               max_num_batched_tokens=max(4096, n * sum(map(len, prompts))))
     params = SamplingParams(n=n, temperature=1.0, seed=seed, max_tokens=max_tokens, ignore_eos=True)
     requests = [engine.add_request(f"p{i}", {"prompt_token_ids": ids}, params) for i, ids in enumerate(prompts)]
-    bm = engine.block_manager
+    bm = engine.kv_cache_manager
     in_tables = distinct = peak = steps = 0
     while engine.has_unfinished_requests():
         engine.step()
@@ -763,7 +763,7 @@ def utilization_table(usage: KVUsage, static: dict[str, float]) -> list[dict[str
 def beam_search_demo(llm, *, beam_width: int = 3, prompt: str = "Once upon a time", block_size: int = 4,
                      num_blocks: int = 24, steps: int = 3, max_tokens: int = 12):
     """A beam search of one prompt in a tiny pool of ``block_size``-token blocks (a fresh engine over ``llm``'s
-    model), watched for its first ``steps`` steps. Returns ``(block_manager, {beam: tokens stored}, log)`` as they
+    model), watched for its first ``steps`` steps. Returns ``(kv_cache_manager, {beam: tokens stored}, log)`` as they
     were after step ``steps``; ``log`` says, step by step, each beam's latest token, which beams forked from which,
     and which blocks were copied on write."""
     import copy

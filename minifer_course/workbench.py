@@ -33,11 +33,11 @@ from typing import Any
 import torch
 
 from minifer_course.workbench_spec import EAGLE_WORKLOAD, ROLLBACK_WORKLOAD, rollback_with
-from minifer.core.kv_cache_manager import BlockManager
+from minifer.core.kv_cache_manager import KVCacheManager
 from minifer.engine.components import Components
 from minifer.spec_decode.ngram_proposer import NgramProposer
 from minifer.core.sched.scheduler import ScheduledBatch, Scheduler
-from minifer.request import SequenceStatus
+from minifer.request import RequestStatus
 from minifer.engine.speculative import SpeculativeConfig
 from minifer_course.workbench_step import pieces_for, step_seams
 from minifer.attention.backends.paged import PagedKVCache
@@ -58,7 +58,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from minifer.request import SequenceStatus
+from minifer.request import RequestStatus
 """
 
 
@@ -300,7 +300,7 @@ class LearnersAllocator:
     def free(self, seq_id: object) -> None:
         self.mine.free(seq_id)
 
-    scratch = BlockManager.scratch  # allocate, yield, free: written against the protocol, so it fits here too
+    scratch = KVCacheManager.scratch  # allocate, yield, free: written against the protocol, so it fits here too
 
 
 class StepRequest:
@@ -344,7 +344,7 @@ def scheduler_with(schedule_step: Callable[..., tuple[list[tuple[str, int]], lis
                     raise RuntimeError(f"schedule_step preempted {name!r}, which is not the newest running request")
             for name, n in scheduled:
                 seq = by_id[name]
-                if seq.status is SequenceStatus.RUNNING:
+                if seq.status is RequestStatus.RUNNING:
                     if not blocks.can_append(name, seq.num_computed_tokens + n):
                         raise RuntimeError(f"schedule_step ran {name!r} for {n} tokens, but the blocks it needs "
                                            "are not free")
@@ -355,7 +355,7 @@ def scheduler_with(schedule_step: Callable[..., tuple[list[tuple[str, int]], lis
                     self.waiting.remove(seq)
                     seq.num_computed_tokens = cached = blocks.allocate(name, seq.all_token_ids)
                     n = min(n, len(seq.all_token_ids) - cached)  # prefix-cache hits are not computed again
-                    seq.status = SequenceStatus.RUNNING
+                    seq.status = RequestStatus.RUNNING
                     self.running.append(seq)
                 batch.seqs.append(seq)
                 batch.num_new_tokens.append(n)

@@ -123,7 +123,7 @@ class SpecWorkload:
         """What only the served engine shows: every KV block back in its pool once the requests are done."""
         def no_leaks() -> None:
             engine = served["llm"].engine
-            pools = [("target", engine.block_manager)]
+            pools = [("target", engine.kv_cache_manager)]
             draft_blocks = getattr(engine.speculator.proposer, "blocks", None)
             if draft_blocks is not None:
                 pools.append(("draft", draft_blocks))

@@ -339,7 +339,7 @@ class PrefixCachingAllocator:
 
 # %% [markdown]
 # A small run, to see sharing before the grader drives your class through scripted and random sequences of
-# operations next to minifer's `BlockManager`:
+# operations next to minifer's `KVCacheManager`:
 
 # %%
 def demo_prefix_cache(allocator_cls) -> None:
@@ -454,7 +454,7 @@ check_parallel_sampling_blocks(parallel_sampling_blocks)
 #   Otherwise it returns `None`: a block only this sequence holds is written in place, and a position past the end
 #   of the table needs no copy, because growing the table (`grow`, given) takes a fresh block.
 #
-# The grader drives your class through scripted cases and random beam searches next to minifer's `BlockManager`
+# The grader drives your class through scripted cases and random beam searches next to minifer's `KVCacheManager`
 # (`fork`, `copy_on_write`), comparing which blocks the beams share, the reference counts and every copy decision.
 
 # %%
@@ -527,7 +527,7 @@ check_forking_in_engine(ForkingAllocator)
 #   the same for a whole batch in tensors, once per step, together with the gather indices and causal masks;
 # * `paged_attention` is `paged_attention_reference` (the CPU path, for a ragged batch); on a GPU, decode
 #   steps use the Triton kernels of `minifer/kernels/triton_attention.py`, checked against it;
-# * `PrefixCachingAllocator` is `minifer.core.kv_cache_manager.BlockManager`, which also grows sequences
+# * `PrefixCachingAllocator` is `minifer.core.kv_cache_manager.KVCacheManager`, which also grows sequences
 #   (`append_slots`) and rolls them back (`truncate`, for speculative decoding);
 # * `parallel_sampling_blocks` is `minifer_course.kv_memory.parallel_sampling_blocks`; the sharing itself is
-#   `SequenceGroup` (`minifer/request.py`) with the prefix cache doing the work.
+#   `ParentRequest` (`minifer/request.py`) with the prefix cache doing the work.

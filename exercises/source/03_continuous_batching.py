@@ -32,7 +32,7 @@ from dataclasses import dataclass
 
 from minifer_course.common import show_source
 from minifer.core.kv_cache_manager import KVBlockAllocator
-from minifer.request import Sequence, SequenceStatus
+from minifer.request import Request, RequestStatus
 from minifer.engine.core import StepParts
 
 # %% [markdown]
@@ -187,16 +187,16 @@ show_source(Scheduler.preempt_newest)
 #    `schedule_step`): it has the least work to lose, and the oldest keep their first-come-first-served place;
 # 2. take it out of `running` and **free its blocks** (`blocks.free(seq.request_id)`);
 # 3. **reset what it has computed**: its `num_computed_tokens` goes back to 0 (no KV of it is left) and its `status`
-#    to `SequenceStatus.WAITING`; leave its tokens alone;
+#    to `RequestStatus.WAITING`; leave its tokens alone;
 # 4. put it **at the front** of `waiting` (a `deque`): it arrived before every request still waiting there.
 
 # %%
-def preempt(running: list[Sequence], waiting: deque[Sequence], blocks: KVBlockAllocator) -> Sequence:
+def preempt(running: list[Request], waiting: deque[Request], blocks: KVBlockAllocator) -> Request:
     """Preempt one running sequence by recomputation: the newest. Returns it."""
     ### BEGIN SOLUTION
     victim = running.pop()
     blocks.free(victim.request_id)
-    victim.status, victim.num_computed_tokens = SequenceStatus.WAITING, 0
+    victim.status, victim.num_computed_tokens = RequestStatus.WAITING, 0
     waiting.appendleft(victim)
     return victim
     ### END SOLUTION
@@ -269,7 +269,7 @@ piece_throughput("preempt", preempt)
 show_source(StepParts)
 
 # %%
-def engine_step(parts: StepParts) -> list[Sequence]:
+def engine_step(parts: StepParts) -> list[Request]:
     """One engine step: schedule, run, sample, append, free. Returns the sequences that got a token."""
     ### BEGIN SOLUTION
     batch = parts.scheduler.schedule()
@@ -330,8 +330,8 @@ piece_throughput("engine_step", engine_step)
 # %% [markdown]
 # ## Where these live in the engine
 #
-# * `schedule_step` is `minifer.core.sched.scheduler.Scheduler.schedule`, which works on `Sequence` objects and
-#   the `BlockManager` directly: admission asks `can_allocate` (prefix-cache hits included), and a preempted
+# * `schedule_step` is `minifer.core.sched.scheduler.Scheduler.schedule`, which works on `Request` objects and
+#   the `KVCacheManager` directly: admission asks `can_allocate` (prefix-cache hits included), and a preempted
 #   request returns to the *front* of the waiting queue with its generated tokens as part of its prompt;
 # * `preempt` is `minifer.core.sched.scheduler.preempt_by_recompute`, the `Scheduler`'s `preempt`;
 # * `engine_step` is `minifer.engine.core.engine_step`, the function `LLMEngine.step` (`minifer/engine/llm_engine.py`)

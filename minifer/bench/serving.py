@@ -513,7 +513,7 @@ def _profile_targets() -> dict[str, tuple[str, int, str]]:
     from minifer import request as sequence
     from minifer.attention import layer as attention
     from minifer.attention.backends import paged as paged_attention
-    from minifer.core import kv_cache_manager as block_manager
+    from minifer.core import kv_cache_manager as kv_cache_manager
     from minifer.core.sched import scheduler
     from minifer.engine import llm_engine, static
     from minifer.models import llama
@@ -535,10 +535,10 @@ def _profile_targets() -> dict[str, tuple[str, int, str]]:
         "attention (contiguous attend)": key(attention.ContiguousKVCache.attend),
         "paged_attention_reference": key(paged_attention.paged_attention_reference),
         "contiguous begin_step": key(attention.ContiguousKVCache.begin_step),
-        "block_manager.register_computed": key(block_manager.BlockManager.register_computed),
+        "block_manager.register_computed": key(kv_cache_manager.KVCacheManager.register_computed),
         "sampler (sample)": key(sampling.sample),
-        "Sequence.append_token": key(sequence.Sequence.append_token),
-        "Sequence.to_output (detokenize)": key(sequence.Sequence.to_output),
+        "Sequence.append_token": key(sequence.Request.append_token),
+        "Sequence.to_output (detokenize)": key(sequence.Request.to_output),
     }
 
 

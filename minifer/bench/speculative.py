@@ -264,7 +264,7 @@ def verify_cost(llm, batch_sizes: list[int], ks: list[int], context: int = 256, 
     against ``k = 0``: the price of verifying ``k`` drafts at each batch size. The medians of ``repeats`` timings,
     the ``k`` values taking turns within each repeat (timed one ``k`` after another, a neighbour's spike during the
     ``k = 0`` timings once made verifying two tokens per sequence look 37% cheaper than one)."""
-    runner, blocks = llm.engine.runner, llm.engine.block_manager
+    runner, blocks = llm.engine.runner, llm.engine.kv_cache_manager
     rows = []
     for b in batch_sizes:
         ids = [f"__verify{i}" for i in range(b)]

@@ -12,24 +12,26 @@ physical blocks. Shared blocks carry a reference count; when it drops to zero a 
 wiped but parked in an LRU list, still findable by its hash, and only evicted when a free block is
 needed. Every hit is verified against the stored tokens, so a hash collision can never serve wrong KV.
 
-This class only does bookkeeping on integers; the engine's runner owns the tensors.
+The blocks themselves (reference counts, the free heap, the evictable LRU, the hash index) are the
+``BlockPool``'s (``block_pool.py``); this module keeps each sequence's table and the prefix lookups. Both only do
+bookkeeping on integers; the engine's runner owns the tensors.
 """
 
 from __future__ import annotations
 
-import heapq
 import math
-from collections import OrderedDict
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from minifer.core.block_pool import BlockPool, chain_hash
+
 
 class KVBlockAllocator(Protocol):
-    """The seam between the engine and whatever hands out KV-cache blocks (chapter 02); ``BlockManager`` below is
+    """The seam between the engine and whatever hands out KV-cache blocks (chapter 02); ``KVCacheManager`` below is
     the reference, with prefix caching and copy-on-write. The engine builds one per cache (``LLMEngine``'s
-    ``block_allocator``: a callable ``(num_blocks, block_size, enable_prefix_caching)``, ``BlockManager`` itself
+    ``block_allocator``: a callable ``(num_blocks, block_size, enable_prefix_caching)``, ``KVCacheManager`` itself
     by default).
 
     A sequence (any hashable id) owns a *block table*, its block ids in order: token ``t`` lives in block
@@ -88,38 +90,20 @@ class KVBlockAllocator(Protocol):
 
 
 @dataclass
-class Block:
-    block_id: int
-    ref_count: int = 0
-    block_hash: int | None = None  # set once the block is full and registered in the prefix cache
-    token_ids: tuple[int, ...] = ()  # what a cached block holds, to verify hits
-
-
-@dataclass
 class _SeqBlocks:
     table: list[int] = field(default_factory=list)
     hashes: list[int] = field(default_factory=list)  # chained hashes of the full blocks registered so far
 
 
-def chain_hash(parent: int | None, tokens: tuple[int, ...]) -> int:
-    """Hash of a full block given the hash of the block before it (``None`` for the first block)."""
-    return hash((parent, tokens))
-
-
-class BlockManager:
-    """Allocates KV blocks to sequences. All methods take a sequence id (any hashable)."""
+class KVCacheManager:
+    """Allocates KV blocks to sequences from a ``BlockPool``. All methods take a sequence id (any hashable)."""
 
     def __init__(self, num_blocks: int, block_size: int = 16, enable_prefix_caching: bool = True) -> None:
         if num_blocks < 1 or block_size < 1:
             raise ValueError(f"num_blocks and block_size must be >= 1, got {num_blocks} and {block_size}")
         self.num_blocks, self.block_size = num_blocks, block_size
         self.enable_prefix_caching = enable_prefix_caching
-        self.blocks = [Block(i) for i in range(num_blocks)]
-        # ref 0, holding nothing worth keeping: a min-heap, so the lowest-numbered free block goes out first (see
-        # _take_free); range(n) is already one
-        self._free: list[int] = list(range(num_blocks))
-        self._evictable: OrderedDict[int, None] = OrderedDict()  # ref 0 but cached, least recent first
-        self._cache: dict[int, int] = {}  # block hash -> block id
+        self.block_pool = BlockPool(num_blocks)
         self._seqs: dict[object, _SeqBlocks] = {}
         self.cache_queries = self.cache_hits = 0  # in blocks
 
@@ -128,11 +112,11 @@ class BlockManager:
     @property
     def num_free_blocks(self) -> int:
         """Blocks that can be handed out now (truly free, plus cached ones that may be evicted)."""
-        return len(self._free) + len(self._evictable)
+        return self.block_pool.num_free_blocks
 
     @property
     def num_cached_blocks(self) -> int:
-        return len(self._cache)
+        return self.block_pool.num_cached_blocks
 
     def blocks_needed(self, num_tokens: int) -> int:
         return math.ceil(num_tokens / self.block_size)
@@ -159,8 +143,8 @@ class BlockManager:
             return []
         bs, hits = self.block_size, []
         for i, h in enumerate(self._full_block_hashes(token_ids)):
-            bid = self._cache.get(h)
-            if bid is None or self.blocks[bid].token_ids != tuple(token_ids[i * bs : (i + 1) * bs]):
+            bid = self.block_pool.get_cached_block(h, tuple(token_ids[i * bs : (i + 1) * bs]))
+            if bid is None:
                 break
             hits.append(bid)
         # The last prompt token must be computed to produce logits: never serve the whole prompt from cache.
@@ -170,7 +154,7 @@ class BlockManager:
 
     def can_allocate(self, token_ids: list[int], use_cache: bool = True) -> bool:
         hits = self._lookup_prefix(token_ids, use_cache)
-        reusable_free = sum(1 for b in hits if self.blocks[b].ref_count == 0)
+        reusable_free = sum(1 for b in hits if self.block_pool.blocks[b].ref_count == 0)
         return self.blocks_needed(len(token_ids)) - len(hits) <= self.num_free_blocks - reusable_free
 
     def allocate(self, seq_id: object, token_ids: list[int], use_cache: bool = True) -> int:
@@ -189,11 +173,11 @@ class BlockManager:
         self.cache_hits += len(hits)
         seq = _SeqBlocks()
         for bid in hits:
-            self._ref(bid)
+            self.block_pool.touch(bid)
             seq.table.append(bid)
-            seq.hashes.append(self.blocks[bid].block_hash)  # type: ignore[arg-type]
+            seq.hashes.append(self.block_pool.blocks[bid].block_hash)  # type: ignore[arg-type]
         for _ in range(self.blocks_needed(len(token_ids)) - len(hits)):
-            seq.table.append(self._take_free())
+            seq.table.append(self.block_pool.get_new_block())
         self._seqs[seq_id] = seq
         return len(hits) * self.block_size
 
@@ -208,7 +192,7 @@ class BlockManager:
         if missing > self.num_free_blocks:
             raise MemoryError(f"not enough free KV blocks to grow {seq_id!r} to {num_tokens} tokens")
         for _ in range(missing):
-            seq.table.append(self._take_free())
+            seq.table.append(self.block_pool.get_new_block())
 
     def truncate(self, seq_id: object, num_tokens: int) -> None:
         """Shrink a sequence to ``num_tokens`` tokens (speculative rollback), freeing emptied blocks."""
@@ -217,15 +201,13 @@ class BlockManager:
         if num_tokens % self.block_size and keep <= len(seq.table):
             # The new last block is cut in the middle and will be written again: it must be this
             # sequence's alone, and it no longer holds the tokens its cache entry promises.
-            block = self.blocks[seq.table[keep - 1]]
+            block = self.block_pool.blocks[seq.table[keep - 1]]
             if block.ref_count > 1:
                 raise ValueError(f"cannot truncate {seq_id!r} inside block {block.block_id}, which other sequences "
                                  f"share (a rollback may not reach into a shared prefix)")
-            if block.block_hash is not None:
-                del self._cache[block.block_hash]
-                block.block_hash, block.token_ids = None, ()
+            self.block_pool.uncache(block.block_id)
         while len(seq.table) > keep:
-            self._unref(seq.table.pop())
+            self.block_pool.free_block(seq.table.pop())
         del seq.hashes[num_tokens // self.block_size :]
 
     def register_computed(self, seq_id: object, token_ids: list[int]) -> None:
@@ -237,12 +219,8 @@ class BlockManager:
         bs = self.block_size
         parent = seq.hashes[-1] if seq.hashes else None
         for i, h in enumerate(self._full_block_hashes(token_ids, len(seq.hashes), parent), start=len(seq.hashes)):
-            seq.hashes.append(h)
-            block = self.blocks[seq.table[i]]
-            if block.block_hash is not None or h in self._cache:
-                continue  # already cached (shared hit) or an identical block is cached elsewhere
-            block.block_hash, block.token_ids = h, tuple(token_ids[i * bs : (i + 1) * bs])
-            self._cache[h] = block.block_id
+            seq.hashes.append(h)  # a block cached already (a shared hit, or the same tokens elsewhere) stays as is
+            self.block_pool.cache_full_block(seq.table[i], h, tuple(token_ids[i * bs : (i + 1) * bs]))
 
     def fork(self, parent_id: object, child_id: object) -> None:
         """Give ``child_id`` the parent's blocks without copying any: the same table, every block's reference count
@@ -252,7 +230,7 @@ class BlockManager:
             raise ValueError(f"sequence {child_id!r} already has blocks")
         parent = self._seqs[parent_id]
         for bid in parent.table:
-            self._ref(bid)
+            self.block_pool.touch(bid)
         self._seqs[child_id] = _SeqBlocks(list(parent.table), list(parent.hashes))
 
     def copy_on_write(self, seq_id: object, position: int) -> tuple[int, int] | None:
@@ -264,12 +242,12 @@ class BlockManager:
         is never written again, so only a sequence's last, partly filled block is ever copied."""
         seq = self._seqs[seq_id]
         index = position // self.block_size
-        if index >= len(seq.table) or self.blocks[seq.table[index]].ref_count == 1:
+        if index >= len(seq.table) or self.block_pool.blocks[seq.table[index]].ref_count == 1:
             return None
-        if not self._free and not self._evictable:
+        if not self.num_free_blocks:
             raise MemoryError(f"no free KV block to copy block {seq.table[index]} of {seq_id!r} into")
-        src, dst = seq.table[index], self._take_free()
-        self._unref(src)
+        src, dst = seq.table[index], self.block_pool.get_new_block()
+        self.block_pool.free_block(src)
         seq.table[index] = dst
         return src, dst
 
@@ -278,7 +256,7 @@ class BlockManager:
         that, under LRU eviction, a shared prefix outlives the private ends of the sequences using it."""
         seq = self._seqs.pop(seq_id)
         for bid in reversed(seq.table):
-            self._unref(bid)
+            self.block_pool.free_block(bid)
 
     @contextmanager
     def scratch(self, seq_id: object, token_ids: list[int]) -> Iterator[None]:
@@ -292,63 +270,10 @@ class BlockManager:
             self.free(seq_id)
             self.cache_queries, self.cache_hits = counters
 
-    # --- internals --------------------------------------------------------------------------------------
-
-    def _ref(self, bid: int) -> None:
-        block = self.blocks[bid]
-        if block.ref_count == 0:
-            self._evictable.pop(bid, None)
-        block.ref_count += 1
-
-    def _unref(self, bid: int) -> None:
-        block = self.blocks[bid]
-        if block.ref_count <= 0:
-            raise RuntimeError(f"block {bid} freed twice")
-        block.ref_count -= 1
-        if block.ref_count == 0:
-            if block.block_hash is not None:
-                self._evictable[bid] = None  # most recently used at the end
-            else:
-                self._push_free(bid)
-
-    def _push_free(self, bid: int) -> None:
-        heapq.heappush(self._free, bid)
-
-    def _pop_free(self) -> int:
-        """The lowest-numbered free block, not the longest free (a FIFO): blocks come back in an order that depends on
-        history (rollbacks, the order sequences finish), and a FIFO would hand it on, scattering a batch's KV over
-        the pool, which slows the CPU's token-by-token key gather (``python -m minifer_course.block_order``).
-        Lowest-first keeps the blocks in use packed at the start of the pool. Cached blocks are not in this heap:
-        they go out least recently used first, once no free block is left (``_take_free``)."""
-        return heapq.heappop(self._free)
-
-    def _take_free(self) -> int:
-        """A free block (``_pop_free``), else the least recently used cached one, evicted."""
-        if self._free:
-            bid = self._pop_free()
-        elif self._evictable:
-            bid, _ = self._evictable.popitem(last=False)  # evict the least recently used cached block
-            block = self.blocks[bid]
-            del self._cache[block.block_hash]  # type: ignore[arg-type]
-            block.block_hash, block.token_ids = None, ()
-        else:
-            raise MemoryError("no free KV blocks")
-        self.blocks[bid].ref_count = 1
-        return bid
-
     def check_invariants(self) -> None:
         """Every block is in exactly one state and reference counts match the tables (used by tests)."""
         refs = [0] * self.num_blocks
         for seq in self._seqs.values():
             for bid in seq.table:
                 refs[bid] += 1
-        for b in self.blocks:
-            assert b.ref_count == refs[b.block_id], f"block {b.block_id}: ref {b.ref_count} != {refs[b.block_id]}"
-            in_free, in_evict = b.block_id in self._free, b.block_id in self._evictable
-            if b.ref_count:
-                assert not in_free and not in_evict, f"block {b.block_id} in use but listed free"
-            else:
-                assert in_free != in_evict, f"block {b.block_id} unused but not in exactly one free list"
-            if b.block_hash is not None:
-                assert self._cache.get(b.block_hash) == b.block_id, f"block {b.block_id} hash not indexed"
-        assert len(self._free) == len(set(self._free)), "a block is listed free twice"
+        self.block_pool.check_invariants(refs)

@@ -54,7 +54,7 @@ import torch
 from minifer.spec_decode.metadata import Draft
 from minifer.spec_decode.ngram_proposer import NgramProposer
 from minifer.worker.model_runner import ModelRunner
-from minifer.request import Sequence
+from minifer.request import Request
 from minifer.engine.spec_step import speculative_step
 from minifer.engine.speculative import Proposal, Speculator, decoding_rows
 from minifer.engine.core import StepParts, engine_step
@@ -82,10 +82,10 @@ LIGHT_EVERY = 8  # of the held plain steps, every LIGHT_EVERY-th is timed into t
 class DecodeBatch:
     """The decoding rows of a step, as the controller sees them."""
 
-    seqs: list[Sequence]
+    seqs: list[Request]
     rows: list[int]  # indices into seqs of the sequences that decode this step (one new token, no history reads)
     lag: float = 1.0  # tokens per sequence a draft model has not read yet
-    lookup: Callable[[Sequence, int], tuple[list[int], int]] | None = None  # n-gram: (draft, match length) of a row
+    lookup: Callable[[Request, int], tuple[list[int], int]] | None = None  # n-gram: (draft, match length) of a row
 
 
 @dataclass
@@ -554,7 +554,7 @@ class AdaptiveSpeculator(Speculator):
         self.record: StepRecord | None = None  # the running step's
         self.waiting: Callable[[], int] = lambda: 1
 
-    def step(self, parts: StepParts, waiting: Callable[[], int]) -> list[Sequence]:
+    def step(self, parts: StepParts, waiting: Callable[[], int]) -> list[Request]:
         """One engine step, timed from scheduling to the last appended token (the outputs' assembly after it is the
         same for every k). While the controller holds plain decoding at this batch size and nothing waits, the
         step is ``engine_step`` itself (``KController.plain_step``): a held step costs what a plain engine's does."""
@@ -576,7 +576,7 @@ class AdaptiveSpeculator(Speculator):
             self.adaptive.observe(self.record)
         return sampled
 
-    def propose(self, seqs: list[Sequence], num_new: list[int], token_budget: int) -> Proposal | None:
+    def propose(self, seqs: list[Request], num_new: list[int], token_budget: int) -> Proposal | None:
         """The controller's decision for the decoding rows, then its drafts (a draft model's or EAGLE's made now for
         the k decided; n-gram drafts already looked up by the controller), their target KV slots reserved."""
         self.record = record = StepRecord(forward_tokens=sum(num_new), pure_decode=sum(num_new) == len(num_new))
@@ -611,7 +611,7 @@ class AdaptiveSpeculator(Speculator):
                 record.expected = self.adaptive.expected_emitted(b, proposal.drafts_of)
         return proposal
 
-    def _looked_up(self, seqs: list[Sequence], found: dict[int, tuple[list[int], int]],
+    def _looked_up(self, seqs: list[Request], found: dict[int, tuple[list[int], int]],
                    token_budget: int) -> list[Draft]:
         """The n-gram drafts the controller chose (by row: tokens, match length), as far as the budget and the free
         blocks let their target slots be reserved."""
@@ -634,7 +634,7 @@ class AdaptiveSpeculator(Speculator):
         record.decodes, record.k, record.probe, record.held = b, self.k_in_use, decision.probe, decision.held
         return record
 
-    def verify(self, proposal: Proposal, seqs: list[Sequence],
+    def verify(self, proposal: Proposal, seqs: list[Request],
                logits: torch.Tensor) -> list[tuple[list[int], torch.Tensor]]:
         """``Speculator.verify``, each verified sequence's acceptance noted in the step's record."""
         out = super().verify(proposal, seqs, logits)

@@ -16,7 +16,7 @@ import torch
 
 from minifer.core.kv_cache_manager import KVBlockAllocator
 from minifer.core.sched.scheduler import ScheduledBatch, SchedulerPolicy
-from minifer.request import Sequence
+from minifer.request import Request
 from minifer.sample.sampler import Sampler
 
 
@@ -28,7 +28,7 @@ class StepParts:
     is now computed (a prompt chunk that is not the last one samples nothing), one row of ``logits`` each;
     ``sampler(seqs, logits)`` draws their tokens (``SampleResult``: ``token_ids``, ``sampled_logprob``,
     ``logprobs``); ``blocks.register_computed(seq_id, tokens)`` publishes full computed blocks to the prefix cache;
-    ``tokenizer`` is what ``Sequence.append_token`` checks stop strings with."""
+    ``tokenizer`` is what ``Request.append_token`` checks stop strings with."""
 
     scheduler: SchedulerPolicy
     execute: Callable[[ScheduledBatch], tuple[list[int], torch.Tensor]]
@@ -37,10 +37,10 @@ class StepParts:
     tokenizer: Any = None
 
 
-EngineStep = Callable[[StepParts], list[Sequence]]
+EngineStep = Callable[[StepParts], list[Request]]
 
 
-def engine_step(parts: StepParts) -> list[Sequence]:
+def engine_step(parts: StepParts) -> list[Request]:
     """One step: the sequences that got a new token, in the batch's order (empty when nothing was scheduled)."""
     batch = parts.scheduler.schedule()  # who runs, how many tokens each; their blocks reserved, victims preempted
     if not batch.seqs:
@@ -60,13 +60,13 @@ def engine_step(parts: StepParts) -> list[Sequence]:
     return sampled
 
 
-def run_checked(step: EngineStep, parts: StepParts) -> list[Sequence]:
+def run_checked(step: EngineStep, parts: StepParts) -> list[Request]:
     """Run a caller's ``step`` and refuse, with the reason, what would otherwise hang or leak later: a result that is
     not a list of sequences, a finished sequence left running (its blocks never freed), a step that advanced nothing
     while requests wait (the engine would loop forever)."""
     before = _progress(parts.scheduler)
     sampled = step(parts)
-    if not isinstance(sampled, (list, tuple)) or not all(isinstance(s, Sequence) for s in sampled):
+    if not isinstance(sampled, (list, tuple)) or not all(isinstance(s, Request) for s in sampled):
         raise TypeError(f"the engine step must return the list of sequences that got a token, got {sampled!r:.80}")
     for seq in sampled:
         if seq.is_finished and seq in parts.scheduler.running:

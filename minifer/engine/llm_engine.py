@@ -23,10 +23,10 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from minifer.core.kv_cache_manager import BlockManager, KVBlockAllocator
+from minifer.core.kv_cache_manager import KVCacheManager, KVBlockAllocator
 from minifer.worker.model_runner import ModelRunner
 from minifer.core.sched.scheduler import ScheduledBatch, Scheduler, SchedulerConfig, SchedulerPolicy
-from minifer.request import Sequence, SequenceGroup, SequenceStatus, sequences_of
+from minifer.request import Request, ParentRequest, RequestStatus, sequences_of
 from minifer.engine.core import EngineStep, StepParts, engine_step, run_checked
 from minifer.quantization.kv_cache import CALIBRATION_TEXT
 from minifer.layers.ops import REFERENCE_OPS, LayerOps
@@ -96,7 +96,7 @@ def kv_block_bytes(model: LlamaForCausalLM, cache_config: CacheConfig,
 class LLMEngine:
     """The seams a chapter teaches are arguments, each a ``typing.Protocol`` (or ``Callable`` type) whose docstring
     is its contract, the reference by default: ``block_allocator`` (``KVBlockAllocator``, built as
-    ``block_allocator(num_blocks, block_size, enable_prefix_caching)``: ``BlockManager``), ``scheduler``
+    ``block_allocator(num_blocks, block_size, enable_prefix_caching)``: ``KVCacheManager``), ``scheduler``
     (``SchedulerPolicy``, built as ``scheduler(scheduler_config, allocator)``: ``Scheduler``), ``sampler``
     (``Sampler``: ``ModelRunner.sample``), ``attention_backend`` (``PagedAttentionBackend``, built like
     ``PagedKVCache``, the default), ``step`` (``EngineStep``: ``engine_step``); for speculation ``proposer``
@@ -110,7 +110,7 @@ class LLMEngine:
                  scheduler_config: SchedulerConfig, speculative_config: SpeculativeConfig | None = None,
                  draft_model: LlamaForCausalLM | None = None, cuda_graphs: bool = False,
                  max_model_len: int | None = None, *,
-                 block_allocator: Callable[[int, int, bool], KVBlockAllocator] = BlockManager,
+                 block_allocator: Callable[[int, int, bool], KVBlockAllocator] = KVCacheManager,
                  scheduler: Callable[[SchedulerConfig, KVBlockAllocator], SchedulerPolicy] = Scheduler,
                  sampler: Sampler | None = None, proposer: DraftProposer | None = None,
                  verifier: Verifier | None = None, rollback: Rollback | None = None,
@@ -122,21 +122,21 @@ class LLMEngine:
         num_blocks = cache_config.num_blocks(kv_block_bytes(model, cache_config, draft_model), device)
         self.tokenizer = tokenizer
         self._make_sequence = make_sequence
-        self.block_manager = block_allocator(num_blocks, cache_config.block_size, cache_config.enable_prefix_caching)
+        self.kv_cache_manager = block_allocator(num_blocks, cache_config.block_size, cache_config.enable_prefix_caching)
         self.kv_cache: PagedAttentionBackend = attention_backend(
             cfg.num_hidden_layers, num_blocks, cache_config.block_size, cfg.num_key_value_heads, cfg.head_dim, dtype,
             device, cache_config.kv_cache_dtype, cache_config.kv_cache_scales)
-        self.scheduler = scheduler(scheduler_config, self.block_manager)
-        self.runner = ModelRunner(model, self.kv_cache, self.block_manager, layer_ops or REFERENCE_OPS)
+        self.scheduler = scheduler(scheduler_config, self.kv_cache_manager)
+        self.runner = ModelRunner(model, self.kv_cache, self.kv_cache_manager, layer_ops or REFERENCE_OPS)
         self.sampler: Sampler = sampler or ModelRunner.sample
         self.custom_step = step  # a caller's step (minifer.engine.core) in place of engine_step
         self._scheduled = False  # whether the current step's scheduler gave it a batch to execute
         if self.kv_cache.kv_cache_scales == "head":
             self._calibrate_kv_scales()
         self.owner: threading.Thread | None = None  # the one thread allowed to drive the engine (a server's loop)
-        self.requests: dict[str, Sequence | SequenceGroup] = {}  # unfinished requests by their id
-        self._seqs: dict[str, Sequence] = {}  # their unfinished sequences (a group's completions: "<i>_<id>")
-        self._group_of: dict[str, SequenceGroup] = {}  # a completion's sequence id -> its group
+        self.requests: dict[str, Request | ParentRequest] = {}  # unfinished requests by their id
+        self._seqs: dict[str, Request] = {}  # their unfinished sequences (a group's completions: "<i>_<id>")
+        self._group_of: dict[str, ParentRequest] = {}  # a completion's sequence id -> its group
         if cuda_graphs and device.type == "cuda" and self.kv_cache.use_triton and layer_ops is None:
             try:
                 self.runner.enable_cuda_graphs(scheduler_config.max_num_seqs,
@@ -158,9 +158,9 @@ class LLMEngine:
         if cfg.adaptive:
             from minifer.engine.adaptive_k import build_adaptive_speculator
 
-            return build_adaptive_speculator(cfg, drafter, self.runner, self.block_manager,
+            return build_adaptive_speculator(cfg, drafter, self.runner, self.kv_cache_manager,
                                              self.runner.model.config.vocab_size, verifier, self.sampler, rollback)
-        return Speculator(cfg, drafter, self.block_manager, self.runner.model.config.vocab_size, verifier,
+        return Speculator(cfg, drafter, self.kv_cache_manager, self.runner.model.config.vocab_size, verifier,
                           self.sampler, rollback)
 
     @classmethod
@@ -176,7 +176,7 @@ class LLMEngine:
         if self.tokenizer is None:
             raise ValueError("kv_cache_scales='head' calibrates the static scales on a text, and this model has no "
                              "tokenizer to encode it: use kv_cache_scales='token'")
-        blocks = self.block_manager
+        blocks = self.kv_cache_manager
         ids = list(self.tokenizer(CALIBRATION_TEXT)["input_ids"])[: blocks.block_size * blocks.num_free_blocks]
         with blocks.scratch("__kv_calibrate__", ids):
             self.kv_cache.calibrate_scales(lambda: self.runner.forward(["__kv_calibrate__"], [0], [ids], [1]))
@@ -184,7 +184,7 @@ class LLMEngine:
     # --- requests ---------------------------------------------------------------------------------------
 
     def add_request(self, request_id: str, prompt, params, arrival_time: float | None = None,
-                    prompt_index: int = 0) -> Sequence | SequenceGroup:
+                    prompt_index: int = 0) -> Request | ParentRequest:
         """Validate and queue a request; a bad one raises ``ValueError`` (naming the problem) and leaves the others
         alone. ``arrival_time`` (``time.perf_counter()`` seconds; default now): when it reached a front end that
         queued it, so that TTFT counts that wait. ``prompt_index``: its place in the caller's request, for errors."""
@@ -202,12 +202,12 @@ class LLMEngine:
                                "(a server, minifer.entrypoints.openai.serve): "
                                "send it requests over HTTP, or shut the server down first")
 
-    def add_sequence(self, request: Sequence | SequenceGroup) -> Sequence | SequenceGroup:
+    def add_sequence(self, request: Request | ParentRequest) -> Request | ParentRequest:
         """Queue an already validated request (``LLM.generate`` validates a whole batch first). A sequence
-        that asks for ``n > 1`` completions is fanned out into a ``SequenceGroup`` (returned)."""
+        that asks for ``n > 1`` completions is fanned out into a ``ParentRequest`` (returned)."""
         self._check_thread()
-        if isinstance(request, Sequence) and request.params.n > 1:
-            request = SequenceGroup.fan_out(request)
+        if isinstance(request, Request) and request.params.n > 1:
+            request = ParentRequest.fan_out(request)
         seqs = sequences_of(request)
         if request.request_id in self.requests:
             raise ValueError(f"request id {request.request_id!r} is already in use")
@@ -226,14 +226,14 @@ class LLMEngine:
         self.requests[request.request_id] = request
         for s in seqs:
             self._seqs[s.request_id] = s
-            if isinstance(request, SequenceGroup):
+            if isinstance(request, ParentRequest):
                 self._group_of[s.request_id] = request
         return request
 
-    def _prompt_shareable(self, seq: Sequence) -> bool:
+    def _prompt_shareable(self, seq: Request) -> bool:
         """Whether siblings can take any of the prompt's blocks from the prefix cache once ``seq`` computed them:
         prefix caching is on and the prompt fills a block before its last token (which is always computed)."""
-        bm = self.block_manager
+        bm = self.kv_cache_manager
         return bm.enable_prefix_caching and (len(seq.prompt_token_ids) - 1) // bm.block_size >= 1
 
     def abort_request(self, request_id: str) -> None:
@@ -252,11 +252,11 @@ class LLMEngine:
             if not seq.is_finished:
                 seq.abort()
             self._retire(seq)
-        if isinstance(request, SequenceGroup):
+        if isinstance(request, ParentRequest):
             request.pending = []
         self.requests.pop(request_id, None)
 
-    def _retire(self, seq: Sequence) -> None:
+    def _retire(self, seq: Request) -> None:
         """Forget a finished or aborted sequence; its request too once every completion is done."""
         del self._seqs[seq.request_id]
         group = self._group_of.pop(seq.request_id, None)
@@ -295,7 +295,7 @@ class LLMEngine:
         self._check_thread()
         self._scheduled = False
         spec = self.speculator
-        parts = StepParts(self.scheduler, self._execute, self.sampler, self.block_manager, self.tokenizer)
+        parts = StepParts(self.scheduler, self._execute, self.sampler, self.kv_cache_manager, self.tokenizer)
         if spec is not None:
             sampled = spec.step(parts, self._num_waiting)
         elif self.custom_step is not None:
@@ -322,10 +322,10 @@ class LLMEngine:
         """Sequences waiting for a slot: the scheduler's queue plus siblings held until their prompt is computed."""
         if not self._group_of:  # no request with n > 1: nothing is held back
             return len(self.scheduler.waiting)
-        held = sum(len(r.pending) for r in self.requests.values() if isinstance(r, SequenceGroup))
+        held = sum(len(r.pending) for r in self.requests.values() if isinstance(r, ParentRequest))
         return len(self.scheduler.waiting) + held
 
-    def _group_outputs(self, sampled: list[Sequence], outputs: list[RequestOutput]) -> list[RequestOutput]:
+    def _group_outputs(self, sampled: list[Request], outputs: list[RequestOutput]) -> list[RequestOutput]:
         """One output per request: the completions of a group that advanced this step are merged into one
         ``RequestOutput`` under the request's id. A group whose first completion has now computed its prompt
         (it sampled a token) hands its pending siblings to the scheduler, at the front of the queue: they arrived
@@ -333,7 +333,7 @@ class LLMEngine:
         if not self._group_of:  # no request with n > 1: one output per sequence already
             return outputs
         # request id -> (its group, or None for a single sequence; the outputs to report), in first-seen order
-        by_request: dict[str, tuple[SequenceGroup | None, list[RequestOutput]]] = {}
+        by_request: dict[str, tuple[ParentRequest | None, list[RequestOutput]]] = {}
         for seq, out in zip(sampled, outputs):
             group = self._group_of.get(seq.request_id)
             if group is not None and group.pending:
@@ -344,7 +344,7 @@ class LLMEngine:
         return [outs[0] if group is None else group.merge(outs) for group, outs in by_request.values()]
 
     def stats(self) -> dict[str, float | int]:
-        bm = self.block_manager
+        bm = self.kv_cache_manager
         # Tokens held per physical block: a prefix block shared by several sequences counts once.
         held: dict[int, int] = {}
         for s in self.scheduler.running:
@@ -369,4 +369,4 @@ class LLMEngine:
         }
 
 
-__all__ = ["LLMEngine", "CacheConfig", "SchedulerConfig", "SequenceStatus", "kv_block_bytes", "usable_blocks"]
+__all__ = ["LLMEngine", "CacheConfig", "SchedulerConfig", "RequestStatus", "kv_block_bytes", "usable_blocks"]

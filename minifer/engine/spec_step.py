@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from minifer.core.sched.scheduler import ScheduledBatch
-from minifer.request import Sequence
+from minifer.request import Request
 from minifer.engine.core import StepParts, engine_step
 from minifer.sample.sampler import SampleResult, token_logprobs
 
@@ -21,7 +21,7 @@ if TYPE_CHECKING:
     from minifer.engine.speculative import Proposal, Speculator
 
 
-def speculative_step(parts: StepParts, spec: Speculator) -> list[Sequence]:
+def speculative_step(parts: StepParts, spec: Speculator) -> list[Request]:
     """One step of ``engine_step`` whose ``execute`` also runs each sequence's drafts (``parts.execute(batch,
     drafts)``) and whose sampler verifies them. Returns the sequences that got tokens."""
     proposal: Proposal | None = None
@@ -35,7 +35,7 @@ def speculative_step(parts: StepParts, spec: Speculator) -> list[Sequence]:
         proposal = spec.propose(batch.seqs, batch.num_new_tokens, budget)
         return parts.execute(batch, proposal.drafts if proposal else None)
 
-    def first_tokens(seqs: list[Sequence], logits: torch.Tensor) -> SampleResult:
+    def first_tokens(seqs: list[Request], logits: torch.Tensor) -> SampleResult:
         if proposal is None:  # nothing speculated: one token each, nothing for after the step to append
             return parts.sampler(seqs, logits)
         emitted.extend(_verified_entries(seqs, spec.verify(proposal, seqs, logits)))
@@ -67,7 +67,7 @@ def speculative_step(parts: StepParts, spec: Speculator) -> list[Sequence]:
     return sampled
 
 
-def _verified_entries(sampled: list[Sequence], verified: list[tuple[list[int], torch.Tensor]]) -> list[list[tuple]]:
+def _verified_entries(sampled: list[Request], verified: list[tuple[list[int], torch.Tensor]]) -> list[list[tuple]]:
     """Per sequence, (token, logprob, logprobs entry) of each token its verification emitted, computed in one call
     for the whole batch (a log-softmax per sequence costs more than the verification at large batches)."""
     r = token_logprobs(torch.cat([rows for _, rows in verified]), [t for toks, _ in verified for t in toks],

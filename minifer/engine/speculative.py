@@ -5,7 +5,7 @@ much as one. So each step every decoding sequence brings ``k`` guessed tokens (`
 target scores its last token plus the guesses in one forward over the paged cache, and :mod:`minifer.sample.rejection_sampler`
 keeps the longest acceptable prefix plus one token of the target's own: 1 to ``k + 1`` tokens, exactly what plain
 decoding would give (greedy: the same tokens; sampled: the same distribution). The KV of rejected guesses is rolled
-back (``BlockManager.truncate``), in the target's cache and the draft's. A step is five moves: propose, verify in one
+back (``KVCacheManager.truncate``), in the target's cache and the draft's. A step is five moves: propose, verify in one
 target forward, accept or reject, roll back, append (``spec_step.py`` runs them inside ``engine_step``).
 
 The proposers (``speculative_config["method"]``, vLLM's names): ``"draft_model"``, a small model with the same
@@ -34,7 +34,7 @@ from minifer.spec_decode.metadata import Draft, DraftProposer
 from minifer.spec_decode.draft_model import DraftModelProposer
 from minifer.spec_decode.ngram_proposer import NgramProposer
 from minifer.worker.model_runner import ModelRunner
-from minifer.request import Sequence
+from minifer.request import Request
 from minifer.engine.spec_step import speculative_step
 from minifer.engine.core import StepParts
 from minifer.models.llama import LlamaForCausalLM
@@ -51,7 +51,7 @@ MAX_SPECULATIVE_TOKENS = 16
 # emitted tokens are appended, with the speculator (its ``target_blocks`` and ``proposer``), the sequence, the draft
 # tokens the target verified for it this step and how many of them it accepted. It must leave the target's block
 # table holding exactly the tokens whose KV is valid, and the proposer's cache likewise.
-Rollback = Callable[["Speculator", Sequence, list[int], int], None]
+Rollback = Callable[["Speculator", Request, list[int], int], None]
 
 
 @dataclass
@@ -121,7 +121,7 @@ class Proposal:
     """What ``propose`` made for a scheduled batch: its sequences and one ``Draft`` per row (no tokens for a row
     that does not speculate), handed to ``verify`` after the forward."""
 
-    seqs: list[Sequence]
+    seqs: list[Request]
     drafts_of: list[Draft]
 
     @property
@@ -130,7 +130,7 @@ class Proposal:
         return [d.tokens for d in self.drafts_of]
 
 
-def decoding_rows(seqs: list[Sequence], num_new: list[int]) -> list[int]:
+def decoding_rows(seqs: list[Request], num_new: list[int]) -> list[int]:
     """The rows that may speculate: one new token (their prompt is computed) and a distribution that does not read
     their history (penalties would have to be recomputed after every draft token)."""
     return [i for i, (s, n) in enumerate(zip(seqs, num_new))
@@ -154,12 +154,12 @@ class Speculator:
         self.stats = SpecStats()
         self.k_in_use = cfg.num_speculative_tokens
 
-    def step(self, parts: StepParts, waiting: Callable[[], int]) -> list[Sequence]:
+    def step(self, parts: StepParts, waiting: Callable[[], int]) -> list[Request]:
         """One engine step with speculation (``spec_step.speculative_step``). ``waiting()``, the requests queued for
         a slot, is for a policy that weighs them (adaptive k); fixed k speculates whatever waits."""
         return speculative_step(parts, self)
 
-    def propose(self, seqs: list[Sequence], num_new: list[int], token_budget: int) -> Proposal | None:
+    def propose(self, seqs: list[Request], num_new: list[int], token_budget: int) -> Proposal | None:
         """Drafts for the decoding rows of a scheduled step, their target KV slots reserved; None when no row may
         speculate (a step of prompt chunks only). ``token_budget``: tokens the step's forward may still add."""
         rows = decoding_rows(seqs, num_new)
@@ -170,7 +170,7 @@ class Speculator:
         ks = self.reserve(seqs, rows, k, token_budget)
         return Proposal(list(seqs), self.proposer.propose(seqs, ks, self.vocab_size))
 
-    def reserve(self, seqs: list[Sequence], rows: list[int], k: int, token_budget: int) -> list[int]:
+    def reserve(self, seqs: list[Request], rows: list[int], k: int, token_budget: int) -> list[int]:
         """Target KV slots for up to ``k`` drafts of each of ``rows``; returns the drafts each row may have: never more
         than the request may still emit, the step's token budget, or the free blocks allow."""
         ks = [0] * len(seqs)
@@ -183,7 +183,7 @@ class Speculator:
                 token_budget -= want
         return ks
 
-    def verify(self, proposal: Proposal, seqs: list[Sequence],
+    def verify(self, proposal: Proposal, seqs: list[Request],
                logits: torch.Tensor) -> list[tuple[list[int], torch.Tensor]]:
         """``seqs``: the rows that got logits, in order; ``logits``: ``1 + k_i`` rows each. Returns, per sequence, the
         emitted tokens and the logits rows they were drawn from (for logprobs)."""
@@ -239,7 +239,7 @@ class Speculator:
         s.num_verifies += 1
         s.num_emitted += accepted + 1
 
-    def rollback(self, seq: Sequence) -> None:
+    def rollback(self, seq: Request) -> None:
         """After the tokens are appended: the target holds valid KV for ``num_computed_tokens``; free any block beyond
         (rejected drafts), and let the proposer keep only what matches the sequence."""
         if self.custom_rollback is not None:

@@ -14,14 +14,14 @@ from collections.abc import Callable
 
 import torch
 
-from minifer.request import Sequence, SequenceStatus
+from minifer.request import Request, RequestStatus
 from minifer.attention.layer import ContiguousKVCache
 from minifer.models.llama import LlamaForCausalLM
 from minifer.sample.sampler import sample_sequences
 
 
 @torch.inference_mode()
-def run_static_batch(model: LlamaForCausalLM, batch: list[Sequence], tokenizer, pad_id: int = 0) -> int:
+def run_static_batch(model: LlamaForCausalLM, batch: list[Request], tokenizer, pad_id: int = 0) -> int:
     """Generate every sequence of one padded batch to completion. Returns the number of decode steps."""
     cfg, device = model.config, model.lm_head.weight.device
     dtype = model.lm_head.weight.dtype
@@ -34,7 +34,7 @@ def run_static_batch(model: LlamaForCausalLM, batch: list[Sequence], tokenizer, 
     ids = torch.full((b, p), pad_id, dtype=torch.long, device=device)
     for i, s in enumerate(batch):
         ids[i, p - len(s.prompt_token_ids):] = torch.tensor(s.prompt_token_ids, device=device)
-        s.status = SequenceStatus.RUNNING
+        s.status = RequestStatus.RUNNING
         s.metrics.first_scheduled_time = s.metrics.first_scheduled_time or time.perf_counter()
     pad = (p - lens)[:, None]
     slots = torch.arange(p, device=device)[None, :]
@@ -64,8 +64,8 @@ def run_static_batch(model: LlamaForCausalLM, batch: list[Sequence], tokenizer, 
         step += 1
 
 
-def generate_static(model: LlamaForCausalLM, seqs: list[Sequence], batch_size: int, tokenizer,
-                    on_batch_done: Callable[[list[Sequence]], None] | None = None) -> None:
+def generate_static(model: LlamaForCausalLM, seqs: list[Request], batch_size: int, tokenizer,
+                    on_batch_done: Callable[[list[Request]], None] | None = None) -> None:
     """Run ``seqs`` in consecutive padded batches of ``batch_size``."""
     for start in range(0, len(seqs), batch_size):
         batch = seqs[start : start + batch_size]

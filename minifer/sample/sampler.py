@@ -217,7 +217,7 @@ def token_logprobs(logits: torch.Tensor, tokens: list[int], params: list[Samplin
 
 def history_tensors(seqs: list, vocab: int, device: torch.device
                     ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
-    """The history-dependent processors' inputs for ``Sequence`` rows, each built only when a row needs it:
+    """The history-dependent processors' inputs for ``Request`` rows, each built only when a row needs it:
     ``seen`` (all tokens so far: repetition penalty), ``counts`` (output tokens: frequency and presence penalties),
     ``banned`` (EOS and stop tokens of rows still short of ``min_tokens``). Most steps get three Nones."""
     seen = counts = banned = None

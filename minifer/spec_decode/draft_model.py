@@ -12,9 +12,9 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from minifer.core.kv_cache_manager import BlockManager
+from minifer.core.kv_cache_manager import KVCacheManager
 from minifer.worker.model_runner import ModelRunner
-from minifer.request import Sequence
+from minifer.request import Request
 from minifer.attention.backends.paged import PagedKVCache
 from minifer.models.llama import LlamaForCausalLM
 from minifer.spec_decode.metadata import Draft, draw_drafts, stack_probs
@@ -33,13 +33,13 @@ class DraftModelProposer:
     def __init__(self, model: LlamaForCausalLM, num_blocks: int, block_size: int) -> None:
         cfg = model.config
         w = model.lm_head.weight
-        self.blocks = BlockManager(num_blocks, block_size, enable_prefix_caching=False)
+        self.blocks = KVCacheManager(num_blocks, block_size, enable_prefix_caching=False)
         self.cache = PagedKVCache(cfg.num_hidden_layers, num_blocks, block_size, cfg.num_key_value_heads,
                                   cfg.head_dim, w.dtype, w.device)
         self.runner = ModelRunner(model, self.cache, self.blocks)
         self.computed: dict[object, int] = {}
 
-    def _reserve(self, seq: Sequence, num_tokens: int) -> bool:
+    def _reserve(self, seq: Request, num_tokens: int) -> bool:
         rid = seq.request_id
         if not self.blocks.has_seq(rid):
             if self.blocks.blocks_needed(num_tokens) > self.blocks.num_free_blocks:
@@ -51,7 +51,7 @@ class DraftModelProposer:
         self.blocks.append_slots(rid, num_tokens)
         return True
 
-    def propose(self, seqs: list[Sequence], ks: list[int], vocab_size: int) -> list[Draft]:
+    def propose(self, seqs: list[Request], ks: list[int], vocab_size: int) -> list[Draft]:
         drafts = [Draft([]) for _ in seqs]
         active = [i for i, (s, k) in enumerate(zip(seqs, ks)) if k and self._reserve(s, s.num_tokens + k - 1)]
         probs: dict[int, list[torch.Tensor]] = {i: [] for i in active}
@@ -76,7 +76,7 @@ class DraftModelProposer:
             active = [i for i in active if len(drafts[i].tokens) < ks[i]]
         return stack_probs(drafts, probs)
 
-    def rollback(self, seq: Sequence, num_valid: int) -> None:
+    def rollback(self, seq: Request, num_valid: int) -> None:
         """Keep the draft's KV of the first ``num_valid`` tokens of the sequence, free the rest."""
         rid = seq.request_id
         if rid in self.computed and self.computed[rid] > num_valid:

@@ -29,10 +29,10 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from minifer.core.kv_cache_manager import BlockManager, KVBlockAllocator
+from minifer.core.kv_cache_manager import KVCacheManager, KVBlockAllocator
 from minifer.spec_decode.metadata import Draft, draw_drafts, stack_probs
 from minifer.worker.model_runner import ModelRunner
-from minifer.request import Sequence
+from minifer.request import Request
 from minifer.attention.backends.paged import AttentionGroup, PagedAttentionMetadata, PagedKVCache, slot_mapping
 
 if TYPE_CHECKING:
@@ -93,7 +93,7 @@ class EagleProposer:
         self.forward = head if forward is None else functools.partial(forward, head)  # the head's forward, or yours
         cfg, w = head.config, head.fc.weight
         self.target_blocks: KVBlockAllocator = target_runner.blocks
-        self.blocks = BlockManager(num_blocks, block_size, enable_prefix_caching=False)
+        self.blocks = KVCacheManager(num_blocks, block_size, enable_prefix_caching=False)
         self.cache = PagedKVCache(1, num_blocks, block_size, cfg.num_key_value_heads, cfg.head_dim, w.dtype, w.device)
         # adaptive k's table of the head's forward time by tokens (``adaptive_k.CostTable``), refreshed by every
         # proposal; None with fixed k
@@ -151,7 +151,7 @@ class EagleProposer:
 
     # --- proposing ------------------------------------------------------------------------------------------
 
-    def _prepare(self, seq: Sequence, k: int) -> bool:
+    def _prepare(self, seq: Request, k: int) -> bool:
         """The head can draft for ``seq``: the target's features reach position ``n - 2`` and its cache has room for
         the catch-up and ``k - 1`` self-fed positions."""
         rid, n = seq.request_id, seq.num_tokens
@@ -211,7 +211,7 @@ class EagleProposer:
         return out, logits
 
     @torch.inference_mode()
-    def propose(self, seqs: list[Sequence], ks: list[int], vocab_size: int) -> list[Draft]:
+    def propose(self, seqs: list[Request], ks: list[int], vocab_size: int) -> list[Draft]:
         self._forget_gone()
         drafts = [Draft([]) for _ in seqs]
         active = [i for i, (s, k) in enumerate(zip(seqs, ks)) if k and self._prepare(s, k)]
@@ -251,7 +251,7 @@ class EagleProposer:
         if self.blocks.has_seq(rid):
             self.blocks.truncate(rid, max(self.computed[rid] - self.base[rid], 1))
 
-    def rollback(self, seq: Sequence, num_valid: int) -> None:
+    def rollback(self, seq: Request, num_valid: int) -> None:
         """Nothing to do beyond what ``propose`` did: its cache already stops before the first guessed position."""
         if seq.request_id in self.computed and self.computed[seq.request_id] > num_valid:
             self._cut(seq.request_id, num_valid)

@@ -12,7 +12,7 @@ from typing import Protocol
 
 import torch
 
-from minifer.request import Sequence
+from minifer.request import Request
 from minifer.sample.rejection_sampler import probs_from_logits
 from minifer.sample.sampler import greedy_argmax
 
@@ -24,7 +24,7 @@ class Draft:
     match_len: int = 0  # n-gram drafts: the length of the match that found them (0: a draft model's)
 
 
-def draw_drafts(seqs: list[Sequence], active: list[int], logits: torch.Tensor, drafts: list[Draft],
+def draw_drafts(seqs: list[Request], active: list[int], logits: torch.Tensor, drafts: list[Draft],
                 probs: dict[int, list[torch.Tensor]]) -> None:
     """One draft token for each sequence ``seqs[i]``, ``i`` in ``active``, from its row of ``logits``: the greedy
     token for a greedy sequence, else one drawn with the sequence's generator, whose distribution joins
@@ -57,8 +57,8 @@ class DraftProposer(Protocol):
     of ``seq`` are real now (the rest were rejected); forget anything kept beyond them. ``release(request_id)``:
     the request is gone; free what the proposer holds for it."""
 
-    def propose(self, seqs: list[Sequence], ks: list[int], vocab_size: int) -> list[Draft]: ...
+    def propose(self, seqs: list[Request], ks: list[int], vocab_size: int) -> list[Draft]: ...
 
-    def rollback(self, seq: Sequence, num_valid: int) -> None: ...
+    def rollback(self, seq: Request, num_valid: int) -> None: ...
 
     def release(self, request_id: object) -> None: ...

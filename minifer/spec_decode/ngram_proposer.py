@@ -19,7 +19,7 @@ from minifer.spec_decode.metadata import Draft
 
 if TYPE_CHECKING:
     from minifer.engine.speculative import SpeculativeConfig
-    from minifer.request import Sequence as Request
+    from minifer.request import Request
 
 __all__ = ["NgramProposer", "ngram_match", "ngram_propose"]
 

@@ -19,15 +19,15 @@ def _schedule_with_minifer(running: list[StepRequest], waiting: list[StepRequest
                            block_size: int, max_num_seqs: int, token_budget: int
                            ) -> tuple[list[tuple[str, int]], list[str]]:
     """The same state built in minifer's Scheduler (prefix caching off, chunked prefill on): its answer."""
-    from minifer.core.kv_cache_manager import BlockManager
+    from minifer.core.kv_cache_manager import KVCacheManager
     from minifer.core.sched.scheduler import Scheduler, SchedulerConfig
-    from minifer.request import Sequence as EngineSequence
-    from minifer.request import SequenceStatus
+    from minifer.request import Request as EngineSequence
+    from minifer.request import RequestStatus
     from minifer.sampling_params import SamplingParams
 
     total = free_blocks + sum(r.num_blocks for r in running)
-    blocks = BlockManager(max(total, 1), block_size, enable_prefix_caching=False)
-    if total == 0:  # BlockManager needs at least one block: hold it in a sequence nobody schedules
+    blocks = KVCacheManager(max(total, 1), block_size, enable_prefix_caching=False)
+    if total == 0:  # KVCacheManager needs at least one block: hold it in a sequence nobody schedules
         blocks.allocate("__pad__", [0])
     sched = Scheduler(SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=token_budget,
                                       enable_chunked_prefill=True), blocks)
@@ -39,7 +39,7 @@ def _schedule_with_minifer(running: list[StepRequest], waiting: list[StepRequest
     for r in running:
         s = seq(r)
         blocks.allocate(r.name, list(range(r.num_blocks * block_size)))
-        s.num_computed_tokens, s.status = r.num_computed, SequenceStatus.RUNNING
+        s.num_computed_tokens, s.status = r.num_computed, RequestStatus.RUNNING
         sched.running.append(s)
     for r in waiting:
         sched.waiting.append(seq(r))
@@ -193,11 +193,11 @@ def check_schedule_step(fn: Callable[..., Any]) -> None:
 
 def _preempt_diagnosis(victim: Any, before: dict[str, Any], world: Any) -> str | None:
     """What is wrong with one preemption (None if nothing), from the state before it and the victim returned."""
-    from minifer.request import Sequence, SequenceStatus
+    from minifer.request import Request, RequestStatus
 
     newest, oldest = before["running"][-1], before["running"][0]
     sched, blocks = world.scheduler, world.blocks
-    if not isinstance(victim, Sequence):
+    if not isinstance(victim, Request):
         return f"returned {victim!r:.60}, expected the preempted sequence\nhint: return the sequence you preempted"
     if victim.request_id != newest:
         why = "the oldest" if victim.request_id == oldest and len(before["running"]) > 1 else repr(victim.request_id)
@@ -216,8 +216,8 @@ def _preempt_diagnosis(victim: Any, before: dict[str, Any], world: Any) -> str |
     if list(victim.output_token_ids) != before["victim_tokens"]:
         return ("the victim lost the tokens it generated\nhint: keep output_token_ids as they are: recomputation "
                 "runs its prompt and generated tokens again (all_token_ids) and continues after them")
-    if victim.status is not SequenceStatus.WAITING:
-        return f"the victim's status is {victim.status}\nhint: set victim.status = SequenceStatus.WAITING"
+    if victim.status is not RequestStatus.WAITING:
+        return f"the victim's status is {victim.status}\nhint: set victim.status = RequestStatus.WAITING"
     waiting = [s.request_id for s in sched.waiting]
     if waiting != [victim.request_id] + before["waiting"]:
         where = ("at the back" if waiting == before["waiting"] + [victim.request_id] else

@@ -185,13 +185,13 @@ def _describe_op(op: tuple) -> str:
 
 def _drive_allocator(cls: Any, ops: list[tuple], num_blocks: int, block_size: int, hint: str,
                      hash_fn: Callable[[int | None, tuple[int, ...]], int] | None = None) -> None:
-    """Run ``ops`` on the learner's allocator and on minifer's BlockManager; compare what can be observed."""
+    """Run ``ops`` on the learner's allocator and on minifer's KVCacheManager; compare what can be observed."""
     from unittest import mock
 
     import minifer.core.kv_cache_manager as bm
 
     with mock.patch.object(bm, "chain_hash", hash_fn or bm.chain_hash):
-        ref = bm.BlockManager(num_blocks, block_size)
+        ref = bm.KVCacheManager(num_blocks, block_size)
         mine = cls(num_blocks, block_size) if hash_fn is None else cls(num_blocks, block_size, hash_fn=hash_fn)
         history: list[str] = []
         live: set[str] = set()
@@ -244,8 +244,8 @@ def _drive_allocator(cls: Any, ops: list[tuple], num_blocks: int, block_size: in
             if len(mine.cache) != ref.num_cached_blocks:
                 fail(f"{len(mine.cache)} blocks in the prefix cache, expected {ref.num_cached_blocks}")
             parked = getattr(mine, "evictable", None)
-            if isinstance(parked, Sized) and len(parked) != len(ref._evictable):
-                fail(f"{len(parked)} blocks in `evictable`, expected {len(ref._evictable)}",
+            if isinstance(parked, Sized) and len(parked) != len(ref.block_pool._evictable):
+                fail(f"{len(parked)} blocks in `evictable`, expected {len(ref.block_pool._evictable)}",
                      "a block whose ref_count drops to 0 goes to the evictable LRU (`evictable`) if it is cached "
                      "(its block_hash is set), to `free_list` only if it is not: a freed cached block stays "
                      "findable until it is evicted")
@@ -263,9 +263,9 @@ def _drive_allocator(cls: Any, ops: list[tuple], num_blocks: int, block_size: in
                         other, j = ref_to_mine[w]
                         fail(f"block {i} of {s!r} should share a physical block with {other!r}, but it got block {g} "
                              f"(and {other!r} got {j})")
-                    if mine.ref_count[g] != ref.blocks[w].ref_count:
+                    if mine.ref_count[g] != ref.block_pool.blocks[w].ref_count:
                         fail(f"block {g} (block {i} of {s!r}) has ref_count {mine.ref_count[g]}, expected "
-                             f"{ref.blocks[w].ref_count}")
+                             f"{ref.block_pool.blocks[w].ref_count}")
         if not live and mine.num_free_blocks != num_blocks:
             fail(f"every sequence is freed but only {mine.num_free_blocks} of {num_blocks} blocks are free")
 
@@ -295,9 +295,9 @@ def _check_copy_on_write(ref: Any, mine: Any, seq: str, position: int, block_siz
                  f"index {index} of the table, {after[index]})",
                  "return (shared, fresh) after putting the fresh block in the table in place of the shared one "
                  "(table[index] = fresh): the sequence writes its token into the fresh block")
-        if mine.ref_count[got[0]] != ref.blocks[want[0]].ref_count:
+        if mine.ref_count[got[0]] != ref.block_pool.blocks[want[0]].ref_count:
             fail(f"after the copy, the shared block {got[0]} has ref_count {mine.ref_count[got[0]]}, expected "
-                 f"{ref.blocks[want[0]].ref_count}",
+                 f"{ref.block_pool.blocks[want[0]].ref_count}",
                  "the sequence no longer holds the shared block: drop one reference from it (the others still hold "
                  "it, so it is not freed)")
 
@@ -332,7 +332,7 @@ def _beam_ops_random(seed: int, block_size: int, width: int, steps: int) -> list
 
 def check_forking_allocator(cls: Any) -> None:
     """Grade ``fork`` and ``copy_on_write`` of an allocator class (the prefix-caching allocator plus a given
-    ``grow``) against :class:`minifer.core.kv_cache_manager.BlockManager`'s, by the same comparison as
+    ``grow``) against :class:`minifer.core.kv_cache_manager.KVCacheManager`'s, by the same comparison as
     :func:`check_prefix_allocator`: which blocks the sequences share, reference counts, free and cached blocks,
     and each ``copy_on_write`` decision."""
     bs = 4
@@ -384,7 +384,7 @@ def check_forking_allocator(cls: Any) -> None:
 def check_prefix_allocator(cls: Any) -> None:
     """Grade an allocator class (``cls(num_blocks, block_size, hash_fn=...)`` with ``can_allocate``,
     ``allocate``, ``register_computed``, ``free``, ``num_free_blocks``, ``cache``, ``tables``, ``ref_count``)
-    by running the same operations on it and on :class:`minifer.core.kv_cache_manager.BlockManager` and
+    by running the same operations on it and on :class:`minifer.core.kv_cache_manager.KVCacheManager` and
     comparing what can be observed: cached-token counts, free and cached block counts, which blocks the
     sequences share (physical ids may differ), reference counts."""
     bs = 4

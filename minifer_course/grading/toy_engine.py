@@ -1,5 +1,5 @@
 """A model-free engine for grading exercise 03's engine step and preemption: minifer's real ``Scheduler``,
-``BlockManager``, ``Sequence`` and sampler around a toy model whose KV cache is a table of token ids.
+``KVCacheManager``, ``Request`` and sampler around a toy model whose KV cache is a table of token ids.
 
 The toy runner writes each scheduled token into its cache slot (through the sequence's block table, as the real
 runner does) and derives a sequence's next-token logits from the context it reads back through that table. So a
@@ -15,10 +15,10 @@ from dataclasses import dataclass
 
 import torch
 
-from minifer.core.kv_cache_manager import BlockManager
+from minifer.core.kv_cache_manager import KVCacheManager
 from minifer.worker.model_runner import ModelRunner
 from minifer.core.sched.scheduler import ScheduledBatch, Scheduler, SchedulerConfig
-from minifer.request import Sequence
+from minifer.request import Request
 from minifer.engine.core import StepParts
 from minifer.sampling_params import SamplingParams
 
@@ -28,7 +28,7 @@ VOCAB = 64
 class ToyRunner:
     """``execute(batch) -> (rows, logits)`` with the real runner's contract, over a KV cache of token ids."""
 
-    def __init__(self, blocks: BlockManager) -> None:
+    def __init__(self, blocks: KVCacheManager) -> None:
         self.blocks = blocks
         self.kv: dict[int, int] = {}  # slot -> the token whose "keys and values" it holds
 
@@ -66,16 +66,16 @@ class World:
     """One engine's state: its scheduler, allocator, runner, sequences, and the parts a step receives."""
 
     scheduler: Scheduler
-    blocks: BlockManager
+    blocks: KVCacheManager
     runner: ToyRunner
-    seqs: list[Sequence]
+    seqs: list[Request]
 
     @property
     def parts(self) -> StepParts:
         return StepParts(self.scheduler, self.runner.execute, _sampler, self.blocks, None)
 
 
-def _sampler(seqs: list[Sequence], logits: torch.Tensor):
+def _sampler(seqs: list[Request], logits: torch.Tensor):
     """minifer's sampler, refusing the classic mismatch with a hint rather than an index error deep inside it."""
     if len(seqs) != logits.shape[0]:
         raise AssertionError(f"the sampler got {len(seqs)} sequences and {logits.shape[0]} rows of logits\nhint: "
@@ -88,14 +88,14 @@ def build_world(prompts: list[list[int]], max_tokens: list[int], num_blocks: int
                 max_num_seqs: int = 8, token_budget: int = 64, sampled: bool = False, eos: int | None = None,
                 scheduler: type[Scheduler] = Scheduler, prefix_caching: bool = True) -> World:
     """Requests queued in a fresh toy engine (``sampled``: temperature 1 with a seed per request, else greedy)."""
-    blocks = BlockManager(num_blocks, block_size, prefix_caching)
+    blocks = KVCacheManager(num_blocks, block_size, prefix_caching)
     sched = scheduler(SchedulerConfig(max_num_seqs, token_budget), blocks)
     seqs = []
     for i, (prompt, m) in enumerate(zip(prompts, max_tokens)):
         params = SamplingParams(temperature=1.0 if sampled else 0.0, max_tokens=m, seed=i if sampled else None,
                                 ignore_eos=eos is None)
         gen = torch.Generator().manual_seed(i) if sampled else None
-        seq = Sequence(request_id=f"r{i}", prompt=None, prompt_token_ids=list(prompt), params=params, max_tokens=m,
+        seq = Request(request_id=f"r{i}", prompt=None, prompt_token_ids=list(prompt), params=params, max_tokens=m,
                        eos_token_ids=frozenset() if eos is None else frozenset({eos}), generator=gen)
         sched.add(seq)
         seqs.append(seq)
@@ -113,7 +113,7 @@ def snapshot(world: World) -> dict[str, object]:
             "preemptions": s.num_preemptions}
 
 
-def run_to_end(world: World, step: Callable[[StepParts], list[Sequence]], max_steps: int = 400
+def run_to_end(world: World, step: Callable[[StepParts], list[Request]], max_steps: int = 400
                ) -> list[dict[str, object]]:
     """Step until every request finished; the snapshot after each step."""
     history = []

@@ -221,7 +221,7 @@ def test_prefix_sharing_demo():
     assert cached == {"A": 0, "B": 8, "C": 8}
     a, b, c = (bm.block_table(n) for n in "ABC")
     assert a[:2] == b[:2] == c[:2] and len({a[2], b[2], c[2]}) == 3
-    assert bm.blocks[a[0]].ref_count == 3
+    assert bm.block_pool.blocks[a[0]].ref_count == 3
 
 
 def test_prefix_prompts():
@@ -283,7 +283,7 @@ def test_beam_search_demo(draft):
     with pytest.raises(ValueError, match="steps must be in"):
         kvm.beam_search_demo(draft, steps=12, max_tokens=12)
     tables = [bm.block_table(b) for b in lens]
-    assert all(t[0] == 0 for t in tables) and bm.blocks[0].ref_count == 3 and len({t[1] for t in tables}) == 3
+    assert all(t[0] == 0 for t in tables) and bm.block_pool.blocks[0].ref_count == 3 and len({t[1] for t in tables}) == 3
 
 
 def test_measure_beam_search_counts(draft):

@@ -159,7 +159,7 @@ def test_one_engine_at_a_time_frees_the_one_before():
     lazy = st.Engines("tinystories-target", st.DRAFT, None, w, kv_memory=4 * 2**20, one_at_a_time=True)
     assert list(lazy.llms) == [st.label(c) for c in st.configurations()] + ["CB (A/A)"]
     first = weakref.ref(lazy.llms["CB+spec"])
-    assert first().engine.block_manager.num_blocks == lazy.budgets["CB+spec"].kv_blocks
+    assert first().engine.kv_cache_manager.num_blocks == lazy.budgets["CB+spec"].kv_blocks
     second = lazy.llms["CB+W8+KV8"]
     assert first() is None and second is lazy.llms["CB+W8+KV8"]  # freed; the current one is kept while in use
     assert second.engine.kv_cache.kv_cache_dtype == "int8" and second.quantization_config.format == "w8a8"

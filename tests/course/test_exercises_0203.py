@@ -11,7 +11,7 @@ import torch
 import minifer.core.kv_cache_manager as _bm
 from minifer_course.kv_memory import parallel_sampling_blocks
 from minifer_course.grading import batching, paging
-from minifer.core.kv_cache_manager import BlockManager
+from minifer.core.kv_cache_manager import KVCacheManager
 from minifer.attention.backends.paged import PagedAttentionMetadata, paged_attention_reference
 from minifer.attention.backends.paged import slot_mapping as ref_slot_mapping
 
@@ -24,15 +24,15 @@ def _ref_paged_attention(q, k_cache, v_cache, block_table, context_len):
     return paged_attention_reference(q, k_cache, v_cache, meta)
 
 
-class _BlockManagerAdapter(BlockManager):
-    """minifer's BlockManager under the exercise's attribute names (the grader patches its chain_hash)."""
+class _BlockManagerAdapter(KVCacheManager):
+    """minifer's KVCacheManager under the exercise's attribute names (the grader patches its chain_hash)."""
 
     def __init__(self, num_blocks, block_size, hash_fn=None):
         super().__init__(num_blocks, block_size)
 
-    cache = property(lambda self: self._cache)
+    cache = property(lambda self: self.block_pool._cache)
     tables = property(lambda self: {s: q.table for s, q in self._seqs.items()})
-    ref_count = property(lambda self: [b.ref_count for b in self.blocks])
+    ref_count = property(lambda self: [b.ref_count for b in self.block_pool.blocks])
 
 
 class _ForkingBlockManager(_BlockManagerAdapter):
@@ -367,7 +367,7 @@ def test_graders_accept_the_correct_variants():
 # --- exercise 03: preemption by recompute, the engine step -------------------------------------------------
 
 from minifer.core.sched.scheduler import preempt_by_recompute  # noqa: E402
-from minifer.request import SequenceStatus  # noqa: E402
+from minifer.request import RequestStatus  # noqa: E402
 from minifer.engine.core import engine_step  # noqa: E402
 
 
@@ -382,7 +382,7 @@ def _preempt(running, waiting, blocks, *, oldest=False, free=True, reset=True, f
     if reset:
         victim.num_computed_tokens = 0
     if status:
-        victim.status = SequenceStatus.WAITING
+        victim.status = RequestStatus.WAITING
     if not keep_tokens:
         victim.output_token_ids.clear()  # "a fresh start": the generated tokens are lost
     (waiting.appendleft if front else waiting.append)(victim)
@@ -438,7 +438,7 @@ STEP_WRONG = [
     (batching.check_preempt, lambda *a: _preempt(*a, reset=False), r"(?s)check 1/6.*num_computed_tokens to 0"),
     (batching.check_preempt, lambda *a: _preempt(*a, front=False), r"(?s)check 2/6.*at the back.*appendleft"),
     (batching.check_preempt, lambda *a: _preempt(*a, keep_tokens=False), r"(?s)check 1/6.*lost the tokens"),
-    (batching.check_preempt, lambda *a: _preempt(*a, status=False), r"(?s)SequenceStatus\.WAITING"),
+    (batching.check_preempt, lambda *a: _preempt(*a, status=False), r"(?s)RequestStatus\.WAITING"),
     (batching.check_preempt, lambda *a: _preempt(*a, pop=False), r"(?s)still in `running`"),
     (batching.check_engine_step, lambda p: _step(p, count_computed=False), r"(?s)check 1/13.*num_computed_tokens"),
     (batching.check_engine_step, lambda p: _step(p, free_before_sampling=True), r"(?s)check 1/13.*scheduler\.finish"),

@@ -20,7 +20,7 @@ from minifer_course.workbench_spec import (
     ROLLBACK_WORKLOAD,
     rollback_with,
 )
-from minifer.core.kv_cache_manager import BlockManager
+from minifer.core.kv_cache_manager import KVCacheManager
 from minifer.engine.components import Components
 
 PARAMS = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
@@ -58,7 +58,7 @@ def test_the_rollback_seam_runs_the_given_function_every_verified_step(reference
     assert sum(a for _, a, _ in calls) <= stats.num_accepted
     assert all(has_draft for k, _, has_draft in calls if k)  # the draft model's cache went through it too
     engine = llm.engine
-    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+    assert engine.kv_cache_manager.num_free_blocks == engine.kv_cache_manager.num_blocks
     assert engine.speculator.proposer.blocks.num_free_blocks == engine.speculator.proposer.blocks.num_blocks
 
 
@@ -72,9 +72,9 @@ def test_a_rollback_that_keeps_its_emptied_blocks_is_stopped_in_the_engine():
 
 
 def test_the_leak_check_fails_when_a_block_is_still_held():
-    blocks = BlockManager(8, 4)
+    blocks = KVCacheManager(8, 4)
     blocks.allocate("r", [1, 2, 3, 4, 5])
-    served = {"llm": SimpleNamespace(engine=SimpleNamespace(block_manager=blocks,
+    served = {"llm": SimpleNamespace(engine=SimpleNamespace(kv_cache_manager=blocks,
                                                             speculator=SimpleNamespace(proposer=object())))}
     (label, check), = ROLLBACK_WORKLOAD.engine_checks(served)
     with pytest.raises(AssertionError, match="2 of the target's 8 KV blocks are still allocated"):

@@ -7,14 +7,14 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import minifer.core.kv_cache_manager as bm
-from minifer_course.block_order import FifoBlockManager
-from minifer.core.kv_cache_manager import BlockManager
+from minifer_course.block_order import fifo_manager
+from minifer.core.kv_cache_manager import KVCacheManager
 
 pytestmark = pytest.mark.core  # the fast tier (tests/README.md)
 
 
 def test_allocate_grow_free_returns_every_block():
-    m = BlockManager(num_blocks=8, block_size=4)
+    m = KVCacheManager(num_blocks=8, block_size=4)
     assert m.allocate("a", list(range(6))) == 0
     assert len(m.block_table("a")) == 2 and m.num_free_blocks == 6
     m.append_slots("a", 9)
@@ -25,14 +25,14 @@ def test_allocate_grow_free_returns_every_block():
 
 
 def test_prefix_hit_shares_blocks_and_keeps_last_token_uncached():
-    m = BlockManager(num_blocks=10, block_size=4)
+    m = KVCacheManager(num_blocks=10, block_size=4)
     prompt = list(range(100, 112))  # three full blocks
     m.allocate("a", prompt)
     m.register_computed("a", prompt)
     # same 8-token prefix, different tail: two blocks are shared
     assert m.allocate("b", prompt[:8] + [1, 2, 3]) == 8
     assert m.block_table("b")[:2] == m.block_table("a")[:2]
-    assert m.blocks[m.block_table("a")[0]].ref_count == 2
+    assert m.block_pool.blocks[m.block_table("a")[0]].ref_count == 2
     # an identical prompt: the last block is recomputed so the last token yields logits
     assert m.allocate("c", prompt) == 8
     m.check_invariants()
@@ -43,7 +43,7 @@ def test_prefix_hit_shares_blocks_and_keeps_last_token_uncached():
 
 
 def test_cached_blocks_evicted_lru_only_when_needed():
-    m = BlockManager(num_blocks=4, block_size=2)
+    m = KVCacheManager(num_blocks=4, block_size=2)
     m.allocate("a", [1, 2, 3, 4])
     m.register_computed("a", [1, 2, 3, 4])
     m.free("a")
@@ -58,7 +58,7 @@ def test_cached_blocks_evicted_lru_only_when_needed():
 
 def test_hash_collision_never_serves_wrong_tokens(monkeypatch):
     monkeypatch.setattr(bm, "chain_hash", lambda parent, tokens: 42)  # every block collides
-    m = BlockManager(num_blocks=8, block_size=2)
+    m = KVCacheManager(num_blocks=8, block_size=2)
     m.allocate("a", [1, 2, 3])
     m.register_computed("a", [1, 2, 3])
     assert m.allocate("b", [5, 6, 7]) == 0  # same hash, different tokens: a miss
@@ -67,7 +67,7 @@ def test_hash_collision_never_serves_wrong_tokens(monkeypatch):
 
 
 def test_truncate_frees_emptied_blocks():
-    m = BlockManager(num_blocks=6, block_size=4)
+    m = KVCacheManager(num_blocks=6, block_size=4)
     m.allocate("a", list(range(5)))
     m.append_slots("a", 13)
     assert len(m.block_table("a")) == 4
@@ -77,7 +77,7 @@ def test_truncate_frees_emptied_blocks():
 
 
 def test_truncate_into_a_cached_block_uncaches_it_and_refuses_shared_ones():
-    m = BlockManager(num_blocks=8, block_size=4)
+    m = KVCacheManager(num_blocks=8, block_size=4)
     m.allocate("a", list(range(9)))
     m.register_computed("a", list(range(9)))
     m.allocate("b", list(range(9)))  # shares blocks 0 and 1 with "a"
@@ -90,21 +90,21 @@ def test_truncate_into_a_cached_block_uncaches_it_and_refuses_shared_ones():
 
 
 def test_out_of_blocks_is_reported_not_corrupting():
-    m = BlockManager(num_blocks=2, block_size=4)
+    m = KVCacheManager(num_blocks=2, block_size=4)
     assert not m.can_allocate(list(range(9)))
     with pytest.raises(MemoryError):
         m.allocate("a", list(range(9)))
     m.check_invariants()
     assert m.num_free_blocks == 2
     with pytest.raises(ValueError, match="num_blocks"):
-        BlockManager(0)
+        KVCacheManager(0)
 
 
 def test_fork_shares_every_block_and_copy_on_write_privatises_the_last():
-    m = BlockManager(num_blocks=8, block_size=4)
+    m = KVCacheManager(num_blocks=8, block_size=4)
     m.allocate("a", list(range(6)))  # one full block, one holding 2 of 4 tokens
     m.fork("a", "b")
-    assert m.block_table("b") == m.block_table("a") and [m.blocks[i].ref_count for i in m.block_table("a")] == [2, 2]
+    assert m.block_table("b") == m.block_table("a") and [m.block_pool.blocks[i].ref_count for i in m.block_table("a")] == [2, 2]
     assert m.num_free_blocks == 6  # a fork takes no block
     with pytest.raises(ValueError, match="already has blocks"):
         m.fork("a", "b")
@@ -121,7 +121,7 @@ def test_fork_shares_every_block_and_copy_on_write_privatises_the_last():
 
 
 def test_copy_on_write_without_a_free_block_changes_nothing():
-    m = BlockManager(num_blocks=2, block_size=4)
+    m = KVCacheManager(num_blocks=2, block_size=4)
     m.allocate("a", list(range(6)))
     m.fork("a", "b")
     with pytest.raises(MemoryError, match="no free KV block"):
@@ -154,7 +154,7 @@ ops = st.lists(
     max_size=60)
 
 
-@pytest.mark.parametrize("cls", [BlockManager, FifoBlockManager])  # the benchmark's FIFO variant must hold up too
+@pytest.mark.parametrize("cls", [KVCacheManager, fifo_manager])  # the benchmark's FIFO variant must hold up too
 @settings(max_examples=200, deadline=None)
 @given(ops=ops, block_size=st.sampled_from([1, 2, 4]), num_blocks=st.integers(1, 12),
        caching=st.booleans())
@@ -199,11 +199,11 @@ def test_random_workloads_leak_nothing(cls, ops, block_size, num_blocks, caching
         m.free(sid)
     m.check_invariants()
     assert m.num_free_blocks == num_blocks
-    assert all(b.ref_count == 0 for b in m.blocks)
+    assert all(b.ref_count == 0 for b in m.block_pool.blocks)
 
 
 def test_scratch_sequence_is_freed_and_not_counted_as_cache_traffic():
-    m = BlockManager(8, 4, enable_prefix_caching=True)
+    m = KVCacheManager(8, 4, enable_prefix_caching=True)
     m.allocate("a", list(range(8)))
     before = m.num_free_blocks, m.cache_queries, m.cache_hits
     with pytest.raises(RuntimeError):
@@ -216,7 +216,7 @@ def test_scratch_sequence_is_freed_and_not_counted_as_cache_traffic():
 
 def test_lowest_free_block_goes_out_first_whatever_the_order_blocks_came_back_in():
     """History (the order sequences finish, rollbacks) must not scatter later sequences over the pool."""
-    m = BlockManager(12, 2, enable_prefix_caching=False)
+    m = KVCacheManager(12, 2, enable_prefix_caching=False)
     for sid in range(5):
         m.allocate(sid, [1, 2, 3])  # two blocks each: 0-9 in use
     for sid in (3, 0, 4, 1):
@@ -225,7 +225,7 @@ def test_lowest_free_block_goes_out_first_whatever_the_order_blocks_came_back_in
     m.allocate("new", list(range(9)))
     assert m.block_table("new") == [0, 1, 2, 3, 5]
     m.check_invariants()
-    fifo = FifoBlockManager(12, 2, enable_prefix_caching=False)  # the textbook queue hands the history on
+    fifo = fifo_manager(12, 2)  # the textbook queue hands the history on
     for sid in range(5):
         fifo.allocate(sid, [1, 2, 3])
     for sid in (3, 0, 4, 1):

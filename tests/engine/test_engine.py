@@ -101,7 +101,7 @@ def test_quarter_budget_preempts_and_still_matches():
     stats = tight.stats()
     assert stats["num_preemptions"] > 0
     assert stats["kv_blocks_free"] == stats["kv_blocks_total"]
-    tight.engine.block_manager.check_invariants()
+    tight.engine.kv_cache_manager.check_invariants()
 
 
 def test_prefix_cache_hits_give_identical_output():

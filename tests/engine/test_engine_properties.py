@@ -87,7 +87,7 @@ def test_random_workload(engine_llm, reference, requests, shared_prefix):
             if out.finished:
                 live.discard(out.request_id)
                 assert None not in finished[out.request_id]
-        engine.block_manager.check_invariants()
+        engine.kv_cache_manager.check_invariants()
         if engine.speculator is not None and hasattr(engine.speculator.proposer, "blocks"):
             engine.speculator.proposer.blocks.check_invariants()
         step += 1
@@ -98,7 +98,7 @@ def test_random_workload(engine_llm, reference, requests, shared_prefix):
             assert finished[f"q{i}"] == [reference(tuple(prefix + prompt), max_tokens)] * n, f"request q{i} differs"
     stats = engine_llm.stats()
     assert stats["kv_blocks_free"] == stats["kv_blocks_total"]
-    assert all(b.ref_count == 0 for b in engine.block_manager.blocks)
+    assert all(b.ref_count == 0 for b in engine.kv_cache_manager.block_pool.blocks)
     proposer = getattr(engine.speculator, "proposer", None)
     if hasattr(proposer, "blocks"):  # the draft's cache: every block back, no state left for any request
         assert proposer.blocks.num_free_blocks == proposer.blocks.num_blocks

@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 
 from minifer import LLM, SamplingParams
-from minifer.request import SequenceGroup
+from minifer.request import ParentRequest
 
 BS = 16
 PROMPT = {"prompt_token_ids": [0] + [(37 * i) % 1900 + 50 for i in range(99)]}  # 100 tokens: 6 full blocks + 4
@@ -48,7 +48,7 @@ def test_each_completion_is_the_request_alone_with_seed_plus_index(llm):
     for a, b in zip(outs, static.generate(prompts, sampled(4), use_tqdm=False)):
         assert [c.token_ids for c in a.outputs] == [c.token_ids for c in b.outputs]
     assert llm.stats()["kv_blocks_free"] == llm.stats()["kv_blocks_total"]
-    llm.engine.block_manager.check_invariants()
+    llm.engine.kv_cache_manager.check_invariants()
 
 
 def test_unseeded_completions_differ_and_greedy_ones_agree(llm):
@@ -64,9 +64,9 @@ def test_unseeded_completions_differ_and_greedy_ones_agree(llm):
 
 def test_siblings_wait_for_the_prompt_then_share_its_blocks():
     llm = continuous(num_kv_blocks=64)
-    engine, bm = llm.engine, llm.engine.block_manager
+    engine, bm = llm.engine, llm.engine.kv_cache_manager
     group = engine.add_request("g", PROMPT, sampled(4))
-    assert isinstance(group, SequenceGroup) and [s.request_id for s in group.seqs] == ["0_g", "1_g", "2_g", "3_g"]
+    assert isinstance(group, ParentRequest) and [s.request_id for s in group.seqs] == ["0_g", "1_g", "2_g", "3_g"]
     assert len(group.pending) == 3 and list(engine.scheduler.waiting) == [group.seqs[0]]
     assert llm.stats()["num_waiting"] == 4  # the held siblings count as waiting (stats, speculation's k)
     first, *siblings = group.seqs
@@ -78,7 +78,7 @@ def test_siblings_wait_for_the_prompt_then_share_its_blocks():
     shared = bm.block_table("0_g")[:SHARED]
     for s in siblings:
         assert bm.block_table(s.request_id)[:SHARED] == shared
-    assert all(bm.blocks[b].ref_count == 4 for b in shared)
+    assert all(bm.block_pool.blocks[b].ref_count == 4 for b in shared)
     in_use = len({b for s in group.seqs for b in bm.block_table(s.request_id)})
     unshared = sum(len(bm.block_table(s.request_id)) for s in group.seqs)
     assert unshared - in_use == 3 * SHARED
@@ -107,7 +107,7 @@ def test_preemption_recomputes_completions_to_the_same_tokens(llm):
     assert got == want
     assert tight.stats()["num_preemptions"] > 0
     assert tight.stats()["kv_blocks_free"] == tight.stats()["kv_blocks_total"]
-    tight.engine.block_manager.check_invariants()
+    tight.engine.kv_cache_manager.check_invariants()
 
 
 def test_step_reports_one_output_per_request_and_deltas_add_up(llm):
@@ -143,7 +143,7 @@ def test_abort_stops_every_completion_and_frees_their_blocks(llm):
         outs += engine.step()
     assert {o.request_id for o in outs} == {"other"} and outs[-1].finished
     assert llm.stats()["kv_blocks_free"] == llm.stats()["kv_blocks_total"]
-    engine.block_manager.check_invariants()
+    engine.kv_cache_manager.check_invariants()
 
 
 def test_clear_errors_for_ids_that_collide_and_streams_of_several(llm):
@@ -189,5 +189,5 @@ def test_abort_while_the_first_completion_is_in_chunked_prefill():
     assert not engine.has_unfinished_requests() and not engine.requests
     assert all(s.finish_reason == "abort" for s in group.seqs)
     assert llm.stats()["kv_blocks_free"] == llm.stats()["kv_blocks_total"]
-    engine.block_manager.check_invariants()
+    engine.kv_cache_manager.check_invariants()
     assert llm.generate([PROMPT], sampled(2), use_tqdm=False)[0].finished  # the engine is fine afterwards

@@ -27,11 +27,11 @@ def test_formula_on_output_counts():
 
 
 def test_history_counts_output_only_and_bans_stop_tokens_before_min_tokens():
-    from minifer.request import Sequence
+    from minifer.request import Request
 
     params = [SamplingParams(frequency_penalty=1.0), SamplingParams(min_tokens=2, stop_token_ids=[8]),
               SamplingParams(min_tokens=1)]
-    seqs = [Sequence(str(i), None, prompt, p, 16, frozenset({9})) for i, (prompt, p) in
+    seqs = [Request(str(i), None, prompt, p, 16, frozenset({9})) for i, (prompt, p) in
             enumerate(zip([[1, 2], [4, 5], [6]], params))]
     seqs[0].output_token_ids, seqs[2].output_token_ids = [3, 3], [7]
     seen, counts, banned = history_tensors(seqs, 10, torch.device("cpu"))
@@ -41,7 +41,7 @@ def test_history_counts_output_only_and_bans_stop_tokens_before_min_tokens():
     assert not banned[2].any()  # one output already: min_tokens=1 is met
     logits = torch.zeros(3, 10)
     assert process_logits(logits, params, seen, counts, banned)[1, 8] == float("-inf")
-    plain = [Sequence("p", None, [1], SamplingParams(), 16, frozenset({9}))]
+    plain = [Request("p", None, [1], SamplingParams(), 16, frozenset({9}))]
     assert history_tensors(plain, 10, torch.device("cpu")) == (None, None, None)  # nothing built for plain rows
 
 

@@ -503,7 +503,7 @@ def test_stop_strings_on_multibyte_text_match_a_full_decode(target_llm, words, d
     whole output after every token; the request must stop at the first token whose full decode contains the
     stop string, with the text cut before it, even where characters span several byte tokens. With
     ``min_tokens=k`` the stop string must end past the characters that the first k-1 tokens completed."""
-    from minifer.request import Sequence
+    from minifer.request import Request
 
     tok = target_llm.get_tokenizer()
     text = "".join(words)
@@ -511,7 +511,7 @@ def test_stop_strings_on_multibyte_text_match_a_full_decode(target_llm, words, d
     start = data.draw(st.integers(0, len(text) - 1))
     stop = text[start:data.draw(st.integers(start + 1, min(len(text), start + 6)))]
     k = data.draw(st.integers(0, len(ids)))
-    seq = Sequence("r", None, [1], SamplingParams(max_tokens=len(ids), stop=[stop], ignore_eos=True, min_tokens=k),
+    seq = Request("r", None, [1], SamplingParams(max_tokens=len(ids), stop=[stop], ignore_eos=True, min_tokens=k),
                    len(ids), frozenset())
     for t in ids:
         seq.append_token(t, 0.0, None, tok)
@@ -536,12 +536,12 @@ def test_a_stop_string_ending_in_the_character_the_min_tokens_th_token_completes
     """"é" is two byte tokens; with min_tokens=4 on "café" the fourth token completes it, so the stop string
     "é" ends in that token's text and stops the request (a decode of the first three tokens ends in U+FFFD,
     which must not count as a character already written)."""
-    from minifer.request import Sequence
+    from minifer.request import Request
 
     tok = target_llm.get_tokenizer()
     ids = tok.encode("café", add_special_tokens=False)
     assert len(ids) == 4 and tok.decode(ids[:3]).endswith("\ufffd")
-    seq = Sequence("r", None, [1], SamplingParams(max_tokens=8, stop=["é"], min_tokens=4), 8, frozenset())
+    seq = Request("r", None, [1], SamplingParams(max_tokens=8, stop=["é"], min_tokens=4), 8, frozenset())
     for t in ids:
         seq.append_token(t, 0.0, None, tok)
     assert (seq.finish_reason, seq.stop_reason, seq.to_output(tok).outputs[0].text) == ("stop", "é", "caf")

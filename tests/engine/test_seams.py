@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from minifer import LLM, SamplingParams
-from minifer.core.kv_cache_manager import BlockManager
+from minifer.core.kv_cache_manager import KVCacheManager
 from minifer.engine.components import Components
 from minifer.spec_decode.ngram_proposer import NgramProposer
 from minifer.worker.model_runner import ModelRunner
@@ -40,7 +40,7 @@ def reference():
 def test_a_block_allocator_and_a_scheduler_handed_in_are_the_ones_used(reference):
     built = []
 
-    class CountingAllocator(BlockManager):
+    class CountingAllocator(KVCacheManager):
         def allocate(self, seq_id, token_ids, use_cache=True):
             built.append(("allocate", seq_id))
             return super().allocate(seq_id, token_ids, use_cache)
@@ -52,7 +52,7 @@ def test_a_block_allocator_and_a_scheduler_handed_in_are_the_ones_used(reference
 
     llm = LLM("tinystories-target", share_weights_with=reference[0], block_allocator=CountingAllocator,
               scheduler=CountingScheduler)
-    assert isinstance(llm.engine.block_manager, CountingAllocator)
+    assert isinstance(llm.engine.kv_cache_manager, CountingAllocator)
     assert isinstance(llm.engine.scheduler, CountingScheduler)
     assert _tokens(llm) == reference[1]
     assert any(c[0] == "allocate" for c in built) and any(c[0] == "schedule" for c in built)

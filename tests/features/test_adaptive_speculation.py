@@ -288,7 +288,7 @@ def test_the_acceptance_estimate_follows_the_recent_workload(spec):
 
 def test_calibration_times_decode_shaped_forwards_and_frees_its_blocks():
     llm = LLM("tinystories-target", speculative_config=NGRAM)
-    spec, blocks = llm.engine.speculator.adaptive, llm.engine.block_manager
+    spec, blocks = llm.engine.speculator.adaptive, llm.engine.kv_cache_manager
     assert sorted(spec.target_cost.samples) == [1, 2, 4, 8, 16, 32, 64, 128]
     assert all(len(w) == 3 for w in spec.target_cost.samples.values())
     assert blocks.num_free_blocks == blocks.num_blocks and blocks.cache_queries == 0

@@ -194,7 +194,7 @@ def test_prompts_side_by_side_equal_prompts_alone(beam_llm):
 
 
 def test_blocks_are_shared_counted_and_all_returned(beam_llm, monkeypatch):
-    blocks = beam_llm.engine.block_manager
+    blocks = beam_llm.engine.kv_cache_manager
     checked = []
     step = BeamSearch._step
 
@@ -218,7 +218,7 @@ def test_blocks_are_shared_counted_and_all_returned(beam_llm, monkeypatch):
 
 
 def test_an_error_mid_search_returns_every_block(beam_llm, monkeypatch):
-    blocks = beam_llm.engine.block_manager
+    blocks = beam_llm.engine.kv_cache_manager
     calls = {"n": 0}
     forward = beam_llm.engine.runner.forward
 
@@ -268,7 +268,7 @@ def test_bad_requests_are_refused_naming_the_problem(beam_llm):
     small = minifer.LLM("tinystories-target", dtype="float32", device="cpu", block_size=4, num_kv_blocks=10)
     with pytest.raises(ValueError, match=r"prompt 0: 8 beams .* need \d+ KV blocks .* the cache has 10"):
         small.beam_search(["Once upon a time"], BeamSearchParams(8, 64))
-    assert small.engine.block_manager.num_free_blocks == 10
+    assert small.engine.kv_cache_manager.num_free_blocks == 10
     static = minifer.LLM("tinystories-target", dtype="float32", device="cpu", batching="static")
     with pytest.raises(ValueError, match="batching='continuous'"):
         static.beam_search(["x"], BeamSearchParams(2, 4))

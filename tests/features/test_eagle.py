@@ -32,7 +32,7 @@ def plain():
 def _assert_nothing_leaked(llm: LLM) -> None:
     stats = llm.stats()
     assert stats["kv_blocks_free"] == stats["kv_blocks_total"]
-    llm.engine.block_manager.check_invariants()
+    llm.engine.kv_cache_manager.check_invariants()
     proposer = llm.engine.speculator.proposer
     assert isinstance(proposer, EagleProposer)
     assert proposer.blocks.num_free_blocks == proposer.blocks.num_blocks  # the head's own cache

@@ -81,7 +81,7 @@ def test_engine_with_int8_kv_is_closer_than_fp8_and_keeps_its_invariants_under_p
     stats = tight.stats()
     assert stats["kv_cache_dtype"] == "int8" and stats["num_preemptions"] > 0
     assert stats["kv_blocks_free"] == stats["kv_blocks_total"]
-    tight.engine.block_manager.check_invariants()
+    tight.engine.kv_cache_manager.check_invariants()
 
 
 def test_int8_kv_nearly_doubles_what_fits():

@@ -378,7 +378,7 @@ def test_chat_through_a_template():
 def test_a_step_failing_after_tokens_were_appended_leaves_nothing_behind():
     """The fault hits after every sequence got its token (some finished) but before the step retired them."""
     llm = LLM("tinystories-draft", max_num_seqs=4)
-    bm = llm.engine.block_manager
+    bm = llm.engine.kv_cache_manager
     real, calls = bm.register_computed, []
 
     def broken(*args):
@@ -563,7 +563,7 @@ def test_random_concurrent_traffic_loses_nothing(small_server, actions):
     assert not engine.requests and small_server.loop.alive()
     assert small_server.loop.aborted - aborted == sum(1 for a in actions if a["kind"] == "leave")  # one each
     assert stats["kv_blocks_free"] == stats["kv_blocks_total"]
-    engine.block_manager.check_invariants()
+    engine.kv_cache_manager.check_invariants()
 
 
 def test_server_sweep_streams_every_token_at_each_concurrency():

@@ -33,7 +33,7 @@ def test_greedy_tokens_identical_in_a_mixed_batch(plain, heldout_stories, config
     assert got == want
     stats = llm.stats()
     assert stats["kv_blocks_free"] == stats["kv_blocks_total"]
-    llm.engine.block_manager.check_invariants()
+    llm.engine.kv_cache_manager.check_invariants()
     if not config.get("adaptive"):  # fixed k, the default: every decode step speculated
         assert stats["spec_num_proposed"] > 0
         assert 1 <= stats["spec_mean_tokens_per_forward"] <= config["num_speculative_tokens"] + 1
@@ -54,7 +54,7 @@ def test_greedy_identical_under_preemption_and_prefix_caching(plain, config):
     assert stats["num_preemptions"] > 0
     assert stats["prefix_cache_hit_rate"] > 0
     assert stats["kv_blocks_free"] == stats["kv_blocks_total"]
-    tight.engine.block_manager.check_invariants()
+    tight.engine.kv_cache_manager.check_invariants()
 
 
 def test_stats_report_speculation(heldout_stories):

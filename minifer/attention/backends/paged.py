@@ -243,7 +243,7 @@ class PagedKVCache:
 
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
         """Copy whole blocks, ``(source, destination)``, in every layer: keys, values and per-token scales (the
-        copy-on-write of ``BlockManager.copy_on_write``). All sources are read before any destination is written."""
+        copy-on-write of ``KVCacheManager.copy_on_write``). All sources are read before any destination is written."""
         if not pairs:
             return
         src = torch.tensor([s for s, _ in pairs], device=self.k.device)

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from minifer.core.kv_cache_manager import KVBlockAllocator
-from minifer.request import Sequence, SequenceStatus
+from minifer.request import Request, RequestStatus
 
 
 @dataclass
@@ -40,9 +40,9 @@ class SchedulerConfig:
 
 @dataclass
 class ScheduledBatch:
-    seqs: list[Sequence] = field(default_factory=list)
+    seqs: list[Request] = field(default_factory=list)
     num_new_tokens: list[int] = field(default_factory=list)
-    preempted: list[Sequence] = field(default_factory=list)
+    preempted: list[Request] = field(default_factory=list)
 
     def __len__(self) -> int:
         return len(self.seqs)
@@ -65,25 +65,25 @@ class SchedulerPolicy(Protocol):
 
     config: SchedulerConfig
     waiting: Any
-    running: list[Sequence]
+    running: list[Request]
     num_preemptions: int
 
-    def check_fits(self, seq: Sequence) -> None: ...
+    def check_fits(self, seq: Request) -> None: ...
 
-    def add(self, seq: Sequence) -> None: ...
+    def add(self, seq: Request) -> None: ...
 
-    def add_front(self, seqs: list[Sequence]) -> None: ...
+    def add_front(self, seqs: list[Request]) -> None: ...
 
     def has_unfinished(self) -> bool: ...
 
-    def abort(self, seq: Sequence) -> None: ...
+    def abort(self, seq: Request) -> None: ...
 
-    def finish(self, seq: Sequence) -> None: ...
+    def finish(self, seq: Request) -> None: ...
 
     def schedule(self) -> ScheduledBatch: ...
 
 
-def preempt_by_recompute(running: list[Sequence], waiting: deque[Sequence], blocks: KVBlockAllocator) -> Sequence:
+def preempt_by_recompute(running: list[Request], waiting: deque[Request], blocks: KVBlockAllocator) -> Request:
     """Preempt the newest running sequence by recomputation (vLLM's default) and return it.
 
     The newest has the least work to lose, and the oldest, which have waited longest, keep making progress: the
@@ -93,12 +93,12 @@ def preempt_by_recompute(running: list[Sequence], waiting: deque[Sequence], bloc
     the *front* of the waiting queue: it arrived before every request still waiting."""
     victim = running.pop()
     blocks.free(victim.request_id)
-    victim.status, victim.num_computed_tokens = SequenceStatus.WAITING, 0
+    victim.status, victim.num_computed_tokens = RequestStatus.WAITING, 0
     waiting.appendleft(victim)
     return victim
 
 
-Preemption = Callable[[list[Sequence], "deque[Sequence]", KVBlockAllocator], Sequence]
+Preemption = Callable[[list[Request], "deque[Request]", KVBlockAllocator], Request]
 
 
 class Scheduler:
@@ -109,11 +109,11 @@ class Scheduler:
 
     def __init__(self, config: SchedulerConfig, blocks: KVBlockAllocator) -> None:
         self.config, self.blocks = config, blocks
-        self.waiting: deque[Sequence] = deque()
-        self.running: list[Sequence] = []
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
         self.num_preemptions = 0
 
-    def check_fits(self, seq: Sequence) -> None:
+    def check_fits(self, seq: Request) -> None:
         """Reject up front a request that could never run, instead of letting it wait forever."""
         need = self.blocks.blocks_needed(len(seq.prompt_token_ids) + seq.max_tokens)
         if need > self.blocks.num_blocks:
@@ -124,24 +124,24 @@ class Scheduler:
             raise ValueError(f"request {seq.request_id!r} has a {len(seq.prompt_token_ids)}-token prompt, more than "
                              f"max_num_batched_tokens={self.config.max_num_batched_tokens} without chunked prefill")
 
-    def add(self, seq: Sequence) -> None:
+    def add(self, seq: Request) -> None:
         self.check_fits(seq)
-        seq.status = SequenceStatus.WAITING
+        seq.status = RequestStatus.WAITING
         self.waiting.append(seq)
 
-    def add_front(self, seqs: list[Sequence]) -> None:
+    def add_front(self, seqs: list[Request]) -> None:
         """Queue ``seqs`` ahead of every waiting request, in their order (siblings of a request already
-        admitted: parallel sampling's completions, ``SequenceGroup``)."""
+        admitted: parallel sampling's completions, ``ParentRequest``)."""
         for seq in seqs:
             self.check_fits(seq)
         for seq in reversed(seqs):
-            seq.status = SequenceStatus.WAITING
+            seq.status = RequestStatus.WAITING
             self.waiting.appendleft(seq)
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
-    def abort(self, seq: Sequence) -> None:
+    def abort(self, seq: Request) -> None:
         if seq in self.running:
             self.running.remove(seq)
         elif seq in self.waiting:
@@ -149,11 +149,11 @@ class Scheduler:
         if self.blocks.has_seq(seq.request_id):
             self.blocks.free(seq.request_id)
 
-    def finish(self, seq: Sequence) -> None:
+    def finish(self, seq: Request) -> None:
         self.running.remove(seq)
         self.blocks.free(seq.request_id)
 
-    def preempt_newest(self, batch: ScheduledBatch) -> Sequence:
+    def preempt_newest(self, batch: ScheduledBatch) -> Request:
         """Preempt one running sequence through ``preempt`` (the newest, by default), and count it."""
         victim = self.preempt(self.running, self.waiting, self.blocks)
         if victim in self.running:  # it would be chosen again and again: the step would never end
@@ -175,7 +175,7 @@ class Scheduler:
                 victim = self.preempt_newest(batch)
                 if victim is seq:
                     break
-            if seq.status is not SequenceStatus.RUNNING:
+            if seq.status is not RequestStatus.RUNNING:
                 break  # it preempted itself: nothing newer is left to run
             self.blocks.append_slots(seq.request_id, seq.num_computed_tokens + n)
             batch.seqs.append(seq)
@@ -195,7 +195,7 @@ class Scheduler:
             cached = self.blocks.allocate(seq.request_id, tokens, use_cache)
             seq.num_computed_tokens = cached
             n = min(len(tokens) - cached, budget)
-            seq.status = SequenceStatus.RUNNING
+            seq.status = RequestStatus.RUNNING
             self.running.append(seq)
             batch.seqs.append(seq)
             batch.num_new_tokens.append(n)

@@ -21,7 +21,7 @@ import traceback
 from collections.abc import Callable
 from typing import Any
 
-from minifer.request import Sequence
+from minifer.request import Request
 from minifer.entrypoints.openai.protocol import RequestError, engine_error_param
 
 DONE = object()  # delivered once none of an HTTP request's engine requests will report again
@@ -72,7 +72,7 @@ class EngineLoop:
         self._commands.put(None)
         self._thread.join(timeout=30)
 
-    def submit(self, seqs: list[Sequence], deliver: Deliver, stream: bool = True,
+    def submit(self, seqs: list[Request], deliver: Deliver, stream: bool = True,
                arrival: float | None = None) -> None:
         """Queue sequences (``LLM.make_sequence``'s, validated). ``stream=False``: only the outputs in which a
         completion finished are delivered (a plain answer needs nothing else), so its handler wakes once per
@@ -150,9 +150,9 @@ class EngineLoop:
         if kind == "stats":
             answer.set_result({**self.engine.stats(), "prompt_tokens": self.prompt_tokens,
                                "generation_tokens": self.generation_tokens,
-                               "prefix_cache_queries_blocks": self.engine.block_manager.cache_queries,
-                               "prefix_cache_hits_blocks": self.engine.block_manager.cache_hits,
-                               "block_size": self.engine.block_manager.block_size,
+                               "prefix_cache_queries_blocks": self.engine.kv_cache_manager.cache_queries,
+                               "prefix_cache_hits_blocks": self.engine.kv_cache_manager.cache_hits,
+                               "block_size": self.engine.kv_cache_manager.block_size,
                                **({"spec_num_drafts": self.engine.speculator.stats.num_verifies}
                                   if self.engine.speculator is not None else {})})
             return

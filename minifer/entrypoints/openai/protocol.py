@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from http import HTTPStatus
 from typing import Any
 
-from minifer.request import Sequence
+from minifer.request import Request
 from minifer.outputs import CompletionOutput, RequestOutput
 from minifer.sampling_params import SamplingParams
 
@@ -34,9 +34,9 @@ class RequestError(ValueError):
         self.param, self.status = param, status
 
 
-def check_room(seq: Sequence, field: str) -> None:
+def check_room(seq: Request, field: str) -> None:
     """Refuse a ``max_tokens`` the client set itself that the context cannot hold after the prompt, with vLLM's
-    400. The offline ``LLM`` clips it instead (``Sequence.max_tokens``: clipped to exactly the room left, so
+    400. The offline ``LLM`` clips it instead (``Request.max_tokens``: clipped to exactly the room left, so
     a clipped one tells the room), and a default (16 for completions) is clipped here too, as vLLM does."""
     asked, room, n = seq.params.max_tokens, seq.max_tokens, len(seq.prompt_token_ids)
     if asked is not None and asked > room:

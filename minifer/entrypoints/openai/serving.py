@@ -2,7 +2,7 @@
 
 Everything a request costs before it can run happens here, in a worker thread of its own
 (``Preprocessor.run``), never on the engine thread (whose every millisecond delays every stream) nor on the
-event loop (whose every millisecond delays every connection). What this produces is a list of ``Sequence``s
+event loop (whose every millisecond delays every connection). What this produces is a list of ``Request``s
 that ``LLM.make_sequence`` validated, that the scheduler has checked would fit the KV cache, and whose explicit
 ``max_tokens`` fits the context: the engine thread only queues them.
 
@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 from http import HTTPStatus
 from typing import Any
 
-from minifer.request import Sequence
+from minifer.request import Request
 from minifer.model_loader import chat_token_ids
 from minifer.entrypoints.openai.protocol import (
     Echo,
@@ -68,7 +68,7 @@ class Prepared:
     request_id: str
     model: str
     chat: bool
-    seqs: list[Sequence]
+    seqs: list[Request]
     n: int
     stream: bool
     include_usage: bool
