@@ -26,7 +26,9 @@ import torch
 from minifer.engine.block_manager import BlockManager, KVBlockAllocator
 from minifer.engine.runner import ModelRunner
 from minifer.engine.scheduler import ScheduledBatch, Scheduler, SchedulerConfig, SchedulerPolicy
+from minifer.engine.proposers import DraftProposer
 from minifer.engine.sequence import Sequence, SequenceGroup, SequenceStatus, sequences_of
+from minifer.engine.speculative import Rollback, SpeculativeConfig, Speculator, build_speculator
 from minifer.engine.step import EngineStep, StepParts, engine_step, run_checked
 from minifer.layers.kv_quant import CALIBRATION_TEXT
 from minifer.layers.ops import REFERENCE_OPS, LayerOps
@@ -34,12 +36,10 @@ from minifer.layers.paged_attention import PagedAttentionBackend, PagedKVCache
 from minifer.models.llama import LlamaForCausalLM
 from minifer.outputs import RequestOutput
 from minifer.sampling import Sampler
+from minifer.spec.rejection import Verifier
 
-if TYPE_CHECKING:  # speculation's modules load only for an engine that speculates (``__init__``)
+if TYPE_CHECKING:  # the EAGLE head's seam is a feature the core reaches only at its wiring point (pyproject.toml)
     from minifer.features.eagle import EagleForward
-    from minifer.engine.proposers import DraftProposer
-    from minifer.engine.speculative import Rollback, SpeculativeConfig, Speculator
-    from minifer.spec.rejection import Verifier
 
 
 @dataclass
@@ -146,8 +146,6 @@ class LLMEngine:
                 self.runner.graphs = None
         self.speculator: Speculator | None = None
         if speculative_config is not None:
-            from minifer.engine.speculative import build_speculator
-
             self.speculator = build_speculator(speculative_config, draft_model, self.runner, self.block_manager,
                                                cfg.vocab_size, num_blocks, cache_config.block_size, proposer=proposer,
                                                verifier=verifier, sampler=self.sampler, rollback=rollback,

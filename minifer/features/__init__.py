@@ -1,9 +1,10 @@
-"""Optional features: each plugs into a seam of the engine core and is imported only when a run asks for it.
+"""Optional features: each plugs into a seam of the engine core, and a run that does not ask for one never calls it.
 
 The core (``config``, ``loader``, ``models``, ``layers``, ``sampling``, ``engine``, ``spec``, ``quant``, ``kernels``)
-is what every request goes through and what the chapters teach; it serves with none of these modules loaded. Each
-one here builds on the core's interfaces, and the core reaches it only at the wiring points the import contract
-lists (``pyproject.toml``, "the engine core reaches optional features only at its wiring points"):
+is what every request goes through and what the chapters teach. Each module here builds on the core's interfaces;
+the offline entry point (``entrypoints/llm.py``) imports those it wires in, and the core reaches them only at the
+wiring points the import contract lists (``pyproject.toml``, "the engine core reaches optional features only at its
+wiring points"):
 
 - ``adaptive_k``, ``adaptive_ngram``: adaptive k, opt-in: how many tokens to speculate each step (an
   ``AdaptiveSpeculator`` in place of the fixed-k ``Speculator``);
