@@ -256,7 +256,7 @@ def decode_eager_vs_fused(model: Any, fused: Any, context: int = 128, rounds: in
 
 def peer_target_rows(result: Mapping[str, Any]) -> list[dict[str, Any]]:
     """Issue 28's targets from a committed ``cpu_peer.json`` (its ``targets`` section, computed by
-    ``minifer.bench.cpu_targets`` when the benchmark ran): measured value, goal and verdict, one row each."""
+    ``minifer_course.experiments.cpu_targets`` when the benchmark ran): measured value, goal and verdict, one row each."""
     rows = []
     for t in result["targets"]:
         verdict = ("not measured" if t["met"] is None else "met" if t["met"] else f"missed by {t['missed_by']:.2f}")

@@ -276,7 +276,7 @@ def register_limited_warps(registers: int, num_warps: int, regs_per_sm: int = 65
 
 
 def aot_table(report: Mapping[str, Any], match: str = "quant_") -> list[dict[str, Any]]:
-    """``python -m minifer.bench.aot``'s report as one row per kernel whose name contains ``match``, with
+    """``python -m minifer_course.experiments.aot``'s report as one row per kernel whose name contains ``match``, with
     registers per thread, shared memory, spills, the register-limited warps per SM
     (:func:`register_limited_warps`) and the main loop's instructions per weight (None where not counted)
     side by side for each architecture compiled (``regs_80``, ``smem_80``, ``spills_80``, ``warps_80``,

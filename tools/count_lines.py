@@ -36,7 +36,7 @@ SPECULATIVE = ("engine/speculative.py", "engine/spec_step.py", "engine/adaptive_
 DECODE_PATH = ("engine", "core", "worker", "models", "layers", "attention", "sample/sampler.py", "sampling_params.py",
                "request.py", "quantization/kv_cache.py")
 TARGET = {"package": 8000, "decode_path": 3200, "long_functions": 0}
-CEILING = {"package": 9676, "decode_path": 2550, "long_functions": 5}
+CEILING = {"package": 9656, "decode_path": 2549, "long_functions": 5}
 STEP_FILES = {"target": 10, "ceiling": 13}  # distinct minifer/ files one plain decode step enters (vLLM's split:
 # sampling_params.py apart from sample/sampler.py, core/block_pool.py under core/kv_cache_manager.py)
 

@@ -44,6 +44,10 @@ def _bench(args: str) -> str:
     return f"python -m minifer.bench {args}"
 
 
+# the CPU peer benchmark (python -m minifer.bench cpu_peer) with the CPU path's bounds and targets (the course's)
+CPU_TARGETS = "minifer_course.experiments.cpu_targets"
+
+
 PARTS = [
     Part("bound", _bench(f"bound --out {RESULTS}/bound.json --plot"), 1,
          "computed: the scheduler-step bound of continuous over static batching (ch03)", measured=True),
@@ -68,34 +72,35 @@ PARTS = [
     Part("speculative_bookkeeping", f"python -m minifer.bench.speculative --bookkeeping --repeats 4 "
                                     f"--out {RESULTS}/speculative_bookkeeping.json", 1,
          "the speculator's bookkeeping cost (ch04)", measured=True),
-    Part("adaptive_control", f"python -m minifer.bench.adaptive_control --out {RESULTS}/adaptive_control.json", 24,
+    Part("adaptive_control", f"python -m minifer_course.experiments.adaptive_control --out {RESULTS}/adaptive_control.json", 24,
          "adaptive k against plain decoding with a control built after it: placement or a cost of its own (ch04)"),
-    Part("adaptive_pooled", f"python -m minifer.bench.adaptive_pooled --out {RESULTS}/adaptive_pooled.json", 1,
+    Part("adaptive_pooled", f"python -m minifer_course.experiments.adaptive_pooled --out {RESULTS}/adaptive_pooled.json", 1,
          "the three adaptive-k runs' plain-throughout rounds pooled, and a family-wise per-cell reading (reads "
          "speculative*.json and adaptive_control.json; runs no engine)"),
-    Part("adaptive_split", f"python -m minifer.bench.adaptive_split --out {RESULTS}/adaptive_split.json", 15,
+    Part("adaptive_split", f"python -m minifer_course.experiments.adaptive_split --out {RESULTS}/adaptive_split.json", 15,
          "each engine's step split into its forward and the rest: where adaptive k's plain-step cost lies (ch04)"),
     Part("quality", f"python -m minifer.bench.quality --out {RESULTS}/quant_quality.json --plot", 5,
          "weight quantization: bytes, perplexity, agreement (ch05, README)", measured=True),
     Part("stacking", f"python -m minifer_course.stacking -n 96 --rounds 3 --out {RESULTS}/stacking.json --plot", 3,
          "the levers alone and stacked (ch06, README)", measured=True),
-    Part("server_overhead", f"python -m minifer.bench.server_overhead --rounds 5 --out {RESULTS}/server_overhead.json "
+    Part("server_overhead", f"python -m minifer_course.experiments.server_overhead --rounds 5 --out {RESULTS}/server_overhead.json "
                             "--plot", 2, "the HTTP server against the direct engine (ch00)", measured=True),
     Part("server_sweep", f"python -m minifer.bench.server_sweep --concurrency 1 2 4 8 16 --out {RESULTS}/server_sweep.json "
                          "--plot", 10, "TTFT and inter-token latency through the server by concurrency (ch00, README)"),
     Part("eagle", f"python -m minifer.bench.eagle --out {RESULTS}/eagle.json --rounds 5", 10,
          "the EAGLE head against the draft model and n-gram: alpha, tokens per forward, speedup (ch04, README)",
          measured=True),
-    Part("cpu_peer", _bench(f"cpu_peer -n 512 --repeats 3 --out {RESULTS}/cpu_peer.json"), 40,
-         "minifer against CTranslate2 on the same model and workload, and the CPU levers (ch01, ch03; needs the "
-         "`peer` extra)", measured=True),
-    Part("cpu_peer_replicate", _bench(f"cpu_peer -n 512 --repeats 3 --out {RESULTS}/cpu_peer_replicate.json"), 40,
+    Part("cpu_peer", f"python -m {CPU_TARGETS} -n 512 --repeats 3 --out {RESULTS}/cpu_peer.json", 40,
+         "minifer against CTranslate2 on the same model and workload, the CPU levers, the two bounds and the targets "
+         "(ch01, ch03; needs the `peer` extra)", measured=True),
+    Part("cpu_peer_replicate", f"python -m {CPU_TARGETS} -n 512 --repeats 3 --out {RESULTS}/cpu_peer_replicate.json",
+         40,
          "the same comparison again: how far single levers move between runs (ch01)", measured=True),
-    Part("aot", f"python -m minifer.bench.aot --out {RESULTS}/aot_report.json", 10,
+    Part("aot", f"python -m minifer_course.experiments.aot --out {RESULTS}/aot_report.json", 10,
          "every Triton kernel compiled ahead of time for sm_80 and sm_90: registers, spills, SASS (ch05 appendix)"),
-    Part("aot_archs", f"python -m minifer.bench.aot --ccs 75 80 89 90 --out {RESULTS}/aot_report_archs.json", 20,
+    Part("aot_archs", f"python -m minifer_course.experiments.aot --ccs 75 80 89 90 --out {RESULTS}/aot_report_archs.json", 20,
          "the same for every GPU CI checks (T4, A100, L4, H100/H200; README, tests/kernels/test_aot_archs.py)"),
-    Part("aot_all_configs", f"python -m minifer.bench.aot --all-configs --out {RESULTS}/aot_report_all_configs.json", 15,
+    Part("aot_all_configs", f"python -m minifer_course.experiments.aot --all-configs --out {RESULTS}/aot_report_all_configs.json", 15,
          "every distinct config of the quantized kernels' GPU autotuning lists, sm_80 and sm_90 (README)"),
     Part("notebooks", "python tools/make_results.py --execute-notebooks", 12,
          "re-execute every chapter and solution notebook, storing outputs"),

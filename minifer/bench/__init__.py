@@ -1,13 +1,16 @@
 """Benchmarks a user would run against any engine: offline throughput and online serving (``serving``, with the
-seeded request ``workloads``; ``python -m minifer.bench --help``), speculative decoding (``speculative``), the
-quality and kernels of quantization (``quality``, ``quant_kernels``) and the HTTP server (``server_overhead``,
-``server_sweep``), each with its own ``--help``; ``machine`` describes the machine a result ran on and
-``provenance`` the code. ``aot`` compiles every Triton kernel for GPU targets without a GPU (registers, spills,
-instructions per weight); ``cpu_peer`` compares the CPU path with CTranslate2 and measures each CPU lever alone:
-tools and experiments the engine never runs while serving.
-The chapters' own experiments (roofline, KV memory, block order, the 8-bit KV cache's capacity, stacking the
-levers) live in ``minifer_course``.
+seeded request ``workloads``; ``python -m minifer.bench --help``), speculative decoding (``speculative``, ``eagle``),
+the quality and kernels of quantization (``quality``, ``quant_kernels``), latency through the HTTP server
+(``server_sweep``) and the CPU path against a production CPU engine, CTranslate2, with each CPU lever alone
+(``cpu_peer``), each with its own ``--help``; ``machine`` describes the machine a result ran on and ``provenance``
+the code and checkpoints. The course's experiments (the chapters', and the project's own: adaptive k, the CPU
+path's bounds and targets, the HTTP layer's cost, the Triton kernels compiled ahead of time) live in
+``minifer_course``.
 
-Submodules are not imported here, so ``python -m minifer.bench.speculative`` runs without the warning that
+Only ``provenance`` is imported here, so that its record of the checkpoints a run reads starts before any benchmark
+loads one; the other submodules are not, so ``python -m minifer.bench.speculative`` runs without the warning that
 ``runpy`` gives when a package has already imported the module it is asked to run.
 """
+
+from minifer.bench import provenance  # noqa: F401 (starts the record of the checkpoints a run reads)
+

@@ -165,10 +165,7 @@ def cmd_cpu_peer(args) -> int:
 
     torch.set_num_threads(1)
     meta = metadata(args.argv)
-    res = cpu_peer.run(args.model, args.num_requests, args.repeats, args.sections, args.ct2_dir,
-                       identity=not args.no_identity, two_threads=args.two_threads,
-                       warmup=not args.no_warmup)
-    _finish(args, {"metadata": meta, **res}, "cpu_peer.json")
+    _finish(args, {"metadata": meta, **cpu_peer.run_args(args)}, "cpu_peer.json")
     return 0
 
 
@@ -212,18 +209,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--top", type=int, default=25)
     p.set_defaults(func=cmd_profile)
 
+    from minifer.bench import cpu_peer
+
     p = sub.add_parser("cpu_peer", help="minifer vs CTranslate2 on the CPU (optional peer: pip install ctranslate2)")
-    p.add_argument("--model", default="tinystories-target")
-    p.add_argument("--num-requests", "-n", type=int, default=512)
-    p.add_argument("--repeats", type=int, default=3, help="interleaved rounds")
-    p.add_argument("--sections", nargs="+", default=["peer", "batch1", "levers", "bounds"],
-                   choices=["peer", "batch1", "levers", "bounds"])
-    p.add_argument("--ct2-dir", default="runs/ct2", help="where converted CTranslate2 models are kept")
-    p.add_argument("--no-identity", action="store_true", help="skip the greedy identity check against CT2")
-    p.add_argument("--no-warmup", action="store_true", help="no warm-up run of each configuration")
-    p.add_argument("--two-threads", action="store_true",
-                   help="also one engine on two torch threads (slow when another process holds a core)")
-    p.add_argument("--out", default=None)
+    cpu_peer.add_arguments(p)
     p.set_defaults(func=cmd_cpu_peer)
 
     p = sub.add_parser("plot", help="draw PNGs from result JSON files")

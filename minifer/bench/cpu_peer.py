@@ -19,10 +19,14 @@ Rounds are interleaved (the configurations alternate their order from round to r
 the median of per-round ratios: the machine is shared and its speed drifts, so only ratios measured in one run
 mean anything. CTranslate2 is an optional peer (``pip install "minifer[peer]"``); without it the minifer
 side still runs and the result says why the peer is missing.
+
+The project's own targets for its CPU path, and the two bounds it holds the engine to, are the course's
+measurement (``python -m minifer_course.experiments.cpu_targets``): it runs this benchmark and reads them off it.
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import statistics
 import time
@@ -378,7 +382,28 @@ def batch1_minifers(model: str) -> dict[str, Minifer]:
             for name, cc in BATCH1_LEVERS.items()}
 
 
-SECTIONS = ("peer", "batch1", "levers", "bounds")
+SECTIONS = ("peer", "batch1", "levers")
+
+
+def add_arguments(p: argparse.ArgumentParser, sections: Sequence[str] = SECTIONS) -> None:
+    """The command's flags (``python -m minifer.bench cpu_peer``; the course's ``cpu_targets`` adds a section)."""
+    p.add_argument("--model", default="tinystories-target")
+    p.add_argument("--num-requests", "-n", type=int, default=512)
+    p.add_argument("--repeats", type=int, default=3, help="interleaved rounds")
+    p.add_argument("--sections", nargs="+", default=list(sections), choices=list(sections))
+    p.add_argument("--ct2-dir", default="runs/ct2", help="where converted CTranslate2 models are kept")
+    p.add_argument("--no-identity", action="store_true", help="skip the greedy identity check against CT2")
+    p.add_argument("--no-warmup", action="store_true", help="no warm-up run of each configuration")
+    p.add_argument("--two-threads", action="store_true",
+                   help="also one engine on two torch threads (slow when another process holds a core)")
+    p.add_argument("--out", default=None)
+
+
+def run_args(args: argparse.Namespace, log: Callable[[str], None] = print) -> dict[str, Any]:
+    """``run`` with the flags of ``add_arguments`` (sections it does not know are left to the caller)."""
+    return run(args.model, args.num_requests, args.repeats, [s for s in args.sections if s in SECTIONS],
+               args.ct2_dir, identity=not args.no_identity, two_threads=args.two_threads,
+               warmup=not args.no_warmup, log=log)
 
 
 def run(model: str = "tinystories-target", num_requests: int = 512, rounds: int = 3,
@@ -436,14 +461,6 @@ def run(model: str = "tinystories-target", num_requests: int = 512, rounds: int 
     result.update(summarize(configs, times, comps, workload))
     for label, r in result["ratios"].items():
         log(f"{label}: {r['median_of_round_ratios']:.2f}x (rounds {min(r['rounds']):.2f}-{max(r['rounds']):.2f})")
-    if "bounds" in sections:  # after the timed rounds: the real-shape model takes 2.4 GB while it runs
-        from minifer.bench.cpu_bounds import real_shape_decode, step_overhead
-
-        result["real_shape_decode"] = real_shape_decode(rounds, log=log)
-        result["step_overhead"] = step_overhead(256, 16, rounds, log=log)  # the issue's 256 requests, 16 slots
-    from minifer.bench.cpu_targets import targets
-
-    result["targets"] = targets(result, left_out(result))
     return result
 
 

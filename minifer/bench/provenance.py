@@ -2,16 +2,22 @@
 
 A committed number is only worth as much as our ability to say what produced it. Every result JSON carries
 ``metadata.git`` (the commit, and whether the tree differed from it) and ``metadata.code``: the sha256 of each
-``minifer`` source module the run had imported and of each bundled checkpoint it read, taken when the result is saved.
-:func:`stale_sources` compares such a record with the tree as it is now, so a result whose engine code or
-weights changed since it was measured is named instead of silently standing (``tests/repo/test_claims.py``
-reports them; ``make results`` measures them again).
+source module of ``minifer`` and ``minifer_course`` the run had imported and of each bundled checkpoint it read,
+taken when the result is saved. :func:`stale_sources` compares such a record with the tree as it is now, so a result
+whose code or weights changed since it was measured is named instead of silently standing
+(``tests/repo/test_claims.py`` reports them; ``make results`` measures them again).
+
+Everything here watches the run from outside: the modules it imported are in ``sys.modules``, and the checkpoint
+folders it read are seen by an audit hook (:func:`sys.addaudithook`) on the process's file opens and directory
+listings, installed when ``minifer.bench`` is first imported, before any benchmark loads a model. The engine keeps
+no record for it.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import os
 import shlex
 import subprocess
 import sys
@@ -20,7 +26,23 @@ from pathlib import Path
 from typing import Any, Sequence
 
 ROOT = Path(__file__).resolve().parents[2]
-PACKAGE = ROOT / "minifer"
+PACKAGES = (ROOT / "minifer", ROOT / "minifer_course")
+BUNDLED = ROOT / "minifer" / "assets" / "models"
+_BUNDLED_PREFIX = str(BUNDLED) + os.sep
+_READS = frozenset({"open", "os.scandir", "os.listdir"})
+_bundled_read: set[Path] = set()  # the bundled checkpoint folders this process has read
+
+
+def _note_read(event: str, args: tuple) -> None:
+    """The audit hook: a file opened or a directory listed under ``BUNDLED`` marks its checkpoint folder as read."""
+    if event not in _READS or not args or not isinstance(args[0], (str, os.PathLike)):
+        return
+    path = os.path.abspath(args[0])
+    if path.startswith(_BUNDLED_PREFIX):
+        _bundled_read.add(BUNDLED / Path(path[len(_BUNDLED_PREFIX):]).parts[0])
+
+
+sys.addaudithook(_note_read)
 
 
 def _sha(path: Path) -> str:
@@ -48,22 +70,21 @@ def git_commit() -> dict[str, Any]:
 
 
 def code_fingerprint() -> dict[str, str]:
-    """``{path: sha256[:16]}`` of every ``minifer`` module imported so far and every bundled checkpoint it read.
+    """``{path: sha256[:16]}`` of every ``minifer`` and ``minifer_course`` module imported so far and of every
+    bundled checkpoint read so far.
 
-    Taken at save time, the imported modules are the code the run executed (a benchmark imports what it
-    measures), and the checkpoints are the bundled folders the loader was asked for
-    (:func:`minifer.model_loader.bundled_used`): retraining the EAGLE head leaves a throughput result fresh."""
+    Taken at save time, the imported modules are the code the run executed (a benchmark imports what it measures),
+    and the checkpoints are the bundled folders the process opened a file of (``_note_read``): retraining the EAGLE
+    head leaves a throughput result fresh."""
     files: dict[str, str] = {}
     for module in list(sys.modules.values()):
         f = getattr(module, "__file__", None)
         if not f:
             continue
         path = Path(f).resolve()
-        if path.suffix == ".py" and path.is_relative_to(PACKAGE) and path.exists():
+        if path.suffix == ".py" and any(path.is_relative_to(p) for p in PACKAGES) and path.exists():
             files[path.relative_to(ROOT).as_posix()] = _sha(path)
-    loader = sys.modules.get("minifer.model_loader")
-    used = loader.bundled_used() if loader is not None else []
-    for path in sorted(p for folder in used for p in folder.glob("*")):
+    for path in sorted(p for folder in sorted(_bundled_read) for p in folder.glob("*")):
         if path.suffix in (".safetensors", ".json") and path.name != "training.json":
             files[path.relative_to(ROOT).as_posix()] = _sha(path)
     return dict(sorted(files.items()))

@@ -26,7 +26,10 @@ import torch
 from minifer.core.kv_cache_manager import KVCacheManager, KVBlockAllocator
 from minifer.worker.model_runner import ModelRunner
 from minifer.core.sched.scheduler import ScheduledBatch, Scheduler, SchedulerConfig, SchedulerPolicy
+from minifer.spec_decode.metadata import DraftProposer
 from minifer.request import Request, ParentRequest, RequestStatus, sequences_of
+from minifer.engine.adaptive_k import build_adaptive_speculator
+from minifer.engine.speculative import Rollback, SpeculativeConfig, Speculator, build_proposer
 from minifer.engine.core import EngineStep, StepParts, engine_step, run_checked
 from minifer.quantization.kv_cache import CALIBRATION_TEXT
 from minifer.layers.ops import REFERENCE_OPS, LayerOps
@@ -34,12 +37,10 @@ from minifer.attention.backends.paged import PagedAttentionBackend, PagedKVCache
 from minifer.models.llama import LlamaForCausalLM
 from minifer.outputs import RequestOutput
 from minifer.sample.sampler import Sampler
+from minifer.sample.rejection_sampler import Verifier
 
-if TYPE_CHECKING:  # speculation's modules load only for an engine that speculates (``__init__``)
+if TYPE_CHECKING:  # the EAGLE head's seam is a feature the core reaches only at its wiring point (pyproject.toml)
     from minifer.spec_decode.eagle import EagleForward
-    from minifer.spec_decode.metadata import DraftProposer
-    from minifer.engine.speculative import Rollback, SpeculativeConfig, Speculator
-    from minifer.sample.rejection_sampler import Verifier
 
 
 @dataclass
@@ -152,12 +153,8 @@ class LLMEngine:
     def _speculator(self, cfg: SpeculativeConfig, draft_model, num_blocks: int, block_size: int, proposer, verifier,
                     rollback, eagle_forward) -> Speculator:
         """The fixed-k ``Speculator`` (the reference), or adaptive k's when ``cfg.adaptive`` asks for that policy."""
-        from minifer.engine.speculative import Speculator, build_proposer
-
         drafter = build_proposer(cfg, draft_model, self.runner, num_blocks, block_size, proposer, eagle_forward)
         if cfg.adaptive:
-            from minifer.engine.adaptive_k import build_adaptive_speculator
-
             return build_adaptive_speculator(cfg, drafter, self.runner, self.kv_cache_manager,
                                              self.runner.model.config.vocab_size, verifier, self.sampler, rollback)
         return Speculator(cfg, drafter, self.kv_cache_manager, self.runner.model.config.vocab_size, verifier,

@@ -23,7 +23,12 @@ from minifer.engine.llm_engine import CacheConfig, LLMEngine
 from minifer.worker.model_runner import compile_model
 from minifer.core.sched.scheduler import SchedulerConfig
 from minifer.request import Request, ParentRequest, sequences_of
+from minifer.engine.speculative import MAX_SPECULATIVE_TOKENS, SpeculativeConfig
 from minifer.engine.static import generate_static
+from minifer.beam_search import BeamSearch, BeamSearchOutput
+from minifer.engine.data_parallel import EngineReplicas, start_replicas
+from minifer.spec_decode.eagle import split_eagle3
+from minifer.models.llama_eagle import load_eagle_head
 from minifer.quantization.kv_cache import check_kv_cache_dtype
 from minifer.model_loader import (
     build_model,
@@ -35,12 +40,8 @@ from minifer.model_loader import (
 from minifer.outputs import RequestOutput
 from minifer.sampling_params import BeamSearchParams, SamplingParams
 
-if TYPE_CHECKING:  # the features a run does not ask for are imported where it asks (a result then fingerprints
-    # only the code it ran: minifer.bench.provenance)
-    from minifer.beam_search import BeamSearchOutput
+if TYPE_CHECKING:  # the seams' types, for annotations only
     from minifer.core.kv_cache_manager import KVBlockAllocator
-    from minifer.engine.data_parallel import EngineReplicas
-    from minifer.engine.speculative import SpeculativeConfig
     from minifer.spec_decode.metadata import DraftProposer
     from minifer.core.sched.scheduler import SchedulerPolicy
     from minifer.attention.backends.paged import PagedAttentionBackend
@@ -52,25 +53,18 @@ Prompt = str | dict[str, Any]
 
 
 def _replicas(llm_kwargs: dict[str, Any], size: Any, shared: LLM | None) -> EngineReplicas | None:
-    """``data_parallel.start_replicas``, imported only when there are replicas to start (or a size to refuse)."""
+    """``data_parallel.start_replicas`` when there are replicas to start (or a size to refuse)."""
     if isinstance(size, int) and size == 1:
         return None
-    from minifer.engine.data_parallel import start_replicas
-
     return start_replicas(LLM, llm_kwargs, size, shared)
 
 
 def _speculative(config: dict | SpeculativeConfig | None) -> tuple[SpeculativeConfig | None, bool | None]:
-    """The engine's ``SpeculativeConfig`` and which EAGLE head ``"eagle3"`` asks for (``eagle.split_eagle3``);
-    speculation's modules are imported only when it is asked for."""
+    """The engine's ``SpeculativeConfig`` and which EAGLE head ``"eagle3"`` asks for (``eagle.split_eagle3``)."""
     if config is None:
         return None, None
-    from minifer.engine.speculative import SpeculativeConfig
-
     eagle3 = None
     if isinstance(config, dict) and config.get("method") in ("eagle", "eagle3"):
-        from minifer.spec_decode.eagle import split_eagle3
-
         config, eagle3 = split_eagle3(config)  # "eagle3": an "eagle" of fused layers
     return SpeculativeConfig.from_dict(config), eagle3
 
@@ -204,9 +198,6 @@ class LLM:
         if spec is not None and spec.method == "draft_model":
             return self._load_draft(spec)
         if spec is not None and spec.method == "eagle":
-            from minifer.engine.speculative import MAX_SPECULATIVE_TOKENS
-            from minifer.models.llama_eagle import load_eagle_head
-
             return load_eagle_head(resolve_model(spec.model), self.model, self.dtype,
                                    self.max_model_len + MAX_SPECULATIVE_TOKENS, fused=self._eagle3)
         return None
@@ -420,8 +411,6 @@ class LLM:
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
         ids = [self._prompt_ids(i, p)[1] for i, p in enumerate(prompts)]
-        from minifer.beam_search import BeamSearch
-
         search = BeamSearch(self.engine, params, self.eos_token_ids, self.tokenizer, self.max_model_len,
                             self.max_num_seqs)
         bar = None

@@ -4,7 +4,8 @@ fp8 decoding (``fp8.py``), and the fused dequantize-matmul of quantized weights 
 
 ``HAS_TRITON`` says whether Triton imported (Linux wheels only; the CPU path never needs it). Kernels run on a
 CUDA GPU, or on CPU tensors under Triton's interpreter (``TRITON_INTERPRET=1``, set *before* triton is imported),
-which is how the tests and notebooks check them without a GPU (``minifer.bench.aot`` compiles them for GPUs).
+which is how the tests and notebooks check them without a GPU (``minifer_course.experiments.aot`` compiles them
+for GPUs).
 """
 
 from __future__ import annotations

@@ -72,8 +72,8 @@ def _cfg(num_warps: int = 4, num_stages: int = 2, per_sm: int = 4, **kw) -> trit
     return triton.Config({**kw, "SPLIT_PER_SM": per_sm}, num_warps=num_warps, num_stages=num_stages)
 
 
-# The GPU's autotuning lists; the first of each is the one bench/aot.py compiles. gemv: a chunk is 64 bytes of a
-# row (an int4 group of 128, or 64 int8/fp8 codes); CHUNKS sets how long a contiguous run of each row one step
+# The GPU's autotuning lists; the first of each is the one minifer_course/experiments/aot.py compiles. gemv: a
+# chunk is 64 bytes of a row (an int4 group of 128, or 64 int8/fp8 codes); CHUNKS sets how long a contiguous run of each row one step
 # reads, BLOCK_N how many rows. Each tile comes with several per_sm (the same compiled kernel: only a timing).
 GPU_GEMV_CONFIGS = [_cfg(w, 2, p, BLOCK_N=n, CHUNKS=c) for n, c, w in
                     ((128, 1, 4), (64, 1, 4), (64, 2, 4), (128, 2, 8), (32, 4, 4), (32, 2, 2), (256, 1, 8),

@@ -25,21 +25,6 @@ BUNDLED_MODELS = {"tinystories-target": ASSETS / "models" / "tinystories-target"
                   "tinystories-target-eagle": ASSETS / "models" / "tinystories-target-eagle",
                   "tinystories-target-eagle3": ASSETS / "models" / "tinystories-target-eagle3"}
 SHIPPED_CONFIGS = {p.stem.replace("--", "/"): p for p in sorted((ASSETS / "configs").glob("*.json"))}
-_BUNDLED_ROOT = ASSETS / "models"
-_bundled_used: set[Path] = set()
-
-
-def note_bundled(path: str | Path) -> None:
-    """Remember that this process read a bundled checkpoint folder (``path`` or the folder holding it), so a
-    benchmark's fingerprint names only the checkpoints it read: retraining one does not stale every result."""
-    p = Path(path).resolve()
-    if p.is_relative_to(_BUNDLED_ROOT) and p != _BUNDLED_ROOT:
-        _bundled_used.add(_BUNDLED_ROOT / p.relative_to(_BUNDLED_ROOT).parts[0])
-
-
-def bundled_used() -> list[Path]:
-    """The bundled checkpoint folders this process has read so far (see :func:`note_bundled`)."""
-    return sorted(_bundled_used)
 
 
 class ModelLoadError(RuntimeError):
@@ -50,10 +35,8 @@ def resolve_model(model: str | Path, *, need_weights: bool = True) -> Path:
     """Return a local folder (or, for dummy loads of a shipped config, that config's path)."""
     name = str(model)
     if name in BUNDLED_MODELS:
-        note_bundled(BUNDLED_MODELS[name])
         return BUNDLED_MODELS[name]
     path = Path(name).expanduser()
-    note_bundled(path)
     if path.is_dir():
         if not (path / "config.json").is_file():
             raise ModelLoadError(f"{path} is a directory but holds no config.json: not a Hugging Face checkpoint")
@@ -86,7 +69,6 @@ def _download(repo_id: str, need_weights: bool) -> Path:
 
 
 def load_config(path: Path) -> ModelConfig:
-    note_bundled(path)
     cfg_file = path if path.suffix == ".json" else path / "config.json"
     if not cfg_file.is_file():
         raise ModelLoadError(f"{path}: no config.json")
@@ -116,7 +98,6 @@ def read_checkpoint(path: Path) -> dict[str, torch.Tensor]:
     from safetensors import SafetensorError
     from safetensors.torch import load_file
 
-    note_bundled(path)
     tensors: dict[str, torch.Tensor] = {}
     for f in _safetensor_files(path):
         try:

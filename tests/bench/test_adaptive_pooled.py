@@ -1,5 +1,5 @@
-"""minifer.bench.adaptive_pooled on made-up results: which cells it pools, what the pooled and family-wise readings
-flag, and that the result it writes goes stale with its inputs. Nothing here measures speed."""
+"""minifer_course.experiments.adaptive_pooled on made-up results: which cells it pools, what the pooled and
+family-wise readings flag, and that the result it writes goes stale with its inputs. Nothing here measures speed."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from minifer.bench import adaptive_pooled as ap
+from minifer_course.experiments import adaptive_pooled as ap
 
 
 def _row(batch: int, mean_k: float, adaptive: list[float], again: list[float], after: list[float] | None = None):
@@ -95,4 +95,4 @@ def test_the_written_result_fingerprints_its_inputs(tmp_path):
     assert saved["runs"]["run.json"]["pooled"]["over_plain"]["adaptive"]["slower"]
     code = saved["metadata"]["code"]
     assert code[run.as_posix()] == saved["inputs"][run.as_posix()]
-    assert "minifer/bench/adaptive_pooled.py" in code
+    assert "minifer_course/experiments/adaptive_pooled.py" in code

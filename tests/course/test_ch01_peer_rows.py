@@ -6,7 +6,7 @@ import json
 from pathlib import Path
 
 from minifer.bench.cpu_peer import left_out
-from minifer.bench.cpu_targets import targets
+from minifer_course.experiments.cpu_targets import targets
 from minifer_course.ch01_diagnose import peer_target_rows
 
 RESULT = Path(__file__).resolve().parents[2] / "benchmarks" / "results" / "cpu_peer.json"

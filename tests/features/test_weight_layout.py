@@ -1,7 +1,7 @@
 """Column-major linear weights (``compilation_config={"column_major_weights": True}``, ``features.weight_layout``), the
 batch-1 layout of issue 28, against the eager model a learner reads: the same values, the same greedy float32 tokens
 alone and combined with the other CPU switches (speed is measured by ``python -m minifer.bench cpu_peer``, never
-here); and the two bounds ``minifer.bench.cpu_bounds`` adds to that benchmark, on a few requests."""
+here); and the two bounds ``minifer_course.experiments.cpu_bounds`` adds to that benchmark, on a few requests."""
 
 from __future__ import annotations
 
@@ -59,7 +59,7 @@ def test_compiled_decoder_over_column_major_weights_gives_the_eager_tokens(tiny_
 
 
 def test_small_model_step_overhead_is_reported_from_both_engines():
-    from minifer.bench.cpu_bounds import SMALL_QWEN3, step_overhead
+    from minifer_course.experiments.cpu_bounds import SMALL_QWEN3, step_overhead
 
     r = step_overhead(num_requests=12, slots=4, repeats=1, log=lambda _: None)
     assert r["model"]["hidden_size"] == SMALL_QWEN3["hidden_size"] == 128 and r["model"]["num_hidden_layers"] == 2
@@ -72,7 +72,7 @@ def test_small_model_step_overhead_is_reported_from_both_engines():
 
 
 def test_decode_bytes_count_each_weight_once_and_the_context(tmp_path):
-    from minifer.bench.cpu_bounds import _decode_bytes, small_model_dir
+    from minifer_course.experiments.cpu_bounds import _decode_bytes, small_model_dir
 
     llm = minifer.LLM(str(small_model_dir(tmp_path)), load_format="dummy", dtype="float32", device="cpu")
     cfg = llm.model_config

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from minifer.bench import aot
+from minifer_course.experiments import aot
 from minifer.kernels import quant_matmul as qm
 
 REPORT = Path(__file__).resolve().parents[2] / "benchmarks" / "results" / "aot_report_archs.json"
@@ -41,9 +41,8 @@ def test_every_kernel_compiles_for_sm75_and_sm89_without_spills():
 
 
 def test_the_committed_report_covers_four_architectures_without_spills():
-    """``python -m minifer.bench.aot --ccs 75 80 89 90 --out benchmarks/results/aot_report_archs.json``: every
-    kernel as each
-    architecture compiles it, none spilling. A config list changed without regenerating it fails here."""
+    """``python -m minifer_course.experiments.aot --ccs 75 80 89 90 --out benchmarks/results/aot_report_archs.json``:
+    every kernel as each architecture compiles it, none spilling. A config list changed without regenerating it fails here."""
     report = json.loads(REPORT.read_text())
     rows = {(r["kernel"], r["arch"]): r for r in report["kernels"]}
     want = {(s.name, f"sm_{cc}") for cc in aot.ALL_CCS for s in aot.kernel_specs(cc)}

@@ -121,7 +121,7 @@ def test_store_kv_writes_exactly_its_slots(n, hkv, d):
 
 
 def test_every_kernel_compiles_ahead_of_time_for_sm80_and_sm90():
-    from minifer.bench.aot import compile_all, kernel_specs
+    from minifer_course.experiments.aot import compile_all, kernel_specs
 
     rows = compile_all()
     assert len(rows) == 2 * len(kernel_specs())

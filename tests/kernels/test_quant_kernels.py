@@ -302,14 +302,14 @@ def test_cpu_tensors_need_the_interpreter(monkeypatch):
 def test_aot_signatures_list_each_kernels_parameters_in_order():
     """The divisibility hints of an ahead-of-time compile are keyed by parameter position: a signature in
     another order than the kernel's parameters would put them on the wrong arguments."""
-    from minifer.bench import aot
+    from minifer_course.experiments import aot
 
     for spec in aot.kernel_specs():
         assert list(spec.signature) == aot._jit(spec.kernel).arg_names, spec.name
 
 
 def test_quant_kernels_compile_ahead_of_time_for_sm80_and_sm90():
-    from minifer.bench.aot import compile_all, quant_matmul_specs
+    from minifer_course.experiments.aot import compile_all, quant_matmul_specs
 
     specs = quant_matmul_specs()
     assert {s.kernel.__name__ if hasattr(s.kernel, "__name__") else s.kernel.fn.__name__ for s in specs} >= {
@@ -342,12 +342,12 @@ def test_quant_kernels_compile_ahead_of_time_for_sm80_and_sm90():
 
 
 def test_the_all_configs_report_covers_every_autotuning_config():
-    """``aot_report_all_configs.json`` (``python -m minifer.bench.aot --all-configs``) must hold every distinct
-    config of the GPU's autotuning lists for both GPUs: a list changed without regenerating it fails here.
+    """``aot_report_all_configs.json`` (``python -m minifer_course.experiments.aot --all-configs``) must hold every
+    distinct config of the GPU's autotuning lists for both GPUs: a list changed without regenerating it fails here.
     The configs CI compiles (the first of each list) must not spill there either."""
     from pathlib import Path
 
-    from minifer.bench.aot import quant_matmul_specs
+    from minifer_course.experiments.aot import quant_matmul_specs
 
     report = json.loads((Path(__file__).resolve().parents[2] / "benchmarks" / "results"
                          / "aot_report_all_configs.json").read_text())

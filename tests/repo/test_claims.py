@@ -265,7 +265,7 @@ def test_a_saved_result_records_the_code_it_ran_and_the_checkpoints_it_read(tmp_
     import minifer.core.sched.scheduler  # noqa: F401  (a module the "run" executed)
     from minifer import model_loader as loader
 
-    monkeypatch.setattr(loader, "_bundled_used", set())  # a fresh process: nothing read yet
+    monkeypatch.setattr(provenance, "_bundled_read", set())  # a fresh process: nothing read yet
     loader.load_config(loader.resolve_model("tinystories-target"))
     path = provenance.save_result({"kind": "t", "metadata": {"git": {}}}, tmp_path / "r.json")
     code = json.loads(path.read_text())["metadata"]["code"]

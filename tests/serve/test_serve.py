@@ -479,7 +479,7 @@ def test_a_burst_of_connections_is_accepted():
 
 
 def test_server_overhead_benchmark_runs_every_mode_to_the_same_text():
-    from minifer.bench.server_overhead import MODES, measure
+    from minifer_course.experiments.server_overhead import MODES, measure
     from minifer.bench.workloads import make_workload
 
     llm = LLM("tinystories-draft", max_num_seqs=2)

@@ -305,7 +305,7 @@ def test_adaptive_control_benchmark_smoke(tmp_path):
     ``plain`` like the adaptive engine, the same greedy tokens everywhere, and the verdict over every cell."""
     import json
 
-    from minifer.bench import adaptive_control as bench
+    from minifer_course.experiments import adaptive_control as bench
 
     out = tmp_path / "ac.json"
     bench.main(["--smoke", "--out", str(out)])
@@ -325,7 +325,7 @@ def test_adaptive_split_benchmark_smoke(tmp_path):
     greedy tokens everywhere."""
     import json
 
-    from minifer.bench import adaptive_split as bench
+    from minifer_course.experiments import adaptive_split as bench
 
     out = tmp_path / "split.json"
     bench.main(["--smoke", "--out", str(out)])
@@ -341,7 +341,7 @@ def test_adaptive_split_benchmark_smoke(tmp_path):
 def test_adaptive_split_ratios_and_pooling():
     """Made-up rounds: the adaptive engine's forward matches plain's and it spends 1 ms more outside it per 100 ms
     step: read as forward 1.0 and rest +1%; a speculating cell is left out of the pool."""
-    from minifer.bench import adaptive_split as bench
+    from minifer_course.experiments import adaptive_split as bench
 
     def row(mean_k, extra):
         n = 8

@@ -8,9 +8,9 @@ to launch on the GPU, and this catches it in CPU-only CI. ``nvdisasm`` (bundled 
 SASS, the instructions the GPU runs, and the report counts those of each kernel's main loop, per weight
 it decodes: a decode kernel that must keep up with the memory has a budget of a few (chapter 05).
 
-    python -m minifer.bench.aot --out runs/aot_report.json                 # every kernel, sm_80 and sm_90
-    python -m minifer.bench.aot --ccs 75 80 89 90 --out runs/aot_archs.json   # ... for every GPU CI checks
-    python -m minifer.bench.aot --all-configs --out runs/aot_all.json      # every autotuning config
+    python -m minifer_course.experiments.aot --out runs/aot_report.json                 # every kernel, sm_80 and sm_90
+    python -m minifer_course.experiments.aot --ccs 75 80 89 90 --out runs/aot_archs.json   # ... for every GPU CI checks
+    python -m minifer_course.experiments.aot --all-configs --out runs/aot_all.json      # every autotuning config
 
 Each architecture is compiled as it runs: below compute capability 8.0 (the T4) in float16, the dtype
 ``dtype="auto"`` gives it (no bfloat16 there), with the quantized kernels' Turing configs
@@ -296,7 +296,7 @@ def ptxas_version(cc: int) -> str:
 
 def _compile_in_subprocess(ccs: tuple[int, ...], names: list[str] | None) -> list[dict]:
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    cmd = [sys.executable, "-m", "minifer.bench.aot", "--json", "--ccs", *map(str, ccs)]
+    cmd = [sys.executable, "-m", "minifer_course.experiments.aot", "--json", "--ccs", *map(str, ccs)]
     cmd += ["--only", *names] if names is not None else []
     r = subprocess.run(cmd, env=env, capture_output=True, text=True, cwd=Path(__file__).resolve().parents[2])
     if r.returncode:
@@ -334,8 +334,8 @@ def main() -> None:
         from minifer.bench.provenance import metadata, save_result
 
         ptxas = {f"sm_{cc}": ptxas_version(cc) for cc in args.ccs}
-        save_result({"kind": "aot", "metadata": metadata(module="minifer.bench.aot"), "triton": triton.__version__,
-                     "ptxas": ptxas, "kernels": rows}, args.out, indent=2)
+        save_result({"kind": "aot", "metadata": metadata(module="minifer_course.experiments.aot"),
+                     "triton": triton.__version__, "ptxas": ptxas, "kernels": rows}, args.out, indent=2)
 
 
 if __name__ == "__main__":

@@ -21,7 +21,7 @@ vLLM measured its own HTTP server at 33% of the execution time for Llama-3-8B on
 separate process (vLLM blog, "vLLM v0.6.0: 2.7x Throughput Improvement and 5x Latency Reduction", 2024-09-05);
 this benchmark asks the same question of minifer, whose server shares the engine's process.
 
-    python -m minifer.bench.server_overhead --rounds 5 --out benchmarks/results/server_overhead.json --plot
+    python -m minifer_course.experiments.server_overhead --rounds 5 --out benchmarks/results/server_overhead.json --plot
 """
 
 from __future__ import annotations
@@ -32,17 +32,15 @@ import json
 import multiprocessing
 import queue
 import random
-import shlex
 import statistics
 import sys
-import threading
 import time
 from collections import deque
 from concurrent.futures import ProcessPoolExecutor
-from datetime import datetime, timezone
 from typing import Any
 
-from minifer.bench.workloads import Workload, make_workload
+from minifer.bench.server_sweep import add_workload_args, run_threads, setup, write
+from minifer.bench.workloads import Workload
 from minifer.entrypoints.openai.protocol import sse_events
 
 MODES = ("direct", "http", "http-stream")
@@ -106,21 +104,6 @@ def run_clients(host: str, port: int, model: str, requests: list[tuple[str, list
     errors: list[str] = []
     seconds = run_threads(requests, concurrency, lambda jobs: _client(host, port, model, jobs, stream, texts, errors))
     return seconds, texts, errors
-
-
-def run_threads(requests: list, concurrency: int, client) -> float:
-    """``concurrency`` threads each run ``client(jobs)`` on one shared queue of ``requests``; returns the wall time
-    from their start to the last one's end."""
-    jobs: queue.Queue = queue.Queue()
-    for r in requests:
-        jobs.put(r)
-    clients = [threading.Thread(target=client, args=(jobs,)) for _ in range(concurrency)]
-    start = time.perf_counter()
-    for c in clients:
-        c.start()
-    for c in clients:
-        c.join()
-    return time.perf_counter() - start
 
 
 def run_http(llm, workload: Workload, concurrency: int, stream: bool, pool: ProcessPoolExecutor) -> dict[str, Any]:
@@ -210,58 +193,16 @@ def plot(result: dict[str, Any]):
     return fig
 
 
-def add_workload_args(ap: argparse.ArgumentParser, name: str) -> None:
-    """The flags this benchmark and ``server_sweep`` share: the model, the workload, the device, the output."""
-    from minifer.bench.serving import default_results_path
-
-    ap.add_argument("--model", default="tinystories-target")
-    ap.add_argument("-n", "--num-requests", type=int, default=64)
-    ap.add_argument("--input", default="fixed:16", help="prompt lengths (workload spec)")
-    ap.add_argument("--output", default="fixed:64", help="output lengths (workload spec)")
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--device", default=None)
-    ap.add_argument("--out", default=str(default_results_path(f"{name}.json")))
-    ap.add_argument("--plot", action="store_true", help="also write the figure next to the JSON (.png)")
-
-
-def setup(args: argparse.Namespace, max_num_seqs: int):
-    """The model (on this benchmark's thread count) and the workload the flags ask for."""
-    import torch
-
-    from minifer import LLM
-    from minifer.bench.machine import default_threads
-
-    torch.set_num_threads(default_threads())
-    llm = LLM(args.model, device=args.device, max_num_seqs=max_num_seqs)
-    workload = make_workload(args.num_requests, args.input, args.output, seed=args.seed,
-                             vocab_size=llm.model_config.vocab_size, max_model_len=llm.max_model_len)
-    return llm, workload
-
-
-def write(kind: str, args: argparse.Namespace, argv: list[str] | None, result: dict[str, Any], plot_fn):
-    """Save ``result`` with its metadata (taken after the thread count is set) and, with ``--plot``, its figure."""
-    from minifer.bench.machine import environment
-    from minifer.bench.serving import git_commit, save_result
-
-    command = shlex.join(["python", "-m", f"minifer.bench.{kind}", *(sys.argv[1:] if argv is None else argv)])
-    stamp = datetime.now(timezone.utc).isoformat(timespec="seconds")
-    metadata = {**environment(), "git": git_commit(), "command": command, "timestamp": stamp}
-    result = {"kind": kind, "metadata": metadata, "model": args.model, **result}
-    path = save_result(result, args.out)
-    if args.plot:
-        plot_fn(result).savefig(path.with_suffix(".png"), dpi=110)
-    return result, path
-
-
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m minifer.bench.server_overhead", description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m minifer_course.experiments.server_overhead",
+                                 description=__doc__.split("\n\n")[0])
     add_workload_args(ap, "server_overhead")
     ap.add_argument("--concurrency", type=int, default=16, help="clients, and the engine's max_num_seqs")
     ap.add_argument("--rounds", type=int, default=3)
     args = ap.parse_args(argv)
     llm, workload = setup(args, args.concurrency)
     result = measure(llm, workload, concurrency=args.concurrency, rounds=args.rounds, seed=args.seed)
-    result, path = write("server_overhead", args, argv, result, plot)
+    result, path = write("server_overhead", "minifer_course.experiments.server_overhead", args, argv, result, plot)
     for m in MODES:
         extra = f" ({result['throughput_vs_direct'][m]:.3f}x direct)" if m != "direct" else ""
         cpu = f"; CPU {result['cpu_vs_direct'][m]:.3f}x direct's" if m != "direct" else ""

@@ -7,13 +7,28 @@ configurations that fit a budget (one core, or two) the fastest by median throug
 the same budget, and the ratio is the median over rounds of that pair (rounds are interleaved, see ``cpu_peer``).
 The reasons (``why``) are sentences with the result's own numbers filled in; they explain a miss with the other
 measurements of the run (a lever measured alone, a bound, a breakdown), never with a figure from elsewhere.
+
+    python -m minifer_course.experiments.cpu_targets -n 512 --repeats 3 --out benchmarks/results/cpu_peer.json
+
+runs the CPU peer benchmark (``python -m minifer.bench cpu_peer``, the same flags), then the two bounds of
+``cpu_bounds`` (the ``bounds`` section, after the timed rounds: the real-shape model takes 2.4 GB while it runs),
+and writes the result with its ``targets``.
 """
 
 from __future__ import annotations
 
+import argparse
 import statistics
+import sys
 from collections.abc import Callable, Iterable
 from typing import Any
+
+import torch
+
+from minifer.bench import cpu_peer
+from minifer.bench.machine import default_results_path
+from minifer.bench.provenance import metadata, save_result
+from minifer_course.experiments.cpu_bounds import real_shape_decode, step_overhead
 
 ONE_CORE = {"minifer": ["minifer-fast-16slots-1t", "minifer-fast-64slots-1t"],
             "ctranslate2": ["ct2-static16-1t", "ct2-sorted64-1t"]}
@@ -131,3 +146,29 @@ def targets(result: dict[str, Any], rejected: Iterable[str] = ()) -> list[dict[s
         out.append({"measure": measure, "target": f"{op} {target:g}", "measured": value, "met": met,
                     "missed_by": missed_by, "why": why() if met is False else None, **extra})
     return out
+
+
+def measure(args: argparse.Namespace, log: Callable[[str], None] = print) -> dict[str, Any]:
+    """The CPU peer benchmark the flags ask for, the bounds if its sections include them, and the targets."""
+    result = cpu_peer.run_args(args, log=log)
+    if "bounds" in args.sections:
+        result["real_shape_decode"] = real_shape_decode(args.repeats, log=log)
+        result["step_overhead"] = step_overhead(256, 16, args.repeats, log=log)  # the issue's 256 requests, 16 slots
+    result["targets"] = targets(result, cpu_peer.left_out(result))
+    return result
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m minifer_course.experiments.cpu_targets",
+                                 description="The CPU peer benchmark, the CPU path's bounds and its targets.")
+    cpu_peer.add_arguments(ap, (*cpu_peer.SECTIONS, "bounds"))
+    args = ap.parse_args(argv)
+    torch.set_num_threads(1)
+    meta = metadata(argv, "minifer_course.experiments.cpu_targets")
+    path = save_result({"metadata": meta, **measure(args)}, args.out or default_results_path("cpu_peer.json"))
+    print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

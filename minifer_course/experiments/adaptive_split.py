@@ -1,7 +1,7 @@
 """Where does adaptive k's plain-step cost lie: in the forward, or in the Python around it? (chapter 04's appendix)
 
-    python -m minifer.bench.adaptive_split --out benchmarks/results/adaptive_split.json
-    python -m minifer.bench.adaptive_split --smoke      # seconds, for CI
+    python -m minifer_course.experiments.adaptive_split --out benchmarks/results/adaptive_split.json
+    python -m minifer_course.experiments.adaptive_split --smoke      # seconds, for CI
 
 Pooled over the cells where it decodes plainly, the adaptive engine runs about 0.7% slower than plain decoding
 (``adaptive_pooled.json``). A plain step of the adaptive engine runs the same forward as a plain engine's, plus the
@@ -26,8 +26,8 @@ from typing import Any
 
 import torch
 
-from minifer.bench.adaptive_control import add_arguments, method_specs
-from minifer.bench.adaptive_pooled import interval
+from minifer_course.experiments.adaptive_control import add_arguments, method_specs
+from minifer_course.experiments.adaptive_pooled import interval
 from minifer.bench.provenance import save_result
 from minifer.bench.speculative import DRAFT, _engine, run_interleaved
 from minifer.engine.adaptive_k import ForwardTimer
@@ -130,7 +130,7 @@ def run(model: str = "tinystories-target", draft: str = DRAFT, device: str | Non
     base = LLM(model, device=device, max_num_seqs=max(batch_sizes), enable_prefix_caching=False)
     sweeps = {name: sweep(model, spec, prompts, batch_sizes, max_tokens, per_size, device)
               for name, (spec, prompts) in method_specs(base, draft, max(batch_sizes), smoke).items()}
-    return {"kind": "adaptive_split", "metadata": metadata(module="minifer.bench.adaptive_split"),
+    return {"kind": "adaptive_split", "metadata": metadata(module="minifer_course.experiments.adaptive_split"),
             "config": {"model": model, "draft": draft, "device": str(base.device), "engines": list(ENGINES),
                        "torch_threads": torch.get_num_threads(), "smoke": smoke, "max_tokens": max_tokens,
                        "rounds": per_size},

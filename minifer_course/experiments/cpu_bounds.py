@@ -1,4 +1,5 @@
-"""Two bounds the CPU engine is held to beside the CTranslate2 comparison (issue 28, ``cpu_peer``'s "bounds" section).
+"""Two bounds the CPU engine is held to beside the CTranslate2 comparison (issue 28; the "bounds" section of
+``python -m minifer_course.experiments.cpu_targets``, which runs ``minifer.bench.cpu_peer``).
 
 1. **A real-shape model's batch-1 decode against the copy bandwidth.** A model of a published size (Qwen3-0.6B's
    shape, dummy float32 weights: 2.4 GB) decodes one token by reading every weight once, so its step cannot beat

@@ -1,8 +1,8 @@
 """Is adaptive k ever slower than plain decoding? The question of ``speculative.py``'s adaptive cells, asked with
 more rounds and one more control (chapter 04's appendix).
 
-    python -m minifer.bench.adaptive_control --out benchmarks/results/adaptive_control.json
-    python -m minifer.bench.adaptive_control --smoke      # seconds, for CI
+    python -m minifer_course.experiments.adaptive_control --out benchmarks/results/adaptive_control.json
+    python -m minifer_course.experiments.adaptive_control --smoke      # seconds, for CI
 
 Where adaptive k decodes plainly (8 sequences and more on this CPU), its speed should be plain decoding's: the
 controller's own calls cost a fraction of a percent of a step (``speculative_bookkeeping.json``). Yet the
@@ -128,7 +128,7 @@ def run(model: str = "tinystories-target", draft: str = DRAFT, device: str | Non
     specs = method_specs(base, draft, max(batch_sizes), smoke)
     rounds = 1 if smoke else repeats
     result: dict[str, Any] = {
-        "kind": "adaptive_control", "metadata": metadata(module="minifer.bench.adaptive_control"),
+        "kind": "adaptive_control", "metadata": metadata(module="minifer_course.experiments.adaptive_control"),
         "config": {"model": model, "draft": draft, "device": str(base.device), "engines": list(ENGINES),
                    "torch_threads": torch.get_num_threads(), "smoke": smoke, "max_tokens": max_tokens,
                    "rounds_below_8": rounds, "rounds_from_8": FROM_8 * rounds},

@@ -1,6 +1,6 @@
 """Is adaptive k slower where it decodes plainly? The committed runs' rounds, pooled (chapter 04's appendix).
 
-    python -m minifer.bench.adaptive_pooled --out benchmarks/results/adaptive_pooled.json
+    python -m minifer_course.experiments.adaptive_pooled --out benchmarks/results/adaptive_pooled.json
 
 No engine runs here: this reads results already committed (``speculative.json``, its replicate and
 ``adaptive_control.json``) and asks them a sharper question than each cell can answer alone.
@@ -105,7 +105,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--runs", nargs="+", default=list(RUNS), help="result files in that folder")
     ap.add_argument("--out", type=Path, help="write the JSON here")
     args = ap.parse_args(argv)
-    result = {"metadata": metadata(argv, "minifer.bench.adaptive_pooled"),
+    result = {"metadata": metadata(argv, "minifer_course.experiments.adaptive_pooled"),
               **analyse([args.results / name for name in args.runs])}
     for name, run in result["runs"].items():
         p = run["pooled"]
