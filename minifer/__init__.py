@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 __version__ = "0.1.0"
 
 _EXPORTS = {
-    "LLM": "minifer.entrypoints.llm",
+    "LLM": "minifer.entrypoints.llm", "EngineArgs": "minifer.engine.arg_utils",
     "SamplingParams": "minifer.sampling_params", "BeamSearchParams": "minifer.sampling_params",
     "Logprob": "minifer.sampling_params",
     "RequestOutput": "minifer.outputs", "CompletionOutput": "minifer.outputs",
@@ -30,6 +30,7 @@ __all__ = [*_EXPORTS, "__version__"]
 if TYPE_CHECKING:
     from minifer.config import ModelConfig, UnsupportedModelError
     from minifer.beam_search import BeamSearchOutput, BeamSearchSequence
+    from minifer.engine.arg_utils import EngineArgs
     from minifer.entrypoints.llm import LLM
     from minifer.model_loader import BUNDLED_MODELS, ModelLoadError
     from minifer.outputs import CompletionOutput, RequestOutput

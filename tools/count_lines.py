@@ -35,8 +35,10 @@ SPECULATIVE = ("engine/speculative.py", "engine/spec_step.py", "engine/adaptive_
                "models/llama_eagle.py")
 DECODE_PATH = ("engine", "core", "worker", "models", "layers", "attention", "sample/sampler.py", "sampling_params.py",
                "request.py", "quantization/kv_cache.py")
+# the engine's options, read once when an LLM is built (vLLM keeps them outside v1's engine too): no step enters them
+START_UP = ("engine/arg_utils.py",)
 TARGET = {"package": 8000, "decode_path": 3200, "long_functions": 0}
-CEILING = {"package": 9656, "decode_path": 2549, "long_functions": 5}
+CEILING = {"package": 9719, "decode_path": 2549, "long_functions": 4}
 STEP_FILES = {"target": 10, "ceiling": 13}  # distinct minifer/ files one plain decode step enters (vLLM's split:
 # sampling_params.py apart from sample/sampler.py, core/block_pool.py under core/kv_cache_manager.py)
 
@@ -83,7 +85,7 @@ def package_modules(root: Path = ROOT) -> dict[str, str]:
 
 
 def in_decode_path(rel: str) -> bool:
-    return rel not in SPECULATIVE and any(rel == e or rel.startswith(e + "/") for e in DECODE_PATH)
+    return rel not in SPECULATIVE + START_UP and any(rel == e or rel.startswith(e + "/") for e in DECODE_PATH)
 
 
 def measure(root: Path = ROOT) -> dict:

@@ -105,7 +105,7 @@ class LLMEngine:
     ``rollback`` (``Rollback``: ``Speculator.rollback``'s own) and ``eagle_forward`` (``EagleForward``:
     ``EagleHead.forward``). ``layer_ops`` (``LayerOps``): the RMSNorm and RoPE the target's forwards use; given ones
     run eagerly (a CUDA graph would freeze whatever they do at capture). A quantized layer's kernel
-    (``QuantKernel``) is the model's own seam (``LLM``'s ``quant_kernel``)."""
+    (``QuantKernel``) is the model's own seam (``Components.quant_kernel``)."""
 
     def __init__(self, model: LlamaForCausalLM, tokenizer, make_sequence, cache_config: CacheConfig,
                  scheduler_config: SchedulerConfig, speculative_config: SpeculativeConfig | None = None,

@@ -10,18 +10,17 @@ code moves to vLLM unchanged.
 from __future__ import annotations
 
 import itertools
-from collections.abc import Callable
 from collections.abc import Sequence as SequenceT
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
 from minifer.config import ModelConfig, resolve_device, resolve_dtype
+from minifer.engine.arg_utils import EngineArgs
 from minifer.engine.components import SEAMS, Components, check_seams, merge_components
-from minifer.engine.llm_engine import CacheConfig, LLMEngine
+from minifer.engine.llm_engine import LLMEngine
 from minifer.worker.model_runner import compile_model
-from minifer.core.sched.scheduler import SchedulerConfig
 from minifer.request import Request, ParentRequest, sequences_of
 from minifer.engine.speculative import MAX_SPECULATIVE_TOKENS, SpeculativeConfig
 from minifer.engine.static import generate_static
@@ -29,7 +28,6 @@ from minifer.beam_search import BeamSearch, BeamSearchOutput
 from minifer.engine.data_parallel import EngineReplicas, start_replicas
 from minifer.spec_decode.eagle import split_eagle3
 from minifer.models.llama_eagle import load_eagle_head
-from minifer.quantization.kv_cache import check_kv_cache_dtype
 from minifer.model_loader import (
     build_model,
     chat_token_ids,
@@ -40,23 +38,18 @@ from minifer.model_loader import (
 from minifer.outputs import RequestOutput
 from minifer.sampling_params import BeamSearchParams, SamplingParams
 
-if TYPE_CHECKING:  # the seams' types, for annotations only
-    from minifer.core.kv_cache_manager import KVBlockAllocator
-    from minifer.spec_decode.metadata import DraftProposer
-    from minifer.core.sched.scheduler import SchedulerPolicy
-    from minifer.attention.backends.paged import PagedAttentionBackend
-    from minifer.quantization.linear import QuantKernel
-    from minifer.sample.sampler import Sampler
-    from minifer.sample.rejection_sampler import Verifier
 
 Prompt = str | dict[str, Any]
 
 
-def _replicas(llm_kwargs: dict[str, Any], size: Any, shared: LLM | None) -> EngineReplicas | None:
-    """``data_parallel.start_replicas`` when there are replicas to start (or a size to refuse)."""
-    if isinstance(size, int) and size == 1:
+def _replicas(args: EngineArgs, components: Components | None, shared: LLM | None) -> EngineReplicas | None:
+    """``data_parallel.start_replicas`` when there are replicas to start: each replica process builds
+    ``LLM(**options)`` from these same options, less ``data_parallel_size`` (a replica is one engine)."""
+    if args.data_parallel_size == 1:
         return None
-    return start_replicas(LLM, llm_kwargs, size, shared)
+    options = {**args.to_kwargs(), "components": components, "share_weights_with": shared}
+    del options["data_parallel_size"]
+    return start_replicas(LLM, options, args.data_parallel_size, shared)
 
 
 def _speculative(config: dict | SpeculativeConfig | None) -> tuple[SpeculativeConfig | None, bool | None]:
@@ -69,125 +62,77 @@ def _speculative(config: dict | SpeculativeConfig | None) -> tuple[SpeculativeCo
     return SpeculativeConfig.from_dict(config), eagle3
 
 
-def _check_options(batching: str, max_num_seqs: Any, kv_cache_dtype: str, kv_cache_scales: str) -> None:
-    check_kv_cache_dtype(kv_cache_dtype, kv_cache_scales)
-    if kv_cache_dtype != "auto" and batching != "continuous":
-        raise ValueError("kv_cache_dtype applies to the paged cache of batching='continuous'")
-    if batching not in ("static", "continuous"):
-        raise ValueError(f"batching must be 'static' or 'continuous', got {batching!r}")
-    if not isinstance(max_num_seqs, int) or max_num_seqs < 1:
-        raise ValueError(f"max_num_seqs must be a positive integer, got {max_num_seqs!r}")
-
-
 class LLM:
     """A model, its tokenizer, and a generation loop.
 
-    Args:
-        model: bundled name (``"tinystories-target"``), local HF checkpoint directory, or hub id.
-        tokenizer: another folder to take the tokenizer from (default: the model's).
-        dtype: ``"auto"`` (``config.auto_dtype``: float32 on CPU, bfloat16 or float16 on CUDA) or a dtype name.
-        device: ``"cpu"``, ``"cuda"`` or None for the best available.
-        seed: seeds the draws of requests that carry no seed of their own.
-        max_model_len: longest prompt + output (default: the model's ``max_position_embeddings``).
-        load_format: ``"auto"`` (safetensors) or ``"dummy"`` (random weights of the real shape).
-        max_num_seqs: how many sequences share a batch.
-        batching: ``"continuous"`` (iteration-level scheduling over the paged KV cache, chapters 02-03)
-            or ``"static"`` (padded batches with a contiguous cache, the baseline of chapter 03).
-        block_size, num_kv_blocks, kv_cache_memory, gpu_memory_utilization, enable_prefix_caching:
-            the paged KV cache (continuous batching only); see ``CacheConfig``.
-        max_num_batched_tokens, enable_chunked_prefill: the scheduler's per-step token budget.
-        speculative_config: vLLM's dict, e.g. ``{"method": "draft_model", "model": "tinystories-draft",
-            "num_speculative_tokens": 4}`` or ``{"method": "ngram", "num_speculative_tokens": 4,
-            "prompt_lookup_max": 4, "prompt_lookup_min": 1}``; ``"adaptive": False`` fixes k (chapter 04). ``"eagle"``
-            / ``"eagle3"`` take a trained head as ``model`` (``"tinystories-target-eagle"``, ``"-eagle3"``).
-        kv_cache_dtype: ``"auto"`` (the model's dtype) or ``"int8"`` / ``"fp8"``: 8-bit keys and values, about
-            twice the sequences in the same memory (chapter 05).
-        kv_cache_scales: ``"token"`` (the default: a float16 scale per token and head, chosen as it is written)
-            or ``"head"`` (one static scale per layer and head, calibrated at start-up; vLLM's are per layer).
-        enforce_eager: on CUDA, decode steps replay CUDA graphs unless this is True (vLLM's name).
-        quantization: None, ``"int8"``, ``"int4"`` (g128, symmetric) or ``"fp8"``: weight-only, round-to-nearest
-            on load (chapter 05; ``minifer.quantization``); ``"w8a8"``: int8 weights and each token's activations rounded
-            to int8 (vLLM's INT8 W8A8; on the CPU an integer GEMM, faster than dequantizing the weights every
-            step). Each means the same numerics on every device. A folder written by ``save_quantized`` loads
-            quantized anyway.
-        max_logprobs: the most candidates ``logprobs`` and ``prompt_logprobs`` may ask for (vLLM's limit).
-        quant_kernel: what quantized layers multiply through (a weight-only ``QuantKernel``,
-            ``minifer.quantization.linear``; with ``"w8a8"`` it multiplies the rounded activations); default: Triton on
-            CUDA, the PyTorch reference on the CPU (for ``"w8a8"``: the integer GEMM, ``w8a8_linear``).
-        data_parallel_size: vLLM's name: ``generate`` splits its requests over this many engine replicas, each a
-            process with one torch thread (``features.data_parallel``: on a CPU, the way to use a second core).
-        compilation_config: vLLM's name; minifer reads the CPU options ``pack_weights``, ``level`` (or ``mode``) and
-            ``column_major_weights`` (``engine.runner.compile_model`` says what each does).
-            All are off by default, so the model a learner reads is the one that runs.
-        block_allocator, scheduler, sampler, proposer, verifier, attention_backend: the engine's seams
-            (``LLMEngine`` lists their contracts); None builds the reference implementation a chapter shows.
-        components: a ``Components`` holding any of those seams and ``quant_kernel``, plus the RMSNorm and RoPE
-            functions the model's layers call (``rms_norm``, ``apply_rotary``): the course's way to run a learner's
-            own pieces together (``minifer_course.workbench``). A piece may be given here or as an argument, not both.
+    ``LLM(model, *, <the options most runs set>, **options)``, as vLLM's: every option is a field of
+    ``EngineArgs`` (``minifer.engine.arg_utils``, which says what each does, its default and its check); the
+    common ones are named here so that an editor shows them, and any other is passed by name (``block_size=32``,
+    ``kv_cache_dtype="int8"``, ``data_parallel_size=2``, ...). A name that is no option raises a ``TypeError`` with
+    the closest one. ``engine_args`` holds the options as given; ``device``, ``dtype`` and ``max_model_len`` the
+    values they resolved to on this machine and checkpoint.
+
+    Two arguments are objects rather than options, so they are not ``EngineArgs``' (an option can be written on a
+    command line and sent to a replica process):
+        components: a ``Components`` (``minifer.engine.components``) holding the engine's seams a caller replaces
+            (``block_allocator``, ``scheduler``, ``sampler``, ``proposer``, ``verifier``, ``attention_backend``,
+            ``quant_kernel``; ``LLMEngine`` lists their contracts) and the RMSNorm and RoPE functions the model's
+            layers call; a field left None runs the reference a chapter shows. The one way to hand in a seam: the
+            course's way to run a learner's own pieces together (``minifer_course.workbench``).
         share_weights_with: another ``LLM`` of the same model, dtype, device and quantization whose loaded weights
             (and draft model, when both use the same draft) this one uses: two engines to compare in one process
             (chapter 04), without separate copies, whose placement in memory alone can change their speed.
     """
 
-    def __init__(self, model: str | Path, *, tokenizer: str | Path | None = None, dtype: str | torch.dtype = "auto",
-                 device: str | torch.device | None = None, seed: int = 0, max_model_len: int | None = None,
-                 load_format: str = "auto", max_num_seqs: int = 16, batching: str = "continuous",
-                 block_size: int = 16, num_kv_blocks: int | None = None, kv_cache_memory: int = 256 * 2**20,
-                 gpu_memory_utilization: float = 0.9, enable_prefix_caching: bool = True,
-                 max_num_batched_tokens: int = 2048, enable_chunked_prefill: bool = True,
-                 speculative_config: dict[str, Any] | None = None, enforce_eager: bool = False,
-                 kv_cache_dtype: str = "auto", quantization: str | None = None,
-                 kv_cache_scales: str = "token", share_weights_with: "LLM | None" = None,
-                 max_logprobs: int = 20, quant_kernel: QuantKernel | None = None,
-                 block_allocator: Callable[..., KVBlockAllocator] | None = None,
-                 scheduler: Callable[..., SchedulerPolicy] | None = None, sampler: Sampler | None = None,
-                 proposer: DraftProposer | None = None, verifier: Verifier | None = None,
-                 attention_backend: Callable[..., PagedAttentionBackend] | None = None,
-                 compilation_config: dict[str, Any] | None = None, data_parallel_size: int = 1,
-                 components: Components | None = None) -> None:
-        replica_kwargs = {k: v for k, v in locals().items() if k not in ("self", "data_parallel_size")}
-        parts = merge_components(components, block_allocator=block_allocator, scheduler=scheduler, sampler=sampler,
-                                 proposer=proposer, verifier=verifier, attention_backend=attention_backend,
-                                 quant_kernel=quant_kernel)
-        self.components = parts
-        _check_options(batching, max_num_seqs, kv_cache_dtype, kv_cache_scales)
-        self.device = resolve_device(device)
-        self.dtype = resolve_dtype(dtype, self.device)
-        self.model_path = resolve_model(model, need_weights=load_format != "dummy")
+    def __init__(self, model: str | Path, *, tokenizer: str | Path | None = None,
+                 dtype: str | torch.dtype = EngineArgs.dtype, device: str | torch.device | None = None,
+                 seed: int = EngineArgs.seed, max_model_len: int | None = None,
+                 max_num_seqs: int = EngineArgs.max_num_seqs, batching: str = EngineArgs.batching,
+                 quantization: str | None = None, speculative_config: dict[str, Any] | None = None,
+                 gpu_memory_utilization: float = EngineArgs.gpu_memory_utilization,
+                 enforce_eager: bool = EngineArgs.enforce_eager, compilation_config: dict[str, Any] | None = None,
+                 components: Components | None = None, share_weights_with: LLM | None = None,
+                 **kwargs: Any) -> None:
+        args = EngineArgs.from_kwargs(
+            LLM.__init__, model=model, tokenizer=tokenizer, dtype=dtype, device=device, seed=seed,
+            max_model_len=max_model_len, max_num_seqs=max_num_seqs, batching=batching, quantization=quantization,
+            speculative_config=speculative_config, gpu_memory_utilization=gpu_memory_utilization,
+            enforce_eager=enforce_eager, compilation_config=compilation_config, **kwargs)
+        self.engine_args = args
+        parts = self.components = merge_components(components)
+        self.device = resolve_device(args.device)
+        self.dtype = resolve_dtype(args.dtype, self.device)
+        self.model_path = resolve_model(args.model, need_weights=args.load_format != "dummy")
         self.model_config: ModelConfig = load_config(self.model_path)
         limit = self.model_config.max_position_embeddings
-        if max_model_len is not None and not 1 < max_model_len <= limit:
+        if args.max_model_len is not None and not args.max_model_len <= limit:
             raise ValueError(f"max_model_len must be in [2, {limit}] (the model's max_position_embeddings), "
-                             f"got {max_model_len}")
-        self.max_model_len = max_model_len or limit
-        self.max_num_seqs, self.batching, self.seed = max_num_seqs, batching, seed
-        self.max_logprobs = max_logprobs
-        self._quantization, self._load_format = quantization, load_format  # what share_weights_with checks
+                             f"got {args.max_model_len}")
+        self.max_model_len = args.max_model_len or limit
+        self.max_num_seqs, self.batching, self.seed = args.max_num_seqs, args.batching, args.seed
+        self.max_logprobs = args.max_logprobs
         if share_weights_with is not None:
-            self.model = self._shared_model(share_weights_with, quantization, load_format)
+            self.model = self._shared_model(share_weights_with)
         else:
-            self.model = self._load_model(quantization, load_format, parts.quant_kernel, limit, seed,
-                                          quantizer=parts.quantizer)
-        self.compilation_config = compile_model(self.model, compilation_config, share_weights_with, enforce_eager)
-        self.replicas = _replicas(replica_kwargs, data_parallel_size, share_weights_with)
+            self.model = self._load_model(args, parts, limit)
+        self.compilation_config = compile_model(self.model, args.compilation_config, share_weights_with,
+                                                args.enforce_eager)
+        self.replicas = _replicas(args, components, share_weights_with)
         self.quantization_config = getattr(self.model, "quantization_config", None)
-        self.tokenizer = load_tokenizer(resolve_model(tokenizer) if tokenizer is not None else self.model_path)
+        tokenizer_path = self.model_path if args.tokenizer is None else resolve_model(args.tokenizer)
+        self.tokenizer = load_tokenizer(tokenizer_path)
         self.eos_token_ids = frozenset(self._eos_ids())
-        self._generator = torch.Generator(device=self.device).manual_seed(seed)
+        self._generator = torch.Generator(device=self.device).manual_seed(args.seed)
         self._counter = itertools.count()
         self.engine: LLMEngine | None = None
-        spec, self._eagle3 = _speculative(speculative_config)
-        if spec is not None and batching != "continuous":
-            raise ValueError("speculative decoding runs inside the continuous engine: use batching='continuous'")
+        spec, self._eagle3 = _speculative(args.speculative_config)
         self.draft_model = self._drafter(spec, share_weights_with)
-        seams = check_seams(batching, spec, layer_ops=parts.layer_ops(), **{n: getattr(parts, n) for n in SEAMS})
-        if batching == "continuous":
+        seams = check_seams(args.batching, spec, layer_ops=parts.layer_ops(), **{n: getattr(parts, n) for n in SEAMS})
+        if args.batching == "continuous":
             self.engine = LLMEngine(
-                self.model, self.tokenizer, self.make_sequence,
-                CacheConfig(block_size, num_kv_blocks, kv_cache_memory, gpu_memory_utilization, enable_prefix_caching,
-                            kv_cache_dtype, kv_cache_scales),
-                SchedulerConfig(max_num_seqs, max_num_batched_tokens, enable_chunked_prefill), spec, self.draft_model,
-                cuda_graphs=not enforce_eager, max_model_len=self.max_model_len, **seams)
+                self.model, self.tokenizer, self.make_sequence, args.create_cache_config(),
+                args.create_scheduler_config(), spec, self.draft_model, cuda_graphs=not args.enforce_eager,
+                max_model_len=self.max_model_len, **seams)
 
     def _drafter(self, spec: SpeculativeConfig | None, shared: LLM | None) -> torch.nn.Module | None:
         """The draft model (``shared``'s when it loaded the same one), or the EAGLE head (it reads this target's
@@ -202,23 +147,24 @@ class LLM:
                                    self.max_model_len + MAX_SPECULATIVE_TOKENS, fused=self._eagle3)
         return None
 
-    def _load_model(self, quantization: str | None, load_format: str, quant_kernel: QuantKernel | None,
-                    max_positions: int, seed: int, quantizer: Callable[..., Any] | None = None) -> torch.nn.Module:
-        """The target's weights (quantized as asked), its quantized layers on ``quant_kernel`` or the device's
+    def _load_model(self, args: EngineArgs, parts: Components, max_positions: int) -> torch.nn.Module:
+        """The target's weights (quantized as asked), its quantized layers on ``parts.quant_kernel`` or the device's
         default (``kernels.quant_kernel_for``, else the reference)."""
         from minifer.kernels import quant_kernel_for
         from minifer.model_loader.quantized import load_model
 
-        kernel = quant_kernel or quant_kernel_for(self.device)  # weight-only; "w8a8" rounds activations before it
-        return load_model(self.model_path, quantization, load_format=load_format, quant_kernel=kernel, quantizer=quantizer,
-                          dtype=self.dtype, device=self.device, max_positions=max_positions, seed=seed)
+        kernel = parts.quant_kernel or quant_kernel_for(self.device)  # weight-only; "w8a8" rounds activations first
+        return load_model(self.model_path, args.quantization, load_format=args.load_format, quant_kernel=kernel,
+                          quantizer=parts.quantizer, dtype=self.dtype, device=self.device, max_positions=max_positions,
+                          seed=args.seed)
 
-    def _shared_model(self, other: "LLM", quantization: str | None, load_format: str) -> torch.nn.Module:
+    def _shared_model(self, other: "LLM") -> torch.nn.Module:
         """``other``'s loaded model, after checking it is the model this engine was asked for."""
         if not isinstance(other, LLM):
             raise TypeError(f"share_weights_with must be an LLM, got {type(other).__name__}")
-        want = (self.model_path, self.dtype, self.device, quantization, load_format)
-        have = (other.model_path, other.dtype, other.device, other._quantization, other._load_format)
+        mine, theirs = self.engine_args, other.engine_args
+        want = (self.model_path, self.dtype, self.device, mine.quantization, mine.load_format)
+        have = (other.model_path, other.dtype, other.device, theirs.quantization, theirs.load_format)
         names = ("model", "dtype", "device", "quantization", "load_format")
         diff = [f"{n} {w!r} vs {h!r}" for n, w, h in zip(names, want, have) if w != h]
         if diff:

@@ -8,8 +8,6 @@ verifies what it proposes.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 
 from minifer.core.kv_cache_manager import KVCacheManager
@@ -18,9 +16,6 @@ from minifer.request import Request
 from minifer.attention.backends.paged import PagedKVCache
 from minifer.models.llama import LlamaForCausalLM
 from minifer.spec_decode.metadata import Draft, draw_drafts, stack_probs
-
-if TYPE_CHECKING:
-    from minifer.engine.speculative import SpeculativeConfig
 
 
 class DraftModelProposer:

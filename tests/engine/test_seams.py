@@ -50,8 +50,8 @@ def test_a_block_allocator_and_a_scheduler_handed_in_are_the_ones_used(reference
             built.append(("schedule",))
             return super().schedule()
 
-    llm = LLM("tinystories-target", share_weights_with=reference[0], block_allocator=CountingAllocator,
-              scheduler=CountingScheduler)
+    llm = LLM("tinystories-target", share_weights_with=reference[0],
+              components=Components(block_allocator=CountingAllocator, scheduler=CountingScheduler))
     assert isinstance(llm.engine.kv_cache_manager, CountingAllocator)
     assert isinstance(llm.engine.scheduler, CountingScheduler)
     assert _tokens(llm) == reference[1]
@@ -65,7 +65,7 @@ def test_a_sampler_handed_in_draws_every_token(reference):
         calls.append(len(seqs))
         return ModelRunner.sample(seqs, logits)
 
-    llm = LLM("tinystories-target", share_weights_with=reference[0], sampler=sampler)
+    llm = LLM("tinystories-target", share_weights_with=reference[0], components=Components(sampler=sampler))
     assert _tokens(llm) == reference[1]
     assert sum(calls) == len(PROMPTS) * GREEDY.max_tokens  # one call per step, one token per sequence
 
@@ -86,8 +86,8 @@ def test_a_proposer_and_a_verifier_handed_in_speculate(reference):
     spec = {"method": "ngram", "num_speculative_tokens": 3, "adaptive": False}
     proposer = Proposer(LLM("tinystories-target", share_weights_with=reference[0],
                             speculative_config=spec).engine.speculator.cfg)
-    llm = LLM("tinystories-target", share_weights_with=reference[0], speculative_config=spec, proposer=proposer,
-              verifier=Verifier())
+    llm = LLM("tinystories-target", share_weights_with=reference[0], speculative_config=spec,
+              components=Components(proposer=proposer, verifier=Verifier()))
     assert llm.engine.speculator.proposer is proposer
     assert _tokens(llm) == reference[1]  # greedy speculation emits what plain decoding does
     assert proposed and verified
@@ -100,7 +100,7 @@ def test_a_quant_kernel_handed_in_runs_every_quantized_layer(reference):
         calls.append(qw.shape)
         return quant_linear_reference(x, qw, bias)
 
-    llm = LLM("tinystories-target", quantization="int8", quant_kernel=kernel)
+    llm = LLM("tinystories-target", quantization="int8", components=Components(quant_kernel=kernel))
     llm.generate(PROMPTS[:1], SamplingParams(temperature=0, max_tokens=2), use_tqdm=False)
     layers = llm.model_config.num_hidden_layers
     assert len(calls) >= 4 * layers and len(set(calls)) == 4  # qkv, o, gate_up, down in every layer
@@ -108,9 +108,10 @@ def test_a_quant_kernel_handed_in_runs_every_quantized_layer(reference):
 
 def test_seams_that_cannot_apply_are_refused(reference):
     with pytest.raises(ValueError, match="proposer and verifier are parts of speculative decoding"):
-        LLM("tinystories-target", share_weights_with=reference[0], verifier=RejectionVerifier())
+        LLM("tinystories-target", share_weights_with=reference[0], components=Components(verifier=RejectionVerifier()))
     with pytest.raises(ValueError, match="sampler plug into the continuous engine"):
-        LLM("tinystories-target", share_weights_with=reference[0], batching="static", sampler=ModelRunner.sample)
+        LLM("tinystories-target", share_weights_with=reference[0], batching="static",
+            components=Components(sampler=ModelRunner.sample))
 
 
 def test_an_attention_backend_handed_in_is_the_one_the_model_attends_through(reference):
@@ -123,7 +124,8 @@ def test_an_attention_backend_handed_in_is_the_one_the_model_attends_through(ref
             calls.append(layer)
             return super().attend(layer, q, k, v)
 
-    llm = LLM("tinystories-target", share_weights_with=reference[0], attention_backend=CountingBackend)
+    llm = LLM("tinystories-target", share_weights_with=reference[0],
+              components=Components(attention_backend=CountingBackend))
     assert isinstance(llm.engine.kv_cache, CountingBackend)
     assert _tokens(llm) == reference[1]
     assert set(calls) == set(range(llm.model_config.num_hidden_layers))
@@ -206,10 +208,10 @@ def test_every_seam_in_components_is_the_one_used(reference):
     assert llm.components.given().keys() == {"rms_norm", "apply_rotary", "sampler", "verifier"}
 
 
-def test_a_piece_given_twice_or_where_it_cannot_apply_is_refused(reference):
-    with pytest.raises(ValueError, match="sampler given both as an argument and in components"):
-        LLM("tinystories-target", share_weights_with=reference[0], sampler=ModelRunner.sample,
-            components=Components(sampler=ModelRunner.sample))
+def test_a_seam_given_as_an_option_or_where_it_cannot_apply_is_refused(reference):
+    # components is the one way to hand in a seam: as a keyword it is no option, and the error says where it goes
+    with pytest.raises(TypeError, match=r"engine seam 'sampler'.*components=Components\(sampler=\.\.\.\)"):
+        LLM("tinystories-target", share_weights_with=reference[0], sampler=ModelRunner.sample)
     with pytest.raises(ValueError, match="plug into the continuous engine"):
         LLM("tinystories-target", share_weights_with=reference[0], batching="static",
             components=Components(rms_norm=rms_norm))

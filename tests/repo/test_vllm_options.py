@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from minifer import LLM, SamplingParams
+from minifer.engine.arg_utils import EngineArgs
 from minifer.engine.speculative import SpeculativeConfig
 from minifer.sampling_params import BeamSearchParams
 
@@ -26,7 +27,9 @@ DIFFERS = DATA["minifer_differs"]
 
 
 def llm_options() -> set[str]:
-    return set(inspect.signature(LLM.__init__).parameters) - {"self"}
+    """What ``LLM`` takes by name: its named parameters and, through ``**kwargs``, every ``EngineArgs`` field."""
+    named = set(inspect.signature(LLM.__init__).parameters) - {"self", "kwargs"}
+    return named | {f.name for f in dataclasses.fields(EngineArgs)}
 
 
 def serve_options() -> set[str]:

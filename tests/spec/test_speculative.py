@@ -9,6 +9,7 @@ import random
 import pytest
 
 from minifer import LLM, SamplingParams
+from minifer.engine.components import Components
 from minifer.engine.speculative import SpeculativeConfig
 from minifer.engine.adaptive_k import CostTable
 from spec_helpers import GREEDY, PROMPT, _second_token_test, mixed_prompts, story_prompts, tokens
@@ -95,7 +96,7 @@ def test_the_chi_squared_test_catches_a_lossy_sampler(target_llm):
             return [list(d) + [0] for d in drafts]
 
     llm = LLM("tinystories-target", max_num_seqs=64, speculative_config={**DRAFT, "num_speculative_tokens": 3},
-              verifier=AcceptsEverything())
+              components=Components(verifier=AcceptsEverything()))
     p = _second_token_test(llm, target_llm, PROMPT, SamplingParams(temperature=1.0), n=1200)
     assert p < 0.01
 

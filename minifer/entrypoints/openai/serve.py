@@ -188,18 +188,14 @@ def make_arg_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     from minifer import LLM
+    from minifer.engine.arg_utils import EngineArgs
 
     args = make_arg_parser().parse_args(argv)
     api_key = args.api_key or os.environ.get("MINIFER_API_KEY") or None
     template = args.chat_template or BUNDLED_CHAT_TEMPLATES.get(args.model)
     logging.basicConfig(level=args.uvicorn_log_level.upper() if args.uvicorn_log_level != "trace" else "DEBUG",
                         format="%(levelname)s %(asctime)s %(name)s: %(message)s")
-    llm = LLM(args.model, dtype=args.dtype, device=args.device, seed=args.seed, max_num_seqs=args.max_num_seqs,
-              max_model_len=args.max_model_len, max_num_batched_tokens=args.max_num_batched_tokens,
-              max_logprobs=args.max_logprobs, block_size=args.block_size, num_kv_blocks=args.num_kv_blocks,
-              enable_prefix_caching=args.enable_prefix_caching, enable_chunked_prefill=args.enable_chunked_prefill,
-              enforce_eager=args.enforce_eager, quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype,
-              speculative_config=args.speculative_config)
+    llm = LLM(**EngineArgs.from_cli_args(args).to_kwargs())  # the flags named as EngineArgs' fields
     names = args.served_model_name or [args.model]
     server = start_server(llm, host=args.host, port=args.port, model_name=names, api_key=api_key,
                           chat_template=template, read_timeout=args.read_timeout,
