@@ -82,10 +82,10 @@ def test_llm_forwards_its_keyword_arguments_to_engine_args():
 
 
 def test_replicas_are_started_with_the_engine_args(monkeypatch):
-    import minifer.engine.data_parallel as data_parallel
+    import minifer.entrypoints.llm as llm_module
 
     started = []
-    monkeypatch.setattr(data_parallel, "start_replicas", lambda *a: started.append(a))
+    monkeypatch.setattr(llm_module, "start_replicas", lambda *a: started.append(a))
     llm = LLM("tinystories-draft", device="cpu", load_format="dummy", block_size=8, data_parallel_size=2)
     (make_llm, options, size, shared), = started
     assert make_llm is LLM and size == 2 and shared is None
