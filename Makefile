@@ -2,7 +2,9 @@
 # Without make (Windows, or a machine without it), README's "Install routes" gives the same steps as commands.
 PY ?= python3
 PIP = $(PY) -m pip install --quiet
-NOTEBOOKS = notebooks solutions
+# The chapters under nbval. The solutions run once, in the unit tests (tests/course/test_exercises.py executes each
+# with errors refused and its check cells compared with the stored ones), so nbval does not run them a second time.
+NOTEBOOKS = notebooks
 
 # Where torch comes from when none is installed yet. On Linux PyPI's torch is the CUDA build (several GB of
 # NVIDIA libraries, unused on a laptop), so the default is PyTorch's CPU wheels; macOS and Windows get CPU
