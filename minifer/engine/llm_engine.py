@@ -27,18 +27,16 @@ from minifer.engine.block_manager import BlockManager, KVBlockAllocator
 from minifer.engine.runner import ModelRunner
 from minifer.engine.scheduler import ScheduledBatch, Scheduler, SchedulerConfig, SchedulerPolicy
 from minifer.engine.sequence import Sequence, SequenceGroup, SequenceStatus, sequences_of
-from minifer.engine.step import EngineStep, StepParts, engine_step, run_checked
+from minifer.engine.step import StepParts, engine_step
 from minifer.layers.kv_quant import CALIBRATION_TEXT
-from minifer.layers.ops import REFERENCE_OPS, LayerOps
 from minifer.layers.paged_attention import PagedAttentionBackend, PagedKVCache
 from minifer.models.llama import LlamaForCausalLM
 from minifer.outputs import RequestOutput
 from minifer.sampling import Sampler
 
 if TYPE_CHECKING:  # speculation's modules load only for an engine that speculates (``__init__``)
-    from minifer.features.eagle import EagleForward
     from minifer.engine.proposers import DraftProposer
-    from minifer.engine.speculative import Rollback, SpeculativeConfig, Speculator
+    from minifer.engine.speculative import SpeculativeConfig, Speculator
     from minifer.spec.rejection import Verifier
 
 
@@ -99,12 +97,10 @@ class LLMEngine:
     ``block_allocator(num_blocks, block_size, enable_prefix_caching)``: ``BlockManager``), ``scheduler``
     (``SchedulerPolicy``, built as ``scheduler(scheduler_config, allocator)``: ``Scheduler``), ``sampler``
     (``Sampler``: ``ModelRunner.sample``), ``attention_backend`` (``PagedAttentionBackend``, built like
-    ``PagedKVCache``, the default), ``step`` (``EngineStep``: ``engine_step``); for speculation ``proposer``
-    (``DraftProposer``: the one ``speculative_config`` names), ``verifier`` (``Verifier``: ``RejectionVerifier``),
-    ``rollback`` (``Rollback``: ``Speculator.rollback``'s own) and ``eagle_forward`` (``EagleForward``:
-    ``EagleHead.forward``). ``layer_ops`` (``LayerOps``): the RMSNorm and RoPE the target's forwards use; given ones
-    run eagerly (a CUDA graph would freeze whatever they do at capture). A quantized layer's kernel
-    (``QuantKernel``) is the model's own seam (``LLM``'s ``quant_kernel``)."""
+    ``PagedKVCache``, the default); for speculation ``proposer`` (``DraftProposer``: the one ``speculative_config``
+    names) and ``verifier`` (``Verifier``: ``RejectionVerifier``, vLLM's rejection sampler). A quantized layer's kernel
+    (``QuantKernel``) and the model's own classes are the model's (``LLM``'s ``quant_kernel``, ``Components``'
+    ``model_registry``)."""
 
     def __init__(self, model: LlamaForCausalLM, tokenizer, make_sequence, cache_config: CacheConfig,
                  scheduler_config: SchedulerConfig, speculative_config: SpeculativeConfig | None = None,
@@ -113,10 +109,8 @@ class LLMEngine:
                  block_allocator: Callable[[int, int, bool], KVBlockAllocator] = BlockManager,
                  scheduler: Callable[[SchedulerConfig, KVBlockAllocator], SchedulerPolicy] = Scheduler,
                  sampler: Sampler | None = None, proposer: DraftProposer | None = None,
-                 verifier: Verifier | None = None, rollback: Rollback | None = None,
-                 eagle_forward: EagleForward | None = None,
-                 attention_backend: Callable[..., PagedAttentionBackend] = PagedKVCache,
-                 layer_ops: LayerOps | None = None, step: EngineStep | None = None) -> None:
+                 verifier: Verifier | None = None,
+                 attention_backend: Callable[..., PagedAttentionBackend] = PagedKVCache) -> None:
         cfg, device = model.config, model.lm_head.weight.device
         dtype = model.lm_head.weight.dtype
         num_blocks = cache_config.num_blocks(kv_block_bytes(model, cache_config, draft_model), device)
@@ -127,9 +121,8 @@ class LLMEngine:
             cfg.num_hidden_layers, num_blocks, cache_config.block_size, cfg.num_key_value_heads, cfg.head_dim, dtype,
             device, cache_config.kv_cache_dtype, cache_config.kv_cache_scales)
         self.scheduler = scheduler(scheduler_config, self.block_manager)
-        self.runner = ModelRunner(model, self.kv_cache, self.block_manager, layer_ops or REFERENCE_OPS)
+        self.runner = ModelRunner(model, self.kv_cache, self.block_manager)
         self.sampler: Sampler = sampler or ModelRunner.sample
-        self.custom_step = step  # a caller's step (minifer.engine.step) in place of engine_step
         self._scheduled = False  # whether the current step's scheduler gave it a batch to execute
         if self.kv_cache.kv_cache_scales == "head":
             self._calibrate_kv_scales()
@@ -137,7 +130,7 @@ class LLMEngine:
         self.requests: dict[str, Sequence | SequenceGroup] = {}  # unfinished requests by their id
         self._seqs: dict[str, Sequence] = {}  # their unfinished sequences (a group's completions: "<i>_<id>")
         self._group_of: dict[str, SequenceGroup] = {}  # a completion's sequence id -> its group
-        if cuda_graphs and device.type == "cuda" and self.kv_cache.use_triton and layer_ops is None:
+        if cuda_graphs and device.type == "cuda" and self.kv_cache.use_triton:
             try:
                 self.runner.enable_cuda_graphs(scheduler_config.max_num_seqs,
                                                max_model_len or cfg.max_position_embeddings)
@@ -150,8 +143,7 @@ class LLMEngine:
 
             self.speculator = build_speculator(speculative_config, draft_model, self.runner, self.block_manager,
                                                cfg.vocab_size, num_blocks, cache_config.block_size, proposer=proposer,
-                                               verifier=verifier, sampler=self.sampler, rollback=rollback,
-                                               eagle_forward=eagle_forward)
+                                               verifier=verifier, sampler=self.sampler)
 
     @classmethod
     def from_llm(cls, llm, cache_config: CacheConfig | None = None,
@@ -278,20 +270,15 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """One forward pass over the scheduled batch. Returns outputs of the requests that got a token.
 
-        The step itself is ``engine_step`` (``engine/step.py``, chapter 03), or a caller's (``step=``), or, when
-        speculating, ``Speculator.step`` (``engine_step`` with drafts, ``engine/spec_step.py``); around it the engine
-        reports the outputs and merges a request's ``n`` completions."""
+        The step itself is ``engine_step`` (``engine/step.py``, chapter 03), or, when speculating, ``Speculator.step``
+        (``engine_step`` with drafts, ``engine/spec_step.py``); around it the engine reports the outputs and merges a
+        request's ``n`` completions."""
         self._check_thread()
         self._scheduled = False
         spec = self.speculator
         parts = StepParts(self.scheduler, self._execute, self.sampler, self.block_manager, self.tokenizer)
-        if spec is not None:
-            sampled = spec.step(parts, self._num_waiting)
-        elif self.custom_step is not None:
-            sampled = run_checked(self.custom_step, parts)
-        else:
-            sampled = engine_step(parts)
-        if not self._scheduled and self.custom_step is None and self.scheduler.has_unfinished():
+        sampled = spec.step(parts, self._num_waiting) if spec is not None else engine_step(parts)
+        if not self._scheduled and self.scheduler.has_unfinished():
             raise RuntimeError("scheduler made no progress: no request fits in the free KV blocks")
         outputs = self._group_outputs(sampled, [seq.to_output(self.tokenizer) for seq in sampled])
         for seq in sampled:

@@ -25,7 +25,7 @@ from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from itertools import accumulate
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
@@ -39,17 +39,8 @@ from minifer.models.llama import LlamaForCausalLM
 from minifer.sampling import Sampler, greedy_argmax
 from minifer.spec.rejection import RejectionVerifier, Verifier, probs_from_logits
 
-if TYPE_CHECKING:
-    from minifer.features.eagle import EagleForward
-
 METHODS = ("draft_model", "ngram", "eagle")
 MAX_SPECULATIVE_TOKENS = 16
-
-# The seam that replaces ``Speculator.rollback`` (``Components(rollback=...)``): called after a verified sequence's
-# emitted tokens are appended, with the speculator (its ``target_blocks`` and ``proposer``), the sequence, the draft
-# tokens the target verified for it this step and how many of them it accepted. It must leave the target's block
-# table holding exactly the tokens whose KV is valid, and the proposer's cache likewise.
-Rollback = Callable[["Speculator", Sequence, list[int], int], None]
 
 
 @dataclass
@@ -139,16 +130,13 @@ class Speculator:
     """Proposes ``k`` drafts for each decoding sequence of a step, verifies them against the target's logits and
     rolls back what was rejected. ``proposer``: a ``DraftProposer``; ``verifier``: a ``Verifier``
     (``RejectionVerifier`` by default); ``sampler``: how rows that may not speculate sample (``ModelRunner.sample``
-    by default); ``rollback``: replaces ``rollback`` (the ``Rollback`` seam)."""
+    by default)."""
 
     def __init__(self, cfg: SpeculativeConfig, proposer: DraftProposer, target_blocks: KVBlockAllocator,
-                 vocab_size: int, verifier: Verifier | None = None, sampler: Sampler | None = None,
-                 rollback: Rollback | None = None) -> None:
+                 vocab_size: int, verifier: Verifier | None = None, sampler: Sampler | None = None) -> None:
         self.cfg, self.proposer, self.target_blocks, self.vocab_size = cfg, proposer, target_blocks, vocab_size
         self.verifier: Verifier = verifier or RejectionVerifier()
         self.sampler: Sampler = sampler or ModelRunner.sample
-        self.custom_rollback = rollback
-        self.verified: dict[object, tuple[list[int], int]] = {}  # a custom rollback's inputs, by request id
         self.stats = SpecStats()
         self.k_in_use = cfg.num_speculative_tokens
 
@@ -224,8 +212,6 @@ class Speculator:
         for r, toks in enumerate(emitted):
             if ks[r]:
                 self._count_verified(ks[r], len(toks) - 1)
-            if self.custom_rollback is not None:
-                self.verified[seqs[r].request_id] = (drafts[r].tokens, len(toks) - 1)
         return [(toks, logits[offsets[r] : offsets[r] + len(toks)]) for r, toks in enumerate(emitted)]
 
     def _count_verified(self, k: int, accepted: int) -> None:
@@ -240,15 +226,11 @@ class Speculator:
     def rollback(self, seq: Sequence) -> None:
         """After the tokens are appended: the target holds valid KV for ``num_computed_tokens``; free any block beyond
         (rejected drafts), and let the proposer keep only what matches the sequence."""
-        if self.custom_rollback is not None:
-            self.custom_rollback(self, seq, *self.verified.pop(seq.request_id, ([], 0)))
-            return
         if self.target_blocks.has_seq(seq.request_id):
             self.target_blocks.truncate(seq.request_id, seq.num_computed_tokens)
         self.proposer.rollback(seq, seq.num_tokens - 1)
 
     def release(self, request_id: object) -> None:
-        self.verified.pop(request_id, None)
         self.proposer.release(request_id)
 
     def summary(self) -> dict[str, float | int]:
@@ -271,13 +253,9 @@ class Speculator:
 def build_speculator(cfg: SpeculativeConfig, draft_model: LlamaForCausalLM | None, target_runner: ModelRunner,
                      target_blocks: KVBlockAllocator, vocab_size: int, num_blocks: int, block_size: int, *,
                      proposer: DraftProposer | None = None, verifier: Verifier | None = None,
-                     sampler: Sampler | None = None, rollback: Rollback | None = None,
-                     eagle_forward: EagleForward | None = None) -> Speculator:
+                     sampler: Sampler | None = None) -> Speculator:
     """The proposer ``cfg`` asks for (or ``proposer``, handed in), wired to the target's runner, in a fixed-k
-    ``Speculator``, or in adaptive k's when ``cfg.adaptive``. ``eagle_forward`` replaces the EAGLE head's forward."""
-    if eagle_forward is not None and (cfg.method != "eagle" or proposer is not None):
-        raise ValueError("eagle_forward is the forward of the EAGLE head that speculative_config method 'eagle' "
-                         f"builds; this engine speculates with {'a proposer handed in' if proposer else cfg.method!r}")
+    ``Speculator``, or in adaptive k's when ``cfg.adaptive``."""
     if proposer is None and cfg.method in ("draft_model", "eagle") and draft_model is None:
         raise ValueError(f"method {cfg.method!r} needs the {'EAGLE head' if cfg.method == 'eagle' else 'draft model'}")
     if proposer is None and cfg.method == "draft_model":
@@ -285,7 +263,7 @@ def build_speculator(cfg: SpeculativeConfig, draft_model: LlamaForCausalLM | Non
     elif proposer is None and cfg.method == "eagle":
         from minifer.features.eagle import EagleProposer
 
-        proposer = EagleProposer(draft_model, target_runner, num_blocks, block_size, eagle_forward)
+        proposer = EagleProposer(draft_model, target_runner, num_blocks, block_size)
     elif proposer is None:
         proposer = NgramProposer(cfg)
     if cfg.adaptive:  # opt-in: the policy, and everything it measures with, lives in features/
@@ -294,5 +272,5 @@ def build_speculator(cfg: SpeculativeConfig, draft_model: LlamaForCausalLM | Non
 
         controller = NgramAdaptiveK if isinstance(proposer, NgramProposer) else AdaptiveK  # n-grams: look, then decide
         return build_adaptive_speculator(controller, cfg, proposer, target_runner, target_blocks, vocab_size,
-                                         verifier, sampler, rollback)
-    return Speculator(cfg, proposer, target_blocks, vocab_size, verifier, sampler, rollback)
+                                         verifier, sampler)
+    return Speculator(cfg, proposer, target_blocks, vocab_size, verifier, sampler)

@@ -32,6 +32,7 @@ from minifer.loader import (
     load_tokenizer,
     resolve_model,
 )
+from minifer.models.llama import LlamaForCausalLM
 from minifer.outputs import RequestOutput
 from minifer.sampling import BeamSearchParams, SamplingParams
 
@@ -127,9 +128,10 @@ class LLM:
             All are off by default, so the model a learner reads is the one that runs.
         block_allocator, scheduler, sampler, proposer, verifier, attention_backend: the engine's seams
             (``LLMEngine`` lists their contracts); None builds the reference implementation a chapter shows.
-        components: a ``Components`` holding any of those seams and ``quant_kernel``, plus the RMSNorm and RoPE
-            functions the model's layers call (``rms_norm``, ``apply_rotary``): the course's way to run a learner's
-            own pieces together (``minifer_course.workbench``). A piece may be given here or as an argument, not both.
+        components: a ``Components`` holding any of those seams and ``quant_kernel``, plus the model classes to build
+            (``model_registry``, vLLM's out-of-tree models: e.g. a model built from a learner's layer classes): the
+            course's way to run a learner's own pieces together (``minifer_course.workbench``). A piece may be given
+            here or as an argument, not both.
         share_weights_with: another ``LLM`` of the same model, dtype, device and quantization whose loaded weights
             (and draft model, when both use the same draft) this one uses: two engines to compare in one process
             (chapter 04), without separate copies, whose placement in memory alone can change their speed.
@@ -169,11 +171,11 @@ class LLM:
         self.max_num_seqs, self.batching, self.seed = max_num_seqs, batching, seed
         self.max_logprobs = max_logprobs
         self._quantization, self._load_format = quantization, load_format  # what share_weights_with checks
+        model_cls = parts.model_cls(self.model_config.architecture, LlamaForCausalLM)
         if share_weights_with is not None:
-            self.model = self._shared_model(share_weights_with, quantization, load_format)
+            self.model = self._shared_model(share_weights_with, quantization, load_format, model_cls)
         else:
-            self.model = self._load_model(quantization, load_format, parts.quant_kernel, limit, seed,
-                                          quantizer=parts.quantizer)
+            self.model = self._load_model(quantization, load_format, parts.quant_kernel, limit, seed, model_cls)
         self.compilation_config = compile_model(self.model, compilation_config, share_weights_with, enforce_eager)
         self.replicas = _replicas(replica_kwargs, data_parallel_size, share_weights_with)
         self.quantization_config = getattr(self.model, "quantization_config", None)
@@ -186,7 +188,7 @@ class LLM:
         if spec is not None and batching != "continuous":
             raise ValueError("speculative decoding runs inside the continuous engine: use batching='continuous'")
         self.draft_model = self._drafter(spec, share_weights_with)
-        seams = check_seams(batching, spec, layer_ops=parts.layer_ops(), **{n: getattr(parts, n) for n in SEAMS})
+        seams = check_seams(batching, spec, **{n: getattr(parts, n) for n in SEAMS})
         if batching == "continuous":
             self.engine = LLMEngine(
                 self.model, self.tokenizer, self.make_sequence,
@@ -207,25 +209,33 @@ class LLM:
             from minifer.engine.speculative import MAX_SPECULATIVE_TOKENS
             from minifer.features.eagle_head import load_eagle_head
 
+            from minifer.features.eagle_head import EagleHead
+
             return load_eagle_head(resolve_model(spec.model), self.model, self.dtype,
-                                   self.max_model_len + MAX_SPECULATIVE_TOKENS, fused=self._eagle3)
+                                   self.max_model_len + MAX_SPECULATIVE_TOKENS, fused=self._eagle3,
+                                   head_cls=self.components.model_cls("EagleHead", EagleHead))
         return None
 
     def _load_model(self, quantization: str | None, load_format: str, quant_kernel: QuantKernel | None,
-                    max_positions: int, seed: int, quantizer: Callable[..., Any] | None = None) -> torch.nn.Module:
-        """The target's weights (quantized as asked), its quantized layers on ``quant_kernel`` or the device's
-        default (``kernels.quant_kernel_for``, else the reference)."""
+                    max_positions: int, seed: int, model_cls: type[LlamaForCausalLM]) -> torch.nn.Module:
+        """The target's weights in a ``model_cls`` (quantized as asked), its quantized layers on ``quant_kernel`` or the
+        device's default (``kernels.quant_kernel_for``, else the reference)."""
         from minifer.kernels import quant_kernel_for
         from minifer.loader.quantized import load_model
 
         kernel = quant_kernel or quant_kernel_for(self.device)  # weight-only; "w8a8" rounds activations before it
-        return load_model(self.model_path, quantization, load_format=load_format, quant_kernel=kernel, quantizer=quantizer,
-                          dtype=self.dtype, device=self.device, max_positions=max_positions, seed=seed)
+        return load_model(self.model_path, quantization, load_format=load_format, quant_kernel=kernel,
+                          dtype=self.dtype, device=self.device, max_positions=max_positions, seed=seed,
+                          model_cls=model_cls)
 
-    def _shared_model(self, other: "LLM", quantization: str | None, load_format: str) -> torch.nn.Module:
+    def _shared_model(self, other: "LLM", quantization: str | None, load_format: str,
+                      model_cls: type[LlamaForCausalLM]) -> torch.nn.Module:
         """``other``'s loaded model, after checking it is the model this engine was asked for."""
         if not isinstance(other, LLM):
             raise TypeError(f"share_weights_with must be an LLM, got {type(other).__name__}")
+        if type(other.model) is not model_cls:
+            raise ValueError(f"share_weights_with: the other LLM's model is a {type(other.model).__name__}, this one "
+                             f"is to be a {model_cls.__name__} (components.model_registry): load it instead")
         want = (self.model_path, self.dtype, self.device, quantization, load_format)
         have = (other.model_path, other.dtype, other.device, other._quantization, other._load_format)
         names = ("model", "dtype", "device", "quantization", "load_format")
@@ -245,7 +255,8 @@ class LLM:
             draft_cfg = load_config(path)
             draft = build_model(path, load_format="auto", dtype=self.dtype, device=self.device,
                                 max_positions=max(self.max_model_len, draft_cfg.max_position_embeddings),
-                                seed=self.seed)
+                                seed=self.seed,
+                                model_cls=self.components.model_cls(draft_cfg.architecture, LlamaForCausalLM))
             draft_tok = load_tokenizer(path)
         if draft_cfg.vocab_size != self.model_config.vocab_size:
             raise ValueError(f"the draft model's vocabulary has {draft_cfg.vocab_size} tokens but the target's has "

@@ -52,7 +52,7 @@ from minifer.spec.theory import expected_tokens_per_forward
 if TYPE_CHECKING:
     from minifer.engine.block_manager import KVBlockAllocator
     from minifer.engine.proposers import DraftProposer
-    from minifer.engine.speculative import Rollback, SpeculativeConfig
+    from minifer.engine.speculative import SpeculativeConfig
     from minifer.sampling import Sampler
     from minifer.spec.rejection import Verifier
 
@@ -537,8 +537,8 @@ class AdaptiveSpeculator(Speculator):
 
     def __init__(self, cfg: SpeculativeConfig, proposer: DraftProposer, target_blocks: KVBlockAllocator,
                  vocab_size: int, adaptive: KController, target_timer: ForwardTimer, verifier: Verifier | None = None,
-                 sampler: Sampler | None = None, rollback: Rollback | None = None) -> None:
-        super().__init__(cfg, proposer, target_blocks, vocab_size, verifier, sampler, rollback)
+                 sampler: Sampler | None = None) -> None:
+        super().__init__(cfg, proposer, target_blocks, vocab_size, verifier, sampler)
         self.adaptive, self.target_timer = adaptive, target_timer
         self.record: StepRecord | None = None  # the running step's
         self.waiting: Callable[[], int] = lambda: 1
@@ -638,8 +638,7 @@ class AdaptiveSpeculator(Speculator):
 
 def build_adaptive_speculator(controller: type[AdaptiveK], cfg: SpeculativeConfig, proposer: DraftProposer,
                               target_runner: ModelRunner, target_blocks: KVBlockAllocator, vocab_size: int,
-                              verifier: Verifier | None = None, sampler: Sampler | None = None,
-                              rollback: Rollback | None = None) -> AdaptiveSpeculator:
+                              verifier: Verifier | None = None, sampler: Sampler | None = None) -> AdaptiveSpeculator:
     """``controller`` (``AdaptiveK``, or ``NgramAdaptiveK`` for n-gram lookups) for ``proposer``, its forwards
     calibrated now, then timed: the target's every forward (``ForwardTimer``), a draft model's into the draft's
     cost table (an EAGLE head times its own drafting forwards into the table it is handed as ``cost``)."""
@@ -651,7 +650,7 @@ def build_adaptive_speculator(controller: type[AdaptiveK], cfg: SpeculativeConfi
     elif isinstance(draft_runner, ModelRunner):
         ForwardTimer(draft_runner, ctl.draft_cost)
     return AdaptiveSpeculator(cfg, proposer, target_blocks, vocab_size, ctl, ForwardTimer(target_runner), verifier,
-                              sampler, rollback)
+                              sampler)
 
 
 def _beats(speedups, margin: float) -> bool:
