@@ -235,11 +235,13 @@ def check_capstone(solution: bool = False) -> None:
 
 
 def print_origins() -> None:
-    """Which pieces the latest capstone ran were yours (not a check: it depends on what this folder holds)."""
+    """Which pieces the latest capstone ran were yours, and the seam each went through (not a check: it depends on
+    what this folder holds)."""
     if not _last_origin:
         print("the capstone's check has not loaded your pieces yet (run the cell above)")
     for name, where in _last_origin.items():
-        print(f"  {name:24} {where}")
+        piece = workbench.PIECES[name]
+        print(f"  {name:24} {where:36} {piece.seam}{f': {piece.via}' if piece.via else ''}")
 
 
 def capstone_throughput(solution: bool = False, rounds: int = 3) -> None:
