@@ -7,11 +7,15 @@ chapter's workload, whose tokens must equal the reference engine's. The capstone
 (``load_pieces``) and runs them together; ``solution=True`` fills a missing or failing piece with minifer's own
 (tiny-llm's ``--solution`` switch), so a learner who skipped an exercise can go on.
 
-The exercises' signatures are the textbook ones (one sequence, plain lists); the adapters below turn each into the
-engine's seam (``minifer.engine.components.Components``): a per-sequence ``paged_attention`` into an attention backend,
-the ``PrefixCachingAllocator``'s bookkeeping into a ``KVBlockAllocator``, ``schedule_step``'s decisions into a
-``SchedulerPolicy``, and so on. Grading and serving are ``minifer_course.grading.engine``'s: a wrong piece
-fails its grader first, with the grader's hint, before it ever reaches the engine.
+Each piece goes in through one of the seams vLLM has too (``minifer.engine.components.Components``: ``PIECES`` names
+it), or is graded on its own (``engine_step``, ``rollback``: the engine has no seam for them). The small pieces of
+chapter 00 and the EAGLE head's forward have the engine's own signatures and go in as layer classes: the engine builds
+its model from a ``LlamaForCausalLM`` subclass made of the learner's classes (``model_class``), as vLLM builds an
+out-of-tree model. The others' signatures are the textbook ones (one sequence, plain lists); the adapters below turn
+each into its seam: a per-sequence ``paged_attention`` into an attention backend, the ``PrefixCachingAllocator``'s
+bookkeeping into a ``KVBlockAllocator``, ``schedule_step``'s decisions into a ``SchedulerPolicy``, and so on. Grading
+and serving are ``minifer_course.grading.engine``'s: a wrong piece fails its grader first, with the grader's hint,
+before it ever reaches the engine.
 """
 
 from __future__ import annotations
@@ -32,15 +36,19 @@ from typing import Any
 
 import torch
 
-from minifer_course.workbench_spec import EAGLE_WORKLOAD, ROLLBACK_WORKLOAD, rollback_with
+from minifer_course.workbench_spec import EAGLE_WORKLOAD
 from minifer.core.kv_cache_manager import KVCacheManager
 from minifer.engine.components import Components
 from minifer.spec_decode.ngram_proposer import NgramProposer
 from minifer.core.sched.scheduler import ScheduledBatch, Scheduler
 from minifer.request import RequestStatus
 from minifer.engine.speculative import SpeculativeConfig
-from minifer_course.workbench_step import pieces_for, step_seams
+from minifer.models.llama_eagle import EagleHead
+from minifer_course.workbench_step import pieces_for, scheduler_seam
+from minifer.layers.layernorm import RMSNorm
 from minifer.attention.backends.paged import PagedKVCache
+from minifer.layers.rotary_embedding import RotaryEmbedding
+from minifer.models.llama import Attention, DecoderLayer, LlamaForCausalLM
 from minifer.sample.sampler import history_tensors, sample
 from minifer.sample.rejection_sampler import RejectionVerifier
 
@@ -62,34 +70,48 @@ from minifer.request import RequestStatus
 """
 
 
+ON_ITS_OWN = "graded on its own"  # a piece the engine has no seam for: its grader is its whole check
+
+
 @dataclass(frozen=True)
 class Piece:
-    """One piece the learner writes: where (``notebook``) and the seam it fills (a ``Components`` field). Its grader
-    is ``minifer_course.grading``'s (``grading.engine.GRADERS``)."""
+    """One piece the learner writes: where (``notebook``), the seam it fills (a ``Components`` field, or
+    ``ON_ITS_OWN``) and how (``via``: the class of the model it goes into, for ``model_registry``). Its grader is
+    ``minifer_course.grading``'s (``grading.engine.GRADERS``)."""
 
     name: str
     notebook: str
     seam: str
+    via: str = ""
+
+    @property
+    def served(self) -> bool:
+        return self.seam != ON_ITS_OWN
 
 
 PIECES: dict[str, Piece] = {p.name: p for p in (
-    Piece("rms_norm", "00_building_blocks", "rms_norm"),
-    Piece("rope_inv_freq", "00_building_blocks", "rope_inv_freq"),
-    Piece("apply_rotary", "00_building_blocks", "apply_rotary"),
+    Piece("rms_norm", "00_building_blocks", "model_registry", "LlamaForCausalLM.norm_cls (an RMSNorm subclass)"),
+    Piece("rope_inv_freq", "00_building_blocks", "model_registry",
+          "LlamaForCausalLM.rotary_cls (its _compute_inv_freq)"),
+    Piece("apply_rotary", "00_building_blocks", "model_registry", "LlamaForCausalLM.attention_cls (its apply_rotary)"),
     Piece("top_p_mask", "00_building_blocks", "sampler"),
-    Piece("decoder_layer", "00_building_blocks", "decoder_layer"),
+    Piece("decoder_layer", "00_building_blocks", "model_registry", "LlamaForCausalLM.layer_type (its forward)"),
     Piece("paged_attention", "02_kv_cache_and_paging", "attention_backend"),
     Piece("PrefixCachingAllocator", "02_kv_cache_and_paging", "block_allocator"),
     Piece("ForkingAllocator", "02_kv_cache_and_paging", "block_allocator"),
     Piece("schedule_step", "03_continuous_batching", "scheduler"),
     Piece("preempt", "03_continuous_batching", "scheduler"),
-    Piece("engine_step", "03_continuous_batching", "step"),
+    Piece("engine_step", "03_continuous_batching", ON_ITS_OWN),
     Piece("verify_greedy", "04_speculative_decoding", "verifier"),
     Piece("rejection_sample", "04_speculative_decoding", "verifier"),
     Piece("ngram_propose", "04_speculative_decoding", "proposer"),
-    Piece("rollback", "04_speculative_decoding", "rollback"),
-    Piece("eagle_forward", "04_speculative_decoding", "eagle_forward"),
+    Piece("rollback", "04_speculative_decoding", ON_ITS_OWN),
+    Piece("eagle_forward", "04_speculative_decoding", "model_registry", "EagleHead (its forward)"),
 )}
+
+# The parameters of a piece whose signature changed when its seam did: a file saved before has other ones, and is
+# refused (with what to re-save) rather than called with the wrong arguments.
+SIGNATURES = {"decoder_layer": ("layer", "x", "cos", "sin", "attn")}
 
 # Given code a saved piece depends on (saved with it, so the file runs on its own).
 HELPERS = {"PrefixCachingAllocator": ("chain_hash",), "ForkingAllocator": ("chain_hash",)}
@@ -168,11 +190,88 @@ def load_saved(path: str | Path | None = None, errors: dict[str, str] | None = N
         sys.modules[module.__name__] = module
         try:
             exec(compile(file.read_text(), str(file), "exec", dont_inherit=True), module.__dict__)
-            found[name] = module.__dict__[name]
+            piece = module.__dict__[name]
         except Exception as e:
             if errors is not None:
                 errors[name] = f"{name}: the saved {file} does not run ({type(e).__name__}: {e}); run its cell again"
+            continue
+        problem = outdated(name, piece, file)
+        if problem is None:
+            found[name] = piece
+        elif errors is not None:
+            errors[name] = problem
     return found
+
+
+def outdated(name: str, piece: Any, file: Path) -> str | None:
+    """Why a saved piece cannot go into today's engine (it was saved for a seam that has changed), or None."""
+    want = SIGNATURES.get(name)
+    try:
+        have = tuple(inspect.signature(piece).parameters)
+    except (TypeError, ValueError):
+        return None
+    if want is None or have == want:
+        return None
+    return (f"{name}: the saved {file} takes ({', '.join(have)}), the signature of an older exercise; {name} now "
+            f"takes ({', '.join(want)}), as the engine's own does: rewrite it in "
+            f"exercises/{PIECES[name].notebook}.ipynb and run its `in the engine` cell, which saves it again")
+
+
+# --- the model, built from the learner's layer classes -------------------------------------------------------
+
+
+def norm_class(rms_norm: Callable[[torch.Tensor, torch.Tensor, float], torch.Tensor]) -> type[RMSNorm]:
+    """minifer's ``RMSNorm`` module, normalising with the learner's ``rms_norm`` (the function the module calls)."""
+
+    class LearnersRMSNorm(RMSNorm):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return rms_norm(x, self.weight, self.eps)
+
+    return LearnersRMSNorm
+
+
+def rotary_class(rope_inv_freq: Callable[[int, float], torch.Tensor]) -> type[RotaryEmbedding]:
+    """minifer's ``RotaryEmbedding``, its table built from the learner's frequencies (no scaling: the exercise's
+    ``rope_inv_freq(head_dim, theta)`` has none)."""
+
+    class LearnersRotaryEmbedding(RotaryEmbedding):
+        def _compute_inv_freq(self) -> torch.Tensor:
+            if self.scaling:
+                raise ValueError(f"this model scales RoPE ({self.scaling}); your rope_inv_freq(head_dim, theta) "
+                                 "has no scaling")
+            return rope_inv_freq(self.head_dim, self.theta).float()
+
+    return LearnersRotaryEmbedding
+
+
+def model_class(pieces: dict[str, Any]) -> type[LlamaForCausalLM] | None:
+    """A ``LlamaForCausalLM`` built from the learner's layer classes (a piece not given stays minifer's), or None
+    when none of chapter 00's model pieces is given. The learner's functions keep the engine's signatures, so each is
+    a method or a function its class calls: ``decoder_layer`` is the layer's ``forward``, ``apply_rotary`` the
+    attention's rotation."""
+    p = pieces.get
+    attrs: dict[str, Any] = {}
+    if p("rms_norm"):
+        attrs["norm_cls"] = norm_class(p("rms_norm"))
+    if p("rope_inv_freq"):
+        attrs["rotary_cls"] = rotary_class(p("rope_inv_freq"))
+    if p("apply_rotary"):
+        attrs["attention_cls"] = type("LearnersAttention", (Attention,), {"apply_rotary": staticmethod(p("apply_rotary"))})
+    if p("decoder_layer"):
+        attrs["layer_type"] = type("LearnersDecoderLayer", (DecoderLayer,), {"forward": p("decoder_layer")})
+    return type("LearnersLlamaForCausalLM", (LlamaForCausalLM,), attrs) if attrs else None
+
+
+def model_registry(pieces: dict[str, Any], method: str, architecture: str = "LlamaForCausalLM") -> dict[str, type] | None:
+    """``Components.model_registry`` for these pieces: the learner's model for ``architecture`` (the target's), and,
+    when the engine drafts with an EAGLE head (``method``), an ``EagleHead`` whose forward is the learner's."""
+    registry: dict[str, type] = {}
+    model = model_class(pieces)
+    if model is not None:
+        registry[architecture] = model
+    if pieces.get("eagle_forward") and method == "eagle":
+        registry["EagleHead"] = type("LearnersEagleHead", (EagleHead,), {"forward": pieces["eagle_forward"]})
+    return registry or None
 
 
 # --- adapters: the exercises' signatures -> the engine's seams -----------------------------------------------
@@ -398,11 +497,11 @@ NGRAM_SPEC = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max
 
 def components_from(pieces: dict[str, Any], spec: dict[str, Any] | None = None,
                     speculative: bool | None = None) -> Components:
-    """The ``Components`` that run these pieces (by exercise name); a seam none of them fills stays minifer's. The
-    proposer and the EAGLE head's forward apply to engines speculating with their method (``spec``, n-grams by
-    default); ``speculative``: whether the engine speculates, when some pieces cannot apply
-    (``workbench_step.pieces_for``)."""
-    pieces = pieces_for(pieces, speculative)
+    """The ``Components`` that run these pieces (by exercise name); a seam none of them fills stays minifer's, and a
+    piece graded on its own (``ON_ITS_OWN``) is not run. The proposer and the EAGLE head apply to engines speculating
+    with their method (``spec``, n-grams by default); ``speculative``: whether the engine speculates, when some pieces
+    cannot apply (``workbench_step.pieces_for``)."""
+    pieces = {n: piece for n, piece in pieces_for(pieces, speculative).items() if n not in PIECES or PIECES[n].served}
     p = pieces.get
     method = (spec or NGRAM_SPEC)["method"]
     alloc = p("ForkingAllocator") or p("PrefixCachingAllocator")
@@ -410,16 +509,13 @@ def components_from(pieces: dict[str, Any], spec: dict[str, Any] | None = None,
     if p("verify_greedy") or p("rejection_sample"):
         verifier = verifier_with(p("verify_greedy"), p("rejection_sample"))
     return Components(
-        rms_norm=p("rms_norm"), apply_rotary=p("apply_rotary"), rope_inv_freq=p("rope_inv_freq"),
-        decoder_layer=p("decoder_layer"),
         sampler=sampler_with_top_p(p("top_p_mask")) if p("top_p_mask") else None,
         attention_backend=attention_backend_with(p("paged_attention")) if p("paged_attention") else None,
         block_allocator=block_allocator_with(alloc) if alloc else None,
-        **step_seams(pieces, scheduler_with),
+        scheduler=scheduler_seam(pieces, scheduler_with),
         verifier=verifier,
         proposer=proposer_with(p("ngram_propose"), spec or NGRAM_SPEC) if p("ngram_propose") and method == "ngram" else None,
-        rollback=rollback_with(p("rollback")) if p("rollback") else None,
-        eagle_forward=p("eagle_forward") if method == "eagle" else None)
+        model_registry=model_registry(pieces, method))
 
 
 # --- the workloads the pieces serve, and their throughput ---------------------------------------------------
@@ -469,16 +565,15 @@ WORKLOADS: dict[str, Workload] = {
     "PrefixCachingAllocator": Workload(llm=(("max_num_seqs", 4),)), "ForkingAllocator": Workload(llm=(("max_num_seqs", 4),)),
     "schedule_step": Workload(max_tokens=32, llm=(("num_kv_blocks", 12), ("max_num_batched_tokens", 64))),
     "preempt": Workload(max_tokens=32, llm=(("num_kv_blocks", 12), ("max_num_batched_tokens", 64))),
-    "engine_step": Workload(max_tokens=32, llm=(("num_kv_blocks", 12), ("max_num_batched_tokens", 64))),
     "verify_greedy": Workload(speculative=True), "ngram_propose": Workload(speculative=True),
     "rejection_sample": Workload(sampled=True, speculative=True),
-    "rollback": ROLLBACK_WORKLOAD, "eagle_forward": EAGLE_WORKLOAD,  # minifer_course.workbench_spec
+    "eagle_forward": EAGLE_WORKLOAD,  # minifer_course.workbench_spec
 }
 # The capstone: both kinds of requests, speculating, in a cache small enough to preempt, admitted a few at a time
-# (so that later prompts find their prefixes cached).
+# (so that later prompts find their prefixes cached), then a batch that preempts without speculating.
 CAPSTONE = (Workload(speculative=True, llm=(("num_kv_blocks", 7), ("max_num_seqs", 4))),
             Workload(sampled=True, speculative=True, llm=(("num_kv_blocks", 7), ("max_num_seqs", 4))),
-            WORKLOADS["engine_step"])  # not speculating: the engine runs your step
+            WORKLOADS["schedule_step"])
 
 
 @functools.lru_cache(maxsize=1)
@@ -490,9 +585,14 @@ def reference_llm(model: str = "tinystories-target"):
 
 
 def engine(components=None, workload: Workload = Workload()):
+    """An engine for ``workload`` with ``components``, on the reference's weights, or on weights of its own when the
+    components build another model (the learner's layers: ``model_registry``)."""
     from minifer import LLM
 
-    return LLM("tinystories-target", share_weights_with=reference_llm(), components=components, **workload.options())
+    ref = reference_llm()
+    own_model = components is not None and ref.model_config.architecture in (components.model_registry or {})
+    return LLM("tinystories-target", share_weights_with=None if own_model else ref, components=components,
+               **workload.options())
 
 
 def tokens(llm, workload: Workload) -> list[list[int]]:

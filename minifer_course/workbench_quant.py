@@ -1,5 +1,5 @@
 """The learner's int4 pieces of chapter 05 inside the engine: their quantizer, their quantize-and-load step and their
-Triton kernel, turned into the seams of ``LLM("tinystories-target", quantization="int4", components=...)``.
+Triton kernel, serving requests from ``LLM("tinystories-target", ...)`` (``int4_llm``).
 
 Exercise 05 writes three pieces:
 
@@ -9,11 +9,13 @@ Exercise 05 writes three pieces:
 * ``int4_matmul(x, packed, scales, zeros, group_size, out, BLOCK_M, BLOCK_N, BLOCK_K)``: the wrapper that launches
   their Triton kernel.
 
-The first two become ``Components.quantizer`` (what the load path calls instead of ``quantize_model``), the third
-``Components.quant_kernel`` (``QuantKernel``). A piece not given stays minifer's: ``quantize_int4``, the load step
-below (``minifers_load_step``), the reference kernel. The engine's weights are then the learner's bytes, multiplied
-by the learner's kernel, so its tokens are compared with minifer's own int4 engine (int4 is not float32: the
-float engine would be the wrong reference).
+The third goes in through the engine's quantized linear kernel seam (``LLM``'s ``quant_kernel``, a ``QuantKernel``,
+as vLLM's quantized linear methods). The first two have no engine seam (vLLM has none for its load step): the
+workbench loads the float model and applies the learner's load step, with their quantizer, to it before the engine
+serves anything (``quantize_with``), as a user quantizes a model before handing it over. A piece not given stays
+minifer's: ``quantize_int4``, the load step below (``minifers_load_step``), the reference kernel. The engine's
+weights are then the learner's bytes, multiplied by the learner's kernel, so its tokens are compared with minifer's
+own int4 engine (int4 is not float32: the float engine would be the wrong reference).
 
 Without a GPU the kernel runs under Triton's interpreter, which executes the grid's programs one after another in
 numpy: the exercise's 16 x 16 tiles take about 10 s per decode step of the bundled model, so on the CPU the adapter
@@ -35,14 +37,14 @@ from torch import nn
 
 from minifer_course import workbench
 from minifer_course.workbench import PRELUDE, Piece, source_of
-from minifer.engine.components import Components
 from minifer.quantization.formats import QuantizedWeight, quantize_int4
 from minifer.quantization.linear import QuantKernel, QuantLinear, decoder_linears, set_module
 from minifer.quantization.model import QuantizationConfig, group_for
 
+NO_SEAM = "none (applied to the loaded model before serving)"
 QUANT_PIECES: dict[str, Piece] = {p.name: p for p in (
-    Piece("quantize_int4_groupwise", "05_quantization", "quantizer"),
-    Piece("quantize_linears", "05_quantization", "quantizer"),
+    Piece("quantize_int4_groupwise", "05_quantization", NO_SEAM, "the workbench quantizes the loaded model with it"),
+    Piece("quantize_linears", "05_quantization", NO_SEAM, "the workbench quantizes the loaded model with it"),
     Piece("int4_matmul", "05_quantization", "quant_kernel"),
 )}
 # Given code a saved piece calls (saved with it): the wrapper launches the learner's kernel.
@@ -156,10 +158,11 @@ def minifers_load_step(model: nn.Module, quantize: Callable[..., Any], group_siz
         set_module(model, name, QuantLinear(qw, bias, kernel))
 
 
-def quantizer_with(quantize_int4_groupwise: Callable[..., Any] | None = None,
-                   quantize_linears: Callable[..., Any] | None = None) -> Callable[..., QuantizationConfig]:
-    """A ``Components.quantizer`` (``quantize_model``'s signature) that runs the learner's load step with the
-    learner's quantizer (minifer's for a piece not given), as ``quantization="int4"`` asks: g128, symmetric."""
+def quantize_with(quantize_int4_groupwise: Callable[..., Any] | None = None,
+                  quantize_linears: Callable[..., Any] | None = None) -> Callable[..., QuantizationConfig]:
+    """A function of ``quantize_model``'s signature (``(model, method, kernel=...)``, in place) that runs the learner's
+    load step with the learner's quantizer (minifer's for a piece not given), as ``quantization="int4"`` asks: g128,
+    symmetric."""
     quantize = quantize_int4_groupwise or minifers_quantize
     load = quantize_linears or minifers_load_step
 
@@ -178,11 +181,19 @@ def quantizer_with(quantize_int4_groupwise: Callable[..., Any] | None = None,
     return quantizer
 
 
-def quant_components(pieces: dict[str, Any]) -> Components:
-    """The ``Components`` that run these exercise-05 pieces (by name); a piece not given stays minifer's."""
+def int4_llm(pieces: dict[str, Any]):
+    """An int4 engine with these exercise-05 pieces (by name; a piece not given stays minifer's), in float32 (on a GPU
+    too: the kernels' sums). Without a quantizer piece it is minifer's int4 engine with the learner's kernel; with one,
+    the float model is loaded and quantized by the learner's step before it serves (CUDA graphs off: they would
+    replay the float layers they captured)."""
+    from minifer import LLM
+    from minifer.kernels import quant_kernel_for
+
     p = pieces.get
-    quantizer = None
-    if p("quantize_int4_groupwise") or p("quantize_linears"):
-        quantizer = quantizer_with(p("quantize_int4_groupwise"), p("quantize_linears"))
-    return Components(quantizer=quantizer,
-                      quant_kernel=quant_kernel_with(p("int4_matmul")) if p("int4_matmul") else None)
+    kernel = quant_kernel_with(p("int4_matmul")) if p("int4_matmul") else None
+    if not (p("quantize_int4_groupwise") or p("quantize_linears")):
+        return LLM("tinystories-target", quantization="int4", dtype="float32", quant_kernel=kernel)
+    llm = LLM("tinystories-target", dtype="float32", enforce_eager=True)
+    quantize_with(p("quantize_int4_groupwise"), p("quantize_linears"))(llm.model, "int4",
+                                                                        kernel=kernel or quant_kernel_for(llm.device))
+    return llm

@@ -1,17 +1,12 @@
-"""Chapter 04's pieces in the engine: the speculative step's rollback and the EAGLE head's forward.
+"""Chapter 04's speculative pieces beside the engine: the rollback's picture of the KV, and the EAGLE head's workload.
 
-``minifer_course.workbench`` carries the learner's pieces into ``LLM(components=...)``; this module holds what the two
-speculative pieces of exercise 04 need there:
-
-* ``KVView``, the exercise's picture of one model's paged KV for one sequence, and ``rollback_with``, which turns the
-  learner's ``rollback(token_ids, k, accepted, target, draft)`` into the engine's ``Rollback`` seam
-  (``minifer.engine.speculative``). The learner's function decides how many tokens each cache keeps and which blocks
-  go back to the pool; the engine's allocators carry that out (their reference counts and prefix-cache entries are
-  theirs), and the adapter checks after every step that the allocator's table is the one the learner computed, so a
-  disagreement stops the engine with a message instead of corrupting the cache;
-* the chapter's speculative workloads (``SpecWorkload``: a draft model for the rollback, which has a draft cache to
-  cut; the shipped EAGLE head for its forward), and the checks that only a served engine can make: no KV block is
-  left allocated once every request has finished, and the learner's head accepts as many drafts as minifer's.
+* ``KVView``, the exercise's picture of one model's paged KV for one sequence: the learner's
+  ``rollback(token_ids, k, accepted, target, draft)`` cuts it. The engine has no seam for a rollback (vLLM has none:
+  it is part of the proposer and the KV cache manager), so the rollback is graded on its own
+  (``grading.spec_step.check_rollback``, against minifer's rule on fixed and random steps);
+* the EAGLE head's workload (``EagleWorkload``: the shipped head, whose class the engine builds from the learner's
+  forward, ``workbench.model_registry``), and the checks only a served engine can make: no KV block is left allocated
+  once every request has finished, and the learner's head accepts as many drafts as minifer's.
 
 The engine core never imports this module; ``workbench`` and the graders do.
 """
@@ -22,10 +17,6 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from minifer.spec_decode.draft_model import DraftModelProposer
-from minifer.engine.speculative import Rollback, Speculator
-
-DRAFT_SPEC = {"method": "draft_model", "model": "tinystories-draft", "num_speculative_tokens": 4, "adaptive": False}
 EAGLE_SPEC = {"method": "eagle", "model": "tinystories-target-eagle", "num_speculative_tokens": 4, "adaptive": False}
 # How far the learner's head's acceptance rate may sit from minifer's on the same greedy requests. The two heads
 # compute the same function; float32 rounding in another order can flip a near-tie argmax, and a flip changes the
@@ -45,53 +36,6 @@ class KVView:
     free_blocks: list[int]
 
 
-def _view(blocks: Any, seq_id: object, num_tokens: int) -> KVView:
-    return KVView(num_tokens, list(blocks.block_table(seq_id)), blocks.block_size, [])
-
-
-def _apply(blocks: Any, seq_id: object, view: KVView, which: str) -> None:
-    """Carry the learner's cut out on the engine's allocator, then check it left the table the learner computed."""
-    before = list(blocks.block_table(seq_id))
-    blocks.truncate(seq_id, max(view.num_tokens, 1))  # a table keeps its first block while the sequence lives
-    after = list(blocks.block_table(seq_id))
-    freed = before[len(after):]
-    if view.block_table != after or sorted(view.free_blocks) != sorted(freed):
-        raise AssertionError(f"your rollback keeps {view.num_tokens} tokens of the {which}'s KV in blocks "
-                             f"{view.block_table} and frees {view.free_blocks}, but those tokens fill blocks {after} "
-                             f"and free {freed}: free exactly the blocks past ceil(num_tokens / block_size)")
-
-
-def rollback_with(rollback: Callable[..., None]) -> Rollback:
-    """The engine's ``Rollback`` seam around the exercise's ``rollback(token_ids, k, accepted, target, draft)``.
-
-    The engine calls the seam after it has appended what the verification emitted (the ``accepted`` drafts and the
-    target's own token), so the adapter rebuilds the state the exercise starts from: the sequence as it stood with
-    all ``k`` drafts in it, the target's KV written for all of them, and the draft model's (when one drafts) for all
-    but the last."""
-
-    def seam(spec: Speculator, seq: Any, drafts: list[int], accepted: int) -> None:
-        rid, kept = seq.request_id, list(seq.all_token_ids[:-1])  # the target's own token: appended after rollback
-        n = len(kept) - accepted
-        token_ids = kept[:n] + list(drafts)
-        target = _view(spec.target_blocks, rid, n + len(drafts))
-        proposer = spec.proposer
-        has_draft = isinstance(proposer, DraftModelProposer) and proposer.blocks.has_seq(rid)
-        draft = _view(proposer.blocks, rid, proposer.computed[rid]) if has_draft else None
-        rollback(token_ids, len(drafts), accepted, target, draft)
-        if token_ids != kept:
-            raise AssertionError(f"after {accepted} of {len(drafts)} drafts were accepted your rollback left "
-                                 f"{len(token_ids)} tokens; the sequence keeps {len(kept)}: the context and the "
-                                 f"accepted drafts")
-        _apply(spec.target_blocks, rid, target, "target")
-        if draft is not None:
-            proposer.computed[rid] = draft.num_tokens
-            _apply(proposer.blocks, rid, draft, "draft")
-        elif not has_draft:
-            proposer.rollback(seq, seq.num_tokens - 1)  # a proposer with a cache of its own (EAGLE) trims it itself
-
-    return seam
-
-
 @dataclass(frozen=True)
 class SpecWorkload:
     """Greedy requests served with ``speculative_config`` (``spec``: its items, so the workload stays hashable and
@@ -100,7 +44,7 @@ class SpecWorkload:
     spec: tuple[tuple[str, Any], ...]
     max_tokens: int = 16
     sampled: bool = False
-    speculative: bool = True  # as ``workbench.Workload``'s: the engine speculates (the learner's step does not run)
+    speculative: bool = True  # as ``workbench.Workload``'s: the engine speculates
 
     def params(self):
         from minifer import SamplingParams
@@ -131,12 +75,9 @@ class SpecWorkload:
                 held = blocks.num_blocks - blocks.num_free_blocks
                 if held:
                     raise AssertionError(f"{held} of the {which}'s {blocks.num_blocks} KV blocks are still allocated "
-                                         f"after every request finished: a rollback lost track of them")
+                                         f"after every request finished")
 
         return [("every KV block is free again when the requests are done (no leak)", no_leaks)]
-
-
-ROLLBACK_WORKLOAD = SpecWorkload(tuple(DRAFT_SPEC.items()))
 
 
 @dataclass(frozen=True)

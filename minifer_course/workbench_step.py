@@ -1,10 +1,9 @@
-"""Exercise 03's pieces in the engine: the learner's preemption as the scheduler's, their engine step as the engine's.
+"""Exercise 03's pieces in the engine: the learner's preemption and ``schedule_step`` as the scheduler's.
 
-Both exercises have the engine's own signatures (``preempt(running, waiting, blocks)`` is
-``minifer.core.sched.scheduler.preempt_by_recompute``'s, ``engine_step(parts)`` is ``minifer.engine.core.engine_step``'s),
-so the adapters only put them where the engine looks: a ``Scheduler`` whose ``preempt`` is theirs, and
-``Components.step``. A given step runs only where the engine does not speculate (speculation's step is the engine's
-own), so the capstone hands it to its plain batch and not to the speculative ones (``pieces_for``).
+``preempt(running, waiting, blocks)`` has the engine's own signature (``minifer.core.sched.scheduler.preempt_by_recompute``'s),
+so the adapter only puts it where the engine looks: a ``Scheduler`` whose ``preempt`` is theirs. The exercise's
+``engine_step`` has the engine's signature too, but the engine has no seam for its step (vLLM has none): it is graded
+on its own, step by step against minifer's in the toy engine (``grading.toy_engine``).
 """
 
 from __future__ import annotations
@@ -26,22 +25,19 @@ def scheduler_with_preemption(preempt: Callable[..., Any]) -> type[Scheduler]:
     return LearnersPreemption
 
 
-SPECULATION = ("verify_greedy", "rejection_sample", "ngram_propose", "rollback", "eagle_forward")
+SPECULATION = ("verify_greedy", "rejection_sample", "ngram_propose", "eagle_forward")
 
 
 def pieces_for(pieces: dict[str, Any], speculative: bool | None) -> dict[str, Any]:
-    """The pieces an engine can run: one that speculates runs its own step, not the learner's; one that does not has
-    no use for a proposer or a verifier (``LLM`` refuses them). ``None``: every piece (each serves its own workload)."""
-    unused = {True: ("engine_step",), False: SPECULATION, None: ()}[speculative]
-    return {name: piece for name, piece in pieces.items() if name not in unused}
+    """The pieces an engine can run: one that does not speculate has no use for a proposer or a verifier (``LLM``
+    refuses them). ``None`` or True: every piece (each serves its own workload)."""
+    return {name: piece for name, piece in pieces.items() if speculative is not False or name not in SPECULATION}
 
 
-def step_seams(pieces: dict[str, Any], scheduler_with: Callable[..., type[Scheduler]]) -> dict[str, Any]:
-    """The ``Components`` fields exercise 03's pieces fill: the scheduler (the learner's ``schedule_step`` over their
-    preemption, either alone, or neither) and the step."""
+def scheduler_seam(pieces: dict[str, Any], scheduler_with: Callable[..., type[Scheduler]]) -> type[Scheduler] | None:
+    """The ``Components.scheduler`` exercise 03's pieces fill: the learner's ``schedule_step`` over their preemption,
+    either alone, or neither (None)."""
     base = scheduler_with_preemption(pieces["preempt"]) if pieces.get("preempt") else None
     if pieces.get("schedule_step"):
-        scheduler = scheduler_with(pieces["schedule_step"], base or Scheduler)
-    else:
-        scheduler = base
-    return {"scheduler": scheduler, "step": pieces.get("engine_step")}
+        return scheduler_with(pieces["schedule_step"], base or Scheduler)
+    return base

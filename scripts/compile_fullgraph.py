@@ -2,7 +2,7 @@
 
 A one-off experiment (issue 45, item 7), not engine code. It runs the engine a few steps with ``LlamaModel.forward``
 wrapped by a recorder, keeps the arguments of one real decode step (token ids, positions, the ``PagedKVCache``
-passed as the attention backend, the ``LayerOps``) together with the ``PagedAttentionMetadata`` the runner had set
+passed as the attention backend) together with the ``PagedAttentionMetadata`` the runner had set
 on ``cache.meta`` for that call, and then:
 
 1. ``torch._dynamo.explain`` over ``LlamaModel.forward`` with the paged attention traced *inside* (unlike
@@ -37,16 +37,15 @@ PROMPT = "Once upon a time, there was a little girl named Lily. She"
 
 def capture_steps(llm: LLM, steps: int = 8) -> tuple[tuple, object, tuple, object]:
     """Generate a few tokens with ``LlamaModel.forward`` recorded; return the last decode call's arguments
-    (``input_ids`` ``[1]``, ``positions`` ``[1]``, the cache, the ops) and the ``cache.meta`` it ran with, then the
+    (``input_ids`` ``[1]``, ``positions`` ``[1]``, the cache) and the ``cache.meta`` it ran with, then the
     same for the prompt's (prefill) call."""
     decoder = llm.model.model
     calls, prefills = [], []
     eager = decoder.forward
 
-    def record(input_ids, positions, attn, ops):
-        (calls if input_ids.numel() == 1 else prefills).append(
-            ((input_ids.clone(), positions.clone(), attn, ops), attn.meta))
-        return eager(input_ids, positions, attn, ops)
+    def record(input_ids, positions, attn):
+        (calls if input_ids.numel() == 1 else prefills).append(((input_ids.clone(), positions.clone(), attn), attn.meta))
+        return eager(input_ids, positions, attn)
 
     decoder.forward = record  # nn.Module.__call__ looks forward up on the instance first
     try:
@@ -63,8 +62,8 @@ def decode_fn(decoder: torch.nn.Module):
     forward once the compiled one is set on the instance (the whole-engine run below)."""
     forward = type(decoder).forward
 
-    def decode_forward(input_ids, positions, attn, ops):
-        return forward(decoder, input_ids, positions, attn, ops)
+    def decode_forward(input_ids, positions, attn):
+        return forward(decoder, input_ids, positions, attn)
     return decode_forward
 
 
@@ -198,7 +197,7 @@ def main(argv=None) -> dict:
     stats = torch._dynamo.utils.counters["stats"]
     result["generate"] = {
         "prompt": PROMPT, "max_tokens": args.gen_tokens, "rounds": args.gen_rounds, "fullgraph": False,
-        "how": "decoder.forward (LlamaModel, instance attribute) = torch.compile(fn(input_ids, positions, attn, ops)); "
+        "how": "decoder.forward (LlamaModel, instance attribute) = torch.compile(fn(input_ids, positions, attn)); "
                "the runner passes the PagedKVCache as attn with cache.meta set for the step, so meta is a graph input",
         "first_generate_s": round(first, 1), "same_tokens": comp_tokens == eager_tokens and toks == eager_tokens,
         "eager_over_compiled": {"median": statistics.median(ratios), "min": min(ratios), "max": max(ratios),

@@ -13,7 +13,10 @@
 # 4. **the decoder layer**, attention and MLP over the model's weights, with your RMSNorm and RoPE.
 #
 # Each piece then runs inside the real engine ("now your piece serves the chapter's workload"), and the
-# capstone (`07_capstone`) runs all your pieces together.
+# capstone (`07_capstone`) runs all your pieces together. Your functions keep the signatures of minifer's own, so
+# they drop in without adapters: RMSNorm, RoPE and the decoder layer go in as the model's layer classes (the engine
+# builds its model from a `LlamaForCausalLM` subclass made of yours, as vLLM builds an out-of-tree model:
+# `Components.model_registry`), the nucleus filter into the engine's sampler (`Components.sampler`).
 #
 # Each exercise explains the idea, gives a function whose body you write (replace the
 # `raise NotImplementedError`), then a **check cell** that grades your function against minifer's own
@@ -75,8 +78,10 @@ check_rms_norm(rms_norm)
 #
 # The next cell saves your `rms_norm` to `my_engine/rms_norm.py` (next to this notebook, so it survives a kernel
 # restart and the capstone finds it), grades it again, then plugs it into a real engine,
-# `LLM("tinystories-target", components=...)`, which serves 8 greedy requests of 16 tokens: your function
-# normalises every layer's input (two per layer, and the final norm). Its tokens must be the reference engine's,
+# `LLM("tinystories-target", components=...)`, which serves 8 greedy requests of 16 tokens. Seam: the model class
+# (`Components.model_registry`); the engine builds its model with an `RMSNorm` subclass whose `forward` calls your
+# function, `rms_norm(x, self.weight, self.eps)`, as minifer's module calls its own, so it normalises every layer's
+# input (two per layer, and the final norm). Its tokens must be the reference engine's,
 # request by request, and transformers' for the first two prompts. A piece that fails its checks never reaches
 # the engine: the cell stops with the grader's hint instead.
 
@@ -133,10 +138,12 @@ check_rope_inv_freq(rope_inv_freq)
 # %% [markdown]
 # ### Now your frequencies serve the chapter's workload
 #
-# The engine normally looks up `cos`/`sin` in a table it computed once at load. Handed your `rope_inv_freq`, it
-# computes them from your frequencies at every forward instead (the same arithmetic as its table), so every
-# query and key of every layer turns at your speeds. The cell saves your function for the capstone, grades it
-# again, serves 8 greedy requests and compares the tokens with the reference engine's and transformers'.
+# The engine looks up `cos`/`sin` in a table its `RotaryEmbedding` computes once at load, from the frequencies
+# its `_compute_inv_freq` returns (vLLM's name). Seam: the model class (`Components.model_registry`); the engine builds
+# its model with a `RotaryEmbedding` subclass whose `_compute_inv_freq` returns your `rope_inv_freq(head_dim,
+# theta)`, so the table (the same arithmetic) and every query and key of every layer turn at your speeds. The cell
+# saves your function for the capstone, grades it again, serves 8 greedy requests and compares the tokens with the
+# reference engine's and transformers'.
 
 # %%
 # NBVAL_CHECK_OUTPUT
@@ -194,9 +201,11 @@ check_apply_rotary(apply_rotary)
 #
 # The next cell saves your `apply_rotary` to `my_engine/apply_rotary.py` (next to this notebook, so it survives a
 # kernel restart and the capstone finds it), grades it again, then plugs it into a real engine, `LLM("tinystories-
-# target", components=...)`, which serves 8 greedy requests of 16 tokens: your rotation turns the queries and keys
-# of every layer (`cos`/`sin` come from minifer's table here; the capstone pairs your rotation with your frequencies). Its tokens must be the reference
-# engine's, request by request, and transformers' for the first two prompts. A piece that fails its checks never
+# target", components=...)`, which serves 8 greedy requests of 16 tokens. Seam: the model class
+# (`Components.model_registry`); the engine builds its model with an attention class whose `apply_rotary` is your
+# function, so your rotation turns the queries and keys of every layer (`cos`/`sin` come from minifer's table here;
+# the capstone pairs your rotation with your frequencies). Its tokens must be the reference engine's, request by
+# request, and transformers' for the first two prompts. A piece that fails its checks never
 # reaches the engine: the cell stops with the grader's hint instead.
 
 # %%
@@ -265,8 +274,8 @@ check_top_p(top_p_mask)
 # The next cell saves your `top_p_mask` to `my_engine/top_p_mask.py` (next to this notebook, so it survives a kernel
 # restart and the capstone finds it), grades it again, then plugs it into a real engine,
 # `LLM("tinystories-target", components=...)`, which serves 8 requests sampled at temperature 0.8 and top-p 0.9,
-# each with its own seed: your filter runs inside minifer's sampler, so the same seeds must draw the same
-# tokens. Its tokens must be the reference engine's, request by request. A piece that fails its checks never
+# each with its own seed. Seam: the sampler (`Components.sampler`, vLLM's `Sampler`); your filter runs inside
+# minifer's sampler in place of `apply_top_p`, so the same seeds must draw the same tokens. Its tokens must be the reference engine's, request by request. A piece that fails its checks never
 # reaches the engine: the cell stops with the grader's hint instead.
 
 # %%
@@ -306,32 +315,32 @@ piece_throughput("top_p_mask", top_p_mask)
 # * `layer.mlp.gate_up_proj`: gate and up projections fused; split at `intermediate_size`, then SwiGLU:
 #   `down_proj(silu(gate) * up)`.
 #
-# Normalise and rotate with the functions in `ops` (`ops.rms_norm(x, norm.weight, norm.eps)`,
-# `ops.apply_rotary(q, cos, sin)`): they are minifer's here, and the ones you wrote in the capstone.
+# Your function has the signature of `DecoderLayer.forward` (`layer` is its `self`), so it drops in as the layer's
+# `forward`. Normalise and rotate with the layer's own modules (`layer.input_layernorm(x)`, `att.q_norm(q)`, ...,
+# and `att.apply_rotary(q, cos, sin)`, the attention's rotation): they are minifer's here, and the ones you wrote in
+# the capstone, where the engine builds the layer from your classes.
 
 # %%
 import torch.nn.functional as F
 
 
-def decoder_layer(layer, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn, ops) -> torch.Tensor:
-    """One decoder layer over ``layer``'s modules: ``x`` ``[tokens, hidden]`` (a batch's tokens, packed), per-token
-    ``cos``/``sin`` ``[tokens, head_dim]``, the attention backend ``attn``, and ``ops`` (``rms_norm``,
-    ``apply_rotary``). Returns ``[tokens, hidden]``. Do not modify ``x`` in place."""
+def decoder_layer(layer, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn) -> torch.Tensor:
+    """One decoder layer over ``layer``'s modules (``DecoderLayer.forward``'s signature): ``x`` ``[tokens, hidden]``
+    (a batch's tokens, packed), per-token ``cos``/``sin`` ``[tokens, head_dim]``, the attention backend ``attn``.
+    Returns ``[tokens, hidden]``. Do not modify ``x`` in place."""
     ### BEGIN SOLUTION
     att, mlp, n = layer.self_attn, layer.mlp, x.shape[0]
-    h = ops.rms_norm(x, layer.input_layernorm.weight, layer.input_layernorm.eps)
+    h = layer.input_layernorm(x)
     q, k, v = att.qkv_proj(h).split([att.q_size, att.kv_size, att.kv_size], dim=-1)
     q = q.view(n, att.num_heads, att.head_dim)
     k = k.view(n, att.num_kv_heads, att.head_dim)
     v = v.view(n, att.num_kv_heads, att.head_dim)
     if att.q_norm is not None:  # Qwen3: normalise each head's query and key
-        q = ops.rms_norm(q, att.q_norm.weight, att.q_norm.eps)
-        k = ops.rms_norm(k, att.k_norm.weight, att.k_norm.eps)
-    q, k = ops.apply_rotary(q, cos, sin), ops.apply_rotary(k, cos, sin)
+        q, k = att.q_norm(q), att.k_norm(k)
+    q, k = att.apply_rotary(q, cos, sin), att.apply_rotary(k, cos, sin)
     out = attn.attend(att.layer_idx, q, k, v)
     h = x + att.o_proj(out.reshape(n, att.q_size))  # a new tensor: x itself is left alone
-    gate, up = mlp.gate_up_proj(ops.rms_norm(h, layer.post_attention_layernorm.weight,
-                                             layer.post_attention_layernorm.eps)).split(mlp.intermediate_size, dim=-1)
+    gate, up = mlp.gate_up_proj(layer.post_attention_layernorm(h)).split(mlp.intermediate_size, dim=-1)
     return h + mlp.down_proj(F.silu(gate) * up)
     ### END SOLUTION
 
@@ -347,8 +356,10 @@ check_decoder_layer(decoder_layer)
 #
 # The next cell saves your `decoder_layer` to `my_engine/decoder_layer.py` (next to this notebook, so it survives
 # a kernel restart and the capstone finds it), grades it again, then plugs it into a real engine,
-# `LLM("tinystories-target", components=...)`, which serves 8 greedy requests of 16 tokens: every layer of the
-# model runs your forward over its own weights, normalising and rotating with minifer's functions. Its tokens must
+# `LLM("tinystories-target", components=...)`, which serves 8 greedy requests of 16 tokens. Seam: the model class
+# (`Components.model_registry`; vLLM's `LlamaModel` takes its `layer_type` the same way); the engine builds its
+# model with a `DecoderLayer` subclass whose `forward` is your function, so every layer of the model runs your
+# forward over its own weights, normalising and rotating with minifer's modules. Its tokens must
 # be the reference engine's, request by request, and transformers' for the first two prompts. A piece that fails
 # its checks never reaches the engine: the cell stops with the grader's hint instead.
 
@@ -374,7 +385,9 @@ piece_throughput("decoder_layer", decoder_layer)
 # * `rope_inv_freq` and `apply_rotary` are in `minifer/layers/rotary_embedding.py`; `RotaryEmbedding` precomputes
 #   `cos`/`sin` for all positions, and the model rotates queries and keys right after their projection;
 # * `top_p_mask` is `minifer.sample.sampler.apply_top_p`, one of the logits processors of `process_logits`;
-# * `decoder_layer` is `minifer.models.llama.DecoderLayer.forward`, which `LlamaModel` calls once per layer.
+# * `decoder_layer` is `minifer.models.llama.DecoderLayer.forward`, which `LlamaModel` calls once per layer;
+# * the classes the model is built from are `LlamaForCausalLM`'s class attributes (`layer_type`, `attention_cls`,
+#   `norm_cls`, `rotary_cls`): your pieces went in as a subclass naming yours, never as a branch in the forward.
 #
 # minifer's versions differ in details (`apply_top_p` sorts in *ascending* order and drops the tail whose
 # mass stays below $1 - p$), yet the checks accept both, because they compare what the functions return.

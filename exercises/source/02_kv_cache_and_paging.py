@@ -148,8 +148,9 @@ check_paged_attention(paged_attention)
 #
 # The next cell saves your `paged_attention` to `my_engine/paged_attention.py` (next to this notebook, so it
 # survives a kernel restart and the capstone finds it), grades it again, then plugs it into a real engine,
-# `LLM("tinystories-target", components=...)`, which serves 8 greedy requests of 16 tokens: the engine writes each
-# step's keys and values into the paged cache and your function reads them back, sequence by sequence, in every
+# `LLM("tinystories-target", components=...)`, which serves 8 greedy requests of 16 tokens. Seam: the attention
+# backend (`Components.attention_backend`, vLLM's attention backends): the engine writes each step's keys and values
+# into the paged cache and your function reads them back, sequence by sequence, in every
 # layer (a Python loop over the batch: slower than minifer's batched version). Its tokens must be the reference
 # engine's, request by request, and transformers' for the first two prompts. A piece that fails its checks never
 # reaches the engine: the cell stops with the grader's hint instead.
@@ -384,7 +385,7 @@ check_prefix_allocator(PrefixCachingAllocator)
 # The next cell saves your `PrefixCachingAllocator` to `my_engine/PrefixCachingAllocator.py` (next to this
 # notebook, so it survives a kernel restart and the capstone finds it), grades it again, then plugs it into a real
 # engine, `LLM("tinystories-target", components=...)`, which serves 8 greedy requests of 16 tokens, admitted 4 at
-# a time, three of whose prompts share a story opening longer than a 16-token block: your allocator hands out
+# a time (seam: the block allocator, `Components.block_allocator`, vLLM's KV cache manager over its block pool), three of whose prompts share a story opening longer than a 16-token block: your allocator hands out
 # every block table and finds the cached prefixes (growing a table as a sequence decodes takes blocks through your
 # `take_free_block`). Its tokens must be the reference engine's, request by request, and transformers' for the
 # first two prompts. A piece that fails its checks never reaches the engine: the cell stops with the grader's hint
@@ -507,7 +508,8 @@ save(ForkingAllocator)
 # %% [markdown]
 # ### Now your forking allocator serves requests that share blocks
 #
-# The next cell grades your `ForkingAllocator` again, then makes it the allocator of a real engine,
+# The next cell grades your `ForkingAllocator` again, then makes it the allocator of a real engine (the same seam,
+# `Components.block_allocator`),
 # `LLM("tinystories-target", components=...)`, which serves two workloads whose sequences share blocks: 3 seeded
 # completions of each of 8 prompts (parallel sampling: the siblings take the prompt's blocks from your prefix cache)
 # and a beam search of width 4 on 2 prompts (the beams fork through your `fork` and copy a shared block through your

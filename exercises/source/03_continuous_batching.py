@@ -139,8 +139,8 @@ check_schedule_step(schedule_step)
 #
 # The next cell saves your `schedule_step` to `my_engine/schedule_step.py` (next to this notebook, so it survives
 # a kernel restart and the capstone finds it), grades it again, then plugs it into a real engine,
-# `LLM("tinystories-target", components=...)`, which serves 8 greedy requests of 32 tokens in a KV cache of only
-# 12 blocks and 64 tokens per step, so requests are preempted and recomputed: every step, the engine describes its
+# `LLM("tinystories-target", components=...)` (seam: the scheduler, `Components.scheduler`, vLLM's scheduler
+# policy), which serves 8 greedy requests of 32 tokens in a KV cache of only 12 blocks and 64 tokens per step, so requests are preempted and recomputed: every step, the engine describes its
 # running and waiting sequences as `Request`s, asks your `schedule_step` who runs, and carries out your plan. Its
 # tokens must be the reference engine's, request by request, and transformers' for the first two prompts. A piece
 # that fails its checks never reaches the engine: the cell stops with the grader's hint instead.
@@ -213,7 +213,8 @@ check_preempt(preempt)
 #
 # The next cell saves your `preempt` to `my_engine/preempt.py` (next to this notebook, so it survives a kernel
 # restart and the capstone finds it), grades it again, then plugs it into a real engine,
-# `LLM("tinystories-target", components=...)`, whose scheduler preempts through it: 8 greedy requests of 32 tokens in
+# `LLM("tinystories-target", components=...)`, whose scheduler preempts through it (seam: the scheduler,
+# `Components.scheduler`, a `Scheduler` whose `preempt` is yours): 8 greedy requests of 32 tokens in
 # a KV cache of only 12 blocks and 64 tokens per step, too small for all of them at once. Its tokens must be the
 # reference engine's, request by request, and transformers' for the first two prompts; the cell after it counts the
 # preemptions, yours against minifer's. A piece that fails its checks never reaches the engine: the cell stops with
@@ -304,28 +305,18 @@ from minifer_course.grading.batching import check_engine_step
 check_engine_step(engine_step)
 
 # %% [markdown]
-# ### Now your engine step serves the chapter's workload
+# ### Your engine step is graded on its own
 #
-# The next cell saves your `engine_step` to `my_engine/engine_step.py`, grades it again, then hands it to a real
-# engine, `LLM("tinystories-target", components=Components(step=...))`, which calls it for every step while it
-# serves 8 greedy requests of 32 tokens in a KV cache of 12 blocks and 64 tokens per step (so your step also runs
-# steps that preempt, chunk prompts, and finish requests). Its tokens must be the reference engine's, request by
-# request, and transformers' for the first two prompts.
+# The engine has no seam for its step (vLLM has none either: `EngineCore.step` is the engine's own), so your
+# `engine_step` does not serve requests: it is graded on its own, in the toy engine above, step by step against
+# minifer's. The next cell saves it to `my_engine/engine_step.py` (next to this notebook, so it survives a kernel
+# restart) and grades it again; the capstone grades it once more with your other pieces.
 
 # %%
 # NBVAL_CHECK_OUTPUT
-from minifer_course.grading.engine import check_in_engine
+from minifer_course.grading.engine import check_on_its_own
 
-check_in_engine("engine_step", engine_step)
-
-# %% [markdown]
-# And its speed, as a ratio of the reference engine's (a measurement, not a check). The engine's own step does the
-# same work and a little more (it times each step and can speculate), so expect a ratio near 1.
-
-# %%
-from minifer_course.workbench import piece_throughput
-
-piece_throughput("engine_step", engine_step)
+check_on_its_own("engine_step", engine_step)
 
 # %% [markdown]
 # ## Where these live in the engine

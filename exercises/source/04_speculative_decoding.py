@@ -106,7 +106,8 @@ check_verify_greedy(verify_greedy)
 # The next cell saves your `verify_greedy` to `my_engine/verify_greedy.py` (next to this notebook, so it survives
 # a kernel restart and the capstone finds it), grades it again, then plugs it into a real engine,
 # `LLM("tinystories-target", components=...)`, which serves 8 greedy requests of 16 tokens with n-gram speculation
-# (k = 4): your function decides which drafts the engine keeps at every step. Its tokens must be the reference
+# (k = 4). Seam: the verifier (`Components.verifier`, vLLM's rejection sampler); your function, which has the
+# engine's signature, decides which drafts the engine keeps at every step. Its tokens must be the reference
 # engine's, request by request, and transformers' for the first two prompts. A piece that fails its checks never
 # reaches the engine: the cell stops with the grader's hint instead.
 
@@ -201,7 +202,8 @@ check_rejection_sample(rejection_sample)
 # The next cell saves your `rejection_sample` to `my_engine/rejection_sample.py` (next to this notebook, so it
 # survives a kernel restart and the capstone finds it), grades it again, then plugs it into a real engine,
 # `LLM("tinystories-target", components=...)`, which serves 8 requests sampled at temperature 0.8 with a seed
-# each, speculating with n-grams: your function verifies each sequence's drafts, and since it draws the same
+# each, speculating with n-grams. Seam: the verifier (`Components.verifier`, vLLM's rejection sampler), which
+# applies your one-sequence function row by row: it verifies each sequence's drafts, and since it draws the same
 # random numbers as minifer's, the same seeds give the same tokens. Its tokens must be the reference engine's,
 # request by request. A piece that fails its checks never reaches the engine: the cell stops with the grader's
 # hint instead.
@@ -301,8 +303,9 @@ check_ngram_propose(ngram_propose)
 #
 # The next cell saves your `ngram_propose` to `my_engine/ngram_propose.py` (next to this notebook, so it survives
 # a kernel restart and the capstone finds it), grades it again, then plugs it into a real engine,
-# `LLM("tinystories-target", components=...)`, which serves 8 greedy requests of 16 tokens: your function proposes
-# the drafts (k = 4, lookup of 3 down to 1 tokens) that the engine verifies. Its tokens must be the reference
+# `LLM("tinystories-target", components=...)`, which serves 8 greedy requests of 16 tokens. Seam: the proposer
+# (`Components.proposer`, vLLM's `NgramProposer`): your function proposes the drafts (k = 4, lookup of 3 down to 1
+# tokens) that the engine verifies. Its tokens must be the reference
 # engine's, request by request, and transformers' for the first two prompts. A piece that fails its checks never
 # reaches the engine: the cell stops with the grader's hint instead.
 
@@ -424,26 +427,20 @@ from minifer_course.grading.spec_step import check_rollback
 check_rollback(rollback)
 
 # %% [markdown]
-# ### Now your rollback serves the chapter's workload
+# ### Your rollback is graded on its own
 #
-# The next cell saves your `rollback` (to `my_engine/rollback.py`), grades it again, then plugs it into a real
-# engine through `Components(rollback=...)`: `LLM("tinystories-target", components=...)` serves 8 greedy requests
-# of 16 tokens, speculating with the draft model (`tinystories-draft`, k = 4), so both caches go through your
-# function after every verification. The engine's allocators carry out your cut (their reference counts and
-# prefix-cache entries are theirs) and check after each step that their block table is the one you computed.
-# The tokens must be the reference engine's and transformers', and once every request has finished every
-# block of both caches must be free again.
+# The engine has no seam for a rollback (vLLM has none either: the KV cache manager frees what a step did not keep,
+# and each proposer trims its own cache), so your `rollback` does not serve requests: it is graded on its own, by the
+# check above, against minifer's rule on fixed and random steps. The next cell saves it to `my_engine/rollback.py`
+# (next to this notebook, so it survives a kernel restart) and grades it again; the capstone grades it once more
+# with your other pieces. In the engine, the same cut is `Speculator.rollback` (`minifer/engine/speculative.py`): the
+# allocator's `truncate` and the proposer's `rollback`.
 
 # %%
 # NBVAL_CHECK_OUTPUT
-from minifer_course.grading.engine import check_in_engine
+from minifer_course.grading.engine import check_on_its_own
 
-check_in_engine("rollback", rollback)
-
-# %%
-from minifer_course.workbench import piece_throughput
-
-piece_throughput("rollback", rollback)
+check_on_its_own("rollback", rollback)
 
 # %% [markdown]
 # ## 6 · A drafter on the target's own features: the EAGLE head
@@ -503,8 +500,10 @@ check_eagle_forward(eagle_forward)
 # %% [markdown]
 # ### Now your EAGLE head serves the chapter's workload
 #
-# The next cell plugs your forward into the engine (`Components(eagle_forward=...)`), which serves 8 greedy
-# requests of 16 tokens with `speculative_config={"method": "eagle", "model": "tinystories-target-eagle",
+# Your function has the signature of `EagleHead.forward` (`head` is its `self`), so it drops in as the head's
+# `forward`. Seam: the model class (`Components.model_registry`, as vLLM registers a model for an architecture):
+# the engine builds the head from an `EagleHead` subclass whose `forward` is yours. The next cell saves it, grades
+# it again and plugs it into the engine, which serves 8 greedy requests of 16 tokens with `speculative_config={"method": "eagle", "model": "tinystories-target-eagle",
 # "num_speculative_tokens": 4}`. The tokens alone cannot show a wrong head: whatever it drafts, the target
 # verifies, so the output is right either way. What a wrong head changes is how many drafts are accepted, so
 # the cell also compares your engine's acceptance rate with that of minifer's head on the same requests.

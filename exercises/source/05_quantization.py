@@ -20,9 +20,10 @@
 #    (a puzzle in the style of Sasha Rush's *Triton puzzles*: the skeleton is given, you fill in the body);
 # 4. **perplexity**, the measurement that says what the quantization cost.
 #
-# The first three then run inside a real engine, `LLM("tinystories-target", quantization="int4", components=...)`:
-# its weights quantized by your function, loaded by your step, multiplied by your kernel, serving requests whose
-# tokens must be those of minifer's own int4 engine.
+# The first three then run inside a real engine, `LLM("tinystories-target", ...)`: its weights quantized by your
+# function and put in the model by your step (neither has an engine seam, as in vLLM: the course applies them to the
+# loaded model before it serves), multiplied by your kernel (the engine's quantized linear kernel seam,
+# `LLM(quant_kernel=...)`), serving requests whose tokens must be those of minifer's own int4 engine.
 #
 # Each exercise explains the idea, gives a function whose body you write, then a **check cell** that grades
 # it against minifer's own (`minifer/quantization/formats.py`, `minifer/kernels/quant_matmul.py`, `minifer/eval.py`).
@@ -143,8 +144,9 @@ check_quantize_int4(quantize_int4_groupwise)
 # ### Now your quantizer serves requests
 #
 # The next cell saves `quantize_int4_groupwise` to `my_engine/` (the capstone finds it there), grades it again,
-# then hands it to a real engine, `LLM("tinystories-target", quantization="int4", components=...)`: every weight the
-# engine quantizes on load goes through your function (minifer's load step and kernel do the rest). It serves 4
+# then serves requests with it. Seam: none (vLLM's load step has none either); the course loads
+# `LLM("tinystories-target")` in float32 and, before it serves, quantizes every weight of the loaded model through
+# your function (minifer's load step and kernel do the rest). It serves 4
 # greedy requests of 8 tokens. int4 is not float32, so the reference is minifer's own int4 engine: the tokens must
 # be the same, request by request, and scored teacher-forced (each engine gives every token of the reference's
 # answers a log-probability) the two may differ by float rounding only. A function that fails its checks never
@@ -236,8 +238,9 @@ check_quantize_linears(quantize_linears)
 # %% [markdown]
 # ### Now your load step serves requests
 #
-# The same engine and requests as for the quantizer, with your `quantize_linears` as the engine's load step
-# (minifer's quantizer and kernel around it): the tokens must be minifer's int4 engine's.
+# The same engine and requests as for the quantizer, with your `quantize_linears` as the load step the course
+# applies to the loaded model before it serves (no engine seam; minifer's quantizer and kernel around it): the tokens
+# must be minifer's int4 engine's.
 
 # %%
 # NBVAL_CHECK_OUTPUT
@@ -377,7 +380,8 @@ check_int4_matmul_kernel(int4_matmul)
 # ### Now your kernel serves requests
 #
 # Every `QuantLinear` of the int4 engine now multiplies through your `int4_matmul` (minifer's quantizer and load
-# step around it): 48 projections per step. Without a GPU each launch runs in Triton's interpreter, one program
+# step around it): 48 projections per step. Seam: the quantized linear kernel (`LLM(quant_kernel=...)`, a
+# `QuantKernel`, as vLLM's quantized linear methods pick a kernel). Without a GPU each launch runs in Triton's interpreter, one program
 # after another, so the engine launches your kernel with large tiles (up to 64 × 512 × 256; with 16 × 16 tiles a
 # step would take ten times longer) and the cell takes a minute or so. The tokens must be minifer's int4 engine's,
 # and teacher-forced log-probabilities may differ by float32 rounding only (your kernel sums in another order).
@@ -494,7 +498,7 @@ for label, method, group, symmetric in [("int8", "int8", 128, True), ("int4 g128
 #
 # * `quantize_int4_groupwise` is `minifer.quantization.formats.quantize_int4` (with `pack_int4`, `unpack_int4`,
 #   `dequantize`); `quantize_linears` is the int4 path of `quantize_model` (`minifer/quantization/model.py`), which the
-#   loader calls (`Components.quantizer` is the seam your step went through);
+#   loader calls when `LLM(quantization="int4")` asks (your step ran on the loaded model instead: no seam);
 # * `int4_matmul_kernel` is a simple version of `minifer/kernels/quant_matmul.py`: its `tiled` path is the
 #   same loop with tensor-core tiles, and its `gemv` path for decode splits K across programs and decodes a
 #   32-bit word of eight codes at a time;

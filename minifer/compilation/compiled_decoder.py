@@ -29,7 +29,6 @@ from contextlib import contextmanager
 
 import torch
 
-from minifer.layers.ops import REFERENCE_OPS
 
 _current: list = []  # the attention backend of the forward in progress (a stack: a drafter may run inside)
 
@@ -64,7 +63,7 @@ def forward_context(backend):
 
 class CompiledDecoder:
     """The compiled forward of one ``LlamaModel`` (the decoder without ``lm_head``), for ``LlamaForCausalLM.forward``.
-    Steps with other layer functions than minifer's own (a learner's ``LayerOps``) run the eager model."""
+    Steps that track gradients run the eager model."""
 
     def __init__(self, decoder: torch.nn.Module, freezing: bool = True) -> None:
         self.decoder = decoder
@@ -72,8 +71,8 @@ class CompiledDecoder:
         self._compiled = torch.compile(trace, dynamic=True, options={
             "freezing": freezing, "guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe})
 
-    def applies(self, ops) -> bool:
-        return ops == REFERENCE_OPS and not torch.is_grad_enabled()  # the reference functions, by value
+    def applies(self) -> bool:
+        return not torch.is_grad_enabled()
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, attn) -> torch.Tensor:
         with forward_context(attn):
@@ -82,7 +81,7 @@ class CompiledDecoder:
 
 def _tracer(decoder: torch.nn.Module, opaque: _OpaqueAttention):
     def trace(input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        return decoder(input_ids, positions, opaque, REFERENCE_OPS)
+        return decoder(input_ids, positions, opaque)
     return trace
 
 

@@ -63,7 +63,7 @@ from minifer.spec_decode.theory import expected_tokens_per_forward
 if TYPE_CHECKING:
     from minifer.core.kv_cache_manager import KVBlockAllocator
     from minifer.spec_decode.metadata import DraftProposer
-    from minifer.engine.speculative import Rollback, SpeculativeConfig
+    from minifer.engine.speculative import SpeculativeConfig
     from minifer.sample.sampler import Sampler
     from minifer.sample.rejection_sampler import Verifier
 
@@ -548,8 +548,8 @@ class AdaptiveSpeculator(Speculator):
 
     def __init__(self, cfg: SpeculativeConfig, proposer: DraftProposer, target_blocks: KVBlockAllocator,
                  vocab_size: int, adaptive: KController, target_timer: ForwardTimer, verifier: Verifier | None = None,
-                 sampler: Sampler | None = None, rollback: Rollback | None = None) -> None:
-        super().__init__(cfg, proposer, target_blocks, vocab_size, verifier, sampler, rollback)
+                 sampler: Sampler | None = None) -> None:
+        super().__init__(cfg, proposer, target_blocks, vocab_size, verifier, sampler)
         self.adaptive, self.target_timer = adaptive, target_timer
         self.record: StepRecord | None = None  # the running step's
         self.waiting: Callable[[], int] = lambda: 1
@@ -771,8 +771,7 @@ class NgramAdaptiveK(AdaptiveK):
 
 def build_adaptive_speculator(cfg: SpeculativeConfig, proposer: DraftProposer, target_runner: ModelRunner,
                               target_blocks: KVBlockAllocator, vocab_size: int,
-                              verifier: Verifier | None = None, sampler: Sampler | None = None,
-                              rollback: Rollback | None = None) -> AdaptiveSpeculator:
+                              verifier: Verifier | None = None, sampler: Sampler | None = None) -> AdaptiveSpeculator:
     """Adaptive k's speculator for ``proposer`` (``NgramAdaptiveK`` for n-gram lookups, else ``AdaptiveK``), its
     forwards calibrated now, then timed: the target's every forward (``ForwardTimer``), a draft model's into the
     draft's cost table (an EAGLE head times its own drafting forwards into the table it is handed as ``cost``)."""
@@ -785,7 +784,7 @@ def build_adaptive_speculator(cfg: SpeculativeConfig, proposer: DraftProposer, t
     elif isinstance(draft_runner, ModelRunner):
         ForwardTimer(draft_runner, ctl.draft_cost)
     return AdaptiveSpeculator(cfg, proposer, target_blocks, vocab_size, ctl, ForwardTimer(target_runner), verifier,
-                              sampler, rollback)
+                              sampler)
 
 
 def _beats(speedups, margin: float) -> bool:

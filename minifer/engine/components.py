@@ -1,48 +1,44 @@
 """``Components``: every piece of the engine a caller may replace, in one value (``LLM(model, components=...)``).
 
-A course that builds the engine piece by piece hands its pieces in together: the ``LLM`` seams
-(``block_allocator``, ``scheduler``, ``sampler``, ...) and what the model runs in every layer (``LayerOps``:
-RMSNorm, RoPE, the decoder layer's forward). A field left None keeps minifer's reference, so one field set runs
-exactly one replaced piece. The value is frozen: the same components can build several engines.
+A course that builds the engine piece by piece hands its pieces in together: the seams vLLM has too
+(``block_allocator``, ``scheduler``, ``attention_backend``, ``sampler``, ``verifier``, ``proposer``,
+``quant_kernel``) and the model classes the loader builds (``model_registry``, vLLM's out-of-tree models: a model
+built from other layer classes, e.g. a learner's RMSNorm, RoPE or decoder layer). A field left None keeps minifer's
+reference, so one field set runs exactly one replaced piece. The value is frozen: the same components can build
+several engines.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING, Any
 
-import torch
-
-from minifer.layers.ops import LayerOps
-
 if TYPE_CHECKING:
+    from torch import nn
+
     from minifer.core.kv_cache_manager import KVBlockAllocator
-    from minifer.spec_decode.eagle import EagleForward
     from minifer.spec_decode.metadata import DraftProposer
     from minifer.core.sched.scheduler import SchedulerPolicy
-    from minifer.engine.speculative import Rollback, SpeculativeConfig
-    from minifer.engine.core import EngineStep
+    from minifer.engine.speculative import SpeculativeConfig
     from minifer.attention.backends.paged import PagedAttentionBackend
     from minifer.quantization.linear import QuantKernel
     from minifer.sample.sampler import Sampler
     from minifer.sample.rejection_sampler import Verifier
 
-SEAMS = ("block_allocator", "scheduler", "sampler", "proposer", "verifier", "attention_backend", "rollback",
-         "eagle_forward", "step")
+SEAMS = ("block_allocator", "scheduler", "sampler", "proposer", "verifier", "attention_backend")
 
 
 @dataclass(frozen=True)
 class Components:
-    """The engine's replaceable pieces; None keeps the reference. ``rms_norm``, ``apply_rotary``, ``rope_inv_freq``
-    and ``decoder_layer`` are ``LayerOps``' (``minifer.layers.ops``); the others are ``LLM``'s seams of the same names, with the same contracts
-    (``LLMEngine``'s docstring lists them; ``quant_kernel``: ``minifer.quantization.linear.QuantKernel``; ``quantizer``:
-    what the load path calls in place of ``minifer.quantization.model.quantize_model``)."""
+    """The engine's replaceable pieces; None keeps the reference. The first six are ``LLM``'s seams of the same names,
+    with the same contracts (``LLMEngine``'s docstring lists them); ``quant_kernel``:
+    ``minifer.quantization.linear.QuantKernel``; ``model_registry``: an architecture name (``config.json``'s
+    ``architectures``, ``"EagleHead"`` for an EAGLE head) -> the class built for it, as
+    ``ModelRegistry.register_model(arch, cls)`` registers an out-of-tree model in vLLM, for this engine only: a
+    subclass of ``LlamaForCausalLM`` (or ``EagleHead``) with the same parameters, e.g. built from other layer
+    classes (``LlamaForCausalLM.layer_type``, ``norm_cls``, ...)."""
 
-    rms_norm: Callable[[torch.Tensor, torch.Tensor, float], torch.Tensor] | None = None
-    apply_rotary: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor] | None = None
-    rope_inv_freq: Callable[[int, float], torch.Tensor] | None = None
-    decoder_layer: Callable[..., torch.Tensor] | None = None
     sampler: Sampler | None = None
     attention_backend: Callable[..., PagedAttentionBackend] | None = None
     block_allocator: Callable[..., KVBlockAllocator] | None = None
@@ -50,25 +46,19 @@ class Components:
     proposer: DraftProposer | None = None
     verifier: Verifier | None = None
     quant_kernel: QuantKernel | None = None
-    rollback: Rollback | None = None  # what a speculative step keeps of its drafts' KV (``speculative.Rollback``)
-    eagle_forward: EagleForward | None = None  # the EAGLE head's forward (``features.eagle.EagleForward``)
-    # what turns the loaded model's linear layers into QuantLinear ones: ``quantize_model``'s signature
-    # (``quantizer(model, method, kernel=...)``, in place); None: ``minifer.quantization.model.quantize_model``
-    quantizer: Callable[..., Any] | None = None
-    step: EngineStep | None = None  # the whole engine step (minifer.engine.core), not speculating; no vLLM counterpart
+    model_registry: Mapping[str, type[nn.Module]] | None = None
 
     def given(self) -> dict[str, Any]:
         """The fields that are set, by name."""
         return {f.name: getattr(self, f.name) for f in fields(self) if getattr(self, f.name) is not None}
 
-    def layer_ops(self) -> LayerOps | None:
-        """The layers' functions, or None when all are the reference (the engine may then use CUDA graphs)."""
-        if self.rms_norm is None and self.apply_rotary is None and self.decoder_layer is None \
-                and self.rope_inv_freq is None:
-            return None
-        ref = LayerOps()
-        return LayerOps(self.rms_norm or ref.rms_norm, self.apply_rotary or ref.apply_rotary, self.decoder_layer,
-                        self.rope_inv_freq)
+    def model_cls(self, architecture: str, default: type[nn.Module]) -> type[nn.Module]:
+        """The class to build for ``architecture``: the registered one, else ``default`` (minifer's). A registered class
+        must extend ``default``: the loader fills the parameters ``default`` has, by name."""
+        cls = (self.model_registry or {}).get(architecture, default)
+        if not (isinstance(cls, type) and issubclass(cls, default)):
+            raise TypeError(f"model_registry[{architecture!r}] must be a subclass of {default.__name__}, got {cls!r}")
+        return cls
 
 
 def merge_components(components: Components | None, **explicit: Any) -> Components:
@@ -90,11 +80,7 @@ def check_seams(batching: str, spec: SpeculativeConfig | None, **given: Any) -> 
     seams = {name: value for name, value in given.items() if value is not None}
     if seams and batching != "continuous":
         raise ValueError(f"{', '.join(seams)} plug into the continuous engine: use batching='continuous'")
-    if spec is not None and "step" in seams:
-        raise ValueError("a given engine step runs the plain step (schedule, run, sample, append, free): speculative "
-                         "decoding's step is the engine's own; drop speculative_config or the step")
-    if spec is None and {"proposer", "verifier", "rollback", "eagle_forward"} & set(seams):
-        raise ValueError("proposer and verifier are parts of speculative decoding (rollback and eagle_forward too): "
-                         "pass a speculative_config too "
+    if spec is None and {"proposer", "verifier"} & set(seams):
+        raise ValueError("proposer and verifier are parts of speculative decoding: pass a speculative_config too "
                          "(its num_speculative_tokens is the k the proposer is asked for)")
     return seams

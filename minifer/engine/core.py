@@ -2,8 +2,7 @@
 
 ``LLMEngine.step`` runs this very function every step and adds only what a caller needs around it: the outputs,
 the merging of a request's ``n`` completions, the step's timing. Speculation runs it too, through its ``execute``
-and ``sampler`` (``engine/spec_step.py``). A course hands its own step through ``Components(step=...)``; the engine
-then calls that one with the same ``StepParts``, checked by ``run_checked``.
+and ``sampler`` (``engine/spec_step.py``).
 """
 
 from __future__ import annotations
@@ -37,9 +36,6 @@ class StepParts:
     tokenizer: Any = None
 
 
-EngineStep = Callable[[StepParts], list[Request]]
-
-
 def engine_step(parts: StepParts) -> list[Request]:
     """One step: the sequences that got a new token, in the batch's order (empty when nothing was scheduled)."""
     batch = parts.scheduler.schedule()  # who runs, how many tokens each; their blocks reserved, victims preempted
@@ -58,26 +54,3 @@ def engine_step(parts: StepParts) -> list[Request]:
         if seq.is_finished:
             parts.scheduler.finish(seq)  # out of `running`, its blocks back to the allocator
     return sampled
-
-
-def run_checked(step: EngineStep, parts: StepParts) -> list[Request]:
-    """Run a caller's ``step`` and refuse, with the reason, what would otherwise hang or leak later: a result that is
-    not a list of sequences, a finished sequence left running (its blocks never freed), a step that advanced nothing
-    while requests wait (the engine would loop forever)."""
-    before = _progress(parts.scheduler)
-    sampled = step(parts)
-    if not isinstance(sampled, (list, tuple)) or not all(isinstance(s, Request) for s in sampled):
-        raise TypeError(f"the engine step must return the list of sequences that got a token, got {sampled!r:.80}")
-    for seq in sampled:
-        if seq.is_finished and seq in parts.scheduler.running:
-            raise RuntimeError(f"the engine step left the finished request {seq.request_id!r} running, holding its KV "
-                               "blocks: hand it to scheduler.finish(seq)")
-    if not sampled and parts.scheduler.has_unfinished() and _progress(parts.scheduler) == before:
-        raise RuntimeError("the engine step advanced no request while some are unfinished: nothing fits in the free "
-                           "KV blocks, or the step did not run what the scheduler planned")
-    return list(sampled)
-
-
-def _progress(scheduler: SchedulerPolicy) -> tuple[int, ...]:
-    """What a step that advances anything changes: computed tokens, who runs, how many wait."""
-    return (sum(s.num_computed_tokens for s in scheduler.running), len(scheduler.running), len(scheduler.waiting))

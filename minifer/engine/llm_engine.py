@@ -19,28 +19,23 @@ import time
 import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 
 from minifer.core.kv_cache_manager import KVCacheManager, KVBlockAllocator
 from minifer.worker.model_runner import ModelRunner
 from minifer.core.sched.scheduler import ScheduledBatch, Scheduler, SchedulerConfig, SchedulerPolicy
-from minifer.spec_decode.metadata import DraftProposer
 from minifer.request import Request, ParentRequest, RequestStatus, sequences_of
-from minifer.engine.adaptive_k import build_adaptive_speculator
-from minifer.engine.speculative import Rollback, SpeculativeConfig, Speculator, build_proposer
-from minifer.engine.core import EngineStep, StepParts, engine_step, run_checked
+from minifer.engine.core import StepParts, engine_step
 from minifer.quantization.kv_cache import CALIBRATION_TEXT
-from minifer.layers.ops import REFERENCE_OPS, LayerOps
 from minifer.attention.backends.paged import PagedAttentionBackend, PagedKVCache
+from minifer.engine.adaptive_k import build_adaptive_speculator
+from minifer.engine.speculative import SpeculativeConfig, Speculator, build_proposer
+from minifer.spec_decode.metadata import DraftProposer
+from minifer.sample.rejection_sampler import Verifier
 from minifer.models.llama import LlamaForCausalLM
 from minifer.outputs import RequestOutput
 from minifer.sample.sampler import Sampler
-from minifer.sample.rejection_sampler import Verifier
-
-if TYPE_CHECKING:  # the EAGLE head's seam is a feature the core reaches only at its wiring point (pyproject.toml)
-    from minifer.spec_decode.eagle import EagleForward
 
 
 @dataclass
@@ -100,12 +95,10 @@ class LLMEngine:
     ``block_allocator(num_blocks, block_size, enable_prefix_caching)``: ``KVCacheManager``), ``scheduler``
     (``SchedulerPolicy``, built as ``scheduler(scheduler_config, allocator)``: ``Scheduler``), ``sampler``
     (``Sampler``: ``ModelRunner.sample``), ``attention_backend`` (``PagedAttentionBackend``, built like
-    ``PagedKVCache``, the default), ``step`` (``EngineStep``: ``engine_step``); for speculation ``proposer``
-    (``DraftProposer``: the one ``speculative_config`` names), ``verifier`` (``Verifier``: ``RejectionVerifier``),
-    ``rollback`` (``Rollback``: ``Speculator.rollback``'s own) and ``eagle_forward`` (``EagleForward``:
-    ``EagleHead.forward``). ``layer_ops`` (``LayerOps``): the RMSNorm and RoPE the target's forwards use; given ones
-    run eagerly (a CUDA graph would freeze whatever they do at capture). A quantized layer's kernel
-    (``QuantKernel``) is the model's own seam (``Components.quant_kernel``)."""
+    ``PagedKVCache``, the default); for speculation ``proposer`` (``DraftProposer``: the one ``speculative_config``
+    names) and ``verifier`` (``Verifier``: ``RejectionVerifier``, vLLM's rejection sampler). A quantized layer's kernel
+    (``QuantKernel``) and the model's own classes are the model's (``LLM``'s ``quant_kernel``, ``Components``'
+    ``model_registry``)."""
 
     def __init__(self, model: LlamaForCausalLM, tokenizer, make_sequence, cache_config: CacheConfig,
                  scheduler_config: SchedulerConfig, speculative_config: SpeculativeConfig | None = None,
@@ -114,10 +107,8 @@ class LLMEngine:
                  block_allocator: Callable[[int, int, bool], KVBlockAllocator] = KVCacheManager,
                  scheduler: Callable[[SchedulerConfig, KVBlockAllocator], SchedulerPolicy] = Scheduler,
                  sampler: Sampler | None = None, proposer: DraftProposer | None = None,
-                 verifier: Verifier | None = None, rollback: Rollback | None = None,
-                 eagle_forward: EagleForward | None = None,
-                 attention_backend: Callable[..., PagedAttentionBackend] = PagedKVCache,
-                 layer_ops: LayerOps | None = None, step: EngineStep | None = None) -> None:
+                 verifier: Verifier | None = None,
+                 attention_backend: Callable[..., PagedAttentionBackend] = PagedKVCache) -> None:
         cfg, device = model.config, model.lm_head.weight.device
         dtype = model.lm_head.weight.dtype
         num_blocks = cache_config.num_blocks(kv_block_bytes(model, cache_config, draft_model), device)
@@ -128,9 +119,8 @@ class LLMEngine:
             cfg.num_hidden_layers, num_blocks, cache_config.block_size, cfg.num_key_value_heads, cfg.head_dim, dtype,
             device, cache_config.kv_cache_dtype, cache_config.kv_cache_scales)
         self.scheduler = scheduler(scheduler_config, self.kv_cache_manager)
-        self.runner = ModelRunner(model, self.kv_cache, self.kv_cache_manager, layer_ops or REFERENCE_OPS)
+        self.runner = ModelRunner(model, self.kv_cache, self.kv_cache_manager)
         self.sampler: Sampler = sampler or ModelRunner.sample
-        self.custom_step = step  # a caller's step (minifer.engine.core) in place of engine_step
         self._scheduled = False  # whether the current step's scheduler gave it a batch to execute
         if self.kv_cache.kv_cache_scales == "head":
             self._calibrate_kv_scales()
@@ -138,7 +128,7 @@ class LLMEngine:
         self.requests: dict[str, Request | ParentRequest] = {}  # unfinished requests by their id
         self._seqs: dict[str, Request] = {}  # their unfinished sequences (a group's completions: "<i>_<id>")
         self._group_of: dict[str, ParentRequest] = {}  # a completion's sequence id -> its group
-        if cuda_graphs and device.type == "cuda" and self.kv_cache.use_triton and layer_ops is None:
+        if cuda_graphs and device.type == "cuda" and self.kv_cache.use_triton:
             try:
                 self.runner.enable_cuda_graphs(scheduler_config.max_num_seqs,
                                                max_model_len or cfg.max_position_embeddings)
@@ -148,17 +138,17 @@ class LLMEngine:
         self.speculator: Speculator | None = None
         if speculative_config is not None:
             self.speculator = self._speculator(speculative_config, draft_model, num_blocks, cache_config.block_size,
-                                               proposer, verifier, rollback, eagle_forward)
+                                               proposer, verifier)
 
-    def _speculator(self, cfg: SpeculativeConfig, draft_model, num_blocks: int, block_size: int, proposer, verifier,
-                    rollback, eagle_forward) -> Speculator:
+    def _speculator(self, cfg: SpeculativeConfig, draft_model, num_blocks: int, block_size: int, proposer,
+                    verifier) -> Speculator:
         """The fixed-k ``Speculator`` (the reference), or adaptive k's when ``cfg.adaptive`` asks for that policy."""
-        drafter = build_proposer(cfg, draft_model, self.runner, num_blocks, block_size, proposer, eagle_forward)
+        drafter = build_proposer(cfg, draft_model, self.runner, num_blocks, block_size, proposer)
         if cfg.adaptive:
             return build_adaptive_speculator(cfg, drafter, self.runner, self.kv_cache_manager,
-                                             self.runner.model.config.vocab_size, verifier, self.sampler, rollback)
+                                             self.runner.model.config.vocab_size, verifier, self.sampler)
         return Speculator(cfg, drafter, self.kv_cache_manager, self.runner.model.config.vocab_size, verifier,
-                          self.sampler, rollback)
+                          self.sampler)
 
     @classmethod
     def from_llm(cls, llm, cache_config: CacheConfig | None = None,
@@ -286,20 +276,15 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """One forward pass over the scheduled batch. Returns outputs of the requests that got a token.
 
-        The step itself is ``engine_step`` (``engine/core.py``, chapter 03), or a caller's (``step=``), or, when
-        speculating, ``Speculator.step`` (``engine_step`` with drafts, ``engine/spec_step.py``); around it the engine
-        reports the outputs and merges a request's ``n`` completions."""
+        The step itself is ``engine_step`` (``engine/core.py``, chapter 03), or, when speculating, ``Speculator.step``
+        (``engine_step`` with drafts, ``engine/spec_step.py``); around it the engine reports the outputs and merges a
+        request's ``n`` completions."""
         self._check_thread()
         self._scheduled = False
         spec = self.speculator
         parts = StepParts(self.scheduler, self._execute, self.sampler, self.kv_cache_manager, self.tokenizer)
-        if spec is not None:
-            sampled = spec.step(parts, self._num_waiting)
-        elif self.custom_step is not None:
-            sampled = run_checked(self.custom_step, parts)
-        else:
-            sampled = engine_step(parts)
-        if not self._scheduled and self.custom_step is None and self.scheduler.has_unfinished():
+        sampled = spec.step(parts, self._num_waiting) if spec is not None else engine_step(parts)
+        if not self._scheduled and self.scheduler.has_unfinished():
             raise RuntimeError("scheduler made no progress: no request fits in the free KV blocks")
         outputs = self._group_outputs(sampled, [seq.to_output(self.tokenizer) for seq in sampled])
         for seq in sampled:

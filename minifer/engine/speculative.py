@@ -9,7 +9,7 @@ back (``KVCacheManager.truncate``), in the target's cache and the draft's. A ste
 target forward, accept or reject, roll back, append (``spec_step.py`` runs them inside ``engine_step``).
 
 The proposers (``speculative_config["method"]``, vLLM's names): ``"draft_model"``, a small model with the same
-tokenizer and its own paged cache, and ``"ngram"``, prompt lookup (``proposers.py``); ``"eagle"``, a head reading
+tokenizer and its own paged cache, and ``"ngram"``, prompt lookup (``spec_decode/``); ``"eagle"``, a head reading
 the target's hidden states (``spec_decode/eagle.py``).
 
 Because k is fixed, a seeded sampled request draws the same tokens whatever shares its batch: its drafts and its
@@ -25,13 +25,14 @@ from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from itertools import accumulate
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
 from minifer.core.kv_cache_manager import KVBlockAllocator
 from minifer.spec_decode.metadata import Draft, DraftProposer
 from minifer.spec_decode.draft_model import DraftModelProposer
+from minifer.spec_decode.eagle import EagleProposer
 from minifer.spec_decode.ngram_proposer import NgramProposer
 from minifer.worker.model_runner import ModelRunner
 from minifer.request import Request
@@ -41,17 +42,8 @@ from minifer.models.llama import LlamaForCausalLM
 from minifer.sample.sampler import Sampler, greedy_argmax
 from minifer.sample.rejection_sampler import RejectionVerifier, Verifier, probs_from_logits
 
-if TYPE_CHECKING:
-    from minifer.spec_decode.eagle import EagleForward
-
 METHODS = ("draft_model", "ngram", "eagle")
 MAX_SPECULATIVE_TOKENS = 16
-
-# The seam that replaces ``Speculator.rollback`` (``Components(rollback=...)``): called after a verified sequence's
-# emitted tokens are appended, with the speculator (its ``target_blocks`` and ``proposer``), the sequence, the draft
-# tokens the target verified for it this step and how many of them it accepted. It must leave the target's block
-# table holding exactly the tokens whose KV is valid, and the proposer's cache likewise.
-Rollback = Callable[["Speculator", Request, list[int], int], None]
 
 
 @dataclass
@@ -141,16 +133,13 @@ class Speculator:
     """Proposes ``k`` drafts for each decoding sequence of a step, verifies them against the target's logits and
     rolls back what was rejected. ``proposer``: a ``DraftProposer``; ``verifier``: a ``Verifier``
     (``RejectionVerifier`` by default); ``sampler``: how rows that may not speculate sample (``ModelRunner.sample``
-    by default); ``rollback``: replaces ``rollback`` (the ``Rollback`` seam)."""
+    by default)."""
 
     def __init__(self, cfg: SpeculativeConfig, proposer: DraftProposer, target_blocks: KVBlockAllocator,
-                 vocab_size: int, verifier: Verifier | None = None, sampler: Sampler | None = None,
-                 rollback: Rollback | None = None) -> None:
+                 vocab_size: int, verifier: Verifier | None = None, sampler: Sampler | None = None) -> None:
         self.cfg, self.proposer, self.target_blocks, self.vocab_size = cfg, proposer, target_blocks, vocab_size
         self.verifier: Verifier = verifier or RejectionVerifier()
         self.sampler: Sampler = sampler or ModelRunner.sample
-        self.custom_rollback = rollback
-        self.verified: dict[object, tuple[list[int], int]] = {}  # a custom rollback's inputs, by request id
         self.stats = SpecStats()
         self.k_in_use = cfg.num_speculative_tokens
 
@@ -226,8 +215,6 @@ class Speculator:
         for r, toks in enumerate(emitted):
             if ks[r]:
                 self._count_verified(ks[r], len(toks) - 1)
-            if self.custom_rollback is not None:
-                self.verified[seqs[r].request_id] = (drafts[r].tokens, len(toks) - 1)
         return [(toks, logits[offsets[r] : offsets[r] + len(toks)]) for r, toks in enumerate(emitted)]
 
     def _count_verified(self, k: int, accepted: int) -> None:
@@ -242,15 +229,11 @@ class Speculator:
     def rollback(self, seq: Request) -> None:
         """After the tokens are appended: the target holds valid KV for ``num_computed_tokens``; free any block beyond
         (rejected drafts), and let the proposer keep only what matches the sequence."""
-        if self.custom_rollback is not None:
-            self.custom_rollback(self, seq, *self.verified.pop(seq.request_id, ([], 0)))
-            return
         if self.target_blocks.has_seq(seq.request_id):
             self.target_blocks.truncate(seq.request_id, seq.num_computed_tokens)
         self.proposer.rollback(seq, seq.num_tokens - 1)
 
     def release(self, request_id: object) -> None:
-        self.verified.pop(request_id, None)
         self.proposer.release(request_id)
 
     def summary(self) -> dict[str, float | int]:
@@ -271,21 +254,14 @@ class Speculator:
 
 
 def build_proposer(cfg: SpeculativeConfig, draft_model: LlamaForCausalLM | None, target_runner: ModelRunner,
-                   num_blocks: int, block_size: int, proposer: DraftProposer | None = None,
-                   eagle_forward: EagleForward | None = None) -> DraftProposer:
-    """The proposer ``cfg`` asks for (or ``proposer``, handed in), wired to the target's runner.
-    ``eagle_forward`` replaces the EAGLE head's forward."""
-    if eagle_forward is not None and (cfg.method != "eagle" or proposer is not None):
-        raise ValueError("eagle_forward is the forward of the EAGLE head that speculative_config method 'eagle' "
-                         f"builds; this engine speculates with {'a proposer handed in' if proposer else cfg.method!r}")
+                   num_blocks: int, block_size: int, proposer: DraftProposer | None = None) -> DraftProposer:
+    """The proposer ``cfg`` asks for (or ``proposer``, handed in), wired to the target's runner."""
     if proposer is None and cfg.method in ("draft_model", "eagle") and draft_model is None:
         raise ValueError(f"method {cfg.method!r} needs the {'EAGLE head' if cfg.method == 'eagle' else 'draft model'}")
     if proposer is None and cfg.method == "draft_model":
         proposer = DraftModelProposer(draft_model, num_blocks, block_size)
     elif proposer is None and cfg.method == "eagle":
-        from minifer.spec_decode.eagle import EagleProposer
-
-        proposer = EagleProposer(draft_model, target_runner, num_blocks, block_size, eagle_forward)
+        proposer = EagleProposer(draft_model, target_runner, num_blocks, block_size)
     elif proposer is None:
         proposer = NgramProposer(cfg)
     return proposer

@@ -27,7 +27,6 @@ from minifer.engine.static import generate_static
 from minifer.beam_search import BeamSearch, BeamSearchOutput
 from minifer.engine.data_parallel import EngineReplicas, start_replicas
 from minifer.spec_decode.eagle import split_eagle3
-from minifer.models.llama_eagle import load_eagle_head
 from minifer.model_loader import (
     build_model,
     chat_token_ids,
@@ -35,6 +34,8 @@ from minifer.model_loader import (
     load_tokenizer,
     resolve_model,
 )
+from minifer.models.llama import LlamaForCausalLM
+from minifer.models.llama_eagle import EagleHead, load_eagle_head
 from minifer.outputs import RequestOutput
 from minifer.sampling_params import BeamSearchParams, SamplingParams
 
@@ -76,8 +77,9 @@ class LLM:
     command line and sent to a replica process):
         components: a ``Components`` (``minifer.engine.components``) holding the engine's seams a caller replaces
             (``block_allocator``, ``scheduler``, ``sampler``, ``proposer``, ``verifier``, ``attention_backend``,
-            ``quant_kernel``; ``LLMEngine`` lists their contracts) and the RMSNorm and RoPE functions the model's
-            layers call; a field left None runs the reference a chapter shows. The one way to hand in a seam: the
+            ``quant_kernel``; ``LLMEngine`` lists their contracts) and the model classes to build (``model_registry``,
+            vLLM's out-of-tree models: e.g. a model built from a learner's layer classes); a field left None runs the
+            reference a chapter shows. The one way to hand in a seam: the
             course's way to run a learner's own pieces together (``minifer_course.workbench``).
         share_weights_with: another ``LLM`` of the same model, dtype, device and quantization whose loaded weights
             (and draft model, when both use the same draft) this one uses: two engines to compare in one process
@@ -111,10 +113,11 @@ class LLM:
         self.max_model_len = args.max_model_len or limit
         self.max_num_seqs, self.batching, self.seed = args.max_num_seqs, args.batching, args.seed
         self.max_logprobs = args.max_logprobs
+        model_cls = parts.model_cls(self.model_config.architecture, LlamaForCausalLM)
         if share_weights_with is not None:
-            self.model = self._shared_model(share_weights_with)
+            self.model = self._shared_model(share_weights_with, model_cls)
         else:
-            self.model = self._load_model(args, parts, limit)
+            self.model = self._load_model(args, parts, limit, model_cls)
         self.compilation_config = compile_model(self.model, args.compilation_config, share_weights_with,
                                                 args.enforce_eager)
         self.replicas = _replicas(args, components, share_weights_with)
@@ -127,7 +130,7 @@ class LLM:
         self.engine: LLMEngine | None = None
         spec, self._eagle3 = _speculative(args.speculative_config)
         self.draft_model = self._drafter(spec, share_weights_with)
-        seams = check_seams(args.batching, spec, layer_ops=parts.layer_ops(), **{n: getattr(parts, n) for n in SEAMS})
+        seams = check_seams(args.batching, spec, **{n: getattr(parts, n) for n in SEAMS})
         if args.batching == "continuous":
             self.engine = LLMEngine(
                 self.model, self.tokenizer, self.make_sequence, args.create_cache_config(),
@@ -144,24 +147,29 @@ class LLM:
             return self._load_draft(spec)
         if spec is not None and spec.method == "eagle":
             return load_eagle_head(resolve_model(spec.model), self.model, self.dtype,
-                                   self.max_model_len + MAX_SPECULATIVE_TOKENS, fused=self._eagle3)
+                                   self.max_model_len + MAX_SPECULATIVE_TOKENS, fused=self._eagle3,
+                                   head_cls=self.components.model_cls("EagleHead", EagleHead))
         return None
 
-    def _load_model(self, args: EngineArgs, parts: Components, max_positions: int) -> torch.nn.Module:
-        """The target's weights (quantized as asked), its quantized layers on ``parts.quant_kernel`` or the device's
-        default (``kernels.quant_kernel_for``, else the reference)."""
+    def _load_model(self, args: EngineArgs, parts: Components, max_positions: int,
+                    model_cls: type[LlamaForCausalLM]) -> torch.nn.Module:
+        """The target's weights in a ``model_cls`` (quantized as asked), its quantized layers on ``parts.quant_kernel``
+        or the device's default (``kernels.quant_kernel_for``, else the reference)."""
         from minifer.kernels import quant_kernel_for
         from minifer.model_loader.quantized import load_model
 
         kernel = parts.quant_kernel or quant_kernel_for(self.device)  # weight-only; "w8a8" rounds activations first
         return load_model(self.model_path, args.quantization, load_format=args.load_format, quant_kernel=kernel,
-                          quantizer=parts.quantizer, dtype=self.dtype, device=self.device, max_positions=max_positions,
-                          seed=args.seed)
+                          dtype=self.dtype, device=self.device, max_positions=max_positions, seed=args.seed,
+                          model_cls=model_cls)
 
-    def _shared_model(self, other: "LLM") -> torch.nn.Module:
+    def _shared_model(self, other: "LLM", model_cls: type[LlamaForCausalLM]) -> torch.nn.Module:
         """``other``'s loaded model, after checking it is the model this engine was asked for."""
         if not isinstance(other, LLM):
             raise TypeError(f"share_weights_with must be an LLM, got {type(other).__name__}")
+        if type(other.model) is not model_cls:
+            raise ValueError(f"share_weights_with: the other LLM's model is a {type(other.model).__name__}, this one "
+                             f"is to be a {model_cls.__name__} (components.model_registry): load it instead")
         mine, theirs = self.engine_args, other.engine_args
         want = (self.model_path, self.dtype, self.device, mine.quantization, mine.load_format)
         have = (other.model_path, other.dtype, other.device, theirs.quantization, theirs.load_format)
@@ -182,7 +190,8 @@ class LLM:
             draft_cfg = load_config(path)
             draft = build_model(path, load_format="auto", dtype=self.dtype, device=self.device,
                                 max_positions=max(self.max_model_len, draft_cfg.max_position_embeddings),
-                                seed=self.seed)
+                                seed=self.seed,
+                                model_cls=self.components.model_cls(draft_cfg.architecture, LlamaForCausalLM))
             draft_tok = load_tokenizer(path)
         if draft_cfg.vocab_size != self.model_config.vocab_size:
             raise ValueError(f"the draft model's vocabulary has {draft_cfg.vocab_size} tokens but the target's has "

@@ -24,6 +24,5 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
 
-    def forward(self, x: torch.Tensor, fn=rms_norm) -> torch.Tensor:
-        """``fn``: the function that normalises (``LayerOps.rms_norm``), minifer's by default."""
-        return fn(x, self.weight, self.eps)
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return rms_norm(x, self.weight, self.eps)

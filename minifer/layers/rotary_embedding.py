@@ -54,20 +54,16 @@ class RotaryEmbedding(nn.Module):
     def __init__(self, head_dim: int, max_positions: int, theta: float, scaling: dict | None = None) -> None:
         super().__init__()
         self.head_dim, self.theta, self.scaling = head_dim, theta, scaling
-        inv_freq = rope_inv_freq(head_dim, theta, scaling)
+        inv_freq = self._compute_inv_freq()
         freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32), inv_freq)
         emb = torch.cat((freqs, freqs), dim=-1)
         self.register_buffer("cos", emb.cos(), persistent=False)
         self.register_buffer("sin", emb.sin(), persistent=False)
 
+    def _compute_inv_freq(self) -> torch.Tensor:
+        """The frequencies the table is built from (vLLM's name): a subclass that computes them otherwise builds its
+        table with the same arithmetic, so equal frequencies give equal tokens."""
+        return rope_inv_freq(self.head_dim, self.theta, self.scaling)
+
     def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         return self.cos[positions].to(dtype), self.sin[positions].to(dtype)
-
-    def from_frequencies(self, positions: torch.Tensor, dtype: torch.dtype, inv_freq_fn) -> tuple[torch.Tensor, torch.Tensor]:
-        """``cos``/``sin`` from another ``rope_inv_freq(head_dim, theta)`` (a learner's), computed for these positions
-        with the same arithmetic as the table, so equal frequencies give equal tokens."""
-        if self.scaling:
-            raise ValueError(f"this model scales RoPE ({self.scaling}); a rope_inv_freq(head_dim, theta) has no scaling")
-        freqs = positions.float()[:, None] * inv_freq_fn(self.head_dim, self.theta).to(positions.device)[None, :]
-        emb = torch.cat((freqs, freqs), dim=-1)
-        return emb.cos().to(dtype), emb.sin().to(dtype)

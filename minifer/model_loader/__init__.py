@@ -135,11 +135,13 @@ def fuse_checkpoint(tensors: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[
 
 
 def build_model(path: Path, *, load_format: str, dtype: torch.dtype, device: torch.device,
-                max_positions: int | None = None, seed: int = 0) -> LlamaForCausalLM:
-    """Instantiate the architecture from ``config.json`` and fill its weights (or random ones for dummy)."""
+                max_positions: int | None = None, seed: int = 0,
+                model_cls: type[LlamaForCausalLM] = LlamaForCausalLM) -> LlamaForCausalLM:
+    """Instantiate the architecture from ``config.json`` and fill its weights (or random ones for dummy).
+    ``model_cls``: the class to build (a subclass with other layer classes: ``Components.model_registry``)."""
     cfg = load_config(path)
     with torch.device("meta"):
-        model = LlamaForCausalLM(cfg, max_positions)
+        model = model_cls(cfg, max_positions)
     model = model.to_empty(device=device)
     # The RoPE tables are buffers computed at init; recompute them on the real device.
     model.model.rotary.__init__(cfg.head_dim, max_positions or cfg.max_position_embeddings, cfg.rope_theta,

@@ -35,6 +35,7 @@ import torch
 from torch import nn
 
 from minifer.model_loader import ModelLoadError, build_model, read_checkpoint
+from minifer.models.llama import LlamaForCausalLM
 from minifer.model_loader.quant_fill import (
     CONFIG_FILE,
     WEIGHTS_FILE,
@@ -96,13 +97,13 @@ def is_gptq_checkpoint(path: str | Path) -> bool:
 
 
 def load_model(path: Path, quantization: str | None = None, *, load_format: str = "auto",
-               quant_kernel: QuantKernel | None = None, quantizer=None, **build_kw) -> nn.Module:
+               quant_kernel: QuantKernel | None = None, **build_kw) -> nn.Module:
     """What ``LLM`` calls: a folder written by ``save_quantized``, or a GPTQ checkpoint (``gptq_checkpoint``),
     loads as saved (``quantization``, if given, must name its format); any other checkpoint loads with
     ``build_model`` and, when ``quantization`` is given, is quantized by round-to-nearest (``quantize_model``).
     Quantized layers multiply through ``quant_kernel`` (a weight-only ``QuantKernel``, under the activations'
-    rounding for ``"w8a8"``, ``quant.model.kernel_for``; the PyTorch reference when None);
-    ``quantizer`` (``quantize_model``'s signature) replaces ``quantize_model``, e.g. with a learner's own."""
+    rounding for ``"w8a8"``, ``quant.model.kernel_for``; the PyTorch reference when None). ``build_kw`` goes to
+    ``build_model`` (a ``model_cls`` builds a plain checkpoint only: a saved layout fixes its own modules)."""
     if quantization is not None:
         check_quantization(quantization)
     saved_layout = load_quantized if is_quantized_checkpoint(path) else None
@@ -111,6 +112,9 @@ def load_model(path: Path, quantization: str | None = None, *, load_format: str 
 
         saved_layout = load_gptq
     if load_format != "dummy" and saved_layout is not None:
+        if build_kw.get("model_cls", LlamaForCausalLM) is not LlamaForCausalLM:
+            raise ValueError(f"{path} is a quantized checkpoint, loaded into minifer's own modules: another model "
+                             "class builds a plain checkpoint only")
         model = saved_layout(path, dtype=build_kw["dtype"], device=build_kw["device"],
                              max_positions=build_kw.get("max_positions"))
         saved = model.quantization_config.format
@@ -121,5 +125,5 @@ def load_model(path: Path, quantization: str | None = None, *, load_format: str 
         return model
     model = build_model(path, load_format=load_format, **build_kw)
     if quantization is not None:
-        (quantizer or quantize_model)(model, quantization, kernel=quant_kernel)
+        quantize_model(model, quantization, kernel=quant_kernel)
     return model

@@ -184,12 +184,14 @@ class EagleHead(nn.Module):
 
 
 def load_eagle_head(path: str | Path, target: LlamaForCausalLM, dtype: torch.dtype,
-                    max_positions: int | None = None, fused: bool | None = None) -> EagleHead:
+                    max_positions: int | None = None, fused: bool | None = None,
+                    head_cls: type[EagleHead] | None = None) -> EagleHead:
     """A trained head from ``path`` (a folder with ``config.json`` and ``model.safetensors``), bound to ``target``
     (whose hidden size and vocabulary it must share), on the target's device. A head saved without its own LM head
     and ``d2t`` gets the target's, over the whole vocabulary.
     ``fused``: the method asked for an EAGLE-3 head (True, ``"eagle3"``) or an EAGLE one (False, ``"eagle"``): the
-    two read different target features, so a head of the other kind is an error, not a silent swap."""
+    two read different target features, so a head of the other kind is an error, not a silent swap.
+    ``head_cls``: the class to build (an ``EagleHead`` subclass with another ``forward``: ``Components.model_registry``)."""
     from safetensors.torch import load_file
 
     path = Path(path)
@@ -200,6 +202,7 @@ def load_eagle_head(path: str | Path, target: LlamaForCausalLM, dtype: torch.dty
         raise ValueError(f"the head reads {cfg.get('hidden_size')}-wide features but the target's are "
                          f"{target.config.hidden_size} wide: a head is trained for one target")
     state = load_file(str(path / HEAD_FILE))
+    cls = head_cls or EagleHead
     vocab = target.lm_head.weight.shape[0]
     if cfg.get("vocab_size", vocab) != vocab:
         raise ValueError(f"the head drafts over a {cfg['vocab_size']}-token vocabulary but the target's has {vocab}")
@@ -210,9 +213,9 @@ def load_eagle_head(path: str | Path, target: LlamaForCausalLM, dtype: torch.dty
                          f"{'eagle3' if aux else 'eagle'!r}")
     if "d2t" in state:
         d2t = state["d2t"].long()
-        head = EagleHead(target, max_positions, d2t + torch.arange(len(d2t)), width, aux)
+        head = cls(target, max_positions, d2t + torch.arange(len(d2t)), width, aux)
     else:
-        head = EagleHead(target, max_positions, intermediate_size=width, aux_layers=aux)
+        head = cls(target, max_positions, intermediate_size=width, aux_layers=aux)
         state = {**state, **{k: v for k, v in head.state_dict().items() if k in ("d2t", "t2d", "lm_head.weight")}}
     head.load_state_dict(state, strict=True)
     if int(head.t2d.sum()) != head.draft_vocab_size or not bool(head.t2d[head.draft_ids].all()):

@@ -22,9 +22,7 @@ verifies whatever the head drafts.
 
 from __future__ import annotations
 
-import functools
 import time
-from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import torch
@@ -37,11 +35,6 @@ from minifer.attention.backends.paged import AttentionGroup, PagedAttentionMetad
 
 if TYPE_CHECKING:
     from minifer.models.llama_eagle import EagleHead
-
-# The seam that replaces the head's forward (``Components(eagle_forward=...)``): ``fn(head, features, input_ids,
-# positions, attn)`` with ``EagleHead.forward``'s contract, the head's weights in ``head``.
-EagleForward = Callable[..., torch.Tensor]
-
 
 class KeptFeatures:
     """One request's target features of positions ``p0 .. end - 1`` that the head has not read, as the chunks the
@@ -87,10 +80,8 @@ class EagleProposer:
     ``base[rid]``: the first position of the head's cache; ``computed[rid]``: positions ``base .. computed - 1`` of
     the head's cache hold entries built from real features (the adaptive controller reads ``computed`` too)."""
 
-    def __init__(self, head: EagleHead, target_runner: ModelRunner, num_blocks: int, block_size: int,
-                 forward: EagleForward | None = None) -> None:
+    def __init__(self, head: EagleHead, target_runner: ModelRunner, num_blocks: int, block_size: int) -> None:
         self.head = head
-        self.forward = head if forward is None else functools.partial(forward, head)  # the head's forward, or yours
         cfg, w = head.config, head.fc.weight
         self.target_blocks: KVBlockAllocator = target_runner.blocks
         self.blocks = KVCacheManager(num_blocks, block_size, enable_prefix_caching=False)
@@ -194,9 +185,9 @@ class EagleProposer:
                 [self.blocks.block_table(r) for r in rids], [s + m - b for b, s, m in zip(bases, starts, lens)],
                 lens, self.cache.block_size, dev, null_slot=self.cache.null_slot)
         try:
-            out = self.forward(feats if steps is not None else self.head.combine_hidden_states(torch.cat(feats)),
-                               torch.tensor([t for c in ids for t in c], device=dev),
-                               torch.tensor(positions, device=dev), self.cache)
+            out = self.head(feats if steps is not None else self.head.combine_hidden_states(torch.cat(feats)),
+                            torch.tensor([t for c in ids for t in c], device=dev),
+                            torch.tensor(positions, device=dev), self.cache)
         finally:
             self.cache.meta = None
         if steps is None:

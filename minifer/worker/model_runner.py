@@ -15,7 +15,6 @@ import torch
 from minifer.core.kv_cache_manager import KVBlockAllocator
 from minifer.worker.cuda_graph import DecodeGraphs
 from minifer.core.sched.scheduler import ScheduledBatch
-from minifer.layers.ops import REFERENCE_OPS, LayerOps
 from minifer.attention.backends.paged import PagedAttentionMetadata, PagedKVCache
 from minifer.models.llama import LlamaForCausalLM
 from minifer.sample.sampler import SampleResult, ranked_logprobs, sample_sequences
@@ -94,10 +93,8 @@ class ModelRunner:
     # (``sampling.sample_sequences``, which the static engine uses too); False: every batch through ``sample``
     fast_greedy: bool = True
 
-    def __init__(self, model: LlamaForCausalLM, cache: PagedKVCache, blocks: KVBlockAllocator,
-                 ops: LayerOps = REFERENCE_OPS) -> None:
+    def __init__(self, model: LlamaForCausalLM, cache: PagedKVCache, blocks: KVBlockAllocator) -> None:
         self.model, self.cache, self.blocks = model, cache, blocks
-        self.ops = ops  # the RMSNorm and RoPE every forward of this runner uses (LLM's components)
         self.device = model.lm_head.weight.device
         self.graphs: DecodeGraphs | None = None  # on CUDA (worker/cuda_graph.py): pure decode steps replay them
         # called after each forward with (request_ids, starts, tokens, hidden [N, H]): the last hidden state of every
@@ -131,8 +128,7 @@ class ModelRunner:
         self.cache.meta = PagedAttentionMetadata.build(tables, ctx, [len(c) for c in tokens], self.cache.block_size,
                                                        dev, null_slot=self.cache.null_slot)
         try:
-            hidden = self.model(torch.tensor(ids, device=dev), torch.tensor(positions, device=dev), self.cache,
-                                self.ops)
+            hidden = self.model(torch.tensor(ids, device=dev), torch.tensor(positions, device=dev), self.cache)
         finally:
             self.cache.meta = None
         self._notify(request_ids, starts, tokens, hidden)

@@ -274,15 +274,16 @@ def check_top_p(fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> Non
 # --- chapter 00: the decoder layer ----------------------------------------------------------------------------
 
 
-def _tiny_layer(qk_norm: bool, seed: int):
-    """Layer 0 of a small random model (4 query heads on 2 KV heads, head_dim 8), norms not all ones."""
+def _tiny_layer(qk_norm: bool, seed: int, model_cls: type | None = None):
+    """A small random model (4 query heads on 2 KV heads, head_dim 8) of ``model_cls`` (a ``LlamaForCausalLM``
+    subclass; minifer's when None), norms not all ones."""
     from minifer.config import ModelConfig
     from minifer.models.llama import LlamaForCausalLM
 
     cfg = ModelConfig("LlamaForCausalLM", "qwen3" if qk_norm else "llama", 50, 32, 48, 1, 4, 2, 8, 64, 1e-6, 10000.0,
                       None, False, False, False, qk_norm)
     torch.manual_seed(seed)  # nn.Linear draws its init from the global generator: kept local by fork_rng below
-    model = LlamaForCausalLM(cfg)
+    model = (model_cls or LlamaForCausalLM)(cfg)
     for name, p in model.named_parameters():
         if "norm" in name:
             p.data = 1 + 0.1 * torch.randn_like(p)
@@ -290,13 +291,12 @@ def _tiny_layer(qk_norm: bool, seed: int):
 
 
 def _layer_case(fn: Callable | None, qk_norm: bool, batch: int, seq_len: int, seed: int,
-                ops=None) -> tuple[torch.Tensor, torch.Tensor]:
+                model_cls: type | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Run ``fn`` (the reference when None) on a fresh cache: the layer's output for random hidden states, and them."""
     from minifer.attention.layer import causal_backend
-    from minifer.layers.ops import REFERENCE_OPS
 
     with torch.random.fork_rng():
-        model = _tiny_layer(qk_norm, seed)
+        model = _tiny_layer(qk_norm, seed, model_cls)
         x = torch.randn(batch * seq_len, model.config.hidden_size)
     layer = model.model.layers[0]
     attn, positions = causal_backend(model, batch, seq_len)
@@ -304,12 +304,12 @@ def _layer_case(fn: Callable | None, qk_norm: bool, batch: int, seq_len: int, se
     with torch.inference_mode():
         if fn is None:
             return layer(x, cos, sin, attn), x
-        return call_unmodified(fn, layer, x, cos, sin, attn, ops or REFERENCE_OPS), x
+        return call_unmodified(fn, layer, x, cos, sin, attn), x
 
 
 def check_decoder_layer(fn: Callable[..., torch.Tensor]) -> None:
-    """Grade ``fn(layer, x, cos, sin, attn, ops)``, one decoder layer's forward over ``layer``'s modules, against
-    ``minifer.models.llama.DecoderLayer.forward``."""
+    """Grade ``fn(layer, x, cos, sin, attn)``, one decoder layer's forward over ``layer``'s modules (the signature of
+    ``minifer.models.llama.DecoderLayer.forward``, whose ``self`` is ``layer``), against that forward."""
     hint = ("h = x + o_proj(attention(rope(q), rope(k), v)) with q, k, v split from qkv_proj(input_layernorm(x)) as "
             "[q_size, kv_size, kv_size] and viewed [tokens, heads, head_dim]; then h + down_proj(silu(gate) * up) "
             "with gate, up = gate_up_proj(post_attention_layernorm(h)).split(intermediate_size)")
@@ -326,27 +326,38 @@ def check_decoder_layer(fn: Callable[..., torch.Tensor]) -> None:
             assert_close(got, want, atol=1e-4, rtol=1e-4, hint=hint)
         return run
 
-    def uses_the_given_ops() -> None:
-        from minifer.layers.layernorm import rms_norm
-        from minifer.layers.ops import LayerOps
+    def uses_the_layers_modules() -> None:
+        from minifer.layers.layernorm import RMSNorm
         from minifer.layers.rotary_embedding import apply_rotary
+        from minifer.models.llama import Attention, LlamaForCausalLM
 
         calls: list[str] = []
-        ops = LayerOps(lambda *a: calls.append("rms_norm") or rms_norm(*a),
-                       lambda *a: calls.append("apply_rotary") or apply_rotary(*a))
-        _layer_case(fn, True, 1, 3, 5, ops)
-        want = ["rms_norm"] * 4 + ["apply_rotary"] * 2
-        assert sorted(calls) == sorted(want), (
-            f"called {calls.count('rms_norm')} rms_norm and {calls.count('apply_rotary')} apply_rotary through ops, "
-            f"expected 4 and 2 (input and post-attention norms, q_norm and k_norm, then RoPE on q and k)\nhint: "
-            "normalise with ops.rms_norm(x, norm.weight, norm.eps) and rotate with ops.apply_rotary: the pieces "
-            "your engine was given (yours, in the capstone), not minifer's functions directly")
+
+        class CountedNorm(RMSNorm):
+            def forward(self, x: torch.Tensor) -> torch.Tensor:
+                calls.append("norm")
+                return super().forward(x)
+
+        class CountedAttention(Attention):
+            @staticmethod
+            def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+                calls.append("apply_rotary")
+                return apply_rotary(x, cos, sin)
+
+        counted = type("CountedLlama", (LlamaForCausalLM,), {"norm_cls": CountedNorm, "attention_cls": CountedAttention})
+        _layer_case(fn, True, 1, 3, 5, counted)
+        assert (calls.count("norm"), calls.count("apply_rotary")) == (4, 2), (
+            f"called the layer's RMSNorm modules {calls.count('norm')} times and its attention's apply_rotary "
+            f"{calls.count('apply_rotary')} times, expected 4 and 2 (input and post-attention norms, q_norm and "
+            "k_norm, then RoPE on q and k)\nhint: normalise with the layer's modules (layer.input_layernorm(x), "
+            "att.q_norm(q), ...) and rotate with att.apply_rotary(q, cos, sin): the model's own pieces (yours, in "
+            "the capstone), not minifer's functions directly")
 
     checks: list[Check] = [
         ("one sequence of 5 tokens, Llama layout, 4 query heads on 2 KV heads", versus_ref(False, 1, 5, 0)),
         ("Qwen3 layout: q_norm and k_norm per head before RoPE", versus_ref(True, 1, 5, 1)),
         ("a batch of 3 sequences of 4 tokens, packed", versus_ref(False, 3, 4, 2)),
         ("a single token", versus_ref(True, 1, 1, 3)),
-        ("normalises and rotates through the ops it is given", uses_the_given_ops),
+        ("normalises and rotates with the layer's own modules", uses_the_layers_modules),
     ]
     run_checks("decoder_layer", checks)

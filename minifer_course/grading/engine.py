@@ -1,9 +1,11 @@
 """Graders that run the learner's pieces inside the real engine (``minifer_course.workbench``).
 
-``check_in_engine(name, piece)`` ends every exercise that rebuilds an engine piece: it saves the piece (the capstone
-finds it there), grades it with its exercise's checks, then serves the chapter's workload through
+``check_in_engine(name, piece)`` ends every exercise that rebuilds an engine piece with a seam: it saves the piece (the
+capstone finds it there), grades it with its exercise's checks, then serves the chapter's workload through
 ``LLM(components=...)`` with that piece and compares the tokens with the reference engine's (and, for greedy
-workloads, with transformers'). ``check_capstone`` does the same with every saved piece at once. The report holds
+workloads, with transformers'). A piece the engine has no seam for (``workbench.ON_ITS_OWN``: the engine step, the
+rollback) ends with ``check_on_its_own``: saved and graded, not served. ``check_capstone`` grades every saved piece
+and serves those with a seam, at once. The report holds
 no measured value, so nbval compares it; the throughput is printed apart (``workbench.piece_throughput``,
 ``capstone_throughput``), never asserted.
 """
@@ -68,8 +70,9 @@ def sort_saved(saved: dict[str, Any], broken: dict[str, str], wanted: dict[str, 
         if name in broken:
             problem = broken[name]
         elif name not in saved:
+            cell = "`in the engine`" if piece.served else f"`{workbench.ON_ITS_OWN}`"
             problem = (f"{name}: not implemented yet (nothing saved in {workbench.folder(path)}/: run its "
-                       f"`in the engine` check cell in exercises/{piece.notebook}.ipynb)")
+                       f"{cell} check cell in exercises/{piece.notebook}.ipynb)")
         else:
             problem = grade_quietly(name, saved[name])
         if problem is None:
@@ -162,7 +165,8 @@ def _serve_checks(label: str, components: Callable[[], Any], workload: Workload,
     return checks + (workload.engine_checks(served) if hasattr(workload, "engine_checks") else [])
 
 
-def saved_and_graded(name: str, piece: Any, save: Callable[..., Any], notebook: str) -> tuple[list, str]:
+def saved_and_graded(name: str, piece: Any, save: Callable[..., Any], notebook: str,
+                     served: bool = True) -> tuple[list, str]:
     """The start of every piece's check in the engine: ``save(piece, name=name)`` (for the capstone), the check that
     it passes its grader (so a wrong piece stops with the grader's hint, before any engine runs it), and the hint for
     a piece that passes and then fails in the engine."""
@@ -174,7 +178,8 @@ def saved_and_graded(name: str, piece: Any, save: Callable[..., Any], notebook: 
     def graded() -> None:
         problem = grade_quietly(name, piece)
         if problem is not None:
-            raise AssertionError(f"it does not go into the engine until it passes its checks:\n{problem}")
+            gate = "it does not go into the engine until it passes its checks" if served else "it fails its checks"
+            raise AssertionError(f"{gate}:\n{problem}")
 
     hint = (f"it passes the checks of {notebook}, but the engine calls it on shapes or states they do not cover; "
             f"rerun the check cell of {name} after changing it")
@@ -183,11 +188,21 @@ def saved_and_graded(name: str, piece: Any, save: Callable[..., Any], notebook: 
 
 def check_in_engine(name: str, piece: Any) -> None:
     """Save ``piece`` (the exercise's ``name``), grade it, and serve the chapter's workload with it in the engine."""
+    if not workbench.PIECES[name].served:
+        raise ValueError(f"{name} is {workbench.ON_ITS_OWN}: the engine has no seam for it; use check_on_its_own")
     checks, hint = saved_and_graded(name, piece, workbench.save, workbench.PIECES[name].notebook)
     spec_config = getattr(WORKLOADS[name], "speculative_config", None)  # a workload with its own drafter
     checks += _serve_checks(f"your {name}", lambda: workbench.components_from({name: piece}, spec_config),
                             WORKLOADS[name], hint)
     run_checks(f"{name} in the engine", checks)
+
+
+def check_on_its_own(name: str, piece: Any) -> None:
+    """Save ``piece`` (for the capstone, which grades it again) and grade it: a piece the engine has no seam for."""
+    if workbench.PIECES[name].served:
+        raise ValueError(f"{name} plugs into the engine ({workbench.PIECES[name].seam}): use check_in_engine")
+    checks, _ = saved_and_graded(name, piece, workbench.save, workbench.PIECES[name].notebook, served=False)
+    run_checks(f"{name}, {workbench.ON_ITS_OWN}", checks)
 
 
 # The latest capstone's pieces and where each came from (``print_origins`` and ``capstone_throughput`` reuse them
@@ -220,11 +235,13 @@ def check_capstone(solution: bool = False) -> None:
 
 
 def print_origins() -> None:
-    """Which pieces the latest capstone ran were yours (not a check: it depends on what this folder holds)."""
+    """Which pieces the latest capstone ran were yours, and the seam each went through (not a check: it depends on
+    what this folder holds)."""
     if not _last_origin:
         print("the capstone's check has not loaded your pieces yet (run the cell above)")
     for name, where in _last_origin.items():
-        print(f"  {name:24} {where}")
+        piece = workbench.PIECES[name]
+        print(f"  {name:24} {where:36} {piece.seam}{f': {piece.via}' if piece.via else ''}")
 
 
 def capstone_throughput(solution: bool = False, rounds: int = 3) -> None:

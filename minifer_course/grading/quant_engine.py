@@ -1,5 +1,5 @@
-"""Exercise 05's pieces serving requests: the learner's quantizer, load step and int4 kernel inside
-``LLM("tinystories-target", quantization="int4", components=...)`` (``minifer_course.workbench_quant``).
+"""Exercise 05's pieces serving requests: the learner's quantizer, load step and int4 kernel in an int4
+``LLM("tinystories-target", ...)`` (``minifer_course.workbench_quant.int4_llm``).
 
 int4 is not float32, so the reference is minifer's own int4 engine (its quantizer, its load step, the reference
 kernel): greedy tokens equal, request by request. The weights are bit for bit minifer's (each piece passed its
@@ -52,10 +52,7 @@ def reference_int4_llm():
 
 def int4_engine(pieces: dict[str, Any]):
     """An int4 engine with these pieces; it loads its own weights, since the learner's pieces quantize them."""
-    from minifer import LLM
-
-    return LLM("tinystories-target", quantization="int4", dtype="float32",
-               components=workbench_quant.quant_components(pieces))
+    return workbench_quant.int4_llm(pieces)
 
 
 def int4_tokens(llm) -> list[list[int]]:

@@ -358,7 +358,26 @@ def _top_p_ascending_without_guard(logits, top_p):  # minifer's version minus "a
     return logits.masked_fill(torch.zeros_like(drop).scatter(-1, order, drop), float("-inf"))
 
 
+def _layer_with_minifers_functions(layer, x, cos, sin, attn):
+    """Right numbers, but normalising and rotating with minifer's functions, not the layer's own modules: in the
+    capstone the learner's RMSNorm and RoPE would be bypassed."""
+    att, mlp, n = layer.self_attn, layer.mlp, x.shape[0]
+
+    def norm(module, h):
+        return ref_rms_norm(h, module.weight, module.eps)
+
+    q, k, v = att.qkv_proj(norm(layer.input_layernorm, x)).split([att.q_size, att.kv_size, att.kv_size], dim=-1)
+    q, k = q.view(n, att.num_heads, att.head_dim), k.view(n, att.num_kv_heads, att.head_dim)
+    if att.q_norm is not None:
+        q, k = norm(att.q_norm, q), norm(att.k_norm, k)
+    q, k = ref_apply_rotary(q, cos, sin), ref_apply_rotary(k, cos, sin)
+    h = x + att.o_proj(attn.attend(att.layer_idx, q, k, v.view(n, att.num_kv_heads, att.head_dim)).reshape(n, -1))
+    gate, up = mlp.gate_up_proj(norm(layer.post_attention_layernorm, h)).split(mlp.intermediate_size, dim=-1)
+    return h + mlp.down_proj(torch.nn.functional.silu(gate) * up)
+
+
 WRONG = [
+    (building_blocks.check_decoder_layer, _layer_with_minifers_functions, "(?s)check 5/5.*layer.input_layernorm"),
     (building_blocks.check_rms_norm, _rms_no_eps, "eps goes inside"),
     (building_blocks.check_rms_norm, _rms_eps_outside_sqrt, "eps goes inside"),
     (building_blocks.check_rms_norm, _rms_global_mean, "check 1/7"),

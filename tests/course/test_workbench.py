@@ -26,6 +26,12 @@ sys.path.insert(0, str(ROOT / "tools"))
 import build_exercises as bx  # noqa: E402
 
 NOTEBOOKS = sorted({p.notebook for p in workbench.PIECES.values()})
+SERVED = [name for name, piece in workbench.PIECES.items() if piece.served]
+
+
+def _check(name: str, piece) -> None:
+    """The exercise's last check of ``piece``: in the engine, or on its own where the engine has no seam for it."""
+    (graded.check_in_engine if workbench.PIECES[name].served else graded.check_on_its_own)(name, piece)
 
 
 def _pieces(variant: str) -> dict:
@@ -77,7 +83,7 @@ def my_engine(tmp_path, monkeypatch):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", list(workbench.PIECES))
+@pytest.mark.parametrize("name", SERVED)
 def test_every_solution_piece_serves_the_reference_tokens(name, solutions, capsys):
     graded.check_in_engine(name, solutions[name])
     out = capsys.readouterr().out
@@ -85,10 +91,23 @@ def test_every_solution_piece_serves_the_reference_tokens(name, solutions, capsy
     assert "tokens are the reference engine's" in out
 
 
+@pytest.mark.parametrize("name", [n for n in workbench.PIECES if n not in SERVED])
+def test_a_piece_without_a_seam_is_saved_and_graded_on_its_own(name, solutions, my_engine, capsys):
+    graded.check_on_its_own(name, solutions[name])
+    out = capsys.readouterr().out
+    assert out.rstrip().endswith("checks passed") and "the engine serves" not in out, out
+    assert (my_engine / f"{name}.py").is_file()
+    with pytest.raises(ValueError, match="no seam for it; use check_on_its_own"):
+        graded.check_in_engine(name, solutions[name])
+    with pytest.raises(ValueError, match="plugs into the engine"):
+        graded.check_on_its_own("rms_norm", solutions["rms_norm"])
+
+
 @pytest.mark.parametrize("name", list(workbench.PIECES))
 def test_an_untouched_stub_is_a_graded_failure_not_a_crash(name, stubs, my_engine):
-    with pytest.raises(AssertionError, match="(?s)does not go into the engine.*not implemented yet"):
-        graded.check_in_engine(name, stubs[name])
+    gate = "does not go into the engine" if name in SERVED else "it fails its checks"
+    with pytest.raises(AssertionError, match=f"(?s){gate}.*not implemented yet"):
+        _check(name, stubs[name])
     assert (my_engine / f"{name}.py").is_file()  # saved all the same: the capstone grades it again
 
 
@@ -109,10 +128,10 @@ def _top_p_strict(logits, top_p):
     return logits.masked_fill(torch.zeros_like(drop).scatter(-1, order, drop), float("-inf"))
 
 
-def _layer_without_residual(layer, x, cos, sin, attn, ops):
+def _layer_without_residual(layer, x, cos, sin, attn):
     from minifer.models.llama import DecoderLayer
 
-    return DecoderLayer.forward(layer, x, cos, sin, attn, ops) - x
+    return DecoderLayer.forward(layer, x, cos, sin, attn) - x
 
 
 def _verify_no_bonus(draft_tokens, target_argmax):
@@ -204,9 +223,10 @@ def _wrong(solutions) -> dict:
 def test_a_wrong_piece_is_stopped_by_its_grader_with_a_hint(name, solutions, capsys):
     wrong = _wrong(solutions)[name]
     with pytest.raises(AssertionError) as err:
-        graded.check_in_engine(name, wrong)
+        _check(name, wrong)
     message = str(err.value)
-    assert "does not go into the engine until it passes its checks" in message
+    assert ("does not go into the engine until it passes its checks" if name in SERVED else "it fails its checks") \
+        in message
     assert "check 1/" in message and graded.grade_quietly(name, wrong) in message  # the grader's own words
     assert "the engine serves" not in capsys.readouterr().out.split("FAIL")[0]  # it never ran
 
@@ -239,6 +259,20 @@ def test_saved_pieces_load_in_a_fresh_namespace_and_keep_their_helpers(solutions
     assert "def chain_hash" in (my_engine / "ForkingAllocator.py").read_text()
     assert issubclass(loaded["ForkingAllocator"], loaded["PrefixCachingAllocator"])
     graded.GRADERS["ForkingAllocator"](loaded["ForkingAllocator"])  # the loaded class still passes its checks
+
+
+def test_a_piece_saved_with_an_older_seams_signature_is_refused_with_what_to_resave(solutions, my_engine):
+    my_engine.mkdir(parents=True)
+    (my_engine / "decoder_layer.py").write_text("def decoder_layer(layer, x, cos, sin, attn, ops):\n    return x\n")
+    errors: dict[str, str] = {}
+    assert "decoder_layer" not in workbench.load_saved(errors=errors)  # never called with the wrong arguments
+    assert "takes (layer, x, cos, sin, attn, ops)" in errors["decoder_layer"]
+    assert "now takes (layer, x, cos, sin, attn)" in errors["decoder_layer"]
+    assert "exercises/00_building_blocks.ipynb" in errors["decoder_layer"]
+    with pytest.raises(AssertionError, match="decoder_layer: the saved .* signature of an older exercise"):
+        graded.sort_saved({}, errors, {"decoder_layer": workbench.PIECES["decoder_layer"]}, solution=False)
+    workbench.save(solutions["decoder_layer"])
+    assert "decoder_layer" in workbench.load_saved()
 
 
 def test_a_saved_file_that_does_not_run_is_reported(my_engine):

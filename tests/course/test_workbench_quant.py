@@ -82,29 +82,25 @@ def test_interpreter_tiles_are_powers_of_two_within_bounds():
     assert workbench_quant.interpreter_tiles(17, 20, 33) == {"BLOCK_M": 32, "BLOCK_N": 32, "BLOCK_K": 64}
 
 
-def test_the_quantizer_seam_loads_the_learners_bytes_into_the_engine():
-    """``Components.quantizer`` replaces ``quantize_model`` in the load path: a quantizer whose bytes differ from
-    minifer's (asymmetric) is what the engine then holds."""
-    from minifer import LLM
-    from minifer.engine.components import Components
-
+def test_the_learners_quantizer_is_applied_to_the_loaded_model_before_it_serves():
+    """No engine seam: ``int4_llm`` loads the float model and quantizes it with the learner's step and quantizer
+    before the engine serves; a quantizer whose bytes differ from minifer's (asymmetric) is what the engine holds."""
     calls = []
 
     def asymmetric(w, g, symmetric):
         calls.append(tuple(w.shape))
         return workbench_quant.minifers_quantize(w, g, False)
 
-    llm = LLM("tinystories-target", quantization="int4",
-              components=Components(quantizer=workbench_quant.quantizer_with(asymmetric)))
+    llm = workbench_quant.int4_llm({"quantize_int4_groupwise": asymmetric})
     assert len(calls) == 48  # 12 layers x 4 projections
     layers = decoder_linears(llm.model)
     assert all(isinstance(m, QuantLinear) and m.zeros is not None for m in layers.values())
     assert layers["model.layers.0.mlp.down_proj"].group_size == 64  # K = 704: group_for's fallback
     assert type(llm.model.lm_head) is torch.nn.Linear
-    assert llm.quantization_config.layers["model.layers.0.mlp.down_proj"]["group_size"] == 64
+    assert llm.model.quantization_config.layers["model.layers.0.mlp.down_proj"]["group_size"] == 64
+    assert llm.engine.runner.model is llm.model  # the engine runs the quantized layers
     with pytest.raises(ValueError, match="quantize to int4, not int8"):
-        LLM("tinystories-target", quantization="int8",
-            components=Components(quantizer=workbench_quant.quantizer_with(asymmetric)))
+        workbench_quant.quantize_with(asymmetric)(llm.model, "int8")
 
 
 # --- each piece in the engine -------------------------------------------------------------------------------

@@ -1,6 +1,7 @@
-"""Chapter 04's pieces inside the engine (``minifer_course.workbench_spec``): the ``rollback`` and ``eagle_forward``
-seams run what they are given, the rollback adapter stops a cut the allocator disagrees with, the engine-level checks
-(no leaked block; the EAGLE head's acceptance rate) can fail, and the seams refuse an engine they do not apply to."""
+"""Chapter 04's pieces beside the engine (``minifer_course.workbench_spec``): the learner's EAGLE forward goes in as an
+``EagleHead`` subclass through ``Components.model_registry`` and runs every drafting forward, the engine-level checks
+(no leaked block; the EAGLE head's acceptance rate) can fail, and the rollback, which has no engine seam, never
+reaches the engine."""
 
 from __future__ import annotations
 
@@ -11,17 +12,11 @@ import torch
 
 from minifer import LLM, SamplingParams
 from minifer_course import workbench
-from minifer_course.grading.spec_step import reference_eagle_forward, reference_rollback
-from minifer_course.workbench_spec import (
-    ALPHA_TOLERANCE,
-    DRAFT_SPEC,
-    EAGLE_SPEC,
-    EAGLE_WORKLOAD,
-    ROLLBACK_WORKLOAD,
-    rollback_with,
-)
+from minifer_course.grading.spec_step import reference_rollback
+from minifer_course.workbench_spec import ALPHA_TOLERANCE, EAGLE_SPEC, EAGLE_WORKLOAD
 from minifer.core.kv_cache_manager import KVCacheManager
 from minifer.engine.components import Components
+from minifer.models.llama_eagle import EagleHead
 
 PARAMS = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
 
@@ -32,9 +27,8 @@ def _serve(components: Components | None, spec: dict) -> tuple[LLM, list[list[in
     return llm, [o.outputs[0].token_ids for o in llm.generate(workbench.PROMPTS, PARAMS, use_tqdm=False)]
 
 
-@pytest.fixture(scope="module")
-def reference_draft():
-    return _serve(None, DRAFT_SPEC)
+def _head_forward(forward) -> Components:
+    return workbench.components_from({"eagle_forward": forward}, EAGLE_SPEC)
 
 
 @pytest.fixture(scope="module")
@@ -42,55 +36,27 @@ def reference_eagle():
     return _serve(None, EAGLE_SPEC)
 
 
-def test_the_rollback_seam_runs_the_given_function_every_verified_step(reference_draft):
-    calls = []
-
-    def counted(token_ids, k, accepted, target, draft):
-        calls.append((k, accepted, draft is not None))
-        reference_rollback(token_ids, k, accepted, target, draft)
-
-    llm, tokens = _serve(Components(rollback=rollback_with(counted)), DRAFT_SPEC)
-    assert tokens == reference_draft[1]
-    stats = llm.engine.speculator.stats
-    # every verified (sequence, step) but those in which the sequence finished (nothing is left to roll back then)
-    verified = sum(1 for k, _, _ in calls if k)
-    assert stats.num_verifies - len(workbench.PROMPTS) <= verified <= stats.num_verifies
-    assert sum(a for _, a, _ in calls) <= stats.num_accepted
-    assert all(has_draft for k, _, has_draft in calls if k)  # the draft model's cache went through it too
-    engine = llm.engine
-    assert engine.kv_cache_manager.num_free_blocks == engine.kv_cache_manager.num_blocks
-    assert engine.speculator.proposer.blocks.num_free_blocks == engine.speculator.proposer.blocks.num_blocks
-
-
-def test_a_rollback_that_keeps_its_emptied_blocks_is_stopped_in_the_engine():
-    def keeps_blocks(token_ids, k, accepted, target, draft):
-        del token_ids[len(token_ids) - k + accepted:]
-        target.num_tokens = len(token_ids)  # right length, but the emptied blocks stay in the table
-
-    with pytest.raises(AssertionError, match="free exactly the blocks past"):
-        _serve(Components(rollback=rollback_with(keeps_blocks)), DRAFT_SPEC)
-
-
 def test_the_leak_check_fails_when_a_block_is_still_held():
     blocks = KVCacheManager(8, 4)
     blocks.allocate("r", [1, 2, 3, 4, 5])
     served = {"llm": SimpleNamespace(engine=SimpleNamespace(kv_cache_manager=blocks,
                                                             speculator=SimpleNamespace(proposer=object())))}
-    (label, check), = ROLLBACK_WORKLOAD.engine_checks(served)
+    (label, check), _ = EAGLE_WORKLOAD.engine_checks(served)
     with pytest.raises(AssertionError, match="2 of the target's 8 KV blocks are still allocated"):
         check()
     blocks.free("r")
     check()
 
 
-def test_the_eagle_forward_seam_runs_the_given_forward(reference_eagle):
+def test_the_learners_eagle_forward_runs_every_drafting_forward(reference_eagle):
     calls = []
 
-    def counted(head, *args):
-        calls.append(args[0].shape[0])
-        return reference_eagle_forward(head, *args)
+    def counted(head, features, input_ids, positions, attn):
+        calls.append(features.shape[0])
+        return EagleHead.forward(head, features, input_ids, positions, attn)
 
-    llm, tokens = _serve(Components(eagle_forward=counted), EAGLE_SPEC)
+    llm, tokens = _serve(_head_forward(counted), EAGLE_SPEC)
+    assert type(llm.draft_model).__name__ == "LearnersEagleHead"
     assert tokens == reference_eagle[1]
     assert len(calls) == llm.engine.speculator.proposer.num_forwards > 0
     assert llm.engine.speculator.stats.alpha == reference_eagle[0].engine.speculator.stats.alpha
@@ -105,7 +71,7 @@ def test_a_wrong_head_keeps_the_tokens_but_fails_the_acceptance_check(reference_
         x = head.fc(torch.cat([head.embed_tokens(input_ids), features], dim=-1))
         return head.norm(head.layer(x, *head.rotary(positions, x.dtype), attn))
 
-    llm, tokens = _serve(Components(eagle_forward=embedding_first), EAGLE_SPEC)
+    llm, tokens = _serve(_head_forward(embedding_first), EAGLE_SPEC)
     assert tokens == reference_eagle[1]
     ref = reference_eagle[0].engine.speculator.stats.alpha
     assert llm.engine.speculator.stats.alpha < ref - ALPHA_TOLERANCE
@@ -115,15 +81,8 @@ def test_a_wrong_head_keeps_the_tokens_but_fails_the_acceptance_check(reference_
         alpha_check()
 
 
-def test_the_seams_refuse_an_engine_they_do_not_apply_to():
-    with pytest.raises(ValueError, match="eagle_forward is the forward of the EAGLE head"):
-        _serve(Components(eagle_forward=reference_eagle_forward), {**DRAFT_SPEC})
-    with pytest.raises(ValueError, match="parts of speculative decoding"):
-        LLM("tinystories-target", share_weights_with=workbench.reference_llm(),
-            components=Components(rollback=rollback_with(reference_rollback)))
-
-
 def test_components_from_plugs_each_piece_into_the_engines_it_fits():
-    pieces = {"rollback": reference_rollback, "eagle_forward": reference_eagle_forward}
-    assert set(workbench.components_from(pieces).given()) == {"rollback"}  # n-grams: no EAGLE head to run
-    assert set(workbench.components_from(pieces, EAGLE_SPEC).given()) == {"rollback", "eagle_forward"}
+    pieces = {"rollback": reference_rollback, "eagle_forward": EagleHead.forward}
+    assert workbench.components_from(pieces).given() == {}  # n-grams: no EAGLE head to run; the rollback: no seam
+    registry = workbench.components_from(pieces, EAGLE_SPEC).model_registry
+    assert set(registry) == {"EagleHead"} and registry["EagleHead"].forward is EagleHead.forward

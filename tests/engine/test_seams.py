@@ -1,11 +1,9 @@
 """The engine's seams (``LLMEngine``'s docstring lists them): each takes another implementation through ``LLM``, the
 engine calls it, and handing in a wrapper around the reference changes nothing in the output. The lossy verifier
 of ``tests/spec/test_speculative.py`` goes through the same seam. ``LLM(components=...)`` hands in several at once,
-with the RMSNorm and RoPE the model's layers call."""
+with the model classes to build (``model_registry``: a model of other layer classes, as vLLM's out-of-tree models)."""
 
 from __future__ import annotations
-
-from dataclasses import replace
 
 import pytest
 import torch
@@ -138,57 +136,69 @@ def _counting(fn, calls: list, name: str):
     return wrapped
 
 
-def test_the_layers_call_the_rms_norm_and_rope_handed_in(reference):
+def _counted_model(calls: list[str]) -> type:
+    """minifer's model built from layer classes that count their calls."""
+    from minifer.layers.layernorm import RMSNorm
+    from minifer.models.llama import Attention, DecoderLayer, LlamaForCausalLM
+
+    class Norm(RMSNorm):
+        def forward(self, x):
+            calls.append("rms_norm")
+            return rms_norm(x, self.weight, self.eps)
+
+    class Rotating(Attention):
+        apply_rotary = staticmethod(_counting(apply_rotary, calls, "apply_rotary"))
+
+    class Layer(DecoderLayer):
+        def forward(self, x, cos, sin, attn):
+            calls.append(f"layer {self.self_attn.layer_idx}")
+            return super().forward(x, cos, sin, attn)
+
+    return type("CountedLlama", (LlamaForCausalLM,), {"norm_cls": Norm, "attention_cls": Rotating, "layer_type": Layer})
+
+
+def test_a_model_class_registered_for_the_architecture_is_built_from_its_layer_classes(reference):
     calls: list[str] = []
-    mine = Components(rms_norm=_counting(rms_norm, calls, "rms_norm"),
-                      apply_rotary=_counting(apply_rotary, calls, "apply_rotary"))
-    llm = LLM("tinystories-target", share_weights_with=reference[0], components=mine)
-    assert _tokens(llm) == reference[1]
+    model_cls = _counted_model(calls)
+    llm = LLM("tinystories-target", components=Components(model_registry={"LlamaForCausalLM": model_cls}))
+    assert type(llm.model) is model_cls
+    assert _tokens(llm) == reference[1]  # the same weights, loaded by name into the same parameters
     layers = llm.model_config.num_hidden_layers
     forwards = calls.count("rms_norm") // (2 * layers + 1)  # two norms per layer and the final one
     assert forwards >= GREEDY.max_tokens and calls.count("rms_norm") == forwards * (2 * layers + 1)
     assert calls.count("apply_rotary") == forwards * 2 * layers  # queries and keys of every layer
+    assert {c for c in calls if c.startswith("layer")} == {f"layer {i}" for i in range(layers)}
+    assert type(reference[0].model).__name__ == "LlamaForCausalLM"  # registered for this engine only
 
 
-def test_the_rope_frequencies_handed_in_build_every_forward_s_rotation(reference):
+def test_a_rotary_class_computes_the_table_from_its_own_frequencies(reference):
     from minifer.layers.rotary_embedding import RotaryEmbedding, rope_inv_freq
+    from minifer.models.llama import LlamaForCausalLM
 
-    calls: list[str] = []
-    mine = LLM("tinystories-target", share_weights_with=reference[0],
-               components=Components(rope_inv_freq=_counting(rope_inv_freq, calls, "rope_inv_freq")))
-    assert _tokens(mine) == reference[1]  # the same frequencies, the same arithmetic: the same tokens
-    assert calls.count("rope_inv_freq") >= GREEDY.max_tokens  # once per forward, not once at load
+    class Same(RotaryEmbedding):
+        def _compute_inv_freq(self):
+            return rope_inv_freq(self.head_dim, self.theta)
 
-    def reversed_order(head_dim, theta):  # the slowest rotation on the first pair: must show in the tokens
-        return rope_inv_freq(head_dim, theta).flip(0)
+    class Reversed(RotaryEmbedding):  # the slowest rotation on the first pair: must show in the tokens
+        def _compute_inv_freq(self):
+            return rope_inv_freq(self.head_dim, self.theta).flip(0)
 
-    wrong = LLM("tinystories-target", share_weights_with=reference[0],
-                components=Components(rope_inv_freq=reversed_order))
-    assert _tokens(wrong) != reference[1]
-    scaled = RotaryEmbedding(8, 16, 10000.0, {"rope_type": "linear", "factor": 2.0})
-    with pytest.raises(ValueError, match="scales RoPE"):
-        scaled.from_frequencies(torch.arange(3), torch.float32, rope_inv_freq)
+    def llm(rotary):
+        model_cls = type("Llama", (LlamaForCausalLM,), {"rotary_cls": rotary})
+        return LLM("tinystories-target", components=Components(model_registry={"LlamaForCausalLM": model_cls}))
 
-
-def test_a_decoder_layer_handed_in_runs_every_layer_with_the_ops_it_is_given(reference):
-    from minifer.models.llama import DecoderLayer
-
-    layers: list[int] = []
-
-    def decoder_layer(layer, x, cos, sin, attn, ops):
-        layers.append(layer.self_attn.layer_idx)
-        return DecoderLayer.forward(layer, x, cos, sin, attn, replace(ops, decoder_layer=None))
-
-    llm = LLM("tinystories-target", share_weights_with=reference[0], components=Components(decoder_layer=decoder_layer))
-    assert _tokens(llm) == reference[1]
-    assert set(layers) == set(range(llm.model_config.num_hidden_layers))
+    assert _tokens(llm(Same)) == reference[1]  # the same frequencies, the same arithmetic: the same tokens
+    assert _tokens(llm(Reversed)) != reference[1]
 
 
-def test_components_do_not_leak_into_an_engine_sharing_the_weights(reference):
-    calls: list[str] = []
-    LLM("tinystories-target", share_weights_with=reference[0],
-        components=Components(rms_norm=_counting(rms_norm, calls, "rms_norm")))
-    assert _tokens(reference[0]) == reference[1] and not calls  # the override rides on one engine's forwards only
+def test_a_registered_model_class_is_refused_where_it_cannot_apply(reference):
+    from minifer.models.llama import LlamaForCausalLM
+
+    registry = {"LlamaForCausalLM": type("Llama", (LlamaForCausalLM,), {})}
+    with pytest.raises(ValueError, match="share_weights_with: .* LlamaForCausalLM, this one is to be a Llama"):
+        LLM("tinystories-target", share_weights_with=reference[0], components=Components(model_registry=registry))
+    with pytest.raises(TypeError, match=r"model_registry\['LlamaForCausalLM'\] must be a subclass of LlamaForCausalLM"):
+        LLM("tinystories-target", components=Components(model_registry={"LlamaForCausalLM": torch.nn.Linear}))
 
 
 def test_every_seam_in_components_is_the_one_used(reference):
@@ -200,12 +210,12 @@ def test_every_seam_in_components_is_the_one_used(reference):
             calls.append("verifier")
             return super().greedy(draft_tokens, target_argmax)
 
-    mine = Components(rms_norm=rms_norm, apply_rotary=apply_rotary,
+    mine = Components(model_registry={"LlamaForCausalLM": _counted_model(calls)},
                       sampler=_counting(ModelRunner.sample, calls, "sampler"), verifier=Verifier())
-    llm = LLM("tinystories-target", share_weights_with=reference[0], speculative_config=spec, components=mine)
+    llm = LLM("tinystories-target", speculative_config=spec, components=mine)
     assert _tokens(llm) == reference[1]
-    assert {"sampler", "verifier"} <= set(calls)
-    assert llm.components.given().keys() == {"rms_norm", "apply_rotary", "sampler", "verifier"}
+    assert {"sampler", "verifier", "rms_norm", "apply_rotary"} <= set(calls)
+    assert llm.components.given().keys() == {"model_registry", "sampler", "verifier"}
 
 
 def test_a_seam_given_as_an_option_or_where_it_cannot_apply_is_refused(reference):
@@ -214,6 +224,6 @@ def test_a_seam_given_as_an_option_or_where_it_cannot_apply_is_refused(reference
         LLM("tinystories-target", share_weights_with=reference[0], sampler=ModelRunner.sample)
     with pytest.raises(ValueError, match="plug into the continuous engine"):
         LLM("tinystories-target", share_weights_with=reference[0], batching="static",
-            components=Components(rms_norm=rms_norm))
+            components=Components(sampler=ModelRunner.sample))
     with pytest.raises(TypeError, match="components must be"):
-        LLM("tinystories-target", share_weights_with=reference[0], components={"rms_norm": rms_norm})
+        LLM("tinystories-target", share_weights_with=reference[0], components={"sampler": ModelRunner.sample})
