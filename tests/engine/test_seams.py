@@ -191,7 +191,8 @@ def test_a_rotary_class_computes_the_table_from_its_own_frequencies(reference):
     assert _tokens(llm(Reversed)) != reference[1]
 
 
-def test_a_registered_model_class_is_refused_where_it_cannot_apply(reference):
+def test_a_registered_model_class_is_refused_where_it_cannot_apply(reference, tmp_path):
+    from minifer.loader.quantized import save_quantized
     from minifer.models.llama import LlamaForCausalLM
 
     registry = {"LlamaForCausalLM": type("Llama", (LlamaForCausalLM,), {})}
@@ -199,6 +200,9 @@ def test_a_registered_model_class_is_refused_where_it_cannot_apply(reference):
         LLM("tinystories-target", share_weights_with=reference[0], components=Components(model_registry=registry))
     with pytest.raises(TypeError, match=r"model_registry\['LlamaForCausalLM'\] must be a subclass of LlamaForCausalLM"):
         LLM("tinystories-target", components=Components(model_registry={"LlamaForCausalLM": torch.nn.Linear}))
+    saved = save_quantized(LLM("tinystories-target", quantization="int8"), tmp_path / "int8")
+    with pytest.raises(ValueError, match="quantized checkpoint, loaded into minifer's own modules"):
+        LLM(str(saved), components=Components(model_registry=registry))  # its layout fixes the modules
 
 
 def test_every_seam_in_components_is_the_one_used(reference):
