@@ -192,7 +192,7 @@ def test_a_rotary_class_computes_the_table_from_its_own_frequencies(reference):
 
 
 def test_a_registered_model_class_is_refused_where_it_cannot_apply(reference, tmp_path):
-    from minifer.loader.quantized import save_quantized
+    from minifer.model_loader.quantized import save_quantized
     from minifer.models.llama import LlamaForCausalLM
 
     registry = {"LlamaForCausalLM": type("Llama", (LlamaForCausalLM,), {})}
