@@ -9,7 +9,7 @@ Exercise 05 writes three pieces:
 * ``int4_matmul(x, packed, scales, zeros, group_size, out, BLOCK_M, BLOCK_N, BLOCK_K)``: the wrapper that launches
   their Triton kernel.
 
-The third goes in through the engine's quantized linear kernel seam (``LLM``'s ``quant_kernel``, a ``QuantKernel``,
+The third goes in through the engine's quantized linear kernel seam (``Components.quant_kernel``, a ``QuantKernel``,
 as vLLM's quantized linear methods). The first two have no engine seam (vLLM has none for its load step): the
 workbench loads the float model and applies the learner's load step, with their quantizer, to it before the engine
 serves anything (``quantize_with``), as a user quantizes a model before handing it over. A piece not given stays
@@ -187,12 +187,14 @@ def int4_llm(pieces: dict[str, Any]):
     the float model is loaded and quantized by the learner's step before it serves (CUDA graphs off: they would
     replay the float layers they captured)."""
     from minifer import LLM
+    from minifer.engine.components import Components
     from minifer.kernels import quant_kernel_for
 
     p = pieces.get
     kernel = quant_kernel_with(p("int4_matmul")) if p("int4_matmul") else None
     if not (p("quantize_int4_groupwise") or p("quantize_linears")):
-        return LLM("tinystories-target", quantization="int4", dtype="float32", quant_kernel=kernel)
+        return LLM("tinystories-target", quantization="int4", dtype="float32",
+                   components=Components(quant_kernel=kernel))
     llm = LLM("tinystories-target", dtype="float32", enforce_eager=True)
     quantize_with(p("quantize_int4_groupwise"), p("quantize_linears"))(llm.model, "int4",
                                                                         kernel=kernel or quant_kernel_for(llm.device))

@@ -23,7 +23,7 @@
 # The first three then run inside a real engine, `LLM("tinystories-target", ...)`: its weights quantized by your
 # function and put in the model by your step (neither has an engine seam, as in vLLM: the course applies them to the
 # loaded model before it serves), multiplied by your kernel (the engine's quantized linear kernel seam,
-# `LLM(quant_kernel=...)`), serving requests whose tokens must be those of minifer's own int4 engine.
+# `LLM(components=Components(quant_kernel=...))`), serving requests whose tokens must be those of minifer's own int4 engine.
 #
 # Each exercise explains the idea, gives a function whose body you write, then a **check cell** that grades
 # it against minifer's own (`minifer/quantization/formats.py`, `minifer/kernels/quant_matmul.py`, `minifer/eval.py`).
@@ -380,7 +380,7 @@ check_int4_matmul_kernel(int4_matmul)
 # ### Now your kernel serves requests
 #
 # Every `QuantLinear` of the int4 engine now multiplies through your `int4_matmul` (minifer's quantizer and load
-# step around it): 48 projections per step. Seam: the quantized linear kernel (`LLM(quant_kernel=...)`, a
+# step around it): 48 projections per step. Seam: the quantized linear kernel (`LLM(components=Components(quant_kernel=...))`, a
 # `QuantKernel`, as vLLM's quantized linear methods pick a kernel). Without a GPU each launch runs in Triton's interpreter, one program
 # after another, so the engine launches your kernel with large tiles (up to 64 × 512 × 256; with 16 × 16 tiles a
 # step would take ten times longer) and the cell takes a minute or so. The tokens must be minifer's int4 engine's,
