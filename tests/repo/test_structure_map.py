@@ -32,3 +32,18 @@ def test_each_line_says_what_it_holds_and_its_vllm_counterpart():
 def test_the_row_pattern_reads_a_row_and_refuses_a_malformed_one():
     assert rows("| `minifer/a.py` | what it holds | `vllm/a.py` |") == [("minifer/a.py", "what it holds", "`vllm/a.py`")]
     assert rows("| minifer/a.py | no backticks | `vllm/a.py` |") == []
+
+
+PIECE_ROW = re.compile(r"^\| `(\w+)` \| (\w+) \| (.+?) \| (.+?) \|$")
+
+
+def test_every_exercise_piece_names_its_seam_or_that_it_is_graded_on_its_own():
+    from minifer_course import workbench, workbench_quant
+
+    table = {m.group(1): (m.group(2), m.group(3)) for line in
+             (ROOT / "docs" / "structure.md").read_text(encoding="utf-8").splitlines() if (m := PIECE_ROW.match(line))}
+    pieces = {**workbench.PIECES, **workbench_quant.QUANT_PIECES}
+    assert sorted(table) == sorted(pieces), "docs/structure.md's table of pieces and the course's list differ"
+    for name, piece in pieces.items():
+        notebook, seam = table[name]
+        assert notebook == piece.notebook and seam.strip("`") in (f"Components.{piece.seam}", piece.seam), name
