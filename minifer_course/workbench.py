@@ -193,7 +193,7 @@ def load_saved(path: str | Path | None = None, errors: dict[str, str] | None = N
             piece = module.__dict__[name]
         except Exception as e:
             if errors is not None:
-                errors[name] = f"{name}: the saved {file} does not run ({type(e).__name__}: {e}); run its cell again"
+                errors[name] = _does_not_run(name, file, e)
             continue
         problem = outdated(name, piece, file)
         if problem is None:
@@ -201,6 +201,33 @@ def load_saved(path: str | Path | None = None, errors: dict[str, str] | None = N
         elif errors is not None:
             errors[name] = problem
     return found
+
+
+# minifer's modules and classes that took vLLM's names: a piece saved before imports or names one of them
+RENAMED = {
+    "minifer.engine.sequence": "minifer.request", "minifer.engine.block_manager": "minifer.core.kv_cache_manager",
+    "minifer.engine.scheduler": "minifer.core.sched.scheduler", "minifer.engine.runner": "minifer.worker.model_runner",
+    "minifer.sampling": "minifer.sampling_params / minifer.sample.sampler", "minifer.spec": "minifer.spec_decode",
+    "minifer.layers.paged_attention": "minifer.attention.backends.paged", "minifer.quant": "minifer.quantization",
+    "Sequence": "Request", "SequenceStatus": "RequestStatus", "SequenceGroup": "ParentRequest",
+    "BlockManager": "KVCacheManager",
+}
+
+
+def _does_not_run(name: str, file: Path, error: Exception) -> str:
+    where = f"exercises/{PIECES[name].notebook}.ipynb" if name in PIECES else "its exercise"
+    return (f"{name}: the saved {file} does not run ({type(error).__name__}: {error}){_moved(error)}; run its cell "
+            f"in {where} again, which saves it again")
+
+
+def _moved(error: Exception) -> str:
+    """What a saved file that no longer runs was written against, when it names a module or class minifer renamed."""
+    missing = getattr(error, "name", None) or ""
+    old = next((o for o in sorted(RENAMED, key=len, reverse=True) if missing == o or missing.startswith(o + ".")),
+               None)
+    if old is None:
+        return ""
+    return f": it was saved before minifer took vLLM's names ({old} is now {RENAMED[old]}, docs/structure.md)"
 
 
 def outdated(name: str, piece: Any, file: Path) -> str | None:

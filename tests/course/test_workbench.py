@@ -282,6 +282,21 @@ def test_a_saved_file_that_does_not_run_is_reported(my_engine):
         graded.load_pieces()
 
 
+@pytest.mark.parametrize("source, old, new", [
+    ("from minifer.engine.sequence import SequenceStatus\n\ndef schedule_step(running, waiting):\n    return []\n",
+     "minifer.engine.sequence", "minifer.request"),
+    ("def schedule_step(running, waiting):\n    return []\n\nSequenceStatus.WAITING\n",
+     "SequenceStatus", "RequestStatus"),
+])
+def test_a_piece_saved_against_a_renamed_module_or_class_says_what_it_is_now(source, old, new, my_engine):
+    my_engine.mkdir(parents=True)
+    (my_engine / "schedule_step.py").write_text(source)
+    errors: dict[str, str] = {}
+    assert "schedule_step" not in workbench.load_saved(errors=errors)
+    assert f"({old} is now {new}, docs/structure.md)" in errors["schedule_step"]
+    assert "exercises/03_continuous_batching.ipynb" in errors["schedule_step"]
+
+
 def test_the_solution_switch_fills_every_gap_with_minifers_piece(stubs):
     with pytest.raises(AssertionError, match="(?s)rms_norm: not implemented yet.*solution=True"):
         graded.load_pieces()
