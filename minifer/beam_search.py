@@ -200,6 +200,32 @@ class BeamSearch:
         step's token budget leaves (``max_num_batched_tokens``; split across steps with chunked prefill, as the
         scheduler does). Then every search whose logits came back selects, and moves its blocks; the copy-on-write
         copies run together before the next forward writes anything."""
+        ids, starts, chunks, num_logits, selecting = self._pack(active)
+        logprobs = torch.log_softmax(self.runner.forward(ids, starts, chunks, num_logits).float(), dim=-1)
+        for search in active:  # publish the blocks this step filled, for later prompts that share them
+            for beam in search.beams:
+                self.blocks.register_computed(beam.seq_id, beam.tokens[: search.start] if not search.prefilled
+                                              else beam.tokens)
+        row, copies = 0, []
+        self.last_forks = []
+        for search in selecting:
+            parents = search.beams
+            search.prefilled = True
+            self._select(search, logprobs[row : row + len(parents)])
+            row += len(parents)
+            if search.done:
+                self._release(search)
+            else:
+                copies += self._place(search, {b.seq_id for b in parents})
+        self.cache.copy_blocks(copies)
+        self.last_copies = copies
+        self.stats.block_copies += len(copies)
+        self.stats.steps += 1
+        self._count_blocks([s for s in active if not s.done])
+
+    def _pack(self, active: list[_Search]) -> tuple[list, list, list, list, list[_Search]]:
+        """This step's forward: every live beam's last token, then prompt chunks within the token budget; and the
+        searches that get logits from it, in the order of their rows."""
         config = self.engine.scheduler.config
         budget = config.max_num_batched_tokens - sum(len(s.beams) for s in active if s.prefilled)
         ids, starts, chunks, num_logits = [], [], [], []
@@ -225,27 +251,7 @@ class BeamSearch:
             budget -= take
             if take == left:
                 selecting.append(search)
-        logprobs = torch.log_softmax(self.runner.forward(ids, starts, chunks, num_logits).float(), dim=-1)
-        for search in active:  # publish the blocks this step filled, for later prompts that share them
-            for beam in search.beams:
-                self.blocks.register_computed(beam.seq_id, beam.tokens[: search.start] if not search.prefilled
-                                              else beam.tokens)
-        row, copies = 0, []
-        self.last_forks = []
-        for search in selecting:
-            parents = search.beams
-            search.prefilled = True
-            self._select(search, logprobs[row : row + len(parents)])
-            row += len(parents)
-            if search.done:
-                self._release(search)
-            else:
-                copies += self._place(search, {b.seq_id for b in parents})
-        self.cache.copy_blocks(copies)
-        self.last_copies = copies
-        self.stats.block_copies += len(copies)
-        self.stats.steps += 1
-        self._count_blocks([s for s in active if not s.done])
+        return ids, starts, chunks, num_logits, selecting
 
     def _select(self, search: _Search, logprobs: torch.Tensor) -> None:
         """Steps 1-3 of the module docstring for one prompt: sets ``search.beams`` to the next beams (tokens

@@ -296,26 +296,33 @@ def _m_key(m: int) -> int:
     return min(triton.next_power_of_2(m), 256)
 
 
+def _checked_out(x: torch.Tensor, qw: QuantizedWeight, bias: torch.Tensor | None, path: str, split_k: int | None,
+                 out: torch.Tensor | None) -> torch.Tensor:
+    """``quant_matmul``'s arguments checked; the tensor it writes into (``out``, or a new one)."""
+    if path not in PATHS:
+        raise ValueError(f"quant_matmul: path must be one of {PATHS}, got {path!r}")
+    if split_k is not None and not 1 <= split_k <= MAX_SPLIT:
+        raise ValueError(f"quant_matmul: split_k must be in 1..{MAX_SPLIT}, got {split_k}")
+    _check(x, qw, bias)
+    shape = (*x.shape[:-1], qw.shape[0])
+    if out is None:
+        return torch.empty(*shape, dtype=x.dtype, device=x.device)
+    if out.shape != shape or out.dtype != x.dtype or out.device != x.device or not out.is_contiguous():
+        raise ValueError(f"quant_matmul: out must be a contiguous {x.dtype} tensor of shape {shape} on "
+                         f"{x.device}, got {out.dtype} {tuple(out.shape)} on {out.device}")
+    return out
+
+
 def quant_matmul(x: torch.Tensor, qw: QuantizedWeight, bias: torch.Tensor | None = None, path: str = "auto",
                  split_k: int | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
     """``x @ dequantize(qw)^T (+ bias)`` for ``x: [..., K]`` (float32 / bf16 / fp16), fused; returns ``[..., N]``
     in ``x.dtype`` (written into ``out`` if given: contiguous, that shape and dtype). ``path``: ``"gemv"`` /
     ``"splitk"`` (decode), ``"tiled"`` (prefill) or ``"auto"`` (``auto_path``: a static rule by format and rows;
     nothing is timed at run time). ``split_k`` overrides ``choose_split`` (capped at the number of K-steps)."""
-    if path not in PATHS:
-        raise ValueError(f"quant_matmul: path must be one of {PATHS}, got {path!r}")
-    if split_k is not None and not 1 <= split_k <= MAX_SPLIT:
-        raise ValueError(f"quant_matmul: split_k must be in 1..{MAX_SPLIT}, got {split_k}")
-    _check(x, qw, bias)
+    out = _checked_out(x, qw, bias, path, split_k, out)
     n, k = qw.shape
-    lead = x.shape[:-1]
     x2 = x.reshape(-1, k).contiguous()
     m = x2.shape[0]
-    if out is None:
-        out = torch.empty(*lead, n, dtype=x.dtype, device=x.device)
-    elif out.shape != (*lead, n) or out.dtype != x.dtype or out.device != x.device or not out.is_contiguous():
-        raise ValueError(f"quant_matmul: out must be a contiguous {x.dtype} tensor of shape {(*lead, n)} on "
-                         f"{x.device}, got {out.dtype} {tuple(out.shape)} on {out.device}")
     if m == 0:
         return out
     fmt, group = _FMT[qw.fmt], qw.group_size or 0

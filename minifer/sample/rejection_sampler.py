@@ -75,6 +75,25 @@ def verify_greedy(draft_tokens: list[list[int]], target_argmax: torch.Tensor) ->
     return out
 
 
+def _check_rejection_inputs(draft_tokens: list[list[int]], draft_probs: torch.Tensor, target_probs: torch.Tensor,
+                            generators: list) -> list[int]:
+    """``rejection_sample``'s inputs checked against each other; returns each row's number of draft tokens."""
+    if draft_probs.dim() != 3 or target_probs.dim() != 3:
+        raise ValueError(f"draft_probs must be [batch, max_k, vocab] and target_probs [batch, max_k + 1, vocab], "
+                         f"got shapes {list(draft_probs.shape)} and {list(target_probs.shape)}")
+    batch, positions, vocab = target_probs.shape
+    if draft_probs.shape[0] != batch or draft_probs.shape[2] != vocab:
+        raise ValueError(f"draft_probs {list(draft_probs.shape)} and target_probs {list(target_probs.shape)} must "
+                         f"agree on batch and vocabulary")
+    if len(generators) != batch:
+        raise ValueError(f"got {len(generators)} generators for a batch of {batch}")
+    ks = _check_drafts(draft_tokens, batch, positions, "target_probs", vocab)
+    if draft_probs.shape[1] < max(ks, default=0):
+        raise ValueError(f"draft_probs has {draft_probs.shape[1]} positions per row, but a row proposed "
+                         f"{max(ks, default=0)} draft tokens")
+    return ks
+
+
 def rejection_sample(draft_tokens: list[list[int]], draft_probs: torch.Tensor, target_probs: torch.Tensor,
                      generators: list[torch.Generator | None]) -> list[list[int]]:
     """Lossless verification of sampled drafts (modified rejection sampling).
@@ -96,20 +115,8 @@ def rejection_sample(draft_tokens: list[list[int]], draft_probs: torch.Tensor, t
     drawn from ``q``, but a caller may be wrong) counts as a rejection rather than a division by zero. If
     ``max(p - q, 0)`` has no mass (``p`` and ``q`` equal up to rounding), the token is drawn from ``p``.
     """
-    if draft_probs.dim() != 3 or target_probs.dim() != 3:
-        raise ValueError(f"draft_probs must be [batch, max_k, vocab] and target_probs [batch, max_k + 1, vocab], "
-                         f"got shapes {list(draft_probs.shape)} and {list(target_probs.shape)}")
-    batch, positions, vocab = target_probs.shape
-    if draft_probs.shape[0] != batch or draft_probs.shape[2] != vocab:
-        raise ValueError(f"draft_probs {list(draft_probs.shape)} and target_probs {list(target_probs.shape)} must "
-                         f"agree on batch and vocabulary")
-    if len(generators) != batch:
-        raise ValueError(f"got {len(generators)} generators for a batch of {batch}")
-    ks = _check_drafts(draft_tokens, batch, positions, "target_probs", vocab)
-    max_k = max(ks, default=0)
-    if draft_probs.shape[1] < max_k:
-        raise ValueError(f"draft_probs has {draft_probs.shape[1]} positions per row, but a row proposed {max_k} "
-                         f"draft tokens")
+    ks = _check_rejection_inputs(draft_tokens, draft_probs, target_probs, generators)
+    batch, max_k = target_probs.shape[0], max(ks, default=0)
     if batch == 0:
         return []
     dev = target_probs.device
