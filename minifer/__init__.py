@@ -28,8 +28,8 @@ _EXPORTS = {
 __all__ = [*_EXPORTS, "__version__"]
 
 if TYPE_CHECKING:
-    from minifer.config import ModelConfig, UnsupportedModelError
     from minifer.beam_search import BeamSearchOutput, BeamSearchSequence
+    from minifer.config import ModelConfig, UnsupportedModelError
     from minifer.engine.arg_utils import EngineArgs
     from minifer.entrypoints.llm import LLM
     from minifer.model_loader import BUNDLED_MODELS, ModelLoadError

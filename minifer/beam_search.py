@@ -30,8 +30,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from minifer.sampling_params import BeamSearchParams, Logprob
 from minifer.sample.sampler import ranked_logprobs
+from minifer.sampling_params import BeamSearchParams, Logprob
 
 
 @dataclass

@@ -29,11 +29,11 @@ from typing import Any
 
 import torch
 
+from minifer.bench.provenance import save_result
 from minifer.bench.speculative import _engine, median_ci, run_interleaved, story_openings
 from minifer.core.block_pool import BlockPool
 from minifer.core.kv_cache_manager import KVCacheManager
 from minifer.sampling_params import SamplingParams
-from minifer.bench.provenance import save_result
 
 
 class FifoBlockPool(BlockPool):

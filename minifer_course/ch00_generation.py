@@ -9,11 +9,12 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from minifer.sampling_params import BeamSearchParams, SamplingParams
 from minifer.sample.sampler import process_logits
+from minifer.sampling_params import BeamSearchParams, SamplingParams
 
 if TYPE_CHECKING:  # imported lazily at run time: matplotlib and ipywidgets are course extras
     from matplotlib.figure import Figure
+
     from minifer.entrypoints.llm import LLM
     from minifer.outputs import CompletionOutput
 

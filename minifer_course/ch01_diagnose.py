@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # imported lazily at run time: matplotlib and ipywidgets are course extras
     from matplotlib.figure import Figure
+
     from minifer_course.roofline import Ceilings, Hardware, StepTiming
 
 
@@ -124,6 +125,7 @@ def plot_decode_intensity(name: str, cfg: Any, hw: "Hardware", contexts: Sequenc
     context length, with the hardware's ridge. Batching raises intensity only while the weights dominate
     the bytes; each sequence's KV cache is read for that sequence alone, so long contexts cap it."""
     import matplotlib.pyplot as plt
+
     from minifer_course.roofline import decode_cost
 
     fig, ax = plt.subplots(figsize=(7, 4))
@@ -190,6 +192,7 @@ def decode_vs_weight_reads(model: Any, context: int = 128, rounds: int = 5) -> d
     import statistics
 
     import torch
+
     from minifer_course import roofline as rl
 
     w = model.lm_head.weight

@@ -220,6 +220,7 @@ def block_size_explorer(lengths: Sequence[int], kv_bytes_per_token: float,
         return "ipywidgets is not installed: pip install ipywidgets (or the course extra: pip install -e '.[course]')"
     import matplotlib.pyplot as plt
     from IPython.display import display
+
     from minifer_course.kv_memory import block_size_tradeoff
 
     rows = block_size_tradeoff(lengths, block_sizes, kv_bytes_per_token=kv_bytes_per_token)

@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # imported lazily at run time: matplotlib and ipywidgets are course extras
     from matplotlib.figure import Figure
+
     from minifer.entrypoints.llm import LLM
 
 
@@ -88,8 +89,8 @@ def chunked_prefill_stall(llm: "LLM", settings: Mapping[str, tuple[bool, int]], 
     decoders' tokens (to check that scheduling changes no output)."""
     from minifer.bench.serving import greedy_params
     from minifer.bench.workloads import make_workload
-    from minifer.engine.llm_engine import CacheConfig, LLMEngine
     from minifer.core.sched.scheduler import SchedulerConfig
+    from minifer.engine.llm_engine import CacheConfig, LLMEngine
 
     bos = llm.tokenizer.bos_token_id if llm.tokenizer is not None else None
     kw = dict(vocab_size=llm.model_config.vocab_size, max_model_len=llm.max_model_len, bos_token_id=bos)

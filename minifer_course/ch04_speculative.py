@@ -7,11 +7,12 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from minifer_course.ch00_generation import prompt_logits
 from minifer.sampling_params import SamplingParams
+from minifer_course.ch00_generation import prompt_logits
 
 if TYPE_CHECKING:  # imported lazily at run time: matplotlib and ipywidgets are course extras
     from matplotlib.figure import Figure
+
     from minifer.entrypoints.llm import LLM
 
 
@@ -65,8 +66,8 @@ def rejection_toy(p: Sequence[float], q: Sequence[float], n: int = 20_000, seed:
     ``threshold``); ``naive_*`` is the same for a plausible but wrong verifier that, on a rejection,
     resamples from ``p`` instead of the residual ``max(p - q, 0)`` (it emits
     ``min(p, q) + (1 - alpha) p``, which the same test must reject). Deterministic for a given ``seed``."""
-    from minifer_course.grading.spec import chi2_pvalue
     from minifer.sample.rejection_sampler import rejection_sample
+    from minifer_course.grading.spec import chi2_pvalue
 
     pt, qt = torch.tensor(p, dtype=torch.float32), torch.tensor(q, dtype=torch.float32)
     if pt.shape != qt.shape or pt.dim() != 1:
@@ -234,6 +235,7 @@ def speedup_explorer(alpha: float = 0.8, k: int = 4, draft_cost: float = 0.1, k_
         return "ipywidgets is not installed: pip install ipywidgets (or the course extra: pip install -e '.[course]')"
     import matplotlib.pyplot as plt
     from IPython.display import display
+
     from minifer.spec_decode.theory import (
         expected_speedup,
         expected_tokens_per_forward,

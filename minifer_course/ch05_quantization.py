@@ -9,9 +9,9 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from minifer.sampling_params import SamplingParams
 from minifer_course.common import ModelPair
 from minifer_course.weight_bytes import decoder_linear_shapes, quantized_linear_bytes  # noqa: F401 (chapter 05 shows them)
-from minifer.sampling_params import SamplingParams
 
 if TYPE_CHECKING:  # imported lazily at run time: matplotlib and ipywidgets are course extras
     from matplotlib.figure import Figure
@@ -25,8 +25,8 @@ def decode_weight_bytes(cfg: Any, fmt: str, group_size: int = 128, symmetric: bo
     every other weight stays in bf16, as ``quantize_model`` leaves them: the lm_head (or the tied
     embedding), the norms and one embedding row. int4 groups that do not divide a layer's K fall back as in
     ``quantize_model`` (the largest power of two that divides it)."""
-    from minifer_course.roofline import layer_matmul_params, weight_bytes
     from minifer.quantization.model import group_for
+    from minifer_course.roofline import layer_matmul_params, weight_bytes
 
     shapes = decoder_linear_shapes(cfg)
     layers = cfg.num_hidden_layers

@@ -61,8 +61,8 @@ class ModelPair:
     def kv_budget(self, llm_kwargs: Mapping[str, Any] | None = None) -> int:
         """KV bytes for one engine of this pair on the GPU (``load``'s rule), checked against the chapter's plan;
         chapter 06 passes it to ``minifer_course.stacking`` as its memory budget beyond the weights."""
-        from minifer_course.gpu_plan import GPU_KV_CACHE_BYTES, kv_share
         from minifer.entrypoints.llm import resolve_dtype
+        from minifer_course.gpu_plan import GPU_KV_CACHE_BYTES, kv_share
 
         if self.chapter is None:
             return GPU_KV_CACHE_BYTES
@@ -93,8 +93,8 @@ def gpu_kv_blocks(model: str, llm_kwargs: Mapping[str, Any], budget: int) -> int
     """The KV blocks an engine of ``model`` gets on the GPU track (``minifer_course.gpu_plan``): what ``budget``
     bytes hold in the engine's dtype and cache format (a speculating engine's blocks hold its draft's part
     too), at most ``num_kv_blocks`` if given."""
-    from minifer_course.gpu_plan import kv_blocks_within
     from minifer.entrypoints.llm import resolve_dtype
+    from minifer_course.gpu_plan import kv_blocks_within
 
     dtype = resolve_dtype(llm_kwargs.get("dtype", "auto"), torch.device(llm_kwargs.get("device", "cuda")))
     spec = llm_kwargs.get("speculative_config") or {}

@@ -71,9 +71,8 @@ def weight_bytes(cfg: ModelConfig, dtype_bytes: int, quantization: str | None = 
     total = cfg.num_parameters() * dtype_bytes
     if quantization is None:
         return total
-    from minifer_course.weight_bytes import decoder_linear_shapes, quantized_linear_bytes
-
     from minifer.quantization.model import group_for
+    from minifer_course.weight_bytes import decoder_linear_shapes, quantized_linear_bytes
 
     shapes = decoder_linear_shapes(cfg)
     linears = cfg.num_hidden_layers * sum(n * k for n, k in shapes.values())

@@ -53,9 +53,9 @@ from typing import Any
 import torch
 
 from minifer.bench.machine import enable_triton_interpreter  # noqa: F401 (chapters 02 and 05 call it from here)
-from minifer.worker.model_runner import ModelRunner
-from minifer.bench.workloads import BenchRequest, Workload, make_workload
 from minifer.bench.provenance import save_result
+from minifer.bench.workloads import BenchRequest, Workload, make_workload
+from minifer.worker.model_runner import ModelRunner
 
 # --- reservation arithmetic (pure) ------------------------------------------------------------------
 
@@ -232,8 +232,8 @@ def null_engine(*, max_model_len: int, block_size: int = 16, num_kv_blocks: int 
                 enable_prefix_caching: bool = True):
     """An ``LLMEngine`` with these cache and scheduler settings over a ``NullModel`` (run by a ``NullRunner``). Prompts are token ids; a
     request's output is clipped to what ``max_model_len`` leaves after its prompt, as ``LLM`` clips it."""
-    from minifer.engine.llm_engine import CacheConfig, LLMEngine
     from minifer.core.sched.scheduler import SchedulerConfig
+    from minifer.engine.llm_engine import CacheConfig, LLMEngine
     from minifer.request import Request
 
     def make_sequence(i, prompt, params, request_id=None):
@@ -470,8 +470,8 @@ def triton_vs_reference(seed: int = 0, *, context_lens: Sequence[int] = (1, 17, 
     available, message = enable_triton_interpreter()
     if not available:
         return TritonCheck(False, message)
-    from minifer.kernels.triton_attention import paged_decode_attention, store_kv
     from minifer.attention.backends.paged import PagedAttentionMetadata, paged_attention_reference
+    from minifer.kernels.triton_attention import paged_decode_attention, store_kv
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     b = len(context_lens)
@@ -648,8 +648,8 @@ def parallel_sampling_blocks(prompt_len: int, output_len: int, n: int, block_siz
 def _fresh_engine(llm, *, sharing: bool, block_size: int, num_blocks: int, max_num_seqs: int,
                   max_num_batched_tokens: int = 4096):
     """A fresh continuous engine over ``llm``'s loaded model, with its own KV pool (prefix caching = ``sharing``)."""
-    from minifer.engine.llm_engine import CacheConfig, LLMEngine
     from minifer.core.sched.scheduler import SchedulerConfig
+    from minifer.engine.llm_engine import CacheConfig, LLMEngine
 
     return LLMEngine.from_llm(llm, CacheConfig(block_size=block_size, num_kv_blocks=num_blocks,
                                                enable_prefix_caching=sharing),
@@ -885,8 +885,8 @@ def run_kv_memory(llm, *, num_requests: int = 512, seed: int = 0, max_model_len:
 
 
 def metadata(argv: Sequence[str]) -> dict[str, Any]:
-    from minifer_course.roofline import environment
     from minifer.bench.serving import git_commit
+    from minifer_course.roofline import environment
 
     command = shlex.join(["python", "-m", "minifer_course.kv_memory", *argv])
     return {**environment(), "git": git_commit(), "command": command,

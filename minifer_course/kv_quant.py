@@ -24,8 +24,8 @@ from minifer.quantization.kv_cache import KV_CACHE_DTYPES
 # (kv_cache_dtype, kv_cache_scales) measured, the model's own dtype first
 FORMATS = [("auto", "token")] + [(kv, scales) for scales in ("token", "head") for kv in KV_CACHE_DTYPES[1:]]
 from minifer.attention.backends.paged import PagedKVCache
-from minifer.sampling_params import SamplingParams
 from minifer.bench.provenance import save_result
+from minifer.sampling_params import SamplingParams
 
 BUDGET = 2**30  # bytes
 

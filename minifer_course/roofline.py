@@ -42,10 +42,18 @@ from typing import Any
 
 import torch
 
-from minifer.bench.machine import (_device, _sync, _times, default_results_path, default_threads,  # noqa: F401
-                                    device_name, environment, measure_copy_bandwidth)
-from minifer.config import ModelConfig
 from minifer.attention.layer import ContiguousKVCache
+from minifer.bench.machine import (  # noqa: F401
+    _device,
+    _sync,
+    _times,
+    default_results_path,
+    default_threads,
+    device_name,
+    environment,
+    measure_copy_bandwidth,
+)
+from minifer.config import ModelConfig
 from minifer.models.llama import LlamaForCausalLM
 
 # --- counting ---------------------------------------------------------------------------------------

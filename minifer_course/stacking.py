@@ -238,8 +238,8 @@ class Engines:
                  k: int = 4, max_num_seqs: int = 64, kv_memory: int = 8 * 2**20, block_size: int = 16,
                  one_at_a_time: bool | None = None) -> None:
         from minifer import LLM
-        from minifer.entrypoints.llm import resolve_device
         from minifer.engine.llm_engine import CacheConfig, kv_block_bytes
+        from minifer.entrypoints.llm import resolve_device
 
         spec = {"method": "draft_model", "model": draft, "num_speculative_tokens": k, "adaptive": False}
         # the holders: loaded once each, with a one-block cache and no CUDA graphs (they never serve); every engine
@@ -468,8 +468,8 @@ def plot(result: dict[str, Any], fig=None):
 def main(argv: list[str] | None = None) -> None:
     import sys
 
-    from minifer_course.roofline import default_threads
     from minifer.bench.serving import metadata, save_result
+    from minifer_course.roofline import default_threads
 
     p = argparse.ArgumentParser(prog="python -m minifer_course.stacking", description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="tinystories-target")

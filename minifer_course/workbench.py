@@ -36,21 +36,21 @@ from typing import Any
 
 import torch
 
-from minifer_course.workbench_spec import EAGLE_WORKLOAD
-from minifer.core.kv_cache_manager import KVCacheManager
-from minifer.engine.components import Components
-from minifer.spec_decode.ngram_proposer import NgramProposer
-from minifer.core.sched.scheduler import ScheduledBatch, Scheduler
-from minifer.request import RequestStatus
-from minifer.engine.speculative import SpeculativeConfig
-from minifer.models.llama_eagle import EagleHead
-from minifer_course.workbench_step import pieces_for, scheduler_seam
-from minifer.layers.layernorm import RMSNorm
 from minifer.attention.backends.paged import PagedKVCache
+from minifer.core.kv_cache_manager import KVCacheManager
+from minifer.core.sched.scheduler import ScheduledBatch, Scheduler
+from minifer.engine.components import Components
+from minifer.engine.speculative import SpeculativeConfig
+from minifer.layers.layernorm import RMSNorm
 from minifer.layers.rotary_embedding import RotaryEmbedding
 from minifer.models.llama import Attention, DecoderLayer, LlamaForCausalLM
-from minifer.sample.sampler import history_tensors, sample
+from minifer.models.llama_eagle import EagleHead
+from minifer.request import RequestStatus
 from minifer.sample.rejection_sampler import RejectionVerifier
+from minifer.sample.sampler import history_tensors, sample
+from minifer.spec_decode.ngram_proposer import NgramProposer
+from minifer_course.workbench_spec import EAGLE_WORKLOAD
+from minifer_course.workbench_step import pieces_for, scheduler_seam
 
 FOLDER_ENV = "MINIFER_MY_ENGINE"  # overrides the folder (the tests use a temporary one)
 

@@ -35,11 +35,11 @@ from typing import Any
 import torch
 from torch import nn
 
-from minifer_course import workbench
-from minifer_course.workbench import PRELUDE, Piece, source_of
 from minifer.quantization.formats import QuantizedWeight, quantize_int4
 from minifer.quantization.linear import QuantKernel, QuantLinear, decoder_linears, set_module
 from minifer.quantization.model import QuantizationConfig, group_for
+from minifer_course import workbench
+from minifer_course.workbench import PRELUDE, Piece, source_of
 
 NO_SEAM = "none (applied to the loaded model before serving)"
 QUANT_PIECES: dict[str, Piece] = {p.name: p for p in (

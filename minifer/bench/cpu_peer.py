@@ -154,8 +154,8 @@ def minifer_offline(llm, workload: Workload, slots: int, engine_kw: dict[str, An
     """Every request at t = 0 into a fresh continuous-batching engine over ``llm``'s weights; wall seconds to the
     last token. ``engine_kw``: ``LLMEngine`` keyword arguments (``attention_backend``), the levers under test."""
     from minifer.bench.serving import greedy_params
-    from minifer.engine.llm_engine import CacheConfig, LLMEngine
     from minifer.core.sched.scheduler import SchedulerConfig
+    from minifer.engine.llm_engine import CacheConfig, LLMEngine
 
     engine = LLMEngine(llm.model, llm.tokenizer, llm.make_sequence, CacheConfig(), SchedulerConfig(slots, 2048, True),
                        max_model_len=llm.max_model_len, **(engine_kw or {}))
@@ -174,8 +174,8 @@ def minifer_offline(llm, workload: Workload, slots: int, engine_kw: dict[str, An
 def minifer_greedy(llm, prompts: list[list[int]], n: int, engine_kw: dict[str, Any] | None = None) -> list[list[int]]:
     """Greedy continuations of ``n`` tokens (EOS ignored) through an engine built like ``minifer_offline``'s."""
     from minifer.bench.serving import greedy_params
-    from minifer.engine.llm_engine import CacheConfig, LLMEngine
     from minifer.core.sched.scheduler import SchedulerConfig
+    from minifer.engine.llm_engine import CacheConfig, LLMEngine
 
     engine = LLMEngine(llm.model, llm.tokenizer, llm.make_sequence, CacheConfig(),
                        SchedulerConfig(len(prompts), 2048, True), max_model_len=llm.max_model_len, **(engine_kw or {}))

@@ -158,8 +158,8 @@ def head_profile(llm, context: int = 128, reps: int = 200) -> dict[str, Any]:
     self-fed metadata is one step's share of a ``k = 4`` proposal's three (``SelfFedSteps``)."""
     from types import SimpleNamespace
 
-    from minifer.spec_decode.eagle import SelfFedSteps
     from minifer.attention.backends.paged import PagedAttentionMetadata, PagedKVCache
+    from minifer.spec_decode.eagle import SelfFedSteps
 
     head, target = llm.engine.speculator.proposer.head, llm.model
     cfg, dtype, dev = head.config, head.fc.weight.dtype, head.fc.weight.device

@@ -41,11 +41,19 @@ from typing import Any
 
 import torch
 
-from minifer.eval import (STDLIB_FILES, WindowScores, greedy_continuations, heldout_prompts, heldout_windows,
-                          prefix_agreement, score_windows, stdlib_windows)
+from minifer.compress import gptq_quantize_model
+from minifer.eval import (
+    STDLIB_FILES,
+    WindowScores,
+    greedy_continuations,
+    heldout_prompts,
+    heldout_windows,
+    prefix_agreement,
+    score_windows,
+    stdlib_windows,
+)
 from minifer.kernels import quant_kernel_for
 from minifer.quantization.linear import decoder_linears, weight_bytes
-from minifer.compress import gptq_quantize_model
 from minifer.quantization.model import quantize_model
 
 

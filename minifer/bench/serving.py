@@ -250,8 +250,8 @@ def run_continuous(llm, workload: Workload, *, max_num_seqs: int = 16, max_num_b
                    enable_chunked_prefill: bool = True, enable_prefix_caching: bool = True,
                    progress: bool = True) -> RunResult:
     """Serve the workload online with a fresh ``LLMEngine`` over ``llm``'s model (see the module docstring)."""
-    from minifer.engine.llm_engine import CacheConfig, LLMEngine
     from minifer.core.sched.scheduler import SchedulerConfig
+    from minifer.engine.llm_engine import CacheConfig, LLMEngine
 
     engine = LLMEngine.from_llm(llm, CacheConfig(enable_prefix_caching=enable_prefix_caching),
                                 SchedulerConfig(max_num_seqs, max_num_batched_tokens, enable_chunked_prefill))

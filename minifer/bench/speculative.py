@@ -45,9 +45,9 @@ from typing import Any
 
 import torch
 
+from minifer.bench.provenance import save_result
 from minifer.sampling_params import SamplingParams
 from minifer.spec_decode.theory import expected_tokens_per_forward
-from minifer.bench.provenance import save_result
 
 DRAFT = "tinystories-draft"
 HELDOUT = Path(__file__).resolve().parents[2] / "data" / "tinystories" / "heldout.txt"

@@ -29,7 +29,6 @@ from contextlib import contextmanager
 
 import torch
 
-
 _current: list = []  # the attention backend of the forward in progress (a stack: a drafter may run inside)
 
 

@@ -50,7 +50,6 @@ from minifer.quantization.formats import FP8_MAX, QuantizedWeight, dequantize, p
 from minifer.quantization.linear import LINEAR_NAMES, QuantKernel, QuantLinear, set_module
 from minifer.quantization.model import QuantizationConfig, quantize_model
 
-
 DAMP = 0.1  # times the mean of diag(H), added to its diagonal
 
 

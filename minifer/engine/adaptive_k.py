@@ -51,21 +51,21 @@ from typing import TYPE_CHECKING, Protocol
 
 import torch
 
-from minifer.spec_decode.metadata import Draft
-from minifer.spec_decode.ngram_proposer import NgramProposer
-from minifer.worker.model_runner import ModelRunner
-from minifer.request import Request
+from minifer.engine.core import StepParts, engine_step
 from minifer.engine.spec_step import speculative_step
 from minifer.engine.speculative import Proposal, Speculator, decoding_rows
-from minifer.engine.core import StepParts, engine_step
+from minifer.request import Request
+from minifer.spec_decode.metadata import Draft
+from minifer.spec_decode.ngram_proposer import NgramProposer
 from minifer.spec_decode.theory import expected_tokens_per_forward
+from minifer.worker.model_runner import ModelRunner
 
 if TYPE_CHECKING:
     from minifer.core.kv_cache_manager import KVBlockAllocator
-    from minifer.spec_decode.metadata import DraftProposer
     from minifer.engine.speculative import SpeculativeConfig
-    from minifer.sample.sampler import Sampler
     from minifer.sample.rejection_sampler import Verifier
+    from minifer.sample.sampler import Sampler
+    from minifer.spec_decode.metadata import DraftProposer
 
 TRIAL_STEPS = 8  # speculative steps measured at a batch size before measurement may overrule the model
 PROBE_BUDGET = 0.002  # probes may cost at most this fraction of the decode time (see AdaptiveK.probe_due)

@@ -21,9 +21,9 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from minifer.core.sched.scheduler import SchedulerConfig
 from minifer.engine.components import Components
 from minifer.engine.llm_engine import CacheConfig
-from minifer.core.sched.scheduler import SchedulerConfig
 from minifer.quantization.kv_cache import check_kv_cache_dtype
 from minifer.quantization.model import check_quantization
 

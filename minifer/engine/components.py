@@ -17,14 +17,14 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from torch import nn
 
+    from minifer.attention.backends.paged import PagedAttentionBackend
     from minifer.core.kv_cache_manager import KVBlockAllocator
-    from minifer.spec_decode.metadata import DraftProposer
     from minifer.core.sched.scheduler import SchedulerPolicy
     from minifer.engine.speculative import SpeculativeConfig
-    from minifer.attention.backends.paged import PagedAttentionBackend
     from minifer.quantization.linear import QuantKernel
-    from minifer.sample.sampler import Sampler
     from minifer.sample.rejection_sampler import Verifier
+    from minifer.sample.sampler import Sampler
+    from minifer.spec_decode.metadata import DraftProposer
 
 SEAMS = ("block_allocator", "scheduler", "sampler", "proposer", "verifier", "attention_backend")
 

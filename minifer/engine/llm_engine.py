@@ -22,20 +22,20 @@ from dataclasses import dataclass
 
 import torch
 
-from minifer.core.kv_cache_manager import KVCacheManager, KVBlockAllocator
-from minifer.worker.model_runner import ModelRunner
-from minifer.core.sched.scheduler import ScheduledBatch, Scheduler, SchedulerConfig, SchedulerPolicy
-from minifer.request import Request, ParentRequest, RequestStatus, sequences_of
-from minifer.engine.core import StepParts, engine_step
-from minifer.quantization.kv_cache import CALIBRATION_TEXT
 from minifer.attention.backends.paged import PagedAttentionBackend, PagedKVCache
+from minifer.core.kv_cache_manager import KVBlockAllocator, KVCacheManager
+from minifer.core.sched.scheduler import ScheduledBatch, Scheduler, SchedulerConfig, SchedulerPolicy
 from minifer.engine.adaptive_k import build_adaptive_speculator
+from minifer.engine.core import StepParts, engine_step
 from minifer.engine.speculative import SpeculativeConfig, Speculator, build_proposer
-from minifer.spec_decode.metadata import DraftProposer
-from minifer.sample.rejection_sampler import Verifier
 from minifer.models.llama import LlamaForCausalLM
 from minifer.outputs import RequestOutput
+from minifer.quantization.kv_cache import CALIBRATION_TEXT
+from minifer.request import ParentRequest, Request, RequestStatus, sequences_of
+from minifer.sample.rejection_sampler import Verifier
 from minifer.sample.sampler import Sampler
+from minifer.spec_decode.metadata import DraftProposer
+from minifer.worker.model_runner import ModelRunner
 
 
 @dataclass

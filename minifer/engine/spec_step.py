@@ -13,8 +13,8 @@ from typing import TYPE_CHECKING
 import torch
 
 from minifer.core.sched.scheduler import ScheduledBatch
-from minifer.request import Request
 from minifer.engine.core import StepParts, engine_step
+from minifer.request import Request
 from minifer.sample.sampler import SampleResult, token_logprobs
 
 if TYPE_CHECKING:

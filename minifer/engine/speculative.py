@@ -30,17 +30,17 @@ from typing import Any
 import torch
 
 from minifer.core.kv_cache_manager import KVBlockAllocator
-from minifer.spec_decode.metadata import Draft, DraftProposer
+from minifer.engine.core import StepParts
+from minifer.engine.spec_step import speculative_step
+from minifer.models.llama import LlamaForCausalLM
+from minifer.request import Request
+from minifer.sample.rejection_sampler import RejectionVerifier, Verifier, probs_from_logits
+from minifer.sample.sampler import Sampler, greedy_argmax
 from minifer.spec_decode.draft_model import DraftModelProposer
 from minifer.spec_decode.eagle import EagleProposer
+from minifer.spec_decode.metadata import Draft, DraftProposer
 from minifer.spec_decode.ngram_proposer import NgramProposer
 from minifer.worker.model_runner import ModelRunner
-from minifer.request import Request
-from minifer.engine.spec_step import speculative_step
-from minifer.engine.core import StepParts
-from minifer.models.llama import LlamaForCausalLM
-from minifer.sample.sampler import Sampler, greedy_argmax
-from minifer.sample.rejection_sampler import RejectionVerifier, Verifier, probs_from_logits
 
 METHODS = ("draft_model", "ngram", "eagle")
 MAX_SPECULATIVE_TOKENS = 16

@@ -14,9 +14,9 @@ from collections.abc import Callable
 
 import torch
 
-from minifer.request import Request, RequestStatus
 from minifer.attention.layer import ContiguousKVCache
 from minifer.models.llama import LlamaForCausalLM
+from minifer.request import Request, RequestStatus
 from minifer.sample.sampler import sample_sequences
 
 

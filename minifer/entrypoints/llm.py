@@ -16,17 +16,14 @@ from typing import Any
 
 import torch
 
+from minifer.beam_search import BeamSearch, BeamSearchOutput
 from minifer.config import ModelConfig, resolve_device, resolve_dtype
 from minifer.engine.arg_utils import EngineArgs
 from minifer.engine.components import SEAMS, Components, check_seams, merge_components
+from minifer.engine.data_parallel import EngineReplicas, start_replicas
 from minifer.engine.llm_engine import LLMEngine
-from minifer.worker.model_runner import compile_model
-from minifer.request import Request, ParentRequest, sequences_of
 from minifer.engine.speculative import MAX_SPECULATIVE_TOKENS, SpeculativeConfig
 from minifer.engine.static import generate_static
-from minifer.beam_search import BeamSearch, BeamSearchOutput
-from minifer.engine.data_parallel import EngineReplicas, start_replicas
-from minifer.spec_decode.eagle import split_eagle3
 from minifer.model_loader import (
     build_model,
     chat_token_ids,
@@ -37,8 +34,10 @@ from minifer.model_loader import (
 from minifer.models.llama import LlamaForCausalLM
 from minifer.models.llama_eagle import EagleHead, load_eagle_head
 from minifer.outputs import RequestOutput
+from minifer.request import ParentRequest, Request, sequences_of
 from minifer.sampling_params import BeamSearchParams, SamplingParams
-
+from minifer.spec_decode.eagle import split_eagle3
+from minifer.worker.model_runner import compile_model
 
 Prompt = str | dict[str, Any]
 

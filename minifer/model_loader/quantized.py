@@ -35,7 +35,6 @@ import torch
 from torch import nn
 
 from minifer.model_loader import ModelLoadError, build_model, read_checkpoint
-from minifer.models.llama import LlamaForCausalLM
 from minifer.model_loader.quant_fill import (
     CONFIG_FILE,
     WEIGHTS_FILE,
@@ -43,6 +42,7 @@ from minifer.model_loader.quant_fill import (
     fill_quantized,
     unwrap_llm,
 )
+from minifer.models.llama import LlamaForCausalLM
 from minifer.quantization.linear import QuantKernel, set_quant_kernel
 from minifer.quantization.model import QuantizationConfig, check_quantization, kernel_for, quantize_model
 

@@ -14,8 +14,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from minifer.config import ModelConfig
 from minifer.attention.layer import AttentionBackend
+from minifer.config import ModelConfig
 from minifer.layers.layernorm import RMSNorm
 from minifer.layers.rotary_embedding import RotaryEmbedding, apply_rotary
 

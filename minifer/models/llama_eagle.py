@@ -35,8 +35,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from minifer.config import ModelConfig
 from minifer.attention.layer import AttentionBackend
+from minifer.config import ModelConfig
 from minifer.layers.layernorm import RMSNorm
 from minifer.layers.rotary_embedding import RotaryEmbedding
 from minifer.models.llama import DecoderLayer, LlamaForCausalLM

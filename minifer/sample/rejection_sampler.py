@@ -30,8 +30,8 @@ from typing import Protocol
 
 import torch
 
-from minifer.sampling_params import SamplingParams
 from minifer.sample.sampler import process_logits
+from minifer.sampling_params import SamplingParams
 
 __all__ = ["verify_greedy", "rejection_sample", "probs_from_logits", "one_hot_draft_probs", "Verifier",
            "RejectionVerifier"]

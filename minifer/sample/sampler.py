@@ -20,7 +20,6 @@ import torch
 
 from minifer.sampling_params import Logprob, SamplingParams
 
-
 # --- processors: each takes logits [B, V] and one parameter per row, returns new logits -------------
 
 

@@ -10,12 +10,12 @@ from __future__ import annotations
 
 import torch
 
-from minifer.core.kv_cache_manager import KVCacheManager
-from minifer.worker.model_runner import ModelRunner
-from minifer.request import Request
 from minifer.attention.backends.paged import PagedKVCache
+from minifer.core.kv_cache_manager import KVCacheManager
 from minifer.models.llama import LlamaForCausalLM
+from minifer.request import Request
 from minifer.spec_decode.metadata import Draft, draw_drafts, stack_probs
+from minifer.worker.model_runner import ModelRunner
 
 
 class DraftModelProposer:

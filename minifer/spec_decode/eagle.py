@@ -27,11 +27,11 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from minifer.core.kv_cache_manager import KVCacheManager, KVBlockAllocator
+from minifer.attention.backends.paged import AttentionGroup, PagedAttentionMetadata, PagedKVCache, slot_mapping
+from minifer.core.kv_cache_manager import KVBlockAllocator, KVCacheManager
+from minifer.request import Request
 from minifer.spec_decode.metadata import Draft, draw_drafts, stack_probs
 from minifer.worker.model_runner import ModelRunner
-from minifer.request import Request
-from minifer.attention.backends.paged import AttentionGroup, PagedAttentionMetadata, PagedKVCache, slot_mapping
 
 if TYPE_CHECKING:
     from minifer.models.llama_eagle import EagleHead

@@ -9,16 +9,14 @@ speculative decoding — at every draft position too (chapter 04).
 
 from __future__ import annotations
 
-
 import torch
 
-from minifer.core.kv_cache_manager import KVBlockAllocator
-from minifer.worker.cuda_graph import DecodeGraphs
-from minifer.core.sched.scheduler import ScheduledBatch
 from minifer.attention.backends.paged import PagedAttentionMetadata, PagedKVCache
+from minifer.core.kv_cache_manager import KVBlockAllocator
+from minifer.core.sched.scheduler import ScheduledBatch
 from minifer.models.llama import LlamaForCausalLM
 from minifer.sample.sampler import SampleResult, ranked_logprobs, sample_sequences
-
+from minifer.worker.cuda_graph import DecodeGraphs
 
 COMPILATION_KEYS = ("pack_weights", "column_major_weights", "level", "mode")
 # vLLM's compilation levels (``CompilationConfig.level``, later ``mode``): 0 runs the model eagerly, 3 is vLLM's own

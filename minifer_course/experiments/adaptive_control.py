@@ -31,8 +31,15 @@ from typing import Any
 import torch
 
 from minifer.bench.provenance import save_result
-from minifer.bench.speculative import (DRAFT, _engine, adaptive_verdict, grounded_prompts, median_ci,
-                                       run_interleaved, story_openings)
+from minifer.bench.speculative import (
+    DRAFT,
+    _engine,
+    adaptive_verdict,
+    grounded_prompts,
+    median_ci,
+    run_interleaved,
+    story_openings,
+)
 from minifer.sampling_params import SamplingParams
 
 ENGINES = ("plain", "plain_again", "adaptive", "plain_after")  # the order they are built in

@@ -26,12 +26,12 @@ from typing import Any
 
 import torch
 
-from minifer_course.experiments.adaptive_control import add_arguments, method_specs
-from minifer_course.experiments.adaptive_pooled import interval
 from minifer.bench.provenance import save_result
 from minifer.bench.speculative import DRAFT, _engine, run_interleaved
 from minifer.engine.adaptive_k import ForwardTimer
 from minifer.sampling_params import SamplingParams
+from minifer_course.experiments.adaptive_control import add_arguments, method_specs
+from minifer_course.experiments.adaptive_pooled import interval
 
 ENGINES = ("plain", "plain_again", "adaptive")
 

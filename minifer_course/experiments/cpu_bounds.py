@@ -53,8 +53,8 @@ def _decode_bytes(model: torch.nn.Module, context: int) -> int:
 def _decode_steps(llm, prompt_len: int, steps: int) -> list[float]:
     """Wall seconds of each of ``steps`` batch-1 decode steps of one greedy request (its prefill not counted)."""
     from minifer.bench.serving import greedy_params
-    from minifer.engine.llm_engine import CacheConfig, LLMEngine
     from minifer.core.sched.scheduler import SchedulerConfig
+    from minifer.engine.llm_engine import CacheConfig, LLMEngine
 
     engine = LLMEngine(llm.model, None, llm.make_sequence, CacheConfig(num_kv_blocks=16), SchedulerConfig(1, 2048, True),
                        max_model_len=llm.max_model_len)

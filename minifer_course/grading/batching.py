@@ -230,8 +230,8 @@ def _preempt_diagnosis(victim: Any, before: dict[str, Any], world: Any) -> str |
 def _preempt_case(fn: Callable[..., Any], prompts: list[int], max_tokens: int, steps: int, max_num_seqs: int) -> Check:
     """Advance a toy engine ``steps`` steps with the reference, then preempt once with ``fn``."""
     def run() -> None:
-        from minifer_course.grading.toy_engine import build_world
         from minifer.engine.core import engine_step
+        from minifer_course.grading.toy_engine import build_world
 
         world = build_world([[7 + i] * p for i, p in enumerate(prompts)], [max_tokens] * len(prompts), num_blocks=64,
                             max_num_seqs=max_num_seqs)
@@ -255,9 +255,9 @@ def _served_with_preemption(fn: Callable[..., Any], sampled: bool, num_blocks: i
     def run() -> None:
         import random
 
-        from minifer_course.grading.toy_engine import build_world, run_to_end
         from minifer.core.sched.scheduler import Scheduler
         from minifer.engine.core import engine_step
+        from minifer_course.grading.toy_engine import build_world, run_to_end
 
         class Learners(Scheduler):
             preempt = staticmethod(fn)
@@ -319,8 +319,8 @@ def _step_case(fn: Callable[..., Any], prompts: list[list[int]], max_tokens: lis
     """Two toy engines, one stepped by minifer's ``engine_step``, one by ``fn``: compared after every step.
     ``eos_from``: the EOS is the token the reference samples third for request ``eos_from`` (so it stops early)."""
     def run() -> None:
-        from minifer_course.grading.toy_engine import build_world, run_to_end, snapshot
         from minifer.engine.core import engine_step
+        from minifer_course.grading.toy_engine import build_world, run_to_end, snapshot
 
         eos = None
         if eos_from is not None:

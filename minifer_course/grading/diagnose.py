@@ -48,8 +48,8 @@ SHAPES = [(1, 1, 0), (1, 1, 128), (7, 1, 300), (1, 128, 0), (3, 17, 0), (2, 16, 
 
 def configs() -> dict[str, ModelConfig]:
     """The bundled target's config, Qwen3-0.6B's (shipped, no download) and an odd synthetic shape."""
-    from minifer_course.roofline import reference_configs
     from minifer.model_loader import load_config, resolve_model
+    from minifer_course.roofline import reference_configs
 
     return {"tinystories-target": load_config(resolve_model("tinystories-target", need_weights=False)),
             "Qwen/Qwen3-0.6B": reference_configs()["Qwen/Qwen3-0.6B"], "odd shape": ModelConfig.from_dict(ODD)}

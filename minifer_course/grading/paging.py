@@ -11,7 +11,6 @@ import torch
 
 from minifer_course.grading.base import Check, as_int_list, assert_close, call_unmodified, randn, run_checks, seeded
 
-
 # --- slot mapping ---------------------------------------------------------------------
 
 __all__ = ["check_slot_mapping", "check_paged_attention", "check_prefix_allocator", "check_parallel_sampling_blocks",

@@ -31,6 +31,7 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+
 from minifer_course.grading.base import Check, call_unmodified, emit, fmt_index, raised_by_learner, run_checks, seeded
 
 __all__ = ["check_quantize_int4", "check_int4_matmul_kernel", "check_perplexity", "launch_int4_matmul",

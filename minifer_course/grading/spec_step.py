@@ -160,9 +160,9 @@ class CausalAttention:
 def story_inputs() -> tuple[Any, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """The shipped head, and its teacher-forced inputs along ``STORY``: the target's feature of positions
     ``0 .. T-2``, the tokens of positions ``1 .. T-1``, the positions, and the target's next tokens (``2 .. T-1``)."""
-    from minifer_course.workbench import reference_llm
     from minifer.model_loader import resolve_model
     from minifer.models.llama_eagle import load_eagle_head
+    from minifer_course.workbench import reference_llm
 
     llm = reference_llm()
     target = llm.model

@@ -16,11 +16,11 @@ from dataclasses import dataclass
 import torch
 
 from minifer.core.kv_cache_manager import KVCacheManager
-from minifer.worker.model_runner import ModelRunner
 from minifer.core.sched.scheduler import ScheduledBatch, Scheduler, SchedulerConfig
-from minifer.request import Request
 from minifer.engine.core import StepParts
+from minifer.request import Request
 from minifer.sampling_params import SamplingParams
+from minifer.worker.model_runner import ModelRunner
 
 VOCAB = 64
 

@@ -21,8 +21,7 @@ import torch.nn.functional as F
 
 from minifer.attention.layer import AttentionBackend
 from minifer.quantization.kv_cache import (bytes_per_value, check_kv_cache_dtype, code_dtype, dequantize_kv,
-                                          quantize_kv,
-                                     static_scale)
+                                          quantize_kv, static_scale)
 
 
 def slot_mapping(block_table: list[int] | torch.Tensor, positions: list[int] | torch.Tensor,

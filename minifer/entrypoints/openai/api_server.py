@@ -38,7 +38,6 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
 from minifer.entrypoints.openai.engine_loop import DONE, EngineLoop
-from minifer.entrypoints.openai.serving import Prepared, Preprocessor
 from minifer.entrypoints.openai.metrics import CONTENT_TYPE, ServerMetrics
 from minifer.entrypoints.openai.protocol import (
     RequestError,
@@ -50,6 +49,7 @@ from minifer.entrypoints.openai.protocol import (
     prompt_logprobs_json,
     usage,
 )
+from minifer.entrypoints.openai.serving import Prepared, Preprocessor
 from minifer.outputs import CompletionOutput, RequestOutput
 
 logger = logging.getLogger("minifer.entrypoints.openai.serve")

@@ -21,8 +21,8 @@ import traceback
 from collections.abc import Callable
 from typing import Any
 
-from minifer.request import Request
 from minifer.entrypoints.openai.protocol import RequestError, engine_error_param
+from minifer.request import Request
 
 DONE = object()  # delivered once none of an HTTP request's engine requests will report again
 

@@ -21,8 +21,8 @@ from dataclasses import dataclass
 from http import HTTPStatus
 from typing import Any
 
-from minifer.request import Request
 from minifer.outputs import CompletionOutput, RequestOutput
+from minifer.request import Request
 from minifer.sampling_params import SamplingParams
 
 

@@ -31,8 +31,8 @@ from pathlib import Path
 from typing import Any
 
 from minifer.entrypoints.openai.engine_loop import EngineLoop
-from minifer.entrypoints.openai.serving import MAX_COMPLETIONS_PER_REQUEST
 from minifer.entrypoints.openai.protocol import RequestError, sse_events
+from minifer.entrypoints.openai.serving import MAX_COMPLETIONS_PER_REQUEST
 
 __all__ = ["EngineLoop", "MAX_COMPLETIONS_PER_REQUEST", "RequestError", "Server", "main", "sse_events",
            "start_server"]
@@ -109,8 +109,8 @@ def start_server(llm, *, host: str = "127.0.0.1", port: int = 8000, model_name: 
 
     from minifer.entrypoints.openai.api_server import ServerState, build_app
     from minifer.entrypoints.openai.http_protocol import protocol_class
-    from minifer.entrypoints.openai.serving import Preprocessor
     from minifer.entrypoints.openai.metrics import ServerMetrics
+    from minifer.entrypoints.openai.serving import Preprocessor
 
     if llm.engine is None:
         raise ValueError("the server needs LLM(..., batching='continuous'): it drives the online LLMEngine")

@@ -33,8 +33,6 @@ from dataclasses import dataclass, field
 from http import HTTPStatus
 from typing import Any
 
-from minifer.request import Request
-from minifer.model_loader import chat_token_ids
 from minifer.entrypoints.openai.protocol import (
     Echo,
     RequestError,
@@ -48,6 +46,8 @@ from minifer.entrypoints.openai.protocol import (
     sampling_params,
     stream_flags,
 )
+from minifer.model_loader import chat_token_ids
+from minifer.request import Request
 
 # Completions per HTTP request (n times the prompts): the engine thread, which serves every client, creates them
 # all at once, so a request for 100,000 would stall everyone else (offline, LLM.generate has no such limit).
