@@ -1,9 +1,10 @@
-"""Exercise 03's pieces in the engine: the learner's preemption and ``schedule_step`` as the scheduler's.
+"""Exercise 03's pieces in the engine: the learner's preemption, ``update_from_output`` and ``schedule_step`` as the
+scheduler's.
 
-``preempt(running, waiting, blocks)`` has the engine's own signature (``minifer.core.sched.scheduler.preempt_by_recompute``'s),
-so the adapter only puts it where the engine looks: a ``Scheduler`` whose ``preempt`` is theirs. The exercise's
-``engine_step`` has the engine's signature too, but the engine has no seam for its step (vLLM has none): it is graded
-on its own, step by step against minifer's in the toy engine (``grading.toy_engine``).
+``preempt(running, waiting, blocks)`` and ``update_from_output(self, batch, sampled, result, tokenizer)`` have the
+engine's own signatures (``minifer.core.sched.scheduler``'s ``preempt_by_recompute`` and
+``Scheduler.update_from_output``), so the adapter only puts them where the engine looks: a ``Scheduler`` subclass
+whose ``preempt`` or ``update_from_output`` is theirs.
 """
 
 from __future__ import annotations
@@ -25,6 +26,18 @@ def scheduler_with_preemption(preempt: Callable[..., Any]) -> type[Scheduler]:
     return LearnersPreemption
 
 
+def scheduler_with_update(update_from_output: Callable[..., Any], base: type[Scheduler] = Scheduler
+                          ) -> type[Scheduler]:
+    """``base``, updated after every forward pass by the learner's ``update_from_output`` (a method: its first
+    parameter is the scheduler)."""
+
+    class LearnersUpdate(base):  # type: ignore[valid-type, misc]
+        pass
+
+    LearnersUpdate.update_from_output = update_from_output  # type: ignore[method-assign]
+    return LearnersUpdate
+
+
 SPECULATION = ("verify_greedy", "rejection_sample", "ngram_propose", "eagle_forward")
 
 
@@ -35,9 +48,11 @@ def pieces_for(pieces: dict[str, Any], speculative: bool | None) -> dict[str, An
 
 
 def scheduler_seam(pieces: dict[str, Any], scheduler_with: Callable[..., type[Scheduler]]) -> type[Scheduler] | None:
-    """The ``Components.scheduler`` exercise 03's pieces fill: the learner's ``schedule_step`` over their preemption,
-    either alone, or neither (None)."""
+    """The ``Components.scheduler`` exercise 03's pieces fill: the learner's ``schedule_step`` over their
+    ``update_from_output`` over their preemption, any of them alone, or none (None)."""
     base = scheduler_with_preemption(pieces["preempt"]) if pieces.get("preempt") else None
+    if pieces.get("update_from_output"):
+        base = scheduler_with_update(pieces["update_from_output"], base or Scheduler)
     if pieces.get("schedule_step"):
         return scheduler_with(pieces["schedule_step"], base or Scheduler)
     return base

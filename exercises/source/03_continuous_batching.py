@@ -2,17 +2,18 @@
 # Edit this file, never the notebooks, then run `make exercises` (see exercises/README.md).
 
 # %% [markdown]
-# # Exercises 03 · Continuous batching: the scheduler step, preemption, the engine step
+# # Exercises 03 · Continuous batching: the scheduler step, preemption, after the forward pass
 #
 # Chapter 03 decides, before every forward pass, which requests the next step computes, and what happens when the
 # KV blocks of exercise 02 run out. Three pieces of the engine, rebuilt from scratch:
 #
 # 1. **one scheduler step**: continuous batching with a token budget, chunked prefill and preemption;
 # 2. **preemption by recompute**: what happens to the request that gives its blocks up;
-# 3. **the engine step**: schedule, run, sample, append, free, the loop every request goes through.
+# 3. **after the forward pass**: the scheduler's `update_from_output`, where every token a request gets is appended
+#    and a finished request gives its blocks back.
 #
 # Each exercise explains the idea, gives a function whose body you write, then a **check cell** that grades it
-# against minifer's own (`minifer/core/sched/scheduler.py`, `minifer/engine/core.py`) on hand-built cases and random
+# against minifer's own (`minifer/core/sched/scheduler.py`) on hand-built cases and random
 # ones. A check prints `ok` per passing check and stops at the first failure with what differs and a hint. Each
 # piece then serves requests inside a real engine.
 
@@ -33,7 +34,6 @@ from dataclasses import dataclass
 from minifer_course.common import show_source
 from minifer.core.kv_cache_manager import KVBlockAllocator
 from minifer.request import Request, RequestStatus
-from minifer.engine.core import StepParts
 
 # %% [markdown]
 # ## 1 · One step of continuous batching
@@ -242,81 +242,87 @@ from minifer_course.workbench import piece_throughput
 piece_throughput("preempt", preempt)
 
 # %% [markdown]
-# ## 3 · The engine step
+# ## 3 · After the forward pass: `update_from_output`
 #
-# Everything so far is a part; the **engine step** is the loop that drives them, once per forward pass, for as long
-# as any request is unfinished (`LLM.generate` calls it in a loop; a server calls it as requests arrive):
-#
-# 1. **schedule**: `parts.scheduler.schedule()` returns the step's batch, `batch.seqs` and
-#    `batch.num_new_tokens` (one per sequence), their KV blocks already reserved; a step may have nothing to run;
-# 2. **run**: `rows, logits = parts.execute(batch)` runs the model over every scheduled token and writes their keys
-#    and values into the cache. Afterwards those tokens are computed: add each sequence's new tokens to its
-#    `num_computed_tokens`, or the next step would compute them again;
-# 3. **sample**: only the sequences whose whole context is now computed get a token. A prompt cut into chunks
-#    (chunked prefill) has no logits before its last chunk: `rows` lists the indices in `batch.seqs` of those that
-#    do, one row of `logits` each, and `parts.sampler(sampled, logits)` draws their tokens (`result.token_ids`,
-#    `result.sampled_logprob`, `result.logprobs`);
-# 4. **append**: `seq.append_token(token, logprob, entry, parts.tokenizer)` adds each token and decides whether
-#    the sequence is finished (its stop token, its length); then every scheduled sequence's full, computed blocks
-#    are published to the prefix cache:
-#    `parts.blocks.register_computed(seq.request_id, seq.token_slice(0, seq.num_computed_tokens))`;
-# 5. **free**: a sequence that finished gives its blocks back, `parts.scheduler.finish(seq)`, last, once nothing
-#    else needs them.
-#
-# Return the sequences that got a token, in the batch's order (the engine turns them into the caller's outputs).
-# The parts, as the engine hands them to your step:
+# Everything so far decides what a step computes; the **engine step** is the loop that drives the parts, once per
+# forward pass, for as long as any request is unfinished (`LLM.generate` calls it in a loop; a server calls it as
+# requests arrive). minifer's is vLLM's `EngineCore.step` in five lines: the scheduler decides, the model runs, the
+# sampler draws, and the scheduler takes the result back:
 
 # %%
-show_source(StepParts)
+from minifer.engine.core import engine_step
+
+show_source(engine_step)
+
+# %% [markdown]
+# `rows` are the indices in `batch.seqs` of the sequences whose whole context is now computed: a prompt cut into
+# chunks (chunked prefill) has no logits before its last chunk, so it draws no token. The last line is the
+# scheduler's second half, `update_from_output(batch, sampled, result, tokenizer)`, and you write it. In order:
+#
+# 1. **computed**: the forward pass wrote every scheduled token's keys and values into the cache, so add each
+#    sequence's new tokens to its `num_computed_tokens` (`zip(batch.seqs, batch.num_new_tokens)`), or the next step
+#    would compute them again;
+# 2. **append**: `sampled` drew `result`'s tokens, one each, in order (`result.token_ids`, `result.sampled_logprob`,
+#    `result.logprobs`); `seq.append_token(token, logprob, entry, tokenizer)` adds one and decides whether the
+#    sequence is finished (its stop token, its length);
+# 3. **cache**: every scheduled sequence's full, computed blocks are published to the prefix cache, so a later
+#    request with the same opening reuses them:
+#    `self.blocks.register_computed(seq.request_id, seq.token_slice(0, seq.num_computed_tokens))`;
+# 4. **free**: a sampled sequence that finished gives its blocks back, `self.finish(seq)`, last, once nothing else
+#    needs them.
+#
+# Return `sampled` (the engine turns them into the caller's outputs). `self` is the `Scheduler`: `self.blocks` is
+# its KV cache manager, `self.finish` takes a sequence out of `running` and frees its blocks.
 
 # %%
-def engine_step(parts: StepParts) -> list[Request]:
-    """One engine step: schedule, run, sample, append, free. Returns the sequences that got a token."""
+from minifer.core.sched.scheduler import ScheduledBatch
+from minifer.sample.sampler import SampleResult
+
+
+def update_from_output(self: Scheduler, batch: ScheduledBatch, sampled: list[Request], result: SampleResult,
+                       tokenizer=None) -> list[Request]:
+    """After the forward pass: count the scheduled tokens as computed, append the sampled tokens, publish full
+    blocks to the prefix cache, free the finished. Returns ``sampled``."""
     ### BEGIN SOLUTION
-    batch = parts.scheduler.schedule()
-    if not batch.seqs:
-        return []
-    rows, logits = parts.execute(batch)
     for seq, n in zip(batch.seqs, batch.num_new_tokens):
         seq.num_computed_tokens += n
-    sampled = [batch.seqs[i] for i in rows]
-    result = parts.sampler(sampled, logits)
     for seq, token, logprob, entry in zip(sampled, result.token_ids, result.sampled_logprob, result.logprobs):
-        seq.append_token(token, logprob, entry, parts.tokenizer)
+        seq.append_token(token, logprob, entry, tokenizer)
     for seq in batch.seqs:
-        parts.blocks.register_computed(seq.request_id, seq.token_slice(0, seq.num_computed_tokens))
+        self.blocks.register_computed(seq.request_id, seq.token_slice(0, seq.num_computed_tokens))
     for seq in sampled:
         if seq.is_finished:
-            parts.scheduler.finish(seq)
+            self.finish(seq)
     return sampled
     ### END SOLUTION
 
 
 # %% [markdown]
-# The grader runs your step and minifer's side by side in small model-free engines (minifer's scheduler, allocator
-# and sampler around a toy model whose "KV cache" holds token ids, so that reading a freed or never-written block
-# changes the tokens, as it would on the real model) and compares, after every step, what it returned, every
-# sequence's tokens and computed count, who runs and who waits, and the free and cached blocks.
+# The grader steps two small model-free engines with minifer's `engine_step`, one with minifer's scheduler and one
+# whose `update_from_output` is yours (minifer's allocator and sampler around a toy model whose "KV cache" holds token
+# ids, so that reading a freed or never-written block changes the tokens, as it would on the real model), and
+# compares, after every step, what it returned, every sequence's tokens and computed count, who runs and who waits,
+# and the free and cached blocks.
 
 # %%
 # NBVAL_CHECK_OUTPUT
-from minifer_course.grading.batching import check_engine_step
+from minifer_course.grading.batching import check_update_from_output
 
-check_engine_step(engine_step)
+check_update_from_output(update_from_output)
 
 # %% [markdown]
-# ### Your engine step is graded on its own
+# ### Now your `update_from_output` serves the chapter's workload
 #
-# The engine has no seam for its step (vLLM has none either: `EngineCore.step` is the engine's own), so your
-# `engine_step` does not serve requests: it is graded on its own, in the toy engine above, step by step against
-# minifer's. The next cell saves it to `my_engine/engine_step.py` (next to this notebook, so it survives a kernel
-# restart) and grades it again; the capstone grades it once more with your other pieces.
+# The next cell saves it to `my_engine/update_from_output.py`, grades it again, then serves the preemption workload
+# of section 2 (8 greedy requests of 32 tokens, 12 KV blocks, 64 tokens per step) with a scheduler whose
+# `update_from_output` is yours (seam: the scheduler, `Components.scheduler`): every token of every request passes
+# through it, and must be the reference engine's, and transformers' for the first two prompts.
 
 # %%
 # NBVAL_CHECK_OUTPUT
-from minifer_course.grading.engine import check_on_its_own
+from minifer_course.grading.engine import check_in_engine
 
-check_on_its_own("engine_step", engine_step)
+check_in_engine("update_from_output", update_from_output)
 
 # %% [markdown]
 # ## Where these live in the engine
@@ -325,7 +331,8 @@ check_on_its_own("engine_step", engine_step)
 #   the `KVCacheManager` directly: admission asks `can_allocate` (prefix-cache hits included), and a preempted
 #   request returns to the *front* of the waiting queue with its generated tokens as part of its prompt;
 # * `preempt` is `minifer.core.sched.scheduler.preempt_by_recompute`, the `Scheduler`'s `preempt`;
-# * `engine_step` is `minifer.engine.core.engine_step`, the function `LLMEngine.step` (`minifer/engine/llm_engine.py`)
-#   runs every step, adding the step's timing and the merging of a request's `n` completions around it; when
-#   speculating (chapter 04) it runs through hooks that propose drafts before the forward and verify them after
+# * `update_from_output` is `minifer.core.sched.scheduler.Scheduler.update_from_output`, the last line of
+#   `minifer.engine.core.engine_step`, the function `LLMEngine.step` (`minifer/engine/llm_engine.py`) runs every
+#   step, adding the step's timing and the merging of a request's `n` completions around it; when speculating
+#   (chapter 04) the step runs through hooks that propose drafts before the forward and verify them after
 #   (`minifer/engine/spec_step.py`).

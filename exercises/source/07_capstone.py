@@ -25,7 +25,7 @@
 # | `PrefixCachingAllocator` / `ForkingAllocator` | `02_kv_cache_and_paging`, sections 3 and 3c | `block_allocator` | its "now your allocator serves" cell |
 # | `schedule_step` | `03_continuous_batching`, section 1 | `scheduler` | its "now your scheduler step serves" cell |
 # | `preempt` (preemption by recompute) | `03_continuous_batching`, section 2 | `scheduler` | its "now your preemption serves" cell |
-# | `engine_step` | `03_continuous_batching`, section 3 | none: graded on its own | never (the toy engine grades it) |
+# | `update_from_output` (after the forward pass) | `03_continuous_batching`, section 3 | `scheduler`: the scheduler's `update_from_output` | its "now your `update_from_output` serves" cell |
 # | `verify_greedy` | `04_speculative_decoding`, section 1 | `verifier` | its "now your verifier serves" cell |
 # | `rejection_sample` | `04_speculative_decoding`, section 2 | `verifier` | its "now your rejection sampler serves" cell |
 # | `ngram_propose` | `04_speculative_decoding`, section 3 | `proposer` | its "now your n-gram proposer serves" cell |
@@ -124,7 +124,7 @@ int4_throughput(solution=SOLUTION)
 #
 # The rest of the model's forward (`minifer/models/llama.py`: the embedding, the final norm, the logits), the
 # weight loader, the model runner that packs a batch into tensors (`minifer/worker/model_runner.py`), the engine's step
-# (`minifer/engine/core.py`, the one your `engine_step` was graded against) and what surrounds it
+# (`minifer/engine/core.py`, whose last line calls your `update_from_output`) and what surrounds it
 # (`minifer/engine/llm_engine.py`: timing, outputs, speculation), the speculative loop around your verifier, with its
 # rollback (`minifer/engine/speculative.py`), and the quantized layer itself (`QuantLinear`,
 # `minifer/quantization/linear.py`). Reading them with your pieces in mind is the next step: each calls one of yours

@@ -1,4 +1,4 @@
-"""The engine step, written from the engine's public parts: schedule, run, sample, append, free.
+"""The engine step (vLLM's ``EngineCore.step``): schedule, run the model, sample, update the scheduler.
 
 ``LLMEngine.step`` runs this very function every step and adds only what a caller needs around it: the outputs,
 the merging of a request's ``n`` completions, the step's timing. Speculation runs it too, through its ``execute``
@@ -26,8 +26,9 @@ class StepParts:
     model and returns ``(rows, logits)``: ``rows`` the indices in ``batch.seqs`` of the sequences whose whole context
     is now computed (a prompt chunk that is not the last one samples nothing), one row of ``logits`` each;
     ``sampler(seqs, logits)`` draws their tokens (``SampleResult``: ``token_ids``, ``sampled_logprob``,
-    ``logprobs``); ``blocks.register_computed(seq_id, tokens)`` publishes full computed blocks to the prefix cache;
-    ``tokenizer`` is what ``Request.append_token`` checks stop strings with."""
+    ``logprobs``); ``scheduler.update_from_output(batch, sampled, result, tokenizer)`` appends them and frees the
+    finished; ``blocks`` is the KV cache manager (speculation rolls drafts back in it); ``tokenizer`` is what
+    ``Request.append_token`` checks stop strings with."""
 
     scheduler: SchedulerPolicy
     execute: Callable[[ScheduledBatch], tuple[list[int], torch.Tensor]]
@@ -42,15 +43,6 @@ def engine_step(parts: StepParts) -> list[Request]:
     if not batch.seqs:
         return []
     rows, logits = parts.execute(batch)  # one forward pass over every scheduled token
-    for seq, n in zip(batch.seqs, batch.num_new_tokens):
-        seq.num_computed_tokens += n  # their KV is in the cache now
     sampled = [batch.seqs[i] for i in rows]  # a prompt chunk before the last one samples nothing
     result = parts.sampler(sampled, logits)
-    for seq, token, logprob, entry in zip(sampled, result.token_ids, result.sampled_logprob, result.logprobs):
-        seq.append_token(token, logprob, entry, parts.tokenizer)  # and checks whether it finished
-    for seq in batch.seqs:  # full computed blocks join the prefix cache, before a finished one frees them
-        parts.blocks.register_computed(seq.request_id, seq.token_slice(0, seq.num_computed_tokens))
-    for seq in sampled:
-        if seq.is_finished:
-            parts.scheduler.finish(seq)  # out of `running`, its blocks back to the allocator
-    return sampled
+    return parts.scheduler.update_from_output(batch, sampled, result, parts.tokenizer)  # append, cache, free

@@ -1,4 +1,5 @@
-"""Graders of exercise 03 (continuous batching): one scheduler step, preemption by recompute, the engine step."""
+"""Graders of exercise 03 (continuous batching): one scheduler step, preemption by recompute, and what the scheduler
+does after the forward pass (``update_from_output``)."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ from typing import Any
 from minifer_course.grading.base import Check, run_checks
 from minifer_course.workbench import StepRequest
 
-__all__ = ["check_schedule_step", "check_preempt", "check_preemptions_in_engine", "check_engine_step",
+__all__ = ["check_schedule_step", "check_preempt", "check_preemptions_in_engine", "check_update_from_output",
            "SCHEDULER_SCENARIOS"]
 
 
@@ -294,19 +295,20 @@ def check_preempt(fn: Callable[..., Any]) -> None:
     run_checks("preempt", checks)
 
 
-# --- the engine step --------------------------------------------------------------------------------------------
+# --- after the forward pass: the scheduler's update_from_output ----------------------------------------------------
 
 _STEP_HINTS = {
-    "returned": "return the sequences that sampled a token, in the batch's order: [batch.seqs[i] for i in rows]",
-    "num_computed_tokens": "after the forward pass, add each scheduled sequence's new tokens to its "
-                           "num_computed_tokens (zip(batch.seqs, batch.num_new_tokens)): the next step starts there",
-    "tokens": "sample the sequences of `rows` only (a prompt chunk before its last one has no logits row) and append "
-              "each one's token with seq.append_token(token, logprob, entry, parts.tokenizer)",
+    "returned": "return `sampled`, the sequences that drew a token, as they came",
+    "num_computed_tokens": "first add each scheduled sequence's new tokens to its num_computed_tokens "
+                           "(zip(batch.seqs, batch.num_new_tokens)): their KV is in the cache, the next step starts there",
+    "tokens": "append a token to the sequences of `sampled` only (a prompt chunk before its last one drew none): "
+              "zip(sampled, result.token_ids, result.sampled_logprob, result.logprobs), then "
+              "seq.append_token(token, logprob, entry, tokenizer)",
     "finished": "append_token finishes a sequence at its stop token or length: append every sampled token",
-    "running": "free every sequence that finished in this step, after appending its token: parts.scheduler.finish(seq) "
-               "takes it out of `running` and returns its blocks (checked before sampling, nothing has finished yet)",
-    "free_blocks": "a finished sequence's blocks go back with parts.scheduler.finish(seq), once it has finished",
-    "cached_blocks": "publish every scheduled sequence's computed tokens to the prefix cache: parts.blocks."
+    "running": "free every sampled sequence that finished, after appending its token: self.finish(seq) takes it out "
+               "of `running` and returns its blocks (checked before appending, nothing has finished yet)",
+    "free_blocks": "a finished sequence's blocks go back with self.finish(seq), once it has finished",
+    "cached_blocks": "publish every scheduled sequence's computed tokens to the prefix cache: self.blocks."
                      "register_computed(seq.request_id, seq.token_slice(0, seq.num_computed_tokens)), finished ones "
                      "included (before freeing them)",
 }
@@ -316,32 +318,35 @@ _STEP_ORDER = ("returned", "num_computed_tokens", "tokens", "finished", "running
 
 def _step_case(fn: Callable[..., Any], prompts: list[list[int]], max_tokens: list[int], eos_from: int | None = None,
                **world: Any) -> Check:
-    """Two toy engines, one stepped by minifer's ``engine_step``, one by ``fn``: compared after every step.
-    ``eos_from``: the EOS is the token the reference samples third for request ``eos_from`` (so it stops early)."""
+    """Two toy engines stepped by minifer's ``engine_step``, one with minifer's ``Scheduler``, one whose
+    ``update_from_output`` is ``fn``: compared after every step. ``eos_from``: the EOS is the token the reference
+    samples third for request ``eos_from`` (so it stops early)."""
     def run() -> None:
         from minifer.engine.core import engine_step
         from minifer_course.grading.toy_engine import build_world, run_to_end, snapshot
+        from minifer_course.workbench_step import scheduler_with_update
 
         eos = None
         if eos_from is not None:
             eos = run_to_end(build_world(prompts, max_tokens, **world), engine_step)[-1]["tokens"][f"r{eos_from}"][2]
-        ref, mine = build_world(prompts, max_tokens, eos=eos, **world), build_world(prompts, max_tokens, eos=eos, **world)
+        ref = build_world(prompts, max_tokens, eos=eos, **world)
+        mine = build_world(prompts, max_tokens, eos=eos, scheduler=scheduler_with_update(fn), **world)
         for k in range(1, 400):
             if not ref.scheduler.has_unfinished():
                 return
             want_ret = [s.request_id for s in engine_step(ref.parts)]
             try:
-                got = fn(mine.parts)
+                got = engine_step(mine.parts)
             except KeyError as e:
-                raise AssertionError(f"step {k}: your step raised KeyError {e} in the block allocator\nhint: a "
-                                     "sequence's blocks are gone once parts.scheduler.finish(seq) frees it: sample, "
-                                     "append and register_computed first, free last") from None
+                raise AssertionError(f"step {k}: your update_from_output raised KeyError {e} in the block allocator\n"
+                                     "hint: a sequence's blocks are gone once self.finish(seq) frees it: append and "
+                                     "register_computed first, free last") from None
             got_ret = [getattr(s, "request_id", s) for s in got] if isinstance(got, (list, tuple)) else got
             want, have = {"returned": want_ret, **snapshot(ref)}, {"returned": got_ret, **snapshot(mine)}
             for key in _STEP_ORDER:
                 if have[key] != want[key]:
                     raise AssertionError(f"after step {k}, {key}: {have[key]!r:.300}\nexpected {want[key]!r:.300}\n"
-                                         f"hint: {_STEP_HINTS.get(key, 'follow schedule, run, sample, append, free')}")
+                                         f"hint: {_STEP_HINTS.get(key, 'count computed, append, cache, free')}")
     return run
 
 
@@ -354,11 +359,11 @@ def _random_step_case(fn: Callable[..., Any], seed: int) -> Check:
                       max_num_seqs=rng.randrange(1, 6), token_budget=rng.randrange(4, 40), sampled=rng.random() < .5)
 
 
-def check_engine_step(fn: Callable[..., Any]) -> None:
-    """Grade ``fn(parts) -> sampled sequences`` (``minifer.engine.core.StepParts``) against
-    :func:`minifer.engine.core.engine_step`, step by step, in toy engines (``toy_engine``: minifer's scheduler,
-    allocator and sampler around a model-free runner): what it returns, every sequence's tokens and computed count,
-    who runs, who waits, free and cached blocks."""
+def check_update_from_output(fn: Callable[..., Any]) -> None:
+    """Grade ``fn(self, batch, sampled, result, tokenizer=None) -> sampled`` as ``Scheduler.update_from_output``:
+    toy engines (``toy_engine``: minifer's scheduler, allocator and sampler around a model-free runner) stepped by
+    minifer's ``engine_step``, one with minifer's scheduler and one with ``fn`` in it, compared after every step: what
+    it returned, every sequence's tokens and computed count, who runs, who waits, free and cached blocks."""
     opening = list(range(1, 13))  # three blocks of 4 that two prompts share
     checks: list[Check] = [
         ("one request: its prompt, then one token per step", _step_case(fn, [[3, 1, 4, 1, 5]], [6], num_blocks=8)),
@@ -375,7 +380,7 @@ def check_engine_step(fn: Callable[..., Any]) -> None:
                                                          sampled=True)),
     ]
     checks += [(f"random workload {i}", _random_step_case(fn, i)) for i in range(6)]
-    run_checks("engine_step", checks)
+    run_checks("update_from_output", checks)
 
 
 def check_preemptions_in_engine(preempt: Callable[..., Any]) -> None:

@@ -3,11 +3,10 @@
 ``check_in_engine(name, piece)`` ends every exercise that rebuilds an engine piece with a seam: it saves the piece (the
 capstone finds it there), grades it with its exercise's checks, then serves the chapter's workload through
 ``LLM(components=...)`` with that piece and compares the tokens with the reference engine's (and, for greedy
-workloads, with transformers'). A piece the engine has no seam for (``workbench.ON_ITS_OWN``: the engine step, the
-rollback) ends with ``check_on_its_own``: saved and graded, not served. ``check_capstone`` grades every saved piece
-and serves those with a seam, at once. The report holds
-no measured value, so nbval compares it; the throughput is printed apart (``workbench.piece_throughput``,
-``capstone_throughput``), never asserted.
+workloads, with transformers'). A piece the engine has no seam for (``workbench.ON_ITS_OWN``: the rollback) ends
+with ``check_on_its_own``: saved and graded, not served. ``check_capstone`` grades every saved piece and serves those
+with a seam, at once. The report holds no measured value, so nbval compares it; the throughput is printed apart
+(``workbench.piece_throughput``, ``capstone_throughput``), never asserted.
 """
 
 from __future__ import annotations
@@ -29,7 +28,7 @@ GRADERS: dict[str, Callable[[Any], None]] = {
     "paged_attention": paging.check_paged_attention,
     "PrefixCachingAllocator": paging.check_prefix_allocator, "ForkingAllocator": paging.check_forking_allocator,
     "schedule_step": batching.check_schedule_step, "preempt": batching.check_preempt,
-    "engine_step": batching.check_engine_step, "verify_greedy": spec.check_verify_greedy,
+    "update_from_output": batching.check_update_from_output, "verify_greedy": spec.check_verify_greedy,
     "rejection_sample": spec.check_rejection_sample, "ngram_propose": spec.check_ngram_propose,
     "rollback": spec_step.check_rollback, "eagle_forward": spec_step.check_eagle_forward,
     "quantize_int4_groupwise": quant.check_quantize_int4, "quantize_linears": quant_load.check_quantize_linears,
@@ -72,7 +71,7 @@ def sort_saved(saved: dict[str, Any], broken: dict[str, str], wanted: dict[str, 
         elif name not in saved:
             cell = "`in the engine`" if piece.served else f"`{workbench.ON_ITS_OWN}`"
             problem = (f"{name}: not implemented yet (nothing saved in {workbench.folder(path)}/: run its "
-                       f"{cell} check cell in exercises/{piece.notebook}.ipynb)")
+                       f"{cell} check cell in exercises/{piece.notebook}.ipynb){workbench.retired(name, path)}")
         else:
             problem = grade_quietly(name, saved[name])
         if problem is None:

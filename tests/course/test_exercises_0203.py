@@ -364,11 +364,11 @@ def test_graders_accept_the_correct_variants():
     paging.check_forking_allocator(_forking_with())
 
 
-# --- exercise 03: preemption by recompute, the engine step -------------------------------------------------
+# --- exercise 03: preemption by recompute, update_from_output -------------------------------------------------
 
 from minifer.core.sched.scheduler import preempt_by_recompute  # noqa: E402
 from minifer.request import RequestStatus  # noqa: E402
-from minifer.engine.core import engine_step  # noqa: E402
+from minifer.core.sched.scheduler import Scheduler  # noqa: E402
 
 
 def _preempt(running, waiting, blocks, *, oldest=False, free=True, reset=True, front=True, keep_tokens=True,
@@ -389,45 +389,44 @@ def _preempt(running, waiting, blocks, *, oldest=False, free=True, reset=True, f
     return victim
 
 
-def _step(parts, *, count_computed=True, free_first=False, free_before_sampling=False, free=True, register=True,
-          sample_rows=True, return_batch=False):
-    """The notebook's engine_step with switches for the classic mistakes."""
-    batch = parts.scheduler.schedule()
-    if not batch.seqs:
-        return []
-    rows, logits = parts.execute(batch)
+def _update(self, batch, sampled, result, tokenizer=None, *, count_computed=True, free_first=False,
+            free_before_appending=False, free=True, register=True, return_batch=False):
+    """The notebook's update_from_output with switches for the classic mistakes."""
     if count_computed:
         for seq, n in zip(batch.seqs, batch.num_new_tokens):
             seq.num_computed_tokens += n
-    if free_before_sampling:  # nothing has finished yet: the finished ones are never freed
-        for seq in batch.seqs:
+    if free_before_appending:  # nothing has finished yet: the finished ones are never freed
+        for seq in sampled:
             if seq.is_finished:
-                parts.scheduler.finish(seq)
-    sampled = [batch.seqs[i] for i in rows] if sample_rows else list(batch.seqs)
-    result = parts.sampler(sampled, logits)
+                self.finish(seq)
     for seq, token, logprob, entry in zip(sampled, result.token_ids, result.sampled_logprob, result.logprobs):
-        seq.append_token(token, logprob, entry, parts.tokenizer)
+        seq.append_token(token, logprob, entry, tokenizer)
     if free_first:  # frees, then publishes the freed sequence's blocks
         for seq in sampled:
             if seq.is_finished:
-                parts.scheduler.finish(seq)
+                self.finish(seq)
     if register:
         for seq in batch.seqs:
-            parts.blocks.register_computed(seq.request_id, seq.token_slice(0, seq.num_computed_tokens))
-    if free and not free_first and not free_before_sampling:
+            self.blocks.register_computed(seq.request_id, seq.token_slice(0, seq.num_computed_tokens))
+    if free and not free_first and not free_before_appending:
         for seq in sampled:
             if seq.is_finished:
-                parts.scheduler.finish(seq)
+                self.finish(seq)
     return list(batch.seqs) if return_batch else sampled
+
+
+def _wrong_update(**mistake):
+    return lambda self, batch, sampled, result, tokenizer=None: _update(self, batch, sampled, result, tokenizer,
+                                                                         **mistake)
 
 
 STEP_REFERENCES = [
     (batching.check_preempt, preempt_by_recompute, "preempt: 6/6 checks passed"),
-    (batching.check_engine_step, engine_step, "engine_step: 13/13 checks passed"),
+    (batching.check_update_from_output, Scheduler.update_from_output, "update_from_output: 13/13 checks passed"),
 ]
 
 
-@pytest.mark.parametrize("grader, reference, summary", STEP_REFERENCES, ids=["preempt", "engine_step"])
+@pytest.mark.parametrize("grader, reference, summary", STEP_REFERENCES, ids=["preempt", "update_from_output"])
 def test_exercise_03_graders_pass_minifers_own(grader, reference, summary, capsys):
     test_graders_pass_minifers_own_implementation(grader, reference, summary, capsys)
 
@@ -440,13 +439,12 @@ STEP_WRONG = [
     (batching.check_preempt, lambda *a: _preempt(*a, keep_tokens=False), r"(?s)check 1/6.*lost the tokens"),
     (batching.check_preempt, lambda *a: _preempt(*a, status=False), r"(?s)RequestStatus\.WAITING"),
     (batching.check_preempt, lambda *a: _preempt(*a, pop=False), r"(?s)still in `running`"),
-    (batching.check_engine_step, lambda p: _step(p, count_computed=False), r"(?s)check 1/13.*num_computed_tokens"),
-    (batching.check_engine_step, lambda p: _step(p, free_before_sampling=True), r"(?s)check 1/13.*scheduler\.finish"),
-    (batching.check_engine_step, lambda p: _step(p, free=False), r"(?s)check 1/13.*scheduler\.finish"),
-    (batching.check_engine_step, lambda p: _step(p, free_first=True), r"(?s)KeyError.*free last"),
-    (batching.check_engine_step, lambda p: _step(p, register=False), r"(?s)check 1/13.*cached_blocks.*register_computed"),
-    (batching.check_engine_step, lambda p: _step(p, sample_rows=False), r"(?s)check 3/13.*got 1 sequences and 0 rows.*batch\.seqs\[i\] for i in rows"),
-    (batching.check_engine_step, lambda p: _step(p, return_batch=True), r"(?s)check 3/13.*returned.*batch\.seqs\[i\]"),
+    (batching.check_update_from_output, _wrong_update(count_computed=False), r"(?s)check 1/13.*num_computed_tokens"),
+    (batching.check_update_from_output, _wrong_update(free_before_appending=True), r"(?s)check 1/13.*self\.finish"),
+    (batching.check_update_from_output, _wrong_update(free=False), r"(?s)check 1/13.*self\.finish"),
+    (batching.check_update_from_output, _wrong_update(free_first=True), r"(?s)KeyError.*free last"),
+    (batching.check_update_from_output, _wrong_update(register=False), r"(?s)check 1/13.*cached_blocks.*register_computed"),
+    (batching.check_update_from_output, _wrong_update(return_batch=True), r"(?s)check 3/13.*returned.*`sampled`"),
 ]
 
 
@@ -457,7 +455,7 @@ def test_exercise_03_graders_reject_classic_mistakes(grader, wrong, match, capsy
 
 def test_exercise_03_graders_accept_the_notebooks_variants():
     batching.check_preempt(_preempt)
-    batching.check_engine_step(_step)
+    batching.check_update_from_output(_update)
 
 
 # --- exercise 02: the forking allocator serving shared blocks in the engine ----------------------------------

@@ -196,11 +196,12 @@ def _wrong(solutions) -> dict:
         waiting.appendleft(victim)
         return victim
 
-    def step_never_frees(parts):
-        class KeepsFinished:  # the scheduler, with finish() forgotten
-            def __getattr__(self, name):
-                return (lambda seq: None) if name == "finish" else getattr(parts.scheduler, name)
-        return solutions["engine_step"](type(parts)(KeepsFinished(), parts.execute, parts.sampler, parts.blocks))
+    def update_never_frees(self, batch, sampled, result, tokenizer=None):
+        self.finish = lambda seq: None  # the scheduler, with finish() forgotten
+        try:
+            return solutions["update_from_output"](self, batch, sampled, result, tokenizer)
+        finally:
+            del self.finish
 
     def rejection_always_accept(draft_tokens, q, p, generator):
         return list(draft_tokens) + [int(torch.multinomial(p[len(draft_tokens)], 1, generator=generator))]
@@ -212,7 +213,7 @@ def _wrong(solutions) -> dict:
             "decoder_layer": _layer_without_residual,
             "paged_attention": paged_unscaled, "PrefixCachingAllocator": NoVerifyAllocator,
             "ForkingAllocator": NoCopyOnWrite, "schedule_step": _schedule_no_preemption,
-            "preempt": preempt_oldest, "engine_step": step_never_frees,
+            "preempt": preempt_oldest, "update_from_output": update_never_frees,
             "verify_greedy": _verify_no_bonus, "rejection_sample": rejection_always_accept,
             "ngram_propose": _ngram_first_occurrence,
             "rollback": _rollback_keeps_the_bonus_kv, "eagle_forward": _eagle_without_norm}

@@ -44,24 +44,30 @@ def test_a_preemption_that_keeps_its_victim_running_is_refused_not_looped():
         run_to_end(world, engine_step)
 
 
-def test_schedule_step_and_preempt_together_both_run(ref):
-    calls = []
+def test_schedule_step_preempt_and_update_from_output_together_all_run(ref):
+    calls, updates = [], []
 
     def counted(running, waiting, blocks):
         calls.append(running[-1].request_id)
         return preempt_by_recompute(running, waiting, blocks)
 
-    components = workbench.components_from({"schedule_step": batching._schedule_with_minifer, "preempt": counted})
+    def update(self, batch, sampled, result, tokenizer=None):
+        updates.append(len(sampled))
+        return Scheduler.update_from_output(self, batch, sampled, result, tokenizer)
+
+    components = workbench.components_from({"schedule_step": batching._schedule_with_minifer, "preempt": counted,
+                                            "update_from_output": update})
     params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
     mine = LLM("tinystories-target", share_weights_with=ref, components=components, **SMALL)
     assert _tokens(mine, params) == _tokens(ref, params)
     # every preemption went through the learner's preempt (schedule_step's plan, which models no prefix cache, may
     # preempt a different number of times than minifer's scheduler)
     assert len(calls) == mine.engine.stats()["num_preemptions"] > 0
+    assert sum(updates) == len(PROMPTS) * 32  # every token went through the learner's update_from_output
 
 
 def test_the_capstone_leaves_out_what_an_engine_cannot_run():
-    pieces = {"engine_step": engine_step, "ngram_propose": lambda *a: []}
-    assert workbench.components_from(pieces).given().keys() == {"proposer"}  # the step has no seam
+    pieces = {"rollback": lambda *a: None, "ngram_propose": lambda *a: []}
+    assert workbench.components_from(pieces).given().keys() == {"proposer"}  # the rollback has no seam
     assert workbench.components_from(pieces, speculative=True).given().keys() == {"proposer"}
     assert workbench.components_from(pieces, speculative=False).given().keys() == set()

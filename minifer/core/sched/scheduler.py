@@ -3,7 +3,7 @@ requests it computes.
 
 Static batching admits a batch, runs it until its longest request ends, and only then admits the next.
 Continuous batching (Orca, OSDI 2022) re-decides at *every step*: a finished request's slot is refilled
-at the next step. Each step here:
+at the next step. Before every forward pass, ``schedule()`` decides:
 
 1. every running request gets its next token(s): one decode token, or the next chunk of a prompt;
 2. if the KV blocks for that run out, the *newest* running request is preempted — its blocks are freed
@@ -12,6 +12,10 @@ at the next step. Each step here:
 3. waiting requests are admitted first-come-first-served while ``max_num_seqs`` sequences and
    ``max_num_batched_tokens`` tokens allow. With chunked prefill a long prompt is split across steps
    and shares them with decodes instead of stalling them.
+
+After it, ``update_from_output()`` (the scheduler's other half, as in vLLM) counts the scheduled tokens as
+computed, appends the sampled tokens, publishes full computed blocks to the prefix cache and frees the requests
+that finished.
 """
 
 from __future__ import annotations
@@ -19,10 +23,13 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from minifer.core.kv_cache_manager import KVBlockAllocator
 from minifer.request import Request, RequestStatus
+
+if TYPE_CHECKING:
+    from minifer.sample.sampler import SampleResult
 
 
 @dataclass
@@ -57,8 +64,10 @@ class SchedulerPolicy(Protocol):
     request whose prompt is computed). ``schedule()`` returns the step's ``ScheduledBatch``: the sequences that run,
     how many new tokens each brings (at most ``config.max_num_batched_tokens`` in all, at most
     ``config.max_num_seqs`` sequences), with their KV slots already reserved in the allocator, and the sequences it
-    preempted (their blocks freed, to be recomputed later). ``finish(seq)`` and ``abort(seq)`` take a sequence out and
-    free its blocks. ``check_fits(seq)`` raises ``ValueError`` for a request that could never be scheduled.
+    preempted (their blocks freed, to be recomputed later). ``update_from_output(batch, sampled, result, tokenizer)``
+    runs after the forward pass: the scheduled tokens are computed, ``sampled`` get ``result``'s tokens, finished
+    sequences leave; it returns ``sampled``. ``finish(seq)`` and ``abort(seq)`` take a sequence out and free its
+    blocks. ``check_fits(seq)`` raises ``ValueError`` for a request that could never be scheduled.
     ``running``, ``waiting`` and ``num_preemptions`` are read for statistics; ``has_unfinished()`` says whether any
     sequence is still queued or running. Every admitted sequence must eventually be scheduled: a step that schedules
     nothing while sequences wait makes the engine raise."""
@@ -81,6 +90,9 @@ class SchedulerPolicy(Protocol):
     def finish(self, seq: Request) -> None: ...
 
     def schedule(self) -> ScheduledBatch: ...
+
+    def update_from_output(self, batch: ScheduledBatch, sampled: list[Request], result: SampleResult,
+                           tokenizer: Any = None) -> list[Request]: ...
 
 
 def preempt_by_recompute(running: list[Request], waiting: deque[Request], blocks: KVBlockAllocator) -> Request:
@@ -201,3 +213,23 @@ class Scheduler:
             batch.num_new_tokens.append(n)
             budget -= n
         return batch
+
+    def update_from_output(self, batch: ScheduledBatch, sampled: list[Request], result: SampleResult,
+                           tokenizer: Any = None) -> list[Request]:
+        """After the forward pass over ``batch``: ``sampled`` (the sequences whose whole context is now computed, in
+        the batch's order) drew ``result``'s tokens. Returns ``sampled``.
+
+        The order matters. The scheduled tokens' KV is in the cache, so they count as computed first (or the next
+        step would compute them again); each sampled token is appended, and ``append_token`` decides whether its
+        sequence finished (stop token, stop string through ``tokenizer``, length). Full computed blocks join the
+        prefix cache before a finished sequence frees them, so a later request with the same prefix reuses them."""
+        for seq, n in zip(batch.seqs, batch.num_new_tokens):
+            seq.num_computed_tokens += n
+        for seq, token, logprob, entry in zip(sampled, result.token_ids, result.sampled_logprob, result.logprobs):
+            seq.append_token(token, logprob, entry, tokenizer)
+        for seq in batch.seqs:
+            self.blocks.register_computed(seq.request_id, seq.token_slice(0, seq.num_computed_tokens))
+        for seq in sampled:
+            if seq.is_finished:
+                self.finish(seq)
+        return sampled
