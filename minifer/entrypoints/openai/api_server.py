@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 from http import HTTPStatus
 from typing import Any
 
-from fastapi import FastAPI, Request
+from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -71,165 +71,193 @@ def error_response(e: RequestError, headers: dict[str, str] | None = None) -> JS
     return JSONResponse({"error": error_body(e)}, status_code=int(e.status), headers=headers)
 
 
+def server_state(request: Request) -> ServerState:
+    return request.app.state.server
+
+
+async def authorize(request: Request) -> None:  # async: FastAPI runs a plain ``def`` dependency on a thread
+    key, given = server_state(request).api_key, request.headers.get("authorization", "")
+    if key is not None and not secrets.compare_digest(given.encode(), f"Bearer {key}".encode()):
+        raise RequestError("invalid or missing API key: send 'Authorization: Bearer <key>'",
+                           status=HTTPStatus.UNAUTHORIZED)
+
+
+# As in vLLM, the routes live on module-level routers that ``build_app`` includes, and each finds the server's
+# ``ServerState`` in ``request.app.state``: one set of routes serves any number of applications.
+router = APIRouter()  # the probes, the metrics and the tokenizer: open to all
+v1_router = APIRouter(dependencies=[Depends(authorize)])  # OpenAI's routes: the API key, if the server has one
+
+
 def build_app(state: ServerState, *, allowed_origins=("*",), allowed_methods=("*",), allowed_headers=("*",),
               allow_credentials: bool = False) -> FastAPI:
     """The application over ``state``; CORS as vLLM configures it (its flags' defaults allow any origin)."""
-    app = FastAPI(title="minifer", docs_url=None, redoc_url=None, openapi_url=None)
+    app = FastAPI(title="minifer", docs_url=None, redoc_url=None, openapi_url=None, exception_handlers={
+        RequestError: _refused, StarletteHTTPException: _http_error, ClientDisconnect: _gone, _ClientGone: _gone,
+        RequestValidationError: _invalid, Exception: _failed})
+    app.state.server = state
     app.add_middleware(CORSMiddleware, allow_origins=list(allowed_origins), allow_methods=list(allowed_methods),
                        allow_headers=list(allowed_headers), allow_credentials=allow_credentials)
-
-    @app.exception_handler(RequestError)
-    async def _refused(request: Request, e: RequestError) -> JSONResponse:
-        # the body may be unread (413, 408): do not parse the rest of it as the next request
-        close = e.status in (HTTPStatus.REQUEST_ENTITY_TOO_LARGE, HTTPStatus.REQUEST_TIMEOUT)
-        return error_response(e, {"Connection": "close"} if close else None)
-
-    @app.exception_handler(StarletteHTTPException)
-    async def _http_error(request: Request, e: StarletteHTTPException) -> JSONResponse:
-        status = HTTPStatus(e.status_code)
-        message = {HTTPStatus.NOT_FOUND: f"no route {request.url.path!r}",
-                   HTTPStatus.METHOD_NOT_ALLOWED: f"{request.url.path} accepts {(e.headers or {}).get('Allow')} "
-                                                  f"only, got {request.method}"}.get(status, str(e.detail))
-        return error_response(RequestError(message, status=status), e.headers)
-
-    @app.exception_handler(ClientDisconnect)
-    @app.exception_handler(_ClientGone)
-    async def _gone(request: Request, e: Exception) -> Response:
-        return Response(status_code=499)  # nobody reads it; uvicorn drops it
-
-    @app.exception_handler(RequestValidationError)
-    async def _invalid(request: Request, e: RequestValidationError) -> JSONResponse:
-        return error_response(RequestError(str(e)[:500]))
-
-    @app.exception_handler(Exception)
-    async def _failed(request: Request, e: Exception) -> JSONResponse:
-        logger.exception("request failed")
-        return error_response(RequestError(f"{type(e).__name__}: {e}", status=HTTPStatus.INTERNAL_SERVER_ERROR))
-
-    def authorize(request: Request) -> None:
-        if state.api_key is None:
-            return
-        given = request.headers.get("authorization", "")
-        if not secrets.compare_digest(given.encode(), f"Bearer {state.api_key}".encode()):
-            raise RequestError("invalid or missing API key: send 'Authorization: Bearer <key>'",
-                               status=HTTPStatus.UNAUTHORIZED)
-
-    # probes
-    @app.api_route("/health", methods=["GET", "HEAD"])
-    async def health() -> JSONResponse:
-        ok = state.loop.alive()
-        return JSONResponse({"status": "ok" if ok else "down"}, status_code=200 if ok else 503)
-
-    @app.api_route("/ping", methods=["GET", "HEAD", "POST"])
-    async def ping() -> JSONResponse:
-        return await health()
-
-    @app.get("/version")
-    async def version() -> JSONResponse:
-        from minifer import __version__
-
-        return JSONResponse({"version": __version__})
-
-    @app.get("/metrics")
-    async def metrics() -> Response:
-        data = await asyncio.get_running_loop().run_in_executor(None, state.metrics.render)
-        return Response(data, media_type=CONTENT_TYPE)
-
-    # models
-    def model_card(name: str) -> dict[str, Any]:
-        return {"id": name, "object": "model", "created": state.created, "owned_by": "minifer",
-                "root": state.served_names[0], "parent": None, "max_model_len": state.max_model_len,
-                "permission": []}
-
-    @app.get("/v1/models")
-    async def models(request: Request) -> JSONResponse:
-        authorize(request)
-        return JSONResponse({"object": "list", "data": [model_card(n) for n in state.served_names]})
-
-    @app.get("/v1/models/{model_id:path}")
-    async def model(model_id: str, request: Request) -> JSONResponse:
-        authorize(request)
-        if model_id not in state.served_names:
-            raise RequestError(f"model {model_id!r} is not served here", "model", HTTPStatus.NOT_FOUND)
-        return JSONResponse(model_card(model_id))
-
-    # tokenizer
-    @app.post("/tokenize")
-    async def tokenize(request: Request) -> JSONResponse:
-        return JSONResponse(await state.pre.run(state.pre.tokenize, await read_body(request)))
-
-    @app.post("/detokenize")
-    async def detokenize(request: Request) -> JSONResponse:
-        return JSONResponse(await state.pre.run(state.pre.detokenize, await read_body(request)))
-
-    # generation
-    @app.post("/v1/completions")
-    async def completions(request: Request) -> Response:
-        authorize(request)
-        return await generate(request, chat=False)
-
-    @app.post("/v1/chat/completions")
-    async def chat_completions(request: Request) -> Response:
-        authorize(request)
-        return await generate(request, chat=True)
-
-    async def read_body(request: Request) -> bytes:
-        """The body, at most ``max_body_bytes`` of it, within ``read_timeout`` seconds."""
-        cap = state.pre.max_body_bytes
-        length = request.headers.get("content-length")
-        if length is not None and length.isdigit() and int(length) > cap:
-            raise RequestError(f"the body must be at most {cap:,} bytes (the longest prompt this model takes), got "
-                               f"{int(length):,}", status=HTTPStatus.REQUEST_ENTITY_TOO_LARGE)
-        parts: list[bytes] = []
-
-        async def read() -> None:
-            size = 0
-            async for chunk in request.stream():
-                size += len(chunk)
-                if size > cap:
-                    raise RequestError(f"the body must be at most {cap:,} bytes (the longest prompt this model "
-                                       "takes)", status=HTTPStatus.REQUEST_ENTITY_TOO_LARGE)
-                parts.append(chunk)
-
-        try:
-            await asyncio.wait_for(read(), state.read_timeout)
-        except asyncio.TimeoutError:
-            raise RequestError(f"the body did not arrive within {state.read_timeout:g} s",
-                               status=HTTPStatus.REQUEST_TIMEOUT) from None
-        return b"".join(parts)
-
-    async def generate(request: Request, chat: bool) -> Response:
-        arrival = time.perf_counter()
-        raw = await read_body(request)
-        request_id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
-        prep: Prepared = await state.pre.run(state.pre.completion, raw, chat, request_id, arrival)
-        if prep.ignored:  # vLLM's behaviour: unknown fields are ignored, and said so
-            logger.warning("request %s: fields ignored (minifer does not know them): %s", request_id,
-                           ", ".join(prep.ignored))
-        outputs: asyncio.Queue = asyncio.Queue()
-        aloop = asyncio.get_running_loop()
-
-        def deliver(item: Any) -> None:  # called on the engine thread
-            try:
-                aloop.call_soon_threadsafe(outputs.put_nowait, item)
-            except RuntimeError:  # the event loop has closed (shutdown): nobody waits for this any more
-                pass
-
-        state.loop.submit(prep.seqs, deliver, stream=prep.stream, arrival=arrival)
-        events = _Events(outputs, state.loop, prep.ids)
-        try:
-            if prep.stream:  # the status line waits for the first output: an engine refusal is still a 400
-                first = await until_disconnect(request, events.next())
-                response = StreamingResponse(stream(prep, events, first), media_type="text/event-stream",
-                                             headers={"Cache-Control": "no-cache"})
-                events = None  # the stream owns them now
-                return response
-            return JSONResponse(await until_disconnect(request, answer(prep, events)))
-        finally:
-            if events is not None:
-                events.close()  # a no-op once all finished; else the client left or it failed: free its sequences
-
+    app.include_router(router)
+    app.include_router(v1_router)
     return app
+
+
+# exception handlers: each failure as OpenAI's error body
+
+async def _refused(request: Request, e: RequestError) -> JSONResponse:
+    # the body may be unread (413, 408): do not parse the rest of it as the next request
+    close = e.status in (HTTPStatus.REQUEST_ENTITY_TOO_LARGE, HTTPStatus.REQUEST_TIMEOUT)
+    return error_response(e, {"Connection": "close"} if close else None)
+
+
+async def _http_error(request: Request, e: StarletteHTTPException) -> JSONResponse:
+    status = HTTPStatus(e.status_code)
+    message = {HTTPStatus.NOT_FOUND: f"no route {request.url.path!r}",
+               HTTPStatus.METHOD_NOT_ALLOWED: f"{request.url.path} accepts {(e.headers or {}).get('Allow')} "
+                                              f"only, got {request.method}"}.get(status, str(e.detail))
+    return error_response(RequestError(message, status=status), e.headers)
+
+
+async def _gone(request: Request, e: Exception) -> Response:
+    return Response(status_code=499)  # nobody reads it; uvicorn drops it
+
+
+async def _invalid(request: Request, e: RequestValidationError) -> JSONResponse:
+    return error_response(RequestError(str(e)[:500]))
+
+
+async def _failed(request: Request, e: Exception) -> JSONResponse:
+    logger.exception("request failed")
+    return error_response(RequestError(f"{type(e).__name__}: {e}", status=HTTPStatus.INTERNAL_SERVER_ERROR))
+
+
+# probes
+
+@router.api_route("/ping", methods=["GET", "HEAD", "POST"])  # decorators apply bottom up: /health, then /ping
+@router.api_route("/health", methods=["GET", "HEAD"])
+async def health(request: Request) -> JSONResponse:
+    ok = server_state(request).loop.alive()
+    return JSONResponse({"status": "ok" if ok else "down"}, status_code=200 if ok else 503)
+
+
+@router.get("/version")
+async def show_version() -> JSONResponse:
+    from minifer import __version__
+
+    return JSONResponse({"version": __version__})
+
+
+@router.get("/metrics")
+async def show_metrics(request: Request) -> Response:
+    data = await asyncio.get_running_loop().run_in_executor(None, server_state(request).metrics.render)
+    return Response(data, media_type=CONTENT_TYPE)
+
+
+# models
+
+def model_card(state: ServerState, name: str) -> dict[str, Any]:
+    return {"id": name, "object": "model", "created": state.created, "owned_by": "minifer",
+            "root": state.served_names[0], "parent": None, "max_model_len": state.max_model_len, "permission": []}
+
+
+@v1_router.get("/v1/models")
+async def show_available_models(request: Request) -> JSONResponse:
+    state = server_state(request)
+    return JSONResponse({"object": "list", "data": [model_card(state, n) for n in state.served_names]})
+
+
+@v1_router.get("/v1/models/{model_id:path}")
+async def show_model(model_id: str, request: Request) -> JSONResponse:
+    state = server_state(request)
+    if model_id not in state.served_names:
+        raise RequestError(f"model {model_id!r} is not served here", "model", HTTPStatus.NOT_FOUND)
+    return JSONResponse(model_card(state, model_id))
+
+
+# tokenizer
+
+@router.post("/tokenize")
+async def tokenize(request: Request) -> JSONResponse:
+    pre = server_state(request).pre
+    return JSONResponse(await pre.run(pre.tokenize, await read_body(request)))
+
+
+@router.post("/detokenize")
+async def detokenize(request: Request) -> JSONResponse:
+    pre = server_state(request).pre
+    return JSONResponse(await pre.run(pre.detokenize, await read_body(request)))
+
+
+# generation
+
+@v1_router.post("/v1/completions")
+async def create_completion(request: Request) -> Response:
+    return await generate(request, chat=False)
+
+
+@v1_router.post("/v1/chat/completions")
+async def create_chat_completion(request: Request) -> Response:
+    return await generate(request, chat=True)
+
+
+async def read_body(request: Request) -> bytes:
+    """The body, at most ``max_body_bytes`` of it, within ``read_timeout`` seconds."""
+    state = server_state(request)
+    cap = state.pre.max_body_bytes
+    length = request.headers.get("content-length")
+    if length is not None and length.isdigit() and int(length) > cap:
+        raise RequestError(f"the body must be at most {cap:,} bytes (the longest prompt this model takes), got "
+                           f"{int(length):,}", status=HTTPStatus.REQUEST_ENTITY_TOO_LARGE)
+    parts: list[bytes] = []
+
+    async def read() -> None:
+        size = 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > cap:
+                raise RequestError(f"the body must be at most {cap:,} bytes (the longest prompt this model "
+                                   "takes)", status=HTTPStatus.REQUEST_ENTITY_TOO_LARGE)
+            parts.append(chunk)
+
+    try:
+        await asyncio.wait_for(read(), state.read_timeout)
+    except asyncio.TimeoutError:
+        raise RequestError(f"the body did not arrive within {state.read_timeout:g} s",
+                           status=HTTPStatus.REQUEST_TIMEOUT) from None
+    return b"".join(parts)
+
+
+async def generate(request: Request, chat: bool) -> Response:
+    state = server_state(request)
+    arrival = time.perf_counter()
+    raw = await read_body(request)
+    request_id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
+    prep: Prepared = await state.pre.run(state.pre.completion, raw, chat, request_id, arrival)
+    if prep.ignored:  # vLLM's behaviour: unknown fields are ignored, and said so
+        logger.warning("request %s: fields ignored (minifer does not know them): %s", request_id,
+                       ", ".join(prep.ignored))
+    outputs: asyncio.Queue = asyncio.Queue()
+    aloop = asyncio.get_running_loop()
+
+    def deliver(item: Any) -> None:  # called on the engine thread
+        try:
+            aloop.call_soon_threadsafe(outputs.put_nowait, item)
+        except RuntimeError:  # the event loop has closed (shutdown): nobody waits for this any more
+            pass
+
+    state.loop.submit(prep.seqs, deliver, stream=prep.stream, arrival=arrival)
+    events = _Events(outputs, state.loop, prep.ids)
+    try:
+        if prep.stream:  # the status line waits for the first output: an engine refusal is still a 400
+            first = await until_disconnect(request, events.next())
+            response = StreamingResponse(stream(prep, events, first), media_type="text/event-stream",
+                                         headers={"Cache-Control": "no-cache"})
+            events = None  # the stream owns them now
+            return response
+        return JSONResponse(await until_disconnect(request, answer(prep, events)))
+    finally:
+        if events is not None:
+            events.close()  # a no-op once all finished; else the client left or it failed: free its sequences
 
 
 class _ClientGone(Exception):
@@ -320,12 +348,32 @@ def _event(payload: dict[str, Any]) -> bytes:
     return b"data: " + json.dumps(payload).encode() + b"\n\n"
 
 
+def _stream_choice(prep: Prepared, o: RequestOutput, c: CompletionOutput, first: bool, offset: int) -> dict[str, Any]:
+    """A completion's choice in a chunk: the role, echo and prompt logprobs go in its ``first``."""
+    echo = prep.echo
+    idx = choice_index(prep.ids, o.request_id, prep.n, c.index)
+    start = len(c.token_ids) - len(c.new_token_ids)
+    if prep.chat:
+        delta = {"role": "assistant", "content": c.delta_text} if first else {"content": c.delta_text}
+        return {"index": idx, "delta": delta, "finish_reason": c.finish_reason, "stop_reason": c.stop_reason,
+                "logprobs": chat_logprobs_json(c, c.new_token_ids, start, prep.top_logprobs)}
+    choice = {"index": idx, "text": c.delta_text, "logprobs": logprobs_json(c, c.new_token_ids, start, offset),
+              "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
+    if first and o.prompt_logprobs is not None and (echo is None or echo.prompt_logprobs):
+        choice["prompt_logprobs"] = prompt_logprobs_json(o.prompt_logprobs)  # once, first
+    if echo is not None and first:  # the prompt goes out in the first chunk
+        choice.update(echoed_choice(o, c, echo, prep.echoed[o.request_id], c.new_token_ids, c.delta_text))
+    elif echo is not None and echo.prompt_only:
+        choice.update(text="", logprobs=None, finish_reason=choice["finish_reason"] and "length")
+    return choice
+
+
 async def stream(prep: Prepared, events: _Events, first: RequestOutput | None) -> AsyncIterator[bytes]:
     """Server-sent events: one ``data: {chunk}`` per completion that advanced, then ``data: [DONE]``. Closing
     the generator (the client left: Starlette cancels it) aborts what has not finished."""
     head = {"id": prep.request_id, "object": "chat.completion.chunk" if prep.chat else "text_completion",
             "created": int(time.time()), "model": prep.model}
-    ids, echo, n = prep.ids, prep.echo, prep.n
+    echo = prep.echo
     text_pos: dict[tuple[str, int], int] = {}  # per completion seen: where its next token's logprob offset is
     prompt_tokens = completion_tokens = 0
     o = first
@@ -333,27 +381,8 @@ async def stream(prep: Prepared, events: _Events, first: RequestOutput | None) -
         while o is not None:
             for c in o.outputs:
                 key = (o.request_id, c.index)
-                idx = choice_index(ids, o.request_id, n, c.index)
                 completion_tokens += 0 if echo is not None and echo.prompt_only else len(c.new_token_ids)
-                start = len(c.token_ids) - len(c.new_token_ids)
-                if prep.chat:
-                    delta = {"content": c.delta_text} if key in text_pos else {"role": "assistant",
-                                                                               "content": c.delta_text}
-                    choice = {"index": idx, "delta": delta, "finish_reason": c.finish_reason,
-                              "stop_reason": c.stop_reason,
-                              "logprobs": chat_logprobs_json(c, c.new_token_ids, start, prep.top_logprobs)}
-                else:
-                    choice = {"index": idx, "text": c.delta_text,
-                              "logprobs": logprobs_json(c, c.new_token_ids, start, text_pos.get(key, 0)),
-                              "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
-                    if key not in text_pos and o.prompt_logprobs is not None and (echo is None
-                                                                                  or echo.prompt_logprobs):
-                        choice["prompt_logprobs"] = prompt_logprobs_json(o.prompt_logprobs)  # once, first
-                    if echo is not None and key not in text_pos:  # the prompt goes out in the first chunk
-                        choice.update(echoed_choice(o, c, echo, prep.echoed[o.request_id], c.new_token_ids,
-                                                    c.delta_text))
-                    elif echo is not None and echo.prompt_only:
-                        choice.update(text="", logprobs=None, finish_reason=choice["finish_reason"] and "length")
+                choice = _stream_choice(prep, o, c, key not in text_pos, text_pos.get(key, 0))
                 # offsets run over the tokens' texts, as in the plain answer, whatever text a chunk held back
                 lp = None if prep.chat else choice["logprobs"]
                 text_pos[key] = lp["text_offset"][-1] + len(lp["tokens"][-1]) if lp and lp["tokens"] else \
