@@ -233,7 +233,7 @@ def null_engine(*, max_model_len: int, block_size: int = 16, num_kv_blocks: int 
     """An ``LLMEngine`` with these cache and scheduler settings over a ``NullModel`` (run by a ``NullRunner``). Prompts are token ids; a
     request's output is clipped to what ``max_model_len`` leaves after its prompt, as ``LLM`` clips it."""
     from minifer.core.sched.scheduler import SchedulerConfig
-    from minifer.engine.llm_engine import CacheConfig, LLMEngine
+    from minifer.engine.llm_engine import CacheConfig, EngineConfig, LLMEngine
     from minifer.request import Request
 
     def make_sequence(i, prompt, params, request_id=None):
@@ -243,10 +243,10 @@ def null_engine(*, max_model_len: int, block_size: int = 16, num_kv_blocks: int 
             raise ValueError(f"{request_id}: prompt of {len(ids)} tokens leaves no room in {max_model_len}")
         return Request(request_id, None, ids, params, min(params.max_tokens, room), frozenset())
 
-    engine = LLMEngine(NullModel(max_model_len=max_model_len), None, make_sequence,
-                       CacheConfig(block_size, num_kv_blocks, enable_prefix_caching=enable_prefix_caching),
-                       SchedulerConfig(max_num_seqs, max_num_batched_tokens, enable_chunked_prefill),
-                       max_model_len=max_model_len)
+    config = EngineConfig(CacheConfig(block_size, num_kv_blocks, enable_prefix_caching=enable_prefix_caching),
+                          SchedulerConfig(max_num_seqs, max_num_batched_tokens, enable_chunked_prefill),
+                          max_model_len=max_model_len)
+    engine = LLMEngine(NullModel(max_model_len=max_model_len), None, make_sequence, config)
     engine.runner = NullRunner(engine.runner.model, engine.kv_cache, engine.kv_cache_manager)
     return engine
 

@@ -38,6 +38,7 @@ from typing import Any
 import torch
 
 from minifer.bench.workloads import Workload, make_workload
+from minifer.engine.components import Components
 
 CT2_MISSING = ("CTranslate2 is not installed: the peer side of the benchmark is skipped. Install it with "
                "`pip install \"minifer[peer]\"` (or `pip install ctranslate2`; a virtual environment made with "
@@ -152,13 +153,11 @@ def ct2_sorted(engine: CT2Engine, workload: Workload, max_batch_size: int) -> fl
 
 def minifer_offline(llm, workload: Workload, slots: int, engine_kw: dict[str, Any] | None = None) -> float:
     """Every request at t = 0 into a fresh continuous-batching engine over ``llm``'s weights; wall seconds to the
-    last token. ``engine_kw``: ``LLMEngine`` keyword arguments (``attention_backend``), the levers under test."""
+    last token. ``engine_kw``: the engine's seams (``Components`` fields: ``attention_backend``), the levers under
+    test."""
     from minifer.bench.serving import greedy_params
-    from minifer.core.sched.scheduler import SchedulerConfig
-    from minifer.engine.llm_engine import CacheConfig, LLMEngine
 
-    engine = LLMEngine(llm.model, llm.tokenizer, llm.make_sequence, CacheConfig(), SchedulerConfig(slots, 2048, True),
-                       max_model_len=llm.max_model_len, **(engine_kw or {}))
+    engine = _engine(llm, slots, engine_kw)
     t0 = time.perf_counter()
     seqs = [engine.add_request(r.request_id, {"prompt_token_ids": r.prompt_token_ids}, greedy_params(r.max_tokens))
             for r in workload.requests]
@@ -174,15 +173,21 @@ def minifer_offline(llm, workload: Workload, slots: int, engine_kw: dict[str, An
 def minifer_greedy(llm, prompts: list[list[int]], n: int, engine_kw: dict[str, Any] | None = None) -> list[list[int]]:
     """Greedy continuations of ``n`` tokens (EOS ignored) through an engine built like ``minifer_offline``'s."""
     from minifer.bench.serving import greedy_params
-    from minifer.core.sched.scheduler import SchedulerConfig
-    from minifer.engine.llm_engine import CacheConfig, LLMEngine
 
-    engine = LLMEngine(llm.model, llm.tokenizer, llm.make_sequence, CacheConfig(),
-                       SchedulerConfig(len(prompts), 2048, True), max_model_len=llm.max_model_len, **(engine_kw or {}))
+    engine = _engine(llm, len(prompts), engine_kw)
     seqs = [engine.add_request(f"p{i}", {"prompt_token_ids": p}, greedy_params(n)) for i, p in enumerate(prompts)]
     while engine.has_unfinished_requests():
         engine.step()
     return [list(s.output_token_ids) for s in seqs]
+
+
+def _engine(llm, slots: int, engine_kw: dict[str, Any] | None):
+    """A fresh ``LLMEngine`` over ``llm``'s weights: ``slots`` sequences, the default cache, ``engine_kw``'s seams."""
+    from minifer.core.sched.scheduler import SchedulerConfig
+    from minifer.engine.llm_engine import CacheConfig, EngineConfig, LLMEngine
+
+    config = EngineConfig(CacheConfig(), SchedulerConfig(slots, 2048, True), max_model_len=llm.max_model_len)
+    return LLMEngine(llm.model, llm.tokenizer, llm.make_sequence, config, components=Components(**(engine_kw or {})))
 
 
 def minifer_generate(llm, workload: Workload) -> float:
@@ -438,7 +443,7 @@ def run(model: str = "tinystories-target", num_requests: int = 512, rounds: int 
     replicas = None
     if "peer" in sections:
         replicas = LLM(model, device="cpu", dtype="float32", max_num_seqs=64, data_parallel_size=2, **fast_llm_kw,
-                       **fast_engine_kw)  # LLM takes the engine's seams (attention_backend) by the same names
+                       components=Components(**fast_engine_kw))
         c, r = peer_configs(fast, ct2, num_requests, replicas, two_threads)
         configs += c
         comps += r
@@ -528,7 +533,8 @@ def lever_configs(eager: Minifer, fast: Minifer, ct2: dict[str, CT2Engine] | Non
     if ct2:
         two = ct2["int8-2"]
         int8_dp = LLM(path, device="cpu", dtype="float32", quantization="w8a8", max_num_seqs=64,
-                      data_parallel_size=2, **fast_options()[0], **fast.engine_kw)
+                      data_parallel_size=2, **fast_options()[0],
+                      components=Components(**fast.engine_kw))
         configs += [Config("int8-fast-64slots-dp2", "minifer", lambda w: minifer_generate(int8_dp, w), None, 2,
                            {"slots": 64, "weights": "w8a8", "levers": "all", "data_parallel_size": 2}),
                     Config("ct2-int8-sorted64-2workers", "ctranslate2", lambda w: ct2_sorted(two, w, two_batch), None,

@@ -31,8 +31,8 @@ SEAMS = ("block_allocator", "scheduler", "sampler", "proposer", "verifier", "att
 
 @dataclass(frozen=True)
 class Components:
-    """The engine's replaceable pieces; None keeps the reference. The first six are ``LLM``'s seams of the same names,
-    with the same contracts (``LLMEngine``'s docstring lists them); ``quant_kernel``:
+    """The engine's replaceable pieces; None keeps the reference. The first six are the seams ``LLMEngine`` is built
+    from (its ``components``; its docstring lists their contracts); ``quant_kernel``:
     ``minifer.quantization.linear.QuantKernel``; ``model_registry``: an architecture name (``config.json``'s
     ``architectures``, ``"EagleHead"`` for an EAGLE head) -> the class built for it, as
     ``ModelRegistry.register_model(arch, cls)`` registers an out-of-tree model in vLLM, for this engine only: a
@@ -61,26 +61,20 @@ class Components:
         return cls
 
 
-def merge_components(components: Components | None, **explicit: Any) -> Components:
-    """``components`` with the seams also passed as ``LLM`` arguments added in; the same seam given both ways is
-    refused (which of the two should run would be a guess)."""
+def as_components(components: Components | None) -> Components:
+    """``components``, or every reference (``Components()``) for None; anything else is refused."""
     if components is None:
-        components = Components()
+        return Components()
     if not isinstance(components, Components):
         raise TypeError(f"components must be a minifer.engine.components.Components, got {type(components).__name__}")
-    explicit = {k: v for k, v in explicit.items() if v is not None}
-    both = sorted(set(explicit) & set(components.given()))
-    if both:
-        raise ValueError(f"{', '.join(both)} given both as an argument and in components: pass each piece once")
-    return Components(**{**components.given(), **explicit})
+    return components
 
 
-def check_seams(batching: str, spec: SpeculativeConfig | None, **given: Any) -> dict[str, Any]:
-    """The engine seams the caller handed in (``LLMEngine`` builds the others), after checking that they can apply."""
-    seams = {name: value for name, value in given.items() if value is not None}
+def check_seams(components: Components, batching: str, spec: SpeculativeConfig | None) -> None:
+    """Refuse the engine seams set in ``components`` that cannot apply (``LLMEngine`` builds the others' reference)."""
+    seams = [name for name in SEAMS if getattr(components, name) is not None]
     if seams and batching != "continuous":
         raise ValueError(f"{', '.join(seams)} plug into the continuous engine: use batching='continuous'")
     if spec is None and {"proposer", "verifier"} & set(seams):
         raise ValueError("proposer and verifier are parts of speculative decoding: pass a speculative_config too "
                          "(its num_speculative_tokens is the k the proposer is asked for)")
-    return seams

@@ -17,24 +17,23 @@ from __future__ import annotations
 import threading
 import time
 import warnings
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from collections.abc import Iterator
+from dataclasses import dataclass, field
 
 import torch
 
 from minifer.attention.backends.paged import PagedAttentionBackend, PagedKVCache
-from minifer.core.kv_cache_manager import KVBlockAllocator, KVCacheManager
-from minifer.core.sched.scheduler import ScheduledBatch, Scheduler, SchedulerConfig, SchedulerPolicy
+from minifer.core.kv_cache_manager import KVCacheManager
+from minifer.core.sched.scheduler import ScheduledBatch, Scheduler, SchedulerConfig
 from minifer.engine.adaptive_k import build_adaptive_speculator
+from minifer.engine.components import Components
 from minifer.engine.core import StepParts, engine_step
 from minifer.engine.speculative import SpeculativeConfig, Speculator, build_proposer
 from minifer.models.llama import LlamaForCausalLM
 from minifer.outputs import RequestOutput
 from minifer.quantization.kv_cache import CALIBRATION_TEXT
 from minifer.request import ParentRequest, Request, RequestStatus, sequences_of
-from minifer.sample.rejection_sampler import Verifier
 from minifer.sample.sampler import Sampler
-from minifer.spec_decode.metadata import DraftProposer
 from minifer.worker.model_runner import ModelRunner
 
 
@@ -89,38 +88,45 @@ def kv_block_bytes(model: LlamaForCausalLM, cache_config: CacheConfig,
     return per_block
 
 
-class LLMEngine:
-    """The seams a chapter teaches are arguments, each a ``typing.Protocol`` (or ``Callable`` type) whose docstring
-    is its contract, the reference by default: ``block_allocator`` (``KVBlockAllocator``, built as
-    ``block_allocator(num_blocks, block_size, enable_prefix_caching)``: ``KVCacheManager``), ``scheduler``
-    (``SchedulerPolicy``, built as ``scheduler(scheduler_config, allocator)``: ``Scheduler``), ``sampler``
-    (``Sampler``: ``ModelRunner.sample``), ``attention_backend`` (``PagedAttentionBackend``, built like
-    ``PagedKVCache``, the default); for speculation ``proposer`` (``DraftProposer``: the one ``speculative_config``
-    names) and ``verifier`` (``Verifier``: ``RejectionVerifier``, vLLM's rejection sampler). A quantized layer's kernel
-    (``QuantKernel``) and the model's own classes are the model's (``LLM``'s ``quant_kernel``, ``Components``'
-    ``model_registry``)."""
+@dataclass(frozen=True)
+class EngineConfig:
+    """An ``LLMEngine``'s settings in one value, as vLLM hands its engine one ``VllmConfig``. ``cuda_graphs``: decode
+    steps replay CUDA graphs (on CUDA, with the Triton kernels) captured up to ``max_model_len`` (None: the model's
+    ``max_position_embeddings``); ``speculative_config`` None: no speculation."""
 
-    def __init__(self, model: LlamaForCausalLM, tokenizer, make_sequence, cache_config: CacheConfig,
-                 scheduler_config: SchedulerConfig, speculative_config: SpeculativeConfig | None = None,
-                 draft_model: LlamaForCausalLM | None = None, cuda_graphs: bool = False,
-                 max_model_len: int | None = None, *,
-                 block_allocator: Callable[[int, int, bool], KVBlockAllocator] = KVCacheManager,
-                 scheduler: Callable[[SchedulerConfig, KVBlockAllocator], SchedulerPolicy] = Scheduler,
-                 sampler: Sampler | None = None, proposer: DraftProposer | None = None,
-                 verifier: Verifier | None = None,
-                 attention_backend: Callable[..., PagedAttentionBackend] = PagedKVCache) -> None:
-        cfg, device = model.config, model.lm_head.weight.device
-        dtype = model.lm_head.weight.dtype
+    cache_config: CacheConfig = field(default_factory=CacheConfig)
+    scheduler_config: SchedulerConfig = field(default_factory=SchedulerConfig)
+    speculative_config: SpeculativeConfig | None = None
+    cuda_graphs: bool = False
+    max_model_len: int | None = None
+
+
+class LLMEngine:
+    """The seams a chapter teaches are the fields of ``components`` (a ``Components``; None: the reference), each a
+    ``typing.Protocol`` (or ``Callable`` type) whose docstring is its contract: ``block_allocator``
+    (``KVBlockAllocator``, built as ``block_allocator(num_blocks, block_size, enable_prefix_caching)``:
+    ``KVCacheManager``), ``scheduler`` (``SchedulerPolicy``, built as ``scheduler(scheduler_config, allocator)``:
+    ``Scheduler``), ``sampler`` (``Sampler``: ``ModelRunner.sample``), ``attention_backend``
+    (``PagedAttentionBackend``, built like ``PagedKVCache``, the default); for speculation (``draft_model``: the draft
+    or EAGLE head) ``proposer`` (``DraftProposer``: the one ``speculative_config`` names) and ``verifier``
+    (``Verifier``: ``RejectionVerifier``, vLLM's rejection sampler). ``quant_kernel`` and ``model_registry`` are the
+    model's (``LLM`` builds it with them)."""
+
+    def __init__(self, model: LlamaForCausalLM, tokenizer, make_sequence, config: EngineConfig, *,
+                 draft_model: LlamaForCausalLM | None = None, components: Components | None = None) -> None:
+        cfg, device, dtype = model.config, model.lm_head.weight.device, model.lm_head.weight.dtype
+        cache_config, parts = config.cache_config, components or Components()
         num_blocks = cache_config.num_blocks(kv_block_bytes(model, cache_config, draft_model), device)
         self.tokenizer = tokenizer
         self._make_sequence = make_sequence
-        self.kv_cache_manager = block_allocator(num_blocks, cache_config.block_size, cache_config.enable_prefix_caching)
-        self.kv_cache: PagedAttentionBackend = attention_backend(
+        self.kv_cache_manager = (parts.block_allocator or KVCacheManager)(
+            num_blocks, cache_config.block_size, cache_config.enable_prefix_caching)
+        self.kv_cache: PagedAttentionBackend = (parts.attention_backend or PagedKVCache)(
             cfg.num_hidden_layers, num_blocks, cache_config.block_size, cfg.num_key_value_heads, cfg.head_dim, dtype,
             device, cache_config.kv_cache_dtype, cache_config.kv_cache_scales)
-        self.scheduler = scheduler(scheduler_config, self.kv_cache_manager)
+        self.scheduler = (parts.scheduler or Scheduler)(config.scheduler_config, self.kv_cache_manager)
         self.runner = ModelRunner(model, self.kv_cache, self.kv_cache_manager)
-        self.sampler: Sampler = sampler or ModelRunner.sample
+        self.sampler: Sampler = parts.sampler or ModelRunner.sample
         self._scheduled = False  # whether the current step's scheduler gave it a batch to execute
         if self.kv_cache.kv_cache_scales == "head":
             self._calibrate_kv_scales()
@@ -128,17 +134,17 @@ class LLMEngine:
         self.requests: dict[str, Request | ParentRequest] = {}  # unfinished requests by their id
         self._seqs: dict[str, Request] = {}  # their unfinished sequences (a group's completions: "<i>_<id>")
         self._group_of: dict[str, ParentRequest] = {}  # a completion's sequence id -> its group
-        if cuda_graphs and device.type == "cuda" and self.kv_cache.use_triton:
+        if config.cuda_graphs and device.type == "cuda" and self.kv_cache.use_triton:
             try:
-                self.runner.enable_cuda_graphs(scheduler_config.max_num_seqs,
-                                               max_model_len or cfg.max_position_embeddings)
+                self.runner.enable_cuda_graphs(config.scheduler_config.max_num_seqs,
+                                               config.max_model_len or cfg.max_position_embeddings)
             except Exception as e:  # a capture failure costs speed, never the engine
                 warnings.warn(f"CUDA graph capture failed ({type(e).__name__}: {e}); decode steps run eagerly")
                 self.runner.graphs = None
         self.speculator: Speculator | None = None
-        if speculative_config is not None:
-            self.speculator = self._speculator(speculative_config, draft_model, num_blocks, cache_config.block_size,
-                                               proposer, verifier)
+        if config.speculative_config is not None:
+            self.speculator = self._speculator(config.speculative_config, draft_model, num_blocks,
+                                               cache_config.block_size, parts.proposer, parts.verifier)
 
     def _speculator(self, cfg: SpeculativeConfig, draft_model, num_blocks: int, block_size: int, proposer,
                     verifier) -> Speculator:
@@ -155,8 +161,8 @@ class LLMEngine:
                  scheduler_config: SchedulerConfig | None = None) -> "LLMEngine":
         """A fresh engine, with its own KV cache and queue, over ``llm``'s loaded model and tokenizer: what the
         benchmarks use to compare engine settings on one set of weights."""
-        return cls(llm.model, llm.tokenizer, llm.make_sequence, cache_config or CacheConfig(),
-                   scheduler_config or SchedulerConfig())
+        return cls(llm.model, llm.tokenizer, llm.make_sequence,
+                   EngineConfig(cache_config or CacheConfig(), scheduler_config or SchedulerConfig()))
 
     def _calibrate_kv_scales(self) -> None:
         """Static KV scales: one prefill of ``CALIBRATION_TEXT`` on a scratch sequence, before any request."""
@@ -351,4 +357,5 @@ class LLMEngine:
         }
 
 
-__all__ = ["LLMEngine", "CacheConfig", "SchedulerConfig", "RequestStatus", "kv_block_bytes", "usable_blocks"]
+__all__ = ["LLMEngine", "EngineConfig", "CacheConfig", "SchedulerConfig", "RequestStatus", "kv_block_bytes",
+           "usable_blocks"]

@@ -19,9 +19,9 @@ import torch
 from minifer.beam_search import BeamSearch, BeamSearchOutput
 from minifer.config import ModelConfig, resolve_device, resolve_dtype
 from minifer.engine.arg_utils import EngineArgs
-from minifer.engine.components import SEAMS, Components, check_seams, merge_components
+from minifer.engine.components import Components, as_components, check_seams
 from minifer.engine.data_parallel import EngineReplicas, start_replicas
-from minifer.engine.llm_engine import LLMEngine
+from minifer.engine.llm_engine import EngineConfig, LLMEngine
 from minifer.engine.speculative import MAX_SPECULATIVE_TOKENS, SpeculativeConfig
 from minifer.engine.static import generate_static
 from minifer.model_loader import (
@@ -100,7 +100,7 @@ class LLM:
             speculative_config=speculative_config, gpu_memory_utilization=gpu_memory_utilization,
             enforce_eager=enforce_eager, compilation_config=compilation_config, **kwargs)
         self.engine_args = args
-        parts = self.components = merge_components(components)
+        parts = self.components = as_components(components)
         self.device = resolve_device(args.device)
         self.dtype = resolve_dtype(args.dtype, self.device)
         self.model_path = resolve_model(args.model, need_weights=args.load_format != "dummy")
@@ -129,12 +129,12 @@ class LLM:
         self.engine: LLMEngine | None = None
         spec, self._eagle3 = _speculative(args.speculative_config)
         self.draft_model = self._drafter(spec, share_weights_with)
-        seams = check_seams(args.batching, spec, **{n: getattr(parts, n) for n in SEAMS})
+        check_seams(parts, args.batching, spec)
         if args.batching == "continuous":
-            self.engine = LLMEngine(
-                self.model, self.tokenizer, self.make_sequence, args.create_cache_config(),
-                args.create_scheduler_config(), spec, self.draft_model, cuda_graphs=not args.enforce_eager,
-                max_model_len=self.max_model_len, **seams)
+            config = EngineConfig(args.create_cache_config(), args.create_scheduler_config(), spec,
+                                  cuda_graphs=not args.enforce_eager, max_model_len=self.max_model_len)
+            self.engine = LLMEngine(self.model, self.tokenizer, self.make_sequence, config,
+                                    draft_model=self.draft_model, components=parts)
 
     def _drafter(self, spec: SpeculativeConfig | None, shared: LLM | None) -> torch.nn.Module | None:
         """The draft model (``shared``'s when it loaded the same one), or the EAGLE head (it reads this target's

@@ -54,10 +54,11 @@ def _decode_steps(llm, prompt_len: int, steps: int) -> list[float]:
     """Wall seconds of each of ``steps`` batch-1 decode steps of one greedy request (its prefill not counted)."""
     from minifer.bench.serving import greedy_params
     from minifer.core.sched.scheduler import SchedulerConfig
-    from minifer.engine.llm_engine import CacheConfig, LLMEngine
+    from minifer.engine.llm_engine import CacheConfig, EngineConfig, LLMEngine
 
-    engine = LLMEngine(llm.model, None, llm.make_sequence, CacheConfig(num_kv_blocks=16), SchedulerConfig(1, 2048, True),
-                       max_model_len=llm.max_model_len)
+    config = EngineConfig(CacheConfig(num_kv_blocks=16), SchedulerConfig(1, 2048, True),
+                          max_model_len=llm.max_model_len)
+    engine = LLMEngine(llm.model, None, llm.make_sequence, config)
     engine.add_request("d", {"prompt_token_ids": list(range(1, prompt_len + 1))}, greedy_params(steps + 1))
     engine.step()  # the prefill
     out = []

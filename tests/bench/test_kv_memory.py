@@ -138,13 +138,13 @@ def draft():
 def test_simulation_equals_engine(draft, blocks, prefix):
     """Step for step, including preemption (14 blocks of 8 cannot hold every request at once) and the prefix
     cache serving preempted requests their own blocks back."""
-    from minifer.engine.llm_engine import CacheConfig, LLMEngine
+    from minifer.engine.llm_engine import CacheConfig, EngineConfig, LLMEngine
     from minifer.core.sched.scheduler import SchedulerConfig
 
     w = _workload([(20, 30), (9, 12), (33, 5), (4, 40), (17, 17), (25, 9)])
     engine = LLMEngine(draft.model, draft.tokenizer, draft.make_sequence,
-                       CacheConfig(block_size=8, num_kv_blocks=blocks, enable_prefix_caching=prefix),
-                       SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=32))
+                       EngineConfig(CacheConfig(block_size=8, num_kv_blocks=blocks, enable_prefix_caching=prefix),
+                                    SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=32)))
     real = kvm.record_engine(engine, w)
     sim = kvm.simulate_kv(w, max_model_len=draft.max_model_len, **kvm.engine_settings(engine))
     assert sim == real
@@ -153,11 +153,9 @@ def test_simulation_equals_engine(draft, blocks, prefix):
 
 
 def test_record_engine_refuses_a_busy_engine(draft):
-    from minifer.engine.llm_engine import CacheConfig, LLMEngine
-    from minifer.core.sched.scheduler import SchedulerConfig
+    from minifer.engine.llm_engine import CacheConfig, EngineConfig, LLMEngine
 
-    engine = LLMEngine(draft.model, draft.tokenizer, draft.make_sequence, CacheConfig(num_kv_blocks=32),
-                       SchedulerConfig())
+    engine = LLMEngine(draft.model, draft.tokenizer, draft.make_sequence, EngineConfig(CacheConfig(num_kv_blocks=32)))
     engine.add_request("x", {"prompt_token_ids": [0, 5, 6]}, kvm.greedy_ignore_eos(3))
     with pytest.raises(ValueError, match="unfinished"):
         kvm.record_engine(engine, _workload([(4, 2)]))
