@@ -150,11 +150,11 @@ class LLMEngine:
                     verifier) -> Speculator:
         """The fixed-k ``Speculator`` (the reference), or adaptive k's when ``cfg.adaptive`` asks for that policy."""
         drafter = build_proposer(cfg, draft_model, self.runner, num_blocks, block_size, proposer)
+        vocab_size = self.runner.model.config.vocab_size
         if cfg.adaptive:
-            return build_adaptive_speculator(cfg, drafter, self.runner, self.kv_cache_manager,
-                                             self.runner.model.config.vocab_size, verifier, self.sampler)
-        return Speculator(cfg, drafter, self.kv_cache_manager, self.runner.model.config.vocab_size, verifier,
-                          self.sampler)
+            return build_adaptive_speculator(cfg, drafter, self.runner, self.kv_cache_manager, vocab_size, verifier,
+                                             self.sampler)
+        return Speculator(cfg, drafter, self.kv_cache_manager, vocab_size, verifier, self.sampler)
 
     @classmethod
     def from_llm(cls, llm, cache_config: CacheConfig | None = None,
