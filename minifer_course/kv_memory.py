@@ -578,7 +578,7 @@ def _serve_one_by_one(llm, prompts: Sequence[list[int]], *, prefix_caching: bool
         ttfts.append(m.first_token_time - m.arrival_time)
     bm = engine.kv_cache_manager
     prompt_tokens = sum(len(p) for p in prompts)
-    computed = prompt_tokens - bm.cache_hits * bm.block_size
+    computed = prompt_tokens - bm.prefix_cache_stats.hits * bm.block_size
     return {"ttft": ttfts, "mean_ttft": statistics.fmean(ttfts), "hit_rate": engine.stats()["prefix_cache_hit_rate"],
             "prompt_tokens": prompt_tokens, "prompt_tokens_computed": computed}
 
@@ -703,7 +703,7 @@ def _run_parallel(llm, prompts: Sequence[list[int]], n: int, *, sharing: bool, b
         peak = max(peak, in_use)
     return {"steps": steps, "block_steps_in_tables": in_tables, "block_steps_distinct": distinct,
             "peak_blocks": peak, "prompt_tokens": n * sum(map(len, prompts)),
-            "prompt_tokens_computed": n * sum(map(len, prompts)) - bm.cache_hits * block_size,
+            "prompt_tokens_computed": n * sum(map(len, prompts)) - bm.prefix_cache_stats.hits * block_size,
             "tokens": [[s.output_token_ids for s in sequences_of(r)] for r in requests]}
 
 

@@ -37,7 +37,7 @@ from typing import Any
 import torch
 
 from minifer.attention.backends.paged import PagedKVCache
-from minifer.core.kv_cache_manager import KVCacheManager
+from minifer.core.kv_cache_manager import PrefixCacheStats, cdiv
 from minifer.core.sched.scheduler import ScheduledBatch, Scheduler
 from minifer.engine.components import Components
 from minifer.engine.speculative import SpeculativeConfig
@@ -367,7 +367,7 @@ class LearnersAllocator:
     def __init__(self, mine: Any, num_blocks: int, enable_prefix_caching: bool) -> None:
         self.mine, self.num_blocks, self.block_size = mine, num_blocks, mine.block_size
         self.enable_prefix_caching = enable_prefix_caching
-        self.cache_queries = self.cache_hits = 0
+        self.prefix_cache_stats = PrefixCacheStats()
 
     @property
     def num_free_blocks(self) -> int:
@@ -376,9 +376,6 @@ class LearnersAllocator:
     @property
     def num_cached_blocks(self) -> int:
         return len(self.mine.cache)
-
-    def blocks_needed(self, num_tokens: int) -> int:
-        return self.mine.blocks_needed(num_tokens)
 
     def block_table(self, seq_id: object) -> list[int]:
         return self.mine.tables[seq_id]
@@ -389,29 +386,29 @@ class LearnersAllocator:
     def can_allocate(self, token_ids: list[int], use_cache: bool = True) -> bool:
         if use_cache and self.enable_prefix_caching:
             return self.mine.can_allocate(token_ids)
-        return self.blocks_needed(len(token_ids)) <= self.num_free_blocks
+        return cdiv(len(token_ids), self.block_size) <= self.num_free_blocks
 
     def allocate(self, seq_id: object, token_ids: list[int], use_cache: bool = True) -> int:
         if use_cache and self.enable_prefix_caching:
             cached = self.mine.allocate(seq_id, token_ids)
-            self.cache_queries += len(token_ids) // self.block_size
-            self.cache_hits += cached // self.block_size
+            self.prefix_cache_stats.queries += len(token_ids) // self.block_size
+            self.prefix_cache_stats.hits += cached // self.block_size
             return cached
         self.mine.tables[seq_id], self.mine.seq_hashes[seq_id] = [], []
         self.append_slots(seq_id, len(token_ids))
         return 0
 
     def can_append(self, seq_id: object, num_tokens: int) -> bool:
-        return self.blocks_needed(num_tokens) - len(self.mine.tables[seq_id]) <= self.num_free_blocks
+        return cdiv(num_tokens, self.block_size) - len(self.mine.tables[seq_id]) <= self.num_free_blocks
 
     def append_slots(self, seq_id: object, num_tokens: int) -> None:
         table = self.mine.tables[seq_id]
-        while len(table) < self.blocks_needed(num_tokens):
+        while len(table) < cdiv(num_tokens, self.block_size):
             table.append(self.mine.take_free_block())
 
     def truncate(self, seq_id: object, num_tokens: int) -> None:
         """Drop the blocks past ``num_tokens`` (rejected drafts), releasing each as the learner's ``free`` does."""
-        mine, keep = self.mine, self.blocks_needed(num_tokens)
+        mine, keep = self.mine, cdiv(num_tokens, self.block_size)
         table = mine.tables[seq_id]
         del mine.seq_hashes[seq_id][num_tokens // self.block_size:]
         while len(table) > keep:
@@ -438,8 +435,6 @@ class LearnersAllocator:
 
     def free(self, seq_id: object) -> None:
         self.mine.free(seq_id)
-
-    scratch = KVCacheManager.scratch  # allocate, yield, free: written against the protocol, so it fits here too
 
 
 class StepRequest:

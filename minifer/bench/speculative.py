@@ -46,6 +46,7 @@ from typing import Any
 import torch
 
 from minifer.bench.provenance import save_result
+from minifer.core.kv_cache_manager import cdiv
 from minifer.sampling_params import SamplingParams
 from minifer.spec_decode.theory import expected_tokens_per_forward
 
@@ -269,7 +270,7 @@ def verify_cost(llm, batch_sizes: list[int], ks: list[int], context: int = 256, 
     for b in batch_sizes:
         ids = [f"__verify{i}" for i in range(b)]
         need = context + max(ks) + 1
-        if blocks.blocks_needed(need) * b > blocks.num_free_blocks:
+        if cdiv(need, blocks.block_size) * b > blocks.num_free_blocks:
             break
         for rid in ids:
             blocks.allocate(rid, [1] * need)

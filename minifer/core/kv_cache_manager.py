@@ -19,7 +19,6 @@ bookkeeping on integers; the engine's runner owns the tensors.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -37,32 +36,28 @@ class KVBlockAllocator(Protocol):
     A sequence (any hashable id) owns a *block table*, its block ids in order: token ``t`` lives in block
     ``block_table(seq)[t // block_size]`` at offset ``t % block_size``, a block in ``range(num_blocks)``.
     ``allocate(seq, token_ids)`` creates the table for a new sequence's tokens and returns how many leading tokens
-    the prefix cache already holds (a multiple of ``block_size``, less than ``len(token_ids)``; 0 without
-    caching); ``can_allocate`` says whether the free blocks allow it. ``append_slots(seq, n)`` grows the table to
-    hold ``n`` tokens in all (``can_append`` first says whether it can), ``truncate(seq, n)`` shrinks it to ``n``,
+    the prefix cache already holds (a multiple of ``block_size``, less than ``len(token_ids)``; 0 without caching);
+    ``can_allocate`` says whether the free blocks allow it. ``append_slots(seq, n)`` grows the table to hold ``n``
+    tokens in all (``can_append`` first says whether it can), ``truncate(seq, n)`` shrinks it to ``n``,
     ``free(seq)`` releases it. ``register_computed(seq, token_ids)``: the table's full blocks now hold these
-    computed tokens (a cache may hand them to later sequences with the same prefix). ``fork(parent, child)``
-    shares the parent's blocks with a new child; ``copy_on_write(seq, position)`` gives a sequence about to write
-    at ``position`` a block of its own if that block is shared, returning ``(source, destination)`` block ids
-    whose contents the caller copies (None when nothing moved). ``scratch(seq, token_ids)`` is a context manager
-    holding a temporary sequence. ``blocks_needed(n)``: blocks that ``n`` tokens take. A block is in two tables
-    only when shared (fork or prefix cache), and is handed out again only once no table holds it.
-    ``num_free_blocks`` counts blocks a new table may take; ``num_cached_blocks``, ``cache_queries`` and
-    ``cache_hits`` (in blocks) are statistics."""
+    computed tokens (a cache may hand them to later sequences with the same prefix). ``fork(parent, child)`` shares
+    the parent's blocks with a new child; ``copy_on_write(seq, position)`` gives a sequence about to write at
+    ``position`` a block of its own if that block is shared, returning ``(source, destination)`` block ids whose
+    contents the caller copies (None when nothing moved). A block is in two tables only when shared (fork or prefix
+    cache), and is handed out again only once no table holds it. ``num_free_blocks`` counts blocks a new table may
+    take; ``num_cached_blocks`` and ``prefix_cache_stats`` are statistics. ``cdiv`` and ``scratch_sequence`` below
+    are built on these members, for any allocator."""
 
     block_size: int
     num_blocks: int
     enable_prefix_caching: bool
-    cache_queries: int
-    cache_hits: int
+    prefix_cache_stats: PrefixCacheStats
 
     @property
     def num_free_blocks(self) -> int: ...
 
     @property
     def num_cached_blocks(self) -> int: ...
-
-    def blocks_needed(self, num_tokens: int) -> int: ...
 
     def block_table(self, seq_id: object) -> list[int]: ...
 
@@ -86,7 +81,30 @@ class KVBlockAllocator(Protocol):
 
     def free(self, seq_id: object) -> None: ...
 
-    def scratch(self, seq_id: object, token_ids: list[int]): ...
+
+@dataclass
+class PrefixCacheStats:
+    """Prefix-cache traffic, in blocks: ``queries`` full prompt blocks looked up, ``hits`` of them found."""
+
+    queries: int = 0
+    hits: int = 0
+
+
+def cdiv(num_tokens: int, block_size: int) -> int:
+    """Blocks that ``num_tokens`` tokens take: the ceiling of the division, in integers."""
+    return -(-num_tokens // block_size)
+
+
+@contextmanager
+def scratch_sequence(blocks: KVBlockAllocator, seq_id: object, token_ids: list[int]) -> Iterator[None]:
+    """Blocks for a throw-away sequence (start-up calibration), freed on exit; its lookups stay out of the hit rate."""
+    counted = blocks.prefix_cache_stats.queries, blocks.prefix_cache_stats.hits
+    blocks.allocate(seq_id, token_ids)
+    try:
+        yield
+    finally:
+        blocks.free(seq_id)
+        blocks.prefix_cache_stats.queries, blocks.prefix_cache_stats.hits = counted
 
 
 @dataclass
@@ -101,11 +119,10 @@ class KVCacheManager:
     def __init__(self, num_blocks: int, block_size: int = 16, enable_prefix_caching: bool = True) -> None:
         if num_blocks < 1 or block_size < 1:
             raise ValueError(f"num_blocks and block_size must be >= 1, got {num_blocks} and {block_size}")
-        self.num_blocks, self.block_size = num_blocks, block_size
-        self.enable_prefix_caching = enable_prefix_caching
+        self.num_blocks, self.block_size, self.enable_prefix_caching = num_blocks, block_size, enable_prefix_caching
         self.block_pool = BlockPool(num_blocks)
         self._seqs: dict[object, _SeqBlocks] = {}
-        self.cache_queries = self.cache_hits = 0  # in blocks
+        self.prefix_cache_stats = PrefixCacheStats()
 
     # --- capacity -------------------------------------------------------------------------------------
 
@@ -117,9 +134,6 @@ class KVCacheManager:
     @property
     def num_cached_blocks(self) -> int:
         return self.block_pool.num_cached_blocks
-
-    def blocks_needed(self, num_tokens: int) -> int:
-        return math.ceil(num_tokens / self.block_size)
 
     def block_table(self, seq_id: object) -> list[int]:
         return self._seqs[seq_id].table
@@ -155,7 +169,7 @@ class KVCacheManager:
     def can_allocate(self, token_ids: list[int], use_cache: bool = True) -> bool:
         hits = self._lookup_prefix(token_ids, use_cache)
         reusable_free = sum(1 for b in hits if self.block_pool.blocks[b].ref_count == 0)
-        return self.blocks_needed(len(token_ids)) - len(hits) <= self.num_free_blocks - reusable_free
+        return cdiv(len(token_ids), self.block_size) - len(hits) <= self.num_free_blocks - reusable_free
 
     def allocate(self, seq_id: object, token_ids: list[int], use_cache: bool = True) -> int:
         """Give a new sequence blocks for its prompt. Returns how many prompt tokens are already cached
@@ -169,26 +183,26 @@ class KVCacheManager:
             raise MemoryError(f"not enough free KV blocks for {len(token_ids)} tokens")
         hits = self._lookup_prefix(token_ids, use_cache)
         if use_cache:  # a prompt that bypasses the cache made no lookup: it is not cache traffic
-            self.cache_queries += len(token_ids) // self.block_size
-        self.cache_hits += len(hits)
+            self.prefix_cache_stats.queries += len(token_ids) // self.block_size
+        self.prefix_cache_stats.hits += len(hits)
         seq = _SeqBlocks()
         for bid in hits:
             self.block_pool.touch(bid)
             seq.table.append(bid)
             seq.hashes.append(self.block_pool.blocks[bid].block_hash)  # type: ignore[arg-type]
-        for _ in range(self.blocks_needed(len(token_ids)) - len(hits)):
+        for _ in range(cdiv(len(token_ids), self.block_size) - len(hits)):
             seq.table.append(self.block_pool.get_new_block())
         self._seqs[seq_id] = seq
         return len(hits) * self.block_size
 
     def can_append(self, seq_id: object, num_tokens: int) -> bool:
         """Whether the sequence can grow to ``num_tokens`` tokens with the blocks that are free now."""
-        return self.blocks_needed(num_tokens) - len(self._seqs[seq_id].table) <= self.num_free_blocks
+        return cdiv(num_tokens, self.block_size) - len(self._seqs[seq_id].table) <= self.num_free_blocks
 
     def append_slots(self, seq_id: object, num_tokens: int) -> None:
         """Grow the sequence's table to hold ``num_tokens`` tokens (call ``can_append`` first)."""
         seq = self._seqs[seq_id]
-        missing = self.blocks_needed(num_tokens) - len(seq.table)
+        missing = cdiv(num_tokens, self.block_size) - len(seq.table)
         if missing > self.num_free_blocks:
             raise MemoryError(f"not enough free KV blocks to grow {seq_id!r} to {num_tokens} tokens")
         for _ in range(missing):
@@ -197,7 +211,7 @@ class KVCacheManager:
     def truncate(self, seq_id: object, num_tokens: int) -> None:
         """Shrink a sequence to ``num_tokens`` tokens (speculative rollback), freeing emptied blocks."""
         seq = self._seqs[seq_id]
-        keep = self.blocks_needed(num_tokens)
+        keep = cdiv(num_tokens, self.block_size)
         if num_tokens % self.block_size and keep <= len(seq.table):
             # The new last block is cut in the middle and will be written again: it must be this
             # sequence's alone, and it no longer holds the tokens its cache entry promises.
@@ -257,18 +271,6 @@ class KVCacheManager:
         seq = self._seqs.pop(seq_id)
         for bid in reversed(seq.table):
             self.block_pool.free_block(bid)
-
-    @contextmanager
-    def scratch(self, seq_id: object, token_ids: list[int]) -> Iterator[None]:
-        """Blocks for a throw-away sequence (start-up calibration passes), freed on exit. Its prefix-cache
-        lookups are not counted: they are not traffic the hit rate should report."""
-        counters = self.cache_queries, self.cache_hits
-        self.allocate(seq_id, token_ids)
-        try:
-            yield
-        finally:
-            self.free(seq_id)
-            self.cache_queries, self.cache_hits = counters
 
     def check_invariants(self) -> None:
         """Every block is in exactly one state and reference counts match the tables (used by tests)."""

@@ -51,6 +51,7 @@ from typing import TYPE_CHECKING, Protocol
 
 import torch
 
+from minifer.core.kv_cache_manager import cdiv, scratch_sequence
 from minifer.engine.core import StepParts, engine_step
 from minifer.engine.spec_step import speculative_step
 from minifer.engine.speculative import Proposal, Speculator, decoding_rows
@@ -241,12 +242,12 @@ def calibrate_decode(runner, table: CostTable, max_tokens: int = 128, context: i
     ctx = min(context, blocks.block_size * blocks.num_free_blocks - 1)
     if ctx < 1:
         return  # not even two tokens fit: the table keeps its prior, refreshed by real steps
-    while 2 * n <= max_tokens and 2 * n * blocks.blocks_needed(ctx + 1) <= blocks.num_free_blocks:
+    while 2 * n <= max_tokens and 2 * n * cdiv(ctx + 1, blocks.block_size) <= blocks.num_free_blocks:
         n *= 2
     ids = [f"__calibrate{i}__" for i in range(n)]
     with ExitStack() as stack:
         for i, rid in enumerate(ids):  # distinct tokens: no prefix-cache sharing between them
-            stack.enter_context(blocks.scratch(rid, [i + 1] * (ctx + 1)))
+            stack.enter_context(scratch_sequence(blocks, rid, [i + 1] * (ctx + 1)))
         m = 1
         while m <= n:
             timed_forward(runner, ids[:m], [ctx] * m, [[0]] * m)  # warm-up

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 import torch
 
 from minifer.attention.backends.paged import PagedAttentionBackend, PagedKVCache
-from minifer.core.kv_cache_manager import KVCacheManager
+from minifer.core.kv_cache_manager import KVCacheManager, scratch_sequence
 from minifer.core.sched.scheduler import ScheduledBatch, Scheduler, SchedulerConfig
 from minifer.engine.adaptive_k import build_adaptive_speculator
 from minifer.engine.components import Components
@@ -171,7 +171,7 @@ class LLMEngine:
                              "tokenizer to encode it: use kv_cache_scales='token'")
         blocks = self.kv_cache_manager
         ids = list(self.tokenizer(CALIBRATION_TEXT)["input_ids"])[: blocks.block_size * blocks.num_free_blocks]
-        with blocks.scratch("__kv_calibrate__", ids):
+        with scratch_sequence(blocks, "__kv_calibrate__", ids):
             self.kv_cache.calibrate_scales(lambda: self.runner.forward(["__kv_calibrate__"], [0], [ids], [1]))
 
     # --- requests ---------------------------------------------------------------------------------------
@@ -348,7 +348,7 @@ class LLMEngine:
             "kv_blocks_cached": bm.num_cached_blocks,
             "kv_utilization": stored / (in_use * bm.block_size) if in_use else 0.0,  # of the running requests' blocks
             "num_preemptions": self.scheduler.num_preemptions,
-            "prefix_cache_hit_rate": bm.cache_hits / bm.cache_queries if bm.cache_queries else 0.0,
+            "prefix_cache_hit_rate": bm.prefix_cache_stats.hits / max(bm.prefix_cache_stats.queries, 1),
             "num_running": len(self.scheduler.running),
             "num_waiting": self._num_waiting(),
             "kv_cache_dtype": self.kv_cache.kv_cache_dtype,

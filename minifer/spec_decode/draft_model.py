@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from minifer.attention.backends.paged import PagedKVCache
-from minifer.core.kv_cache_manager import KVCacheManager
+from minifer.core.kv_cache_manager import KVCacheManager, cdiv
 from minifer.models.llama import LlamaForCausalLM
 from minifer.request import Request
 from minifer.spec_decode.metadata import Draft, draw_drafts, stack_probs
@@ -37,7 +37,7 @@ class DraftModelProposer:
     def _reserve(self, seq: Request, num_tokens: int) -> bool:
         rid = seq.request_id
         if not self.blocks.has_seq(rid):
-            if self.blocks.blocks_needed(num_tokens) > self.blocks.num_free_blocks:
+            if cdiv(num_tokens, self.blocks.block_size) > self.blocks.num_free_blocks:
                 return False
             self.blocks.allocate(rid, seq.token_slice(0, 1))
             self.computed[rid] = 0

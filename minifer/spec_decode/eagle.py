@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from minifer.attention.backends.paged import AttentionGroup, PagedAttentionMetadata, PagedKVCache, slot_mapping
-from minifer.core.kv_cache_manager import KVBlockAllocator, KVCacheManager
+from minifer.core.kv_cache_manager import KVBlockAllocator, KVCacheManager, cdiv
 from minifer.request import Request
 from minifer.spec_decode.metadata import Draft, draw_drafts, stack_probs
 from minifer.worker.model_runner import ModelRunner
@@ -155,7 +155,7 @@ class EagleProposer:
             return False
         entries = n + k - 2 - self.base[rid]
         if not self.blocks.has_seq(rid):
-            if self.blocks.blocks_needed(entries) > self.blocks.num_free_blocks:
+            if cdiv(entries, self.blocks.block_size) > self.blocks.num_free_blocks:
                 return False
             self.blocks.allocate(rid, seq.token_slice(0, 1))
         if not self.blocks.can_append(rid, entries):

@@ -8,7 +8,7 @@ from hypothesis import strategies as st
 
 import minifer.core.kv_cache_manager as bm
 from minifer_course.block_order import fifo_manager
-from minifer.core.kv_cache_manager import KVCacheManager
+from minifer.core.kv_cache_manager import KVCacheManager, cdiv, scratch_sequence
 
 pytestmark = pytest.mark.core  # the fast tier (tests/README.md)
 
@@ -194,7 +194,7 @@ def test_random_workloads_leak_nothing(cls, ops, block_size, num_blocks, caching
                     pass
         m.check_invariants()
         for sid, t in tokens.items():
-            assert len(m.block_table(sid)) >= m.blocks_needed(len(t))
+            assert len(m.block_table(sid)) >= cdiv(len(t), m.block_size)
     for sid in list(tokens):
         m.free(sid)
     m.check_invariants()
@@ -205,13 +205,15 @@ def test_random_workloads_leak_nothing(cls, ops, block_size, num_blocks, caching
 def test_scratch_sequence_is_freed_and_not_counted_as_cache_traffic():
     m = KVCacheManager(8, 4, enable_prefix_caching=True)
     m.allocate("a", list(range(8)))
-    before = m.num_free_blocks, m.cache_queries, m.cache_hits
+    m.register_computed("a", list(range(8)))
+    stats = m.prefix_cache_stats
+    before = m.num_free_blocks, stats.queries, stats.hits
     with pytest.raises(RuntimeError):
-        with m.scratch("__scratch__", list(range(8))):  # the same tokens: a prefix-cache hit
-            assert m.has_seq("__scratch__")
+        with scratch_sequence(m, "__scratch__", list(range(8))):  # the same tokens: a prefix-cache hit
+            assert m.has_seq("__scratch__") and stats.hits == 1
             raise RuntimeError("a failed calibration pass")
     assert not m.has_seq("__scratch__")
-    assert (m.num_free_blocks, m.cache_queries, m.cache_hits) == before
+    assert (m.num_free_blocks, stats.queries, stats.hits) == before
 
 
 def test_lowest_free_block_goes_out_first_whatever_the_order_blocks_came_back_in():

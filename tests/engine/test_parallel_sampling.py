@@ -72,9 +72,9 @@ def test_siblings_wait_for_the_prompt_then_share_its_blocks():
     first, *siblings = group.seqs
     engine.step()  # the first completion computes the whole prompt and samples its first token
     assert group.pending == [] and list(engine.scheduler.waiting) == siblings
-    hits = bm.cache_hits
+    hits = bm.prefix_cache_stats.hits
     engine.step()  # the siblings join: their prompt's full blocks come from the cache, not from a forward
-    assert bm.cache_hits - hits == 3 * SHARED
+    assert bm.prefix_cache_stats.hits - hits == 3 * SHARED
     shared = bm.block_table("0_g")[:SHARED]
     for s in siblings:
         assert bm.block_table(s.request_id)[:SHARED] == shared

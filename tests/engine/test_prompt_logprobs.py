@@ -50,12 +50,12 @@ def test_prefix_cache_is_bypassed_but_still_filled(hf_target):
     llm = minifer.LLM("tinystories-target", dtype="float32", device="cpu", block_size=4)
     greedy = SamplingParams(temperature=0, max_tokens=2)
     llm.generate(STORIES[:1], greedy, use_tqdm=False)  # caches the story's blocks
-    hits = llm.engine.kv_cache_manager.cache_hits
+    hits = llm.engine.kv_cache_manager.prefix_cache_stats.hits
     out = llm.generate(STORIES[:1], SamplingParams(temperature=0, max_tokens=2, prompt_logprobs=0), use_tqdm=False)[0]
-    assert llm.engine.kv_cache_manager.cache_hits == hits  # computed every position, no hit
+    assert llm.engine.kv_cache_manager.prefix_cache_stats.hits == hits  # computed every position, no hit
     assert_matches_hf(out, hf_target, 0)
     llm.generate(STORIES[:1], greedy, use_tqdm=False)
-    assert llm.engine.kv_cache_manager.cache_hits > hits  # and a plain request still hits the cache
+    assert llm.engine.kv_cache_manager.prefix_cache_stats.hits > hits  # and a plain request still hits the cache
 
 
 def test_preemption_parallel_sampling_and_speculation(hf_target):
@@ -128,7 +128,7 @@ def test_limits_and_cache_statistics():
                              use_tqdm=False)[0].prompt_logprobs[2]) >= 30
     bm = llm.engine.kv_cache_manager
     llm.generate(STORIES[:1], SamplingParams(max_tokens=1, prompt_logprobs=0), use_tqdm=False)
-    assert bm.cache_queries == 0  # it bypassed the cache: no lookup was made, none is counted
+    assert bm.prefix_cache_stats.queries == 0  # it bypassed the cache: no lookup was made, none is counted
 
 
 def test_greedy_speculation_takes_the_biased_argmax_in_float32():

@@ -291,7 +291,7 @@ def test_calibration_times_decode_shaped_forwards_and_frees_its_blocks():
     spec, blocks = llm.engine.speculator.adaptive, llm.engine.kv_cache_manager
     assert sorted(spec.target_cost.samples) == [1, 2, 4, 8, 16, 32, 64, 128]
     assert all(len(w) == 3 for w in spec.target_cost.samples.values())
-    assert blocks.num_free_blocks == blocks.num_blocks and blocks.cache_queries == 0
+    assert blocks.num_free_blocks == blocks.num_blocks and blocks.prefix_cache_stats.queries == 0
     small = LLM("tinystories-target", speculative_config=NGRAM, num_kv_blocks=40)  # 5 blocks per scratch sequence
     assert sorted(small.engine.speculator.adaptive.target_cost.samples) == [1, 2, 4, 8]
 

@@ -25,7 +25,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
-from minifer.core.kv_cache_manager import KVBlockAllocator
+from minifer.core.kv_cache_manager import KVBlockAllocator, cdiv
 from minifer.request import Request, RequestStatus
 
 if TYPE_CHECKING:
@@ -127,7 +127,7 @@ class Scheduler:
 
     def check_fits(self, seq: Request) -> None:
         """Reject up front a request that could never run, instead of letting it wait forever."""
-        need = self.blocks.blocks_needed(len(seq.prompt_token_ids) + seq.max_tokens)
+        need = cdiv(len(seq.prompt_token_ids) + seq.max_tokens, self.blocks.block_size)
         if need > self.blocks.num_blocks:
             raise ValueError(f"request {seq.request_id!r} needs up to {need} KV blocks "
                              f"({len(seq.prompt_token_ids)} prompt + {seq.max_tokens} output tokens) but the whole "

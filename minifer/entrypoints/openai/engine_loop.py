@@ -148,10 +148,10 @@ class EngineLoop:
                 self._finish(rid)
             return
         if kind == "stats":
+            traffic = self.engine.kv_cache_manager.prefix_cache_stats
             answer.set_result({**self.engine.stats(), "prompt_tokens": self.prompt_tokens,
                                "generation_tokens": self.generation_tokens,
-                               "prefix_cache_queries_blocks": self.engine.kv_cache_manager.cache_queries,
-                               "prefix_cache_hits_blocks": self.engine.kv_cache_manager.cache_hits,
+                               "prefix_cache_queries_blocks": traffic.queries, "prefix_cache_hits_blocks": traffic.hits,
                                "block_size": self.engine.kv_cache_manager.block_size,
                                **({"spec_num_drafts": self.engine.speculator.stats.num_verifies}
                                   if self.engine.speculator is not None else {})})
