@@ -25,8 +25,7 @@ The source is a Python file in the "percent" format (the one jupytext and VS Cod
         ...the answer...
         ### END SOLUTION
 
-    # %%
-    # NBVAL_CHECK_OUTPUT
+    # %% nbval-check-output
     from minifer_course.grading.building_blocks import check_rms_norm
     check_rms_norm(rms_norm)
 
@@ -39,11 +38,11 @@ Markers (nbgrader's), each alone on its line, in code or markdown cells:
 * ``### BEGIN STUB`` / ``### END STUB``: exercise-only lines. Directly after a solution block they replace
   the default stub (a skeleton to fill in, a hint); anywhere else they are simply dropped from the solution.
 
-A cell header may add ``exercise-only`` or ``solution-only`` after ``# %%`` / ``# %% [markdown]``.
-Everything before the first ``# %%`` is a note for authors and is not copied. A code cell whose first
-line is ``# NBVAL_CHECK_OUTPUT`` is a check cell: it must print a deterministic report (graders in
-``minifer_course.grading``), the solution must pass it and the untouched exercise must fail it
-(``tests/course/test_exercises.py``).
+A cell header may add ``exercise-only`` or ``solution-only`` after ``# %%`` / ``# %% [markdown]``, and a code
+cell's header ``nbval-check-output``: the cell gets that tag, which makes it a check cell. It must print a
+deterministic report (graders in ``minifer_course.grading``) that nbval compares; the solution must pass it and the
+untouched exercise must fail it (``tests/course/test_exercises.py``). Everything before the first ``# %%`` is a note
+for authors and is not copied.
 
 The output is deterministic: cell ids are ``cell-<index in the source>``, notebook metadata is fixed, no
 timings are recorded, and a solutions notebook whose source did not change is not re-executed.
@@ -67,7 +66,7 @@ SOURCE_DIR = ROOT / "exercises" / "source"
 EXERCISE_DIR = ROOT / "exercises"
 SOLUTION_DIR = ROOT / "solutions"
 
-CHECK_TAG = "# NBVAL_CHECK_OUTPUT"
+CHECK_TAG = "nbval-check-output"  # nbval's cell tag: compare this cell's output (under --nbval-lax)
 BEGIN_SOLUTION, END_SOLUTION = "### BEGIN SOLUTION", "### END SOLUTION"
 BEGIN_STUB, END_STUB = "### BEGIN STUB", "### END STUB"
 _MARKERS = (BEGIN_SOLUTION, END_SOLUTION, BEGIN_STUB, END_STUB)
@@ -89,6 +88,7 @@ class SourceCell:
     kind: str  # "code" or "markdown"
     lines: list[str]  # markdown already uncommented
     only: str | None  # None, "exercise" or "solution"
+    check: bool  # a check cell: tagged CHECK_TAG
     index: int  # position among the source's cells: the cell id in both notebooks
     lineno: int  # 1-based line of the cell's first body line, for error messages
 
@@ -103,8 +103,8 @@ def parse_source(text: str, origin: str = "<source>") -> list[SourceCell]:
     for lineno, line in enumerate(text.splitlines(), start=1):
         m = _CELL_RE.match(line)
         if m:
-            kind, only = _parse_header(m["rest"], f"{origin}:{lineno}")
-            current = SourceCell(kind=kind, lines=[], only=only, index=len(cells), lineno=lineno + 1)
+            kind, only, check = _parse_header(m["rest"], f"{origin}:{lineno}")
+            current = SourceCell(kind=kind, lines=[], only=only, check=check, index=len(cells), lineno=lineno + 1)
             cells.append(current)
             continue
         if current is None:
@@ -127,18 +127,21 @@ def parse_source(text: str, origin: str = "<source>") -> list[SourceCell]:
     return cells
 
 
-def _parse_header(rest: str, where: str) -> tuple[str, str | None]:
+def _parse_header(rest: str, where: str) -> tuple[str, str | None, bool]:
     words = rest.split()
     kind = "code"
     if words and words[0] == "[markdown]":
         kind, words = "markdown", words[1:]
-    only = None
+    only, check = None, False
     for word in words:
-        if word not in _FLAGS or only is not None:
+        if word == CHECK_TAG and kind == "code" and not check:
+            check = True
+        elif word not in _FLAGS or only is not None:
             raise SourceError(f"{where}: unexpected {word!r} in the cell header (allowed: [markdown], "
-                              f"{', '.join(_FLAGS)})")
-        only = _FLAGS[word]
-    return kind, only
+                              f"{', '.join(_FLAGS)}, and {CHECK_TAG} on a code cell)")
+        else:
+            only = _FLAGS[word]
+    return kind, only, check
 
 
 def _blocks(cell: SourceCell, origin: str) -> list[tuple[str, int, int]]:
@@ -226,6 +229,8 @@ def build_notebook(cells: list[SourceCell], variant: str, origin: str) -> Notebo
             continue
         new = new_markdown_cell(text) if cell.kind == "markdown" else new_code_cell(text)
         new.id = f"cell-{cell.index:02d}"
+        if cell.check:
+            new.metadata["tags"] = [CHECK_TAG]
         nb.cells.append(new)
     nbformat.validate(nb)
     return nb
@@ -238,7 +243,7 @@ def notebook_metadata(origin: str, variant: str) -> dict:
 
 
 def is_check_cell(cell: NotebookNode) -> bool:
-    return cell.cell_type == "code" and cell.source.lstrip().startswith(CHECK_TAG)
+    return cell.cell_type == "code" and CHECK_TAG in cell.get("metadata", {}).get("tags", [])
 
 
 # --- execution, comparison, files -----------------------------------------------------------------
@@ -338,7 +343,7 @@ class Exercise:
         cells = self.cells()
         nbs = {v: build_notebook(cells, v, self.origin) for v in VARIANTS}
         if not any(is_check_cell(c) for c in nbs["solution"].cells):
-            raise SourceError(f"{self.origin}: no check cell (a code cell starting with {CHECK_TAG!r})")
+            raise SourceError(f"{self.origin}: no check cell (a code cell tagged {CHECK_TAG!r})")
         return nbs
 
 

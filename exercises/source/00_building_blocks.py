@@ -67,8 +67,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     ### END SOLUTION
 
 
-# %%
-# NBVAL_CHECK_OUTPUT
+# %% nbval-check-output
 from minifer_course.grading.building_blocks import check_rms_norm
 
 check_rms_norm(rms_norm)
@@ -85,8 +84,7 @@ check_rms_norm(rms_norm)
 # request by request, and transformers' for the first two prompts. A piece that fails its checks never reaches
 # the engine: the cell stops with the grader's hint instead.
 
-# %%
-# NBVAL_CHECK_OUTPUT
+# %% nbval-check-output
 from minifer_course.grading.engine import check_in_engine
 
 check_in_engine("rms_norm", rms_norm)
@@ -129,8 +127,7 @@ def rope_inv_freq(head_dim: int, theta: float) -> torch.Tensor:
     ### END SOLUTION
 
 
-# %%
-# NBVAL_CHECK_OUTPUT
+# %% nbval-check-output
 from minifer_course.grading.building_blocks import check_rope_inv_freq
 
 check_rope_inv_freq(rope_inv_freq)
@@ -145,8 +142,7 @@ check_rope_inv_freq(rope_inv_freq)
 # saves your function for the capstone, grades it again, serves 8 greedy requests and compares the tokens with the
 # reference engine's and transformers'.
 
-# %%
-# NBVAL_CHECK_OUTPUT
+# %% nbval-check-output
 from minifer_course.grading.engine import check_in_engine
 
 check_in_engine("rope_inv_freq", rope_inv_freq)
@@ -190,8 +186,7 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     ### END SOLUTION
 
 
-# %%
-# NBVAL_CHECK_OUTPUT
+# %% nbval-check-output
 from minifer_course.grading.building_blocks import check_apply_rotary
 
 check_apply_rotary(apply_rotary)
@@ -208,8 +203,7 @@ check_apply_rotary(apply_rotary)
 # request, and transformers' for the first two prompts. A piece that fails its checks never
 # reaches the engine: the cell stops with the grader's hint instead.
 
-# %%
-# NBVAL_CHECK_OUTPUT
+# %% nbval-check-output
 from minifer_course.grading.engine import check_in_engine
 
 check_in_engine("apply_rotary", apply_rotary)
@@ -262,8 +256,7 @@ def top_p_mask(logits: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
     ### END SOLUTION
 
 
-# %%
-# NBVAL_CHECK_OUTPUT
+# %% nbval-check-output
 from minifer_course.grading.building_blocks import check_top_p
 
 check_top_p(top_p_mask)
@@ -278,8 +271,7 @@ check_top_p(top_p_mask)
 # minifer's sampler in place of `apply_top_p`, so the same seeds must draw the same tokens. Its tokens must be the reference engine's, request by request. A piece that fails its checks never
 # reaches the engine: the cell stops with the grader's hint instead.
 
-# %%
-# NBVAL_CHECK_OUTPUT
+# %% nbval-check-output
 from minifer_course.grading.engine import check_in_engine
 
 check_in_engine("top_p_mask", top_p_mask)
@@ -345,8 +337,7 @@ def decoder_layer(layer, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, 
     ### END SOLUTION
 
 
-# %%
-# NBVAL_CHECK_OUTPUT
+# %% nbval-check-output
 from minifer_course.grading.building_blocks import check_decoder_layer
 
 check_decoder_layer(decoder_layer)
@@ -363,8 +354,7 @@ check_decoder_layer(decoder_layer)
 # be the reference engine's, request by request, and transformers' for the first two prompts. A piece that fails
 # its checks never reaches the engine: the cell stops with the grader's hint instead.
 
-# %%
-# NBVAL_CHECK_OUTPUT
+# %% nbval-check-output
 from minifer_course.grading.engine import check_in_engine
 
 check_in_engine("decoder_layer", decoder_layer)

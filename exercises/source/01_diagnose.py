@@ -78,8 +78,7 @@ def step_flops(cfg: ModelConfig, batch: int, new_tokens: int, context: int) -> f
     ### END SOLUTION
 
 
-# %%
-# NBVAL_CHECK_OUTPUT
+# %% nbval-check-output
 from minifer_course.grading.diagnose import check_step_flops
 
 check_step_flops(step_flops)
@@ -112,8 +111,7 @@ def step_bytes(cfg: ModelConfig, batch: int, new_tokens: int, context: int, dtyp
     ### END SOLUTION
 
 
-# %%
-# NBVAL_CHECK_OUTPUT
+# %% nbval-check-output
 from minifer_course.grading.diagnose import check_step_bytes
 
 check_step_bytes(step_bytes)
@@ -138,8 +136,7 @@ def roofline_bound(flops: float, bytes_moved: float, peak_flops: float, bandwidt
     ### END SOLUTION
 
 
-# %%
-# NBVAL_CHECK_OUTPUT
+# %% nbval-check-output
 from minifer_course.grading.diagnose import check_roofline_bound
 
 check_roofline_bound(roofline_bound)
@@ -226,8 +223,7 @@ def fit_step_cost(batches: list[int], seconds: list[float]) -> tuple[float, floa
     ### END SOLUTION
 
 
-# %%
-# NBVAL_CHECK_OUTPUT
+# %% nbval-check-output
 from minifer_course.grading.diagnose import check_fit_step_cost
 
 check_fit_step_cost(fit_step_cost)
@@ -249,8 +245,7 @@ def crossover_batch(t0: float, t1: float) -> float:
     ### END SOLUTION
 
 
-# %%
-# NBVAL_CHECK_OUTPUT
+# %% nbval-check-output
 from minifer_course.grading.diagnose import check_crossover_batch
 
 check_crossover_batch(crossover_batch)

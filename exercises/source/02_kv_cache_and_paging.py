@@ -77,8 +77,7 @@ def slot_mapping(block_table: list[int], positions: list[int], block_size: int) 
     ### END SOLUTION
 
 
-# %%
-# NBVAL_CHECK_OUTPUT
+# %% nbval-check-output
 from minifer_course.grading.paging import check_slot_mapping
 
 check_slot_mapping(slot_mapping)
@@ -137,8 +136,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     ### END SOLUTION
 
 
-# %%
-# NBVAL_CHECK_OUTPUT
+# %% nbval-check-output
 from minifer_course.grading.paging import check_paged_attention
 
 check_paged_attention(paged_attention)
@@ -155,8 +153,7 @@ check_paged_attention(paged_attention)
 # engine's, request by request, and transformers' for the first two prompts. A piece that fails its checks never
 # reaches the engine: the cell stops with the grader's hint instead.
 
-# %%
-# NBVAL_CHECK_OUTPUT
+# %% nbval-check-output
 from minifer_course.grading.engine import check_in_engine
 
 check_in_engine("paged_attention", paged_attention)
@@ -373,8 +370,7 @@ demo_prefix_cache(PrefixCachingAllocator)
 # `b` shares `a`'s two full blocks; after both are freed every block is free again, yet the two blocks of the
 # system prompt are still cached for the next request that starts with it.
 
-# %%
-# NBVAL_CHECK_OUTPUT
+# %% nbval-check-output
 from minifer_course.grading.paging import check_prefix_allocator
 
 check_prefix_allocator(PrefixCachingAllocator)
@@ -391,8 +387,7 @@ check_prefix_allocator(PrefixCachingAllocator)
 # first two prompts. A piece that fails its checks never reaches the engine: the cell stops with the grader's hint
 # instead.
 
-# %%
-# NBVAL_CHECK_OUTPUT
+# %% nbval-check-output
 from minifer_course.grading.engine import check_in_engine
 
 check_in_engine("PrefixCachingAllocator", PrefixCachingAllocator)
@@ -432,8 +427,7 @@ def parallel_sampling_blocks(prompt_len: int, output_len: int, n: int, block_siz
     ### END SOLUTION
 
 
-# %%
-# NBVAL_CHECK_OUTPUT
+# %% nbval-check-output
 from minifer_course.grading.paging import check_parallel_sampling_blocks
 
 check_parallel_sampling_blocks(parallel_sampling_blocks)
@@ -490,8 +484,7 @@ class ForkingAllocator(PrefixCachingAllocator):
         ### END SOLUTION
 
 
-# %%
-# NBVAL_CHECK_OUTPUT
+# %% nbval-check-output
 from minifer_course.grading.paging import check_forking_allocator
 
 check_forking_allocator(ForkingAllocator)
@@ -515,8 +508,7 @@ save(ForkingAllocator)
 # and a beam search of width 4 on 2 prompts (the beams fork through your `fork` and copy a shared block through your
 # `copy_on_write` before writing into it). Every completion and every beam must be the reference engine's.
 
-# %%
-# NBVAL_CHECK_OUTPUT
+# %% nbval-check-output
 from minifer_course.grading.forking_engine import check_forking_in_engine
 
 check_forking_in_engine(ForkingAllocator)

@@ -128,8 +128,7 @@ def schedule_step(running: list[Request], waiting: list[Request], free_blocks: i
     ### END STUB
 
 
-# %%
-# NBVAL_CHECK_OUTPUT
+# %% nbval-check-output
 from minifer_course.grading.batching import check_schedule_step
 
 check_schedule_step(schedule_step)
@@ -145,8 +144,7 @@ check_schedule_step(schedule_step)
 # tokens must be the reference engine's, request by request, and transformers' for the first two prompts. A piece
 # that fails its checks never reaches the engine: the cell stops with the grader's hint instead.
 
-# %%
-# NBVAL_CHECK_OUTPUT
+# %% nbval-check-output
 from minifer_course.grading.engine import check_in_engine
 
 check_in_engine("schedule_step", schedule_step)
@@ -202,8 +200,7 @@ def preempt(running: list[Request], waiting: deque[Request], blocks: KVBlockAllo
     ### END SOLUTION
 
 
-# %%
-# NBVAL_CHECK_OUTPUT
+# %% nbval-check-output
 from minifer_course.grading.batching import check_preempt
 
 check_preempt(preempt)
@@ -220,14 +217,12 @@ check_preempt(preempt)
 # preemptions, yours against minifer's. A piece that fails its checks never reaches the engine: the cell stops with
 # the grader's hint instead.
 
-# %%
-# NBVAL_CHECK_OUTPUT
+# %% nbval-check-output
 from minifer_course.grading.engine import check_in_engine
 
 check_in_engine("preempt", preempt)
 
-# %%
-# NBVAL_CHECK_OUTPUT
+# %% nbval-check-output
 from minifer_course.grading.batching import check_preemptions_in_engine
 
 check_preemptions_in_engine(preempt)
@@ -304,8 +299,7 @@ def update_from_output(self: Scheduler, batch: ScheduledBatch, sampled: list[Req
 # compares, after every step, what it returned, every sequence's tokens and computed count, who runs and who waits,
 # and the free and cached blocks.
 
-# %%
-# NBVAL_CHECK_OUTPUT
+# %% nbval-check-output
 from minifer_course.grading.batching import check_update_from_output
 
 check_update_from_output(update_from_output)
@@ -318,8 +312,7 @@ check_update_from_output(update_from_output)
 # `update_from_output` is yours (seam: the scheduler, `Components.scheduler`): every token of every request passes
 # through it, and must be the reference engine's, and transformers' for the first two prompts.
 
-# %%
-# NBVAL_CHECK_OUTPUT
+# %% nbval-check-output
 from minifer_course.grading.engine import check_in_engine
 
 check_in_engine("update_from_output", update_from_output)

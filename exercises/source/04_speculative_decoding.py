@@ -94,8 +94,7 @@ def verify_greedy(draft_tokens: list[list[int]], target_argmax: torch.Tensor) ->
     ### END SOLUTION
 
 
-# %%
-# NBVAL_CHECK_OUTPUT
+# %% nbval-check-output
 from minifer_course.grading.spec import check_verify_greedy
 
 check_verify_greedy(verify_greedy)
@@ -111,8 +110,7 @@ check_verify_greedy(verify_greedy)
 # engine's, request by request, and transformers' for the first two prompts. A piece that fails its checks never
 # reaches the engine: the cell stops with the grader's hint instead.
 
-# %%
-# NBVAL_CHECK_OUTPUT
+# %% nbval-check-output
 from minifer_course.grading.engine import check_in_engine
 
 check_in_engine("verify_greedy", verify_greedy)
@@ -190,8 +188,7 @@ def rejection_sample(draft_tokens: list[int], q: torch.Tensor, p: torch.Tensor,
 # the target's `p0(y0) · p1(y1 | y0)`? (A chi-squared test: it prints only pass or fail.) Last, it compares
 # your tokens with minifer's on the same seeds.
 
-# %%
-# NBVAL_CHECK_OUTPUT
+# %% nbval-check-output
 from minifer_course.grading.spec import check_rejection_sample
 
 check_rejection_sample(rejection_sample)
@@ -208,8 +205,7 @@ check_rejection_sample(rejection_sample)
 # request by request. A piece that fails its checks never reaches the engine: the cell stops with the grader's
 # hint instead.
 
-# %%
-# NBVAL_CHECK_OUTPUT
+# %% nbval-check-output
 from minifer_course.grading.engine import check_in_engine
 
 check_in_engine("rejection_sample", rejection_sample)
@@ -292,8 +288,7 @@ def ngram_propose(token_ids: list[int], k: int, prompt_lookup_max: int, prompt_l
     ### END SOLUTION
 
 
-# %%
-# NBVAL_CHECK_OUTPUT
+# %% nbval-check-output
 from minifer_course.grading.spec import check_ngram_propose
 
 check_ngram_propose(ngram_propose)
@@ -309,8 +304,7 @@ check_ngram_propose(ngram_propose)
 # engine's, request by request, and transformers' for the first two prompts. A piece that fails its checks never
 # reaches the engine: the cell stops with the grader's hint instead.
 
-# %%
-# NBVAL_CHECK_OUTPUT
+# %% nbval-check-output
 from minifer_course.grading.engine import check_in_engine
 
 check_in_engine("ngram_propose", ngram_propose)
@@ -420,8 +414,7 @@ def rollback(token_ids: list[int], k: int, accepted: int, target: KVView, draft:
     ### END SOLUTION
 
 
-# %%
-# NBVAL_CHECK_OUTPUT
+# %% nbval-check-output
 from minifer_course.grading.spec_step import check_rollback
 
 check_rollback(rollback)
@@ -436,8 +429,7 @@ check_rollback(rollback)
 # with your other pieces. In the engine, the same cut is `Speculator.rollback` (`minifer/engine/speculative.py`): the
 # allocator's `truncate` and the proposer's `rollback`.
 
-# %%
-# NBVAL_CHECK_OUTPUT
+# %% nbval-check-output
 from minifer_course.grading.engine import check_on_its_own
 
 check_on_its_own("rollback", rollback)
@@ -491,8 +483,7 @@ def eagle_forward(head, features: torch.Tensor, input_ids: torch.Tensor, positio
 # cache, and how often its greedy draft is the target's next token. A wrong output is compared with the classic
 # mistakes' (the concatenation order, the missing norm, the fusion or the layer skipped) to name the one made.
 
-# %%
-# NBVAL_CHECK_OUTPUT
+# %% nbval-check-output
 from minifer_course.grading.spec_step import check_eagle_forward
 
 check_eagle_forward(eagle_forward)
@@ -508,8 +499,7 @@ check_eagle_forward(eagle_forward)
 # verifies, so the output is right either way. What a wrong head changes is how many drafts are accepted, so
 # the cell also compares your engine's acceptance rate with that of minifer's head on the same requests.
 
-# %%
-# NBVAL_CHECK_OUTPUT
+# %% nbval-check-output
 from minifer_course.grading.engine import check_in_engine
 
 check_in_engine("eagle_forward", eagle_forward)

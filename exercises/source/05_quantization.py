@@ -134,8 +134,7 @@ def quantize_int4_groupwise(w: torch.Tensor, group_size: int, symmetric: bool):
     ### END SOLUTION
 
 
-# %%
-# NBVAL_CHECK_OUTPUT
+# %% nbval-check-output
 from minifer_course.grading.quant import check_quantize_int4
 
 check_quantize_int4(quantize_int4_groupwise)
@@ -152,8 +151,7 @@ check_quantize_int4(quantize_int4_groupwise)
 # answers a log-probability) the two may differ by float rounding only. A function that fails its checks never
 # reaches the engine: the cell stops with the grader's hint.
 
-# %%
-# NBVAL_CHECK_OUTPUT
+# %% nbval-check-output
 from minifer_course.grading.quant_engine import check_quant_in_engine
 
 check_quant_in_engine("quantize_int4_groupwise", quantize_int4_groupwise)
@@ -229,8 +227,7 @@ def quantize_linears(model, quantize, group_size=128, symmetric=True, kernel=Non
     ### END SOLUTION
 
 
-# %%
-# NBVAL_CHECK_OUTPUT
+# %% nbval-check-output
 from minifer_course.grading.quant_load import check_quantize_linears
 
 check_quantize_linears(quantize_linears)
@@ -242,8 +239,7 @@ check_quantize_linears(quantize_linears)
 # applies to the loaded model before it serves (no engine seam; minifer's quantizer and kernel around it): the tokens
 # must be minifer's int4 engine's.
 
-# %%
-# NBVAL_CHECK_OUTPUT
+# %% nbval-check-output
 check_quant_in_engine("quantize_linears", quantize_linears)
 
 # %% [markdown]
@@ -370,8 +366,7 @@ def int4_matmul(x, packed, scales, zeros, group_size, out, BLOCK_M=16, BLOCK_N=1
 # `K` not a multiple of `BLOCK_K`, two row tiles), symmetric and asymmetric, against `quant_linear_reference`,
 # minifer's plain-PyTorch `x @ dequantize(W)^T`.
 
-# %%
-# NBVAL_CHECK_OUTPUT
+# %% nbval-check-output
 from minifer_course.grading.quant import check_int4_matmul_kernel
 
 check_int4_matmul_kernel(int4_matmul)
@@ -386,8 +381,7 @@ check_int4_matmul_kernel(int4_matmul)
 # step would take ten times longer) and the cell takes a minute or so. The tokens must be minifer's int4 engine's,
 # and teacher-forced log-probabilities may differ by float32 rounding only (your kernel sums in another order).
 
-# %%
-# NBVAL_CHECK_OUTPUT
+# %% nbval-check-output
 check_quant_in_engine("int4_matmul", int4_matmul)
 
 # %% [markdown]
@@ -396,8 +390,7 @@ check_quant_in_engine("int4_matmul", int4_matmul)
 # Your quantizer makes the bytes, your load step puts them in the model, your kernel multiplies by them: the
 # engine's whole int4 path is yours (the capstone runs this cell again beside your other pieces).
 
-# %%
-# NBVAL_CHECK_OUTPUT
+# %% nbval-check-output
 from minifer_course.grading.quant_engine import check_int4_engine
 
 check_int4_engine()
@@ -454,8 +447,7 @@ def perplexity(model_fn, token_ids: torch.Tensor, window: int) -> float:
 # The check uses a synthetic model first (a bigram table plus a bias per position, so that where a window
 # starts matters, as it does for a real model), then the bundled model against `minifer.eval.perplexity`.
 
-# %%
-# NBVAL_CHECK_OUTPUT
+# %% nbval-check-output
 from minifer_course.grading.quant import check_perplexity
 
 check_perplexity(perplexity)

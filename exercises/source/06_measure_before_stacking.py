@@ -68,8 +68,7 @@ def kv_blocks(memory: int, weight_bytes: int, block_bytes: int) -> int:
     ### END SOLUTION
 
 
-# %%
-# NBVAL_CHECK_OUTPUT
+# %% nbval-check-output
 from minifer_course.grading.stacking import check_kv_blocks
 
 check_kv_blocks(kv_blocks)
@@ -147,8 +146,7 @@ def lever_analysis(gain: dict[frozenset, float]) -> dict:
     ### END SOLUTION
 
 
-# %%
-# NBVAL_CHECK_OUTPUT
+# %% nbval-check-output
 from minifer_course.grading.stacking import check_lever_analysis
 
 check_lever_analysis(lever_analysis)
@@ -229,8 +227,7 @@ def interleaved_speedups(run_a, run_b, rounds: int) -> list[float]:
     ### END SOLUTION
 
 
-# %%
-# NBVAL_CHECK_OUTPUT
+# %% nbval-check-output
 from minifer_course.grading.measure import check_interleaved_speedups
 
 check_interleaved_speedups(interleaved_speedups)
@@ -246,8 +243,7 @@ def relative_spread(values: list[float]) -> float:
     ### END SOLUTION
 
 
-# %%
-# NBVAL_CHECK_OUTPUT
+# %% nbval-check-output
 from minifer_course.grading.measure import check_relative_spread
 
 check_relative_spread(relative_spread)
@@ -272,8 +268,7 @@ def median_ci(values: list[float], level: float = 0.95, seed: int = 0) -> tuple[
     ### END SOLUTION
 
 
-# %%
-# NBVAL_CHECK_OUTPUT
+# %% nbval-check-output
 from minifer_course.grading.measure import check_median_ci
 
 check_median_ci(median_ci)
@@ -295,8 +290,7 @@ def noise_verdict(speedups: list[float], aa_speedups: list[float], level: float 
     ### END SOLUTION
 
 
-# %%
-# NBVAL_CHECK_OUTPUT
+# %% nbval-check-output
 from minifer_course.grading.measure import check_noise_verdict
 
 check_noise_verdict(noise_verdict)

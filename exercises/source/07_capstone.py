@@ -60,8 +60,7 @@ SOLUTION = False  # True: minifer's pieces fill the gaps
 # %% solution-only
 SOLUTION = True  # the solved twin runs whatever the solution notebooks saved, minifer's pieces filling any gap
 
-# %%
-# NBVAL_CHECK_OUTPUT
+# %% nbval-check-output
 from minifer_course.grading.engine import check_capstone
 
 check_capstone(solution=SOLUTION)
@@ -100,8 +99,7 @@ capstone_throughput(solution=SOLUTION)
 # Triton's interpreter, so the batch is small (4 requests of 8 tokens) and the cell takes a minute or so.
 # `SOLUTION` works here too.
 
-# %%
-# NBVAL_CHECK_OUTPUT
+# %% nbval-check-output
 from minifer_course.grading.quant_engine import check_int4_engine, print_int4_origins
 
 check_int4_engine(solution=SOLUTION)

@@ -133,8 +133,7 @@ def f(x):
 # %% solution-only
 print("only in the solution")
 
-# %%
-# NBVAL_CHECK_OUTPUT
+# %% nbval-check-output
 print(f(1))
 '''
 

@@ -73,3 +73,17 @@ def test_appendix_is_linked_from_its_chapter(path):
     chapter = next(NOTEBOOKS.glob(f"{path.stem.split('_')[1]}_*.ipynb"))
     assert any(path.name in _text(c) for c in _cells(chapter)), f"{chapter.name} does not link {path.name}"
     assert (ROOT / "Makefile").read_text().count("NOTEBOOKS = notebooks"), "nbval runs over the notebooks folder"
+
+
+NBVAL_TAGS = {"nbval-check-output", "nbval-ignore-output", "nbval-skip", "nbval-raises-exception"}
+
+
+@pytest.mark.parametrize("path", sorted([*NOTEBOOKS.rglob("*.ipynb"), *(ROOT / "exercises").glob("*.ipynb"),
+                                         *(ROOT / "solutions").glob("*.ipynb")]), ids=lambda p: p.name)
+def test_nbval_markers_are_cell_tags_not_comments(path):
+    """A learner reads the cell, not the test harness: nbval's markers live in the cell's tags."""
+    for i, cell in enumerate(_cells(path)):
+        if cell["cell_type"] == "code":
+            assert not re.search(r"#\s*NBVAL_", _text(cell)), f"{path.name} cell {i}: an nbval comment, use a tag"
+            unknown = {t for t in cell["metadata"].get("tags", []) if t.startswith("nbval")} - NBVAL_TAGS
+            assert not unknown, f"{path.name} cell {i}: {unknown} is not one of nbval's tags"
