@@ -299,13 +299,15 @@ piece_throughput("top_p_mask", top_p_mask)
 # * `layer.self_attn.qkv_proj`: **one** linear layer for queries, keys and values (one big matmul runs faster
 #   than three); split its output as `[q_size, kv_size, kv_size]` and view each part as
 #   `[tokens, heads, head_dim]` (`num_heads` for queries, `num_kv_heads` for keys and values: grouped-query
-#   attention);
+#   attention). The sizes are attributes of the attention module: `att = layer.self_attn` has `att.q_size`
+#   (`num_heads * head_dim`), `att.kv_size` (`num_kv_heads * head_dim`), `att.num_heads`, `att.num_kv_heads` and
+#   `att.head_dim`;
 # * Qwen3 only: `layer.self_attn.q_norm` / `k_norm` (not None), an RMSNorm over each head's `head_dim`, before RoPE;
 # * RoPE on queries and keys, then `attn.attend(layer.self_attn.layer_idx, q, k, v)`: the attention backend
 #   stores this step's keys and values in its KV cache and returns `[tokens, num_heads, head_dim]`;
 # * `layer.self_attn.o_proj` on the attention output flattened back to `[tokens, q_size]`;
 # * `layer.mlp.gate_up_proj`: gate and up projections fused; split at `intermediate_size`, then SwiGLU:
-#   `down_proj(silu(gate) * up)`.
+#   `down_proj(silu(gate) * up)`, where `mlp = layer.mlp` holds `mlp.intermediate_size`.
 #
 # Your function has the signature of `DecoderLayer.forward` (`layer` is its `self`), so it drops in as the layer's
 # `forward`. Normalise and rotate with the layer's own modules (`layer.input_layernorm(x)`, `att.q_norm(q)`, ...,

@@ -115,7 +115,7 @@ print_int4_origins()
 # %%
 from minifer_course.grading.quant_engine import int4_throughput
 
-int4_throughput(solution=SOLUTION)
+ratio = int4_throughput(solution=SOLUTION)  # prints the ratio; `ratio` keeps its value
 
 # %% [markdown]
 # ## What is still minifer's
