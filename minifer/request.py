@@ -109,7 +109,7 @@ class Request:
             text = self._detokenize(tokenizer)
         if len(self.output_token_ids) < self.min_tokens:  # nothing stops it before min_tokens (vLLM's rule)
             return
-        if token in p.stop_token_ids:
+        if token in p.stop_token_set:
             self._finish("stop", token)
             self.stopped_on_token = True
         elif not p.ignore_eos and token in self.eos_token_ids:
@@ -133,11 +133,10 @@ class Request:
     def _match_stop_string(self, text: str, text_before: int) -> bool:
         """Finish at the earliest stop string that ends past ``text_before`` characters of ``text``. As in vLLM,
         the text ends before the stop string, or just after it with ``include_stop_str_in_output``."""
-        hits = [(text.find(s, max(0, text_before - len(s) + 1)), s) for s in self.params.stop]
-        hits = [(pos, s) for pos, s in hits if pos >= 0]
-        if not hits:
+        hit = self.params.stop_strings.find(text, text_before)
+        if hit is None:
             return False
-        pos, s = min(hits)
+        pos, s = hit
         self._finish("stop", s)
         self.text = text[: pos + len(s)] if self.params.include_stop_str_in_output else text[:pos]
         return True
@@ -195,7 +194,7 @@ class Request:
             # and a stream must never have sent what the final text does not contain (vLLM does the same).
             # With include_stop_str_in_output the cut is after the stop string, which ends in characters not
             # reported yet (only endings past the text already checked count): nothing to hold back.
-            hold = max(map(len, self.params.stop)) - 1
+            hold = self.params.stop_strings.longest - 1
             stable = text[: max(len(text) - hold, len(self._reported_text))]
         delta = stable[len(self._reported_text):] if stable.startswith(self._reported_text) else stable
         new_ids = self.output_token_ids[self._reported_tokens:]

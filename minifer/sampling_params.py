@@ -6,6 +6,8 @@ row would fail every request in it. ``Logprob`` is what a request gets back for 
 
 from __future__ import annotations
 
+import bisect
+import functools
 import math
 import warnings
 from dataclasses import dataclass
@@ -42,6 +44,36 @@ def _list_of(items: object, ok) -> bool:
     return items is None or isinstance(items, (list, tuple)) and all(ok(x) for x in items)
 
 
+@dataclass(frozen=True)
+class StopStrings:
+    """A request's stop strings as a set and their distinct lengths, built once per request. Looking for one in
+    the characters a token added costs at most (new characters x distinct lengths) set lookups, however many
+    strings there are: a request with ten thousand stop strings costs the engine's other requests no more per
+    token than one with a few of the same lengths."""
+
+    strings: frozenset[str]
+    lengths: tuple[int, ...]  # ascending
+
+    @classmethod
+    def of(cls, stop: list[str]) -> StopStrings:
+        return cls(frozenset(stop), tuple(sorted({len(s) for s in stop})))
+
+    @property
+    def longest(self) -> int:
+        return self.lengths[-1] if self.lengths else 0
+
+    def find(self, text: str, after: int) -> tuple[int, str] | None:
+        """The stop string in ``text`` that starts first (the shortest, at a tie) among those that end past
+        ``after`` characters (endings before were looked for when those characters came), or None."""
+        for begin in range(max(0, after - self.longest + 1), len(text)):
+            for n in self.lengths[bisect.bisect_right(self.lengths, after - begin) :]:  # those ending past `after`
+                if begin + n > len(text):
+                    break
+                if text[begin : begin + n] in self.strings:
+                    return begin, text[begin : begin + n]
+        return None
+
+
 @dataclass
 class SamplingParams:
     """How to sample one request. Defaults are vLLM's (note ``max_tokens=16``).
@@ -76,6 +108,14 @@ class SamplingParams:
         self._check_numbers()
         self._check_logit_bias()
         self._check_stops()
+
+    @functools.cached_property
+    def stop_strings(self) -> StopStrings:
+        return StopStrings.of(self.stop)
+
+    @functools.cached_property
+    def stop_token_set(self) -> frozenset[int]:
+        return frozenset(self.stop_token_ids)
 
     def _bad(self, name: str, rule: str) -> ValueError:
         return ValueError(f"SamplingParams.{name} {rule}, got {getattr(self, name)!r}")
