@@ -33,6 +33,7 @@ class Request:
     eos_token_ids: frozenset[int]
     generator: torch.Generator | None = None
     index: int = 0  # which completion of its request this is (``SamplingParams.n > 1``: see ``ParentRequest``)
+    parent_id: str | None = None  # that request's id, for a completion of one
     output_token_ids: list[int] = field(default_factory=list)
     logprobs: list[dict[int, Logprob]] | None = None
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None  # filled as the prompt is computed
@@ -246,7 +247,7 @@ class ParentRequest:
                 generator = torch.Generator(device=device).manual_seed(child_seed)
             children.append(Request(f"{i}_{seq.request_id}", seq.prompt, list(seq.prompt_token_ids), params,
                                      seq.max_tokens, seq.eos_token_ids, generator=generator, index=i,
-                                     metrics=RequestMetrics(seq.metrics.arrival_time)))
+                                     parent_id=seq.request_id, metrics=RequestMetrics(seq.metrics.arrival_time)))
         return cls(seq.request_id, children)
 
     @property

@@ -11,7 +11,8 @@ at the next step. Before every forward pass, ``schedule()`` decides:
    preemption: nothing is lost, its tokens so far become its prompt);
 3. waiting requests are admitted first-come-first-served while ``max_num_seqs`` sequences and
    ``max_num_batched_tokens`` tokens allow. With chunked prefill a long prompt is split across steps
-   and shares them with decodes instead of stalling them.
+   and shares them with decodes instead of stalling them. The completions of one ``n > 1`` request take at
+   most half the slots while another request waits.
 
 After it, ``update_from_output()`` (the scheduler's other half, as in vLLM) counts the scheduled tokens as
 computed, appends the sampled tokens, publishes full computed blocks to the prefix cache and frees the requests
@@ -195,15 +196,18 @@ class Scheduler:
             budget -= n
             i += 1
         # 2. admit waiting requests first-come-first-served (never past a preemption in this step)
-        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs and not batch.preempted:
-            seq = self.waiting[0]
+        for seq in list(self.waiting):
+            if budget <= 0 or len(self.running) >= self.config.max_num_seqs or batch.preempted:
+                break
+            if self._over_half(seq):
+                continue  # its request's other completions hold half the slots, and another request waits
             tokens = seq.all_token_ids
             use_cache = not seq.needs_prompt_logprobs
             if not self.blocks.can_allocate(tokens, use_cache):
                 break
             if not self.config.enable_chunked_prefill and len(tokens) > budget:
                 break
-            self.waiting.popleft()
+            self.waiting.remove(seq)
             cached = self.blocks.allocate(seq.request_id, tokens, use_cache)
             seq.num_computed_tokens = cached
             n = min(len(tokens) - cached, budget)
@@ -213,6 +217,15 @@ class Scheduler:
             batch.num_new_tokens.append(n)
             budget -= n
         return batch
+
+    def _over_half(self, seq: Request) -> bool:
+        """Whether ``seq`` is a completion of an ``n > 1`` request whose completions already run in half the slots
+        while another request waits: one request's choices never crowd the others out (the waiting one is admitted
+        past them; the rest of the completions follow as slots free up)."""
+        if seq.parent_id is None:
+            return False
+        mine = sum(s.parent_id == seq.parent_id for s in self.running)
+        return mine >= max(1, self.config.max_num_seqs // 2) and any(s.parent_id != seq.parent_id for s in self.waiting)
 
     def update_from_output(self, batch: ScheduledBatch, sampled: list[Request], result: SampleResult,
                            tokenizer: Any = None) -> list[Request]:
