@@ -24,6 +24,7 @@ import json
 import logging
 import secrets
 import time
+import traceback
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -45,6 +46,7 @@ from minifer.entrypoints.openai.protocol import (
     choice_index,
     echoed_choice,
     error_body,
+    loggable,
     logprobs_json,
     prompt_logprobs_json,
     usage,
@@ -127,7 +129,9 @@ async def _invalid(request: Request, e: RequestValidationError) -> JSONResponse:
 
 
 async def _failed(request: Request, e: Exception) -> JSONResponse:
-    logger.exception("request failed")
+    # not logger.exception: the exception's message may quote the client, and a traceback prints it as it is
+    logger.error("request failed: %s: %s\n%s", type(e).__name__, loggable([str(e)], chars=500),
+                 "".join(traceback.format_tb(e.__traceback__)).rstrip())
     return error_response(RequestError(f"{type(e).__name__}: {e}", status=HTTPStatus.INTERNAL_SERVER_ERROR))
 
 
@@ -235,7 +239,7 @@ async def generate(request: Request, chat: bool) -> Response:
     prep: Prepared = await state.pre.run(state.pre.completion, raw, chat, request_id, arrival)
     if prep.ignored:  # vLLM's behaviour: unknown fields are ignored, and said so
         logger.warning("request %s: fields ignored (minifer does not know them): %s", request_id,
-                       ", ".join(prep.ignored))
+                       loggable(prep.ignored))
     outputs: asyncio.Queue = asyncio.Queue()
     aloop = asyncio.get_running_loop()
 

@@ -76,6 +76,16 @@ KNOWN_FIELDS = frozenset({"model", "prompt", "messages", "stream", "stream_optio
 def ignored_fields(body: dict[str, Any]) -> list[str]:
     """The fields of ``body`` that minifer does not know, which it ignores (the server logs them)."""
     return sorted(set(body) - KNOWN_FIELDS)
+
+
+def loggable(strings: list[str], most: int = 10, chars: int = 80) -> str:
+    """Client-chosen strings for a log line: each as an ASCII literal (``ascii``: a newline is written ``\\n``,
+    so a client cannot forge a log line of its own, nor send a terminal its escape codes), cut at ``chars``
+    characters, at most ``most`` of them and then how many more: the line stays short whatever the body holds."""
+    shown = [ascii(s[:chars]) + ("..." if len(s) > chars else "") for s in strings[:most]]
+    return ", ".join(shown) + (f" and {len(strings) - most} more" if len(strings) > most else "")
+
+
 DIGITS = re.compile(r"[0-9]+")  # a token id or a Content-Length (int() also takes " 5", "+5", "5_0" and "-3")
 
 
