@@ -81,6 +81,21 @@ def test_cors_follows_the_allowed_origins(server):
     assert status == 200 and "Access-Control-Allow-Origin" not in h
 
 
+def test_a_500_carries_cors_headers_and_logs_the_message_escaped(server, monkeypatch, caplog):
+    """Starlette answers an unhandled exception outside every middleware, CORS's included: a browser would see a
+    network error instead of the 500's body. The message may quote a client, so the log escapes it."""
+    def fail():
+        raise RuntimeError("from a client:\nINFO: a forged line")
+
+    monkeypatch.setattr(server.metrics, "render", fail)
+    with caplog.at_level("ERROR", logger="minifer.entrypoints.openai.serve"):
+        status, h, got = call(server.url + "/metrics", headers={"Origin": "https://example.org"})
+    assert status == 500 and h["Access-Control-Allow-Origin"] == "https://example.org"
+    assert got["error"]["type"] == "InternalServerError" and "a forged line" in got["error"]["message"]
+    logged = [r.getMessage() for r in caplog.records if r.getMessage().startswith("request failed")]
+    assert len(logged) == 1 and "'from a client:\\nINFO: a forged line'" in logged[0].splitlines()[0]
+
+
 def test_chat_templates_resolve_from_a_name_a_file_or_the_text(tmp_path):
     shipped = resolve_chat_template("tinystories")
     assert "add_generation_prompt" in shipped

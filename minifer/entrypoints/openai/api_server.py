@@ -97,6 +97,7 @@ def build_app(state: ServerState, *, allowed_origins=("*",), allowed_methods=("*
         RequestError: _refused, StarletteHTTPException: _http_error, ClientDisconnect: _gone, _ClientGone: _gone,
         RequestValidationError: _invalid, Exception: _failed})
     app.state.server = state
+    app.add_middleware(_Failures)  # added first, so that it runs inside CORSMiddleware
     app.add_middleware(CORSMiddleware, allow_origins=list(allowed_origins), allow_methods=list(allowed_methods),
                        allow_headers=list(allowed_headers), allow_credentials=allow_credentials)
     app.include_router(router)
@@ -133,6 +134,30 @@ async def _failed(request: Request, e: Exception) -> JSONResponse:
     logger.error("request failed: %s: %s\n%s", type(e).__name__, loggable([str(e)], chars=500),
                  "".join(traceback.format_tb(e.__traceback__)).rstrip())
     return error_response(RequestError(f"{type(e).__name__}: {e}", status=HTTPStatus.INTERNAL_SERVER_ERROR))
+
+
+class _Failures:
+    """An exception no handler took, answered with ``_failed``'s 500 inside ``CORSMiddleware``, so that this answer
+    carries CORS headers like every other (Starlette's own catch-all, ``ServerErrorMiddleware``, sits outside all
+    middleware). One raised after the answer began (a stream's) goes on up: its status line has gone."""
+
+    def __init__(self, app) -> None:
+        self.app = app
+
+    async def __call__(self, scope, receive, send) -> None:
+        started = False
+
+        async def send_noting(message) -> None:
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_noting)
+        except Exception as e:
+            if started or scope["type"] != "http":
+                raise
+            await (await _failed(Request(scope), e))(scope, receive, send)
 
 
 # probes
