@@ -259,14 +259,6 @@ def test_an_oversized_head_in_one_piece_gets_a_json_431(server):
     assert status == 431 and "larger than 16 KiB" in err["message"]
 
 
-def test_a_head_h11_refuses_keeps_h11s_status(server):
-    """uvicorn answers every head h11 refuses with 400; h11 says 501 for a transfer coding it does not know."""
-    head = b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: gzip, chunked\r\n\r\n"
-    raw, _ = raw_exchange(server, head)
-    status, err = error_of(raw)
-    assert status == 501 and "Transfer-Encoding" in err["message"]
-
-
 def test_head_bytes_stop_at_a_blank_line_that_straddles_two_reads():
     from minifer.entrypoints.openai.http_protocol import head_bytes_in
 

@@ -62,7 +62,7 @@ class TimedH11Protocol(H11Protocol):
             try:
                 return next_event()
             except h11.RemoteProtocolError as e:
-                self._protocol_error = (str(e), HTTPStatus(e.error_status_hint))  # 431 for a long head
+                self._protocol_error = (str(e), e.error_status_hint)  # 431 for a long head
                 raise
 
         self.conn.next_event = next_event_noting_errors
@@ -103,7 +103,8 @@ class TimedH11Protocol(H11Protocol):
         super().connection_lost(exc)
 
     def send_400_response(self, msg: str) -> None:
-        reason, status = self._protocol_error or (msg, HTTPStatus.BAD_REQUEST)
+        reason, hint = self._protocol_error or (msg, 400)  # h11's other hint, 501, stays 400 as uvicorn answers it
+        status = HTTPStatus.REQUEST_HEADER_FIELDS_TOO_LARGE if hint == 431 else HTTPStatus.BAD_REQUEST
         self._answer(status, f"invalid HTTP request: {reason}")
 
     # --- helpers ---------------------------------------------------------------------------------------------
