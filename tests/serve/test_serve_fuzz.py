@@ -27,15 +27,16 @@ BASES = {"completion": {"model": MODEL, "prompt": "Tom", "max_tokens": 2},
          "detokenize": {"model": MODEL, "tokens": [1, 2]}}
 MESSAGE_PATHS = [("messages",), ("messages", 0), ("messages", 0, "role"), ("messages", 0, "content"),
                  ("messages", 0, "content", 0), ("messages", 0, "content", 0, "text"), ("messages", 0, "name")]
-WHERE = list(dict.fromkeys([("completion", (f,)) for f in sorted(KNOWN_FIELDS)] + [("chat", (f,)) for f in sorted(KNOWN_FIELDS)]
-         + [(route, p) for route in ("chat", "tokenize") for p in MESSAGE_PATHS]
-         + [("tokenize-prompt", (f,)) for f in ("model", "prompt", "add_special_tokens", "return_token_strs")]
-         + [("detokenize", (f,)) for f in ("model", "tokens")]))
+WHERE = list(dict.fromkeys(  # (route, where in its body): each place once
+    [(route, (f,)) for route in ("completion", "chat") for f in sorted(KNOWN_FIELDS)]
+    + [(route, p) for route in ("chat", "tokenize") for p in MESSAGE_PATHS]
+    + [("tokenize-prompt", (f,)) for f in ("model", "prompt", "add_special_tokens", "return_token_strs")]
+    + [("detokenize", (f,)) for f in ("model", "tokens")]))
 
 _scalars = (st.none() | st.booleans() | st.integers() | st.sampled_from([2**64, -(10**400), 10**400])
             | st.floats(allow_nan=False, allow_infinity=False) | st.text(max_size=8))
-JSON = st.recursive(_scalars, lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=6), inner,
-                                                                                         max_size=3), max_leaves=8)
+JSON = st.recursive(_scalars, lambda inner: st.lists(inner, max_size=3)
+                    | st.dictionaries(st.text(max_size=6), inner, max_size=3), max_leaves=8)
 
 
 @pytest.fixture(scope="module")

@@ -79,9 +79,8 @@ def ignored_fields(body: dict[str, Any]) -> list[str]:
 
 
 def loggable(strings: list[str], most: int = 10, chars: int = 80) -> str:
-    """Client-chosen strings for a log line: each as an ASCII literal (``ascii``: a newline is written ``\\n``,
-    so a client cannot forge a log line of its own, nor send a terminal its escape codes), cut at ``chars``
-    characters, at most ``most`` of them and then how many more: the line stays short whatever the body holds."""
+    """Client-chosen strings for a log line: ``ascii`` literals (no newline to forge a line, no terminal escape
+    codes), at most ``most`` of them cut at ``chars`` characters, then how many more: a bounded line."""
     shown = [ascii(s[:chars]) + ("..." if len(s) > chars else "") for s in strings[:most]]
     return ", ".join(shown) + (f" and {len(strings) - most} more" if len(strings) > most else "")
 
