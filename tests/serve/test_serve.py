@@ -596,4 +596,18 @@ def test_unknown_fields_are_ignored_with_a_warning_as_in_vllm(server, caplog):
     with caplog.at_level("WARNING", logger="minifer.entrypoints.openai.serve"):
         status, body = post(server, "/v1/completions", greedy(3, prompt="Tom", foo=1, client_tag="x"))
     assert status == 200 and body["usage"]["completion_tokens"] <= 3
-    assert any("fields ignored" in r.message and "client_tag, foo" in r.message for r in caplog.records)
+    assert any("fields ignored" in r.message and "'client_tag', 'foo'" in r.message for r in caplog.records)
+
+
+def test_ignored_field_names_are_logged_escaped_and_bounded(server, caplog):
+    """A field's name is the client's: written as it is, a newline in it would forge a log line of its own, and
+    15,000 of them would write a line of a megabyte per request."""
+    forged = 'x\nINFO:     127.0.0.1:1 - "GET /admin HTTP/1.1" 200 OK'
+    many = {f"field_{i:05d}_{'z' * 50}": 0 for i in range(15_000)}
+    with caplog.at_level("WARNING", logger="minifer.entrypoints.openai.serve"):
+        for extra in ({forged: 1}, many):
+            status, _ = post(server, "/v1/completions", {**greedy(1, prompt="Tom"), **extra})
+            assert status == 200
+    lines = [r.getMessage() for r in caplog.records if "fields ignored" in r.getMessage()]
+    assert len(lines) == 2 and all("\n" not in line and len(line) < 2_000 for line in lines)
+    assert "'x\\nINFO:" in lines[0] and lines[1].endswith("and 14990 more")

@@ -250,13 +250,13 @@ def test_head_of_a_get_route(server):
     assert status == 200 and got is None
 
 
-def test_an_oversized_head_in_one_piece_gets_a_json_400(server):
+def test_an_oversized_head_in_one_piece_gets_a_json_431(server):
     """h11 bounds only a head still arriving; a complete 20 KiB head sent at once is refused all the same."""
     head = b"GET /health HTTP/1.1\r\nHost: x\r\n" + b"".join(b"X-H%d: " % i + b"a" * 1000 + b"\r\n"
                                                           for i in range(20)) + b"\r\n"
     raw, _ = raw_exchange(server, head)
     status, err = error_of(raw)
-    assert status == 400 and "larger than 16 KiB" in err["message"]
+    assert status == 431 and "larger than 16 KiB" in err["message"]
 
 
 def test_head_bytes_stop_at_a_blank_line_that_straddles_two_reads():
@@ -269,7 +269,7 @@ def test_head_bytes_stop_at_a_blank_line_that_straddles_two_reads():
     assert head_bytes_in(tail, b"\r\n" + b"b" * 50_000) == (0, b"bbb")
 
 
-def test_an_oversized_head_gets_a_json_400(server):
+def test_an_oversized_head_gets_a_json_431(server):
     s = socket.create_connection(address(server))
     s.settimeout(30)
     s.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n")
@@ -288,4 +288,5 @@ def test_an_oversized_head_gets_a_json_400(server):
         pass
     s.close()
     status, err = error_of(out)
-    assert status == 400 and "invalid HTTP request" in err["message"]
+    assert status == 431 and "invalid HTTP request" in err["message"]
+    assert err["type"] == "RequestHeaderFieldsTooLargeError"

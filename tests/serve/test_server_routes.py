@@ -1,6 +1,6 @@
 """vLLM's extra routes and flags: /version, /ping, /tokenize and /detokenize (equal to the tokenizer),
-/v1/models/{id} and max_model_len, several served names, CORS, the command line's flags (the API key from the
-environment, a bundled model's chat template by default)."""
+/v1/models/{id} and max_model_len, several served names, /openapi.json and /docs, CORS (a 500's too), the command
+line's flags (the API key from the environment, a bundled model's chat template by default)."""
 
 from __future__ import annotations
 
@@ -79,6 +79,42 @@ def test_cors_follows_the_allowed_origins(server):
     assert status == 200 and h["Access-Control-Allow-Origin"] == "https://example.org"
     status, h, _ = call(server.url + "/health", headers={"Origin": "https://evil.example"})
     assert status == 200 and "Access-Control-Allow-Origin" not in h
+
+
+def test_openapi_json_lists_every_route_the_server_documents_and_docs_serve_it(server):
+    import re
+
+    from minifer.entrypoints.openai import api_server
+
+    documented = {(method.lower(), path) for method, paths in
+                  re.findall(r"^    (GET|POST) +(/[^\s,]*(?:, /[^\s,]*)*)", api_server.__doc__, re.M)
+                  for path in paths.split(", ")}
+    status, _, spec = call(server.url + "/openapi.json")
+    assert status == 200 and {("post", "/detokenize"), ("get", "/v1/models/{model_id}")} <= documented
+    in_schema = {(method, path) for path, ops in spec["paths"].items() for method in ops}
+    assert documented - {("get", "/openapi.json"), ("get", "/docs")} <= in_schema
+    assert set(spec["paths"]) <= {path for _, path in documented}  # and the docstring names every route
+    ids = [op["operationId"] for ops in spec["paths"].values() for op in ops.values()]
+    assert len(ids) == len(set(ids))  # OpenAPI's rule, which FastAPI breaks for a route of several methods
+    body = spec["paths"]["/v1/chat/completions"]["post"]["requestBody"]["content"]["application/json"]["schema"]
+    assert body["required"] == ["model", "messages"] and {"messages", "temperature", "stop"} <= set(body["properties"])
+    status, _, page = call(server.url + "/docs")
+    assert status == 200 and b"/openapi.json" in page
+
+
+def test_a_500_carries_cors_headers_and_logs_the_message_escaped(server, monkeypatch, caplog):
+    """Starlette answers an unhandled exception outside every middleware, CORS's included: a browser would see a
+    network error instead of the 500's body. The message may quote a client, so the log escapes it."""
+    def fail():
+        raise RuntimeError("from a client:\nINFO: a forged line")
+
+    monkeypatch.setattr(server.metrics, "render", fail)
+    with caplog.at_level("ERROR", logger="minifer.entrypoints.openai.serve"):
+        status, h, got = call(server.url + "/metrics", headers={"Origin": "https://example.org"})
+    assert status == 500 and h["Access-Control-Allow-Origin"] == "https://example.org"
+    assert got["error"]["type"] == "InternalServerError" and "a forged line" in got["error"]["message"]
+    logged = [r.getMessage() for r in caplog.records if r.getMessage().startswith("request failed")]
+    assert len(logged) == 1 and "'from a client:\\nINFO: a forged line'" in logged[0].splitlines()[0]
 
 
 def test_chat_templates_resolve_from_a_name_a_file_or_the_text(tmp_path):

@@ -1,12 +1,13 @@
 """The ASGI application (FastAPI): OpenAI's routes and vLLM's, over one ``EngineLoop``.
 
-    GET  /health, /ping           200 while the engine loop is alive (503 once it stopped)
+    GET  /health, /ping           200 while the engine loop is alive (503 once it stopped); /ping takes POST too
     GET  /version                 minifer's version
     GET  /metrics                 Prometheus metrics under vLLM's names (``minifer.entrypoints.openai.metrics``)
-    GET  /v1/models[/{id}]        the served model under each of its names, with ``max_model_len``
+    GET  /v1/models, /v1/models/{model_id}   the served model under each of its names, with ``max_model_len``
     POST /v1/completions          prompt (a text, token ids, or a list of either) -> choices, usage; SSE if "stream"
     POST /v1/chat/completions     messages through the chat template
     POST /tokenize, /detokenize   vLLM's: text or messages to token ids, and back
+    GET  /openapi.json, /docs     FastAPI's: these routes' OpenAPI schema, and Swagger UI over it
 
 Each request costs the event loop only its I/O: the body is read under a size cap and a deadline, then parsed,
 checked and tokenized on the request side's worker (``Preprocessor``), and its sequences go to the engine
@@ -14,7 +15,7 @@ thread, whose outputs come back through an ``asyncio.Queue``. A client that leav
 (their KV blocks freed): a stream when its connection closes under the response, a plain request when the
 disconnect arrives while it waits. Every error is OpenAI's JSON body, ``{"error": {message, type, param,
 code}}``, with ``param`` naming the field at fault. With an API key, the ``/v1`` routes need
-``Authorization: Bearer <key>`` (compared in constant time), as in vLLM; the probes and metrics stay open.
+``Authorization: Bearer <key>`` (compared in constant time), as in vLLM; the probes, metrics and schema stay open.
 """
 
 from __future__ import annotations
@@ -24,7 +25,9 @@ import json
 import logging
 import secrets
 import time
+import traceback
 import uuid
+import warnings
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from http import HTTPStatus
@@ -40,11 +43,13 @@ from starlette.requests import ClientDisconnect
 from minifer.entrypoints.openai.engine_loop import DONE, EngineLoop
 from minifer.entrypoints.openai.metrics import CONTENT_TYPE, ServerMetrics
 from minifer.entrypoints.openai.protocol import (
+    KNOWN_FIELDS,
     RequestError,
     chat_logprobs_json,
     choice_index,
     echoed_choice,
     error_body,
+    loggable,
     logprobs_json,
     prompt_logprobs_json,
     usage,
@@ -91,15 +96,29 @@ v1_router = APIRouter(dependencies=[Depends(authorize)])  # OpenAI's routes: the
 def build_app(state: ServerState, *, allowed_origins=("*",), allowed_methods=("*",), allowed_headers=("*",),
               allow_credentials: bool = False) -> FastAPI:
     """The application over ``state``; CORS as vLLM configures it (its flags' defaults allow any origin)."""
-    app = FastAPI(title="minifer", docs_url=None, redoc_url=None, openapi_url=None, exception_handlers={
+    app = FastAPI(title="minifer", redoc_url=None, exception_handlers={
         RequestError: _refused, StarletteHTTPException: _http_error, ClientDisconnect: _gone, _ClientGone: _gone,
         RequestValidationError: _invalid, Exception: _failed})
     app.state.server = state
+    app.add_middleware(_failures)  # added first, so that it runs inside CORSMiddleware
     app.add_middleware(CORSMiddleware, allow_origins=list(allowed_origins), allow_methods=list(allowed_methods),
                        allow_headers=list(allowed_headers), allow_credentials=allow_credentials)
     app.include_router(router)
     app.include_router(v1_router)
+    app.openapi = lambda: _openapi(app)
     return app
+
+
+def _openapi(app: FastAPI) -> dict[str, Any]:
+    """FastAPI's schema, each operation with an id of its own: FastAPI gives all the methods of one route (/health's
+    GET and HEAD) the id of its first, ``<name><path>_<method>``, and warns of it; each gets its own method."""
+    if app.openapi_schema is None:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)
+            for ops in FastAPI.openapi(app)["paths"].values():
+                for method, op in ops.items():
+                    op["operationId"] = f"{op['operationId'].rsplit('_', 1)[0]}_{method}"
+    return app.openapi_schema
 
 
 # exception handlers: each failure as OpenAI's error body
@@ -127,8 +146,33 @@ async def _invalid(request: Request, e: RequestValidationError) -> JSONResponse:
 
 
 async def _failed(request: Request, e: Exception) -> JSONResponse:
-    logger.exception("request failed")
+    # not logger.exception: the exception's message may quote the client, and a traceback prints it as it is
+    logger.error("request failed: %s: %s\n%s", type(e).__name__, loggable([str(e)], chars=500),
+                 "".join(traceback.format_tb(e.__traceback__)).rstrip())
     return error_response(RequestError(f"{type(e).__name__}: {e}", status=HTTPStatus.INTERNAL_SERVER_ERROR))
+
+
+def _failures(app):
+    """Middleware answering an exception no handler took with ``_failed``'s 500 inside ``CORSMiddleware``, so that
+    it carries CORS headers too (Starlette's own catch-all, ``ServerErrorMiddleware``, sits outside all middleware).
+    One raised after the answer began (a stream's) goes on up: its status line has gone."""
+
+    async def answer_failures(scope, receive, send) -> None:
+        started = False
+
+        async def send_noting(message) -> None:
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await app(scope, receive, send_noting)
+        except Exception as e:
+            if started or scope["type"] != "http":
+                raise
+            await (await _failed(Request(scope), e))(scope, receive, send)
+
+    return answer_failures
 
 
 # probes
@@ -174,15 +218,22 @@ async def show_model(model_id: str, request: Request) -> JSONResponse:
     return JSONResponse(model_card(state, model_id))
 
 
+def _json_body(*fields: str, required: tuple[str, ...] = ()) -> dict[str, Any]:
+    """OpenAPI's schema of a JSON body that a route reads itself (``read_body``), for clients and fuzzers."""
+    schema = {"type": "object", "properties": {f: {} for f in fields}, "required": list(required)}
+    return {"requestBody": {"required": True, "content": {"application/json": {"schema": schema}}}}
+
+
 # tokenizer
 
-@router.post("/tokenize")
+@router.post("/tokenize", openapi_extra=_json_body("model", "prompt", "add_special_tokens", "messages",
+                                                   "return_token_strs"))
 async def tokenize(request: Request) -> JSONResponse:
     pre = server_state(request).pre
     return JSONResponse(await pre.run(pre.tokenize, await read_body(request)))
 
 
-@router.post("/detokenize")
+@router.post("/detokenize", openapi_extra=_json_body("model", "tokens", required=("tokens",)))
 async def detokenize(request: Request) -> JSONResponse:
     pre = server_state(request).pre
     return JSONResponse(await pre.run(pre.detokenize, await read_body(request)))
@@ -190,12 +241,13 @@ async def detokenize(request: Request) -> JSONResponse:
 
 # generation
 
-@v1_router.post("/v1/completions")
+@v1_router.post("/v1/completions", openapi_extra=_json_body(*sorted(KNOWN_FIELDS), required=("model", "prompt")))
 async def create_completion(request: Request) -> Response:
     return await generate(request, chat=False)
 
 
-@v1_router.post("/v1/chat/completions")
+@v1_router.post("/v1/chat/completions",
+                openapi_extra=_json_body(*sorted(KNOWN_FIELDS), required=("model", "messages")))
 async def create_chat_completion(request: Request) -> Response:
     return await generate(request, chat=True)
 
@@ -235,7 +287,7 @@ async def generate(request: Request, chat: bool) -> Response:
     prep: Prepared = await state.pre.run(state.pre.completion, raw, chat, request_id, arrival)
     if prep.ignored:  # vLLM's behaviour: unknown fields are ignored, and said so
         logger.warning("request %s: fields ignored (minifer does not know them): %s", request_id,
-                       ", ".join(prep.ignored))
+                       loggable(prep.ignored))
     outputs: asyncio.Queue = asyncio.Queue()
     aloop = asyncio.get_running_loop()
 

@@ -6,7 +6,7 @@
   and is cancelled by the first byte of the next one). The body has its deadline in the application, which
   reads it;
 - a bound on a request head's size, 16 KiB, whether it arrives in pieces (h11's own limit) or in one read
-  (which h11 would accept whole);
+  (which h11 would accept whole), answered 431;
 - a bound on open connections: past ``max_connections`` a new one is answered 503 and closed at once, before
   it can hold anything (uvicorn's ``limit_concurrency`` answers only once the request's head has arrived);
 - every answer the protocol gives itself (a malformed request, an oversized head, a timeout, the bound) is a
@@ -58,11 +58,11 @@ class TimedH11Protocol(H11Protocol):
         self._protocol_error = None
         next_event = self.conn.next_event
 
-        def next_event_noting_errors():  # uvicorn answers h11's errors with a fixed text: keep h11's reason
+        def next_event_noting_errors():  # uvicorn answers h11's errors with a fixed 400 text
             try:
                 return next_event()
             except h11.RemoteProtocolError as e:
-                self._protocol_error = str(e)
+                self._protocol_error = (str(e), e.error_status_hint)  # 431 for a long head
                 raise
 
         self.conn.next_event = next_event_noting_errors
@@ -81,8 +81,8 @@ class TimedH11Protocol(H11Protocol):
             counted, self._head_tail = head_bytes_in(self._head_tail, data)
             self._head_seen += counted
             if self._head_seen > MAX_HEAD_BYTES:
-                self._answer(HTTPStatus.BAD_REQUEST, f"invalid HTTP request: the request head is larger than "
-                                                     f"{MAX_HEAD_BYTES // 1024} KiB")
+                self._answer(HTTPStatus.REQUEST_HEADER_FIELDS_TOO_LARGE,
+                             f"invalid HTTP request: the request head is larger than {MAX_HEAD_BYTES // 1024} KiB")
                 return
         super().data_received(data)
 
@@ -103,8 +103,9 @@ class TimedH11Protocol(H11Protocol):
         super().connection_lost(exc)
 
     def send_400_response(self, msg: str) -> None:
-        reason = self._protocol_error or msg
-        self._answer(HTTPStatus.BAD_REQUEST, f"invalid HTTP request: {reason}")
+        reason, hint = self._protocol_error or (msg, 400)  # h11's other hint, 501, stays 400 as uvicorn answers it
+        status = HTTPStatus.REQUEST_HEADER_FIELDS_TOO_LARGE if hint == 431 else HTTPStatus.BAD_REQUEST
+        self._answer(status, f"invalid HTTP request: {reason}")
 
     # --- helpers ---------------------------------------------------------------------------------------------
 

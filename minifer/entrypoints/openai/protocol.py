@@ -76,6 +76,15 @@ KNOWN_FIELDS = frozenset({"model", "prompt", "messages", "stream", "stream_optio
 def ignored_fields(body: dict[str, Any]) -> list[str]:
     """The fields of ``body`` that minifer does not know, which it ignores (the server logs them)."""
     return sorted(set(body) - KNOWN_FIELDS)
+
+
+def loggable(strings: list[str], most: int = 10, chars: int = 80) -> str:
+    """Client-chosen strings for a log line: ``ascii`` literals (no newline to forge a line, no terminal escape
+    codes), at most ``most`` of them cut at ``chars`` characters, then how many more: a bounded line."""
+    shown = [ascii(s[:chars]) + ("..." if len(s) > chars else "") for s in strings[:most]]
+    return ", ".join(shown) + (f" and {len(strings) - most} more" if len(strings) > most else "")
+
+
 DIGITS = re.compile(r"[0-9]+")  # a token id or a Content-Length (int() also takes " 5", "+5", "5_0" and "-3")
 
 
@@ -168,13 +177,19 @@ def max_tokens_field(body: dict[str, Any]) -> str | None:
     return None
 
 
+def bool_field(body: dict[str, Any], name: str, default: bool) -> bool:
+    """A true/false field (``null`` or absent: ``default``); any other value is refused, never read as truthy."""
+    value = body.get(name)
+    if value is None:
+        return default
+    if not isinstance(value, bool):
+        raise RequestError(f"{name} must be true or false", name)
+    return value
+
+
 def stream_flags(body: dict[str, Any]) -> tuple[bool, bool]:
     """``(stream, include_usage)``. As in vLLM, ``stream_options`` is for streams only."""
-    stream = body.get("stream")
-    if stream is None:
-        stream = False
-    if not isinstance(stream, bool):
-        raise RequestError("stream must be true or false", "stream")
+    stream = bool_field(body, "stream", False)
     options = body.get("stream_options")
     if options is None:
         return stream, False
@@ -240,7 +255,8 @@ def chat_messages(body: dict[str, Any]) -> list[dict[str, Any]]:
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise RequestError("messages must be a non-empty list of {'role': str, 'content': str}", "messages")
-    return [{**m, "content": _message_text(i, m)} for i, m in enumerate(messages)]
+    texts = [_message_text(i, m) for i, m in enumerate(messages)]  # each checked to be an object before it is spread
+    return [{**m, "content": text} for m, text in zip(messages, texts)]
 
 
 @dataclass(frozen=True)

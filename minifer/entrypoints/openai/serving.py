@@ -36,6 +36,7 @@ from typing import Any
 from minifer.entrypoints.openai.protocol import (
     Echo,
     RequestError,
+    bool_field,
     chat_messages,
     check_room,
     completion_prompts,
@@ -130,8 +131,10 @@ class Preprocessor:
             if required:
                 raise RequestError("missing field 'model'", "model")
             return self.served_names[0]
+        if not isinstance(body["model"], str):
+            raise RequestError("model must be a string: the name of a served model", "model")
         if body["model"] not in self.served_names:
-            raise RequestError(f"model {str(body['model'])[:100]!r} is not served here; this server serves "
+            raise RequestError(f"model {body['model'][:100]!r} is not served here; this server serves "
                                f"{', '.join(map(repr, self.served_names))}", "model", HTTPStatus.NOT_FOUND)
         return body["model"]
 
@@ -231,14 +234,12 @@ class Preprocessor:
         if "messages" in body:
             ids = self.encode_chat(chat_messages(body))
         elif isinstance(body.get("prompt"), str):
-            special = body.get("add_special_tokens", True)
-            if not isinstance(special, bool):
-                raise RequestError("add_special_tokens must be true or false", "add_special_tokens")
+            special = bool_field(body, "add_special_tokens", True)
             ids = self.encode(body["prompt"], "prompt", "prompt", add_special_tokens=special)
         else:
             raise RequestError("send 'prompt' (a string) or 'messages'", "prompt")
         strs = None
-        if body.get("return_token_strs"):
+        if bool_field(body, "return_token_strs", False):
             strs = self.tokenizer.convert_ids_to_tokens(ids)
         return {"count": len(ids), "max_model_len": self.max_model_len, "tokens": ids, "token_strs": strs}
 
