@@ -219,10 +219,18 @@ def test_errors_name_the_prompt_at_fault(server):
 def test_a_request_for_more_completions_than_the_server_makes_is_refused(server):
     from minifer.entrypoints.openai.serve import MAX_COMPLETIONS_PER_REQUEST as most
 
-    status, err = post(server, greedy(2, prompt=["Tom", "Lily"], n=most // 2 + 1))
+    status, err = post(server, greedy(2, prompt=["Tom"] * (most // 4 + 1), n=4))
     assert status == 400 and err["error"]["param"] == "n" and f"at most {most} per request" in err["error"]["message"]
     status, got = post(server, greedy(1, prompt=["Tom", "Lily"], n=3))
     assert status == 200 and len(got["choices"]) == 6
+
+
+def test_n_beyond_the_slots_the_server_runs_is_refused_and_says_how_completions_share_them(server):
+    status, err = post(server, greedy(2, prompt="Tom", n=5))  # the server runs 4 sequences at once
+    assert status == 400 and err["error"]["param"] == "n"
+    assert "max_num_seqs=4" in err["error"]["message"] and "half" in err["error"]["message"]
+    status, got = post(server, greedy(1, prompt="Tom", n=4))
+    assert status == 200 and len(got["choices"]) == 4
 
 
 # --- 8. HTTP ----------------------------------------------------------------------------------------------------

@@ -93,7 +93,7 @@ class Preprocessor:
                 raise ValueError("a chat template needs a tokenizer, and this model has none")
             self.tokenizer.chat_template = chat_template
         self.served_names = list(served_names)
-        self.max_model_len = llm.max_model_len
+        self.max_model_len, self.max_num_seqs = llm.max_model_len, llm.max_num_seqs
         self.max_prompt_chars = (max_token_chars(self.tokenizer) * self.max_model_len if self.tokenizer is not None
                                  else 0)
         self.max_body_bytes = 12 * self.max_prompt_chars + 2**20
@@ -183,6 +183,10 @@ class Preprocessor:
         params = sampling_params(body, chat=chat, echo=echo)
         prompts = [None] if chat else completion_prompts(body)
         messages = chat_messages(body) if chat else None
+        if params.n > self.max_num_seqs:
+            raise RequestError(f"n={params.n} is more than max_num_seqs={self.max_num_seqs}, the sequences this server "
+                               "runs at once (and while other requests wait, one request's completions run in at most "
+                               "half of them)", "n")
         if params.n * len(prompts) > MAX_COMPLETIONS_PER_REQUEST:
             raise RequestError(f"n={params.n} for {len(prompts)} prompt(s) asks for {params.n * len(prompts)} "
                                f"completions; this server makes at most {MAX_COMPLETIONS_PER_REQUEST} per request", "n")
