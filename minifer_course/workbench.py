@@ -1,8 +1,10 @@
 """The learner's engine, carried forward: the pieces written in the exercises, saved, graded and run inside ``LLM``.
 
 Each exercise that rebuilds a piece of the engine ends by handing it to ``serve`` (a check cell): the piece's source is
-saved to ``my_engine/<name>.py`` next to the notebook (so it survives a kernel restart and the next notebook finds it),
-graded by the exercise's own grader, then plugged into a real ``LLM`` through ``LLM(components=...)`` to serve the
+saved to ``my_engine/<name>.py`` next to the notebook (so it survives a kernel restart and the next notebook finds it)
+with the helpers, constants and imports it uses from the notebook, once a fresh process has run and graded that file
+(``workbench_save``: a piece that works only inside its notebook is refused, naming what it misses), graded by the
+exercise's own grader, then plugged into a real ``LLM`` through ``LLM(components=...)`` to serve the
 chapter's workload, whose tokens must equal the reference engine's. The capstone loads every saved piece
 (``load_pieces``) and runs them together; ``solution=True`` fills a missing or failing piece with minifer's own
 (tiny-llm's ``--solution`` switch), so a learner who skipped an exercise can go on.
@@ -24,8 +26,10 @@ import functools
 import inspect
 import linecache
 import os
+import re
 import statistics
 import sys
+import tempfile
 import textwrap
 import time
 import types
@@ -36,6 +40,7 @@ from typing import Any
 
 import torch
 
+from minifer import __version__
 from minifer.attention.backends.paged import PagedKVCache
 from minifer.core.kv_cache_manager import PrefixCacheStats, cdiv
 from minifer.core.sched.scheduler import ScheduledBatch, Scheduler
@@ -49,6 +54,7 @@ from minifer.request import RequestStatus
 from minifer.sample.rejection_sampler import RejectionVerifier
 from minifer.sample.sampler import history_tensors, sample
 from minifer.spec_decode.ngram_proposer import NgramProposer
+from minifer_course.workbench_save import Carried, PieceRefused, carry, check_in_fresh_process
 from minifer_course.workbench_spec import EAGLE_WORKLOAD
 from minifer_course.workbench_step import pieces_for, scheduler_seam
 
@@ -113,10 +119,6 @@ PIECES: dict[str, Piece] = {p.name: p for p in (
 # refused (with what to re-save) rather than called with the wrong arguments.
 SIGNATURES = {"decoder_layer": ("layer", "x", "cos", "sin", "attn")}
 
-# Given code a saved piece depends on (saved with it, so the file runs on its own).
-HELPERS = {"PrefixCachingAllocator": ("chain_hash",), "ForkingAllocator": ("chain_hash",)}
-
-
 # --- saving and loading -------------------------------------------------------------------------------------
 
 
@@ -152,26 +154,68 @@ def _globals_of(obj: Any) -> dict[str, Any]:
     return getattr(obj, "__globals__", {})
 
 
-def save(*objs: Any, path: str | Path | None = None, name: str | None = None) -> list[Path]:
-    """Write each object's source to ``my_engine/<name>.py`` (with its helpers, e.g. ``chain_hash``), replacing what
-    an earlier run saved; ``name`` (one object only): the exercise's name for it, when it was defined under another.
-    Saving calls nothing: an unfinished stub is saved too, and graded when it is used."""
+def save(*objs: Any, path: str | Path | None = None, name: str | None = None, grade: bool = False,
+         prelude: str = PRELUDE, saved_by: str = "minifer_course.workbench.save") -> list[Path]:
+    """Write each object's source to ``my_engine/<name>.py`` with everything it uses from the notebook (helpers,
+    constants, imports: ``workbench_save.carry``), replacing what an earlier run saved; ``name`` (one object only):
+    the exercise's name for it, when it was defined under another. The file is first run in a fresh process: one that
+    does not run on its own (a helper it calls is missing) is refused with ``PieceRefused``, naming what it misses,
+    and the earlier file stays. With ``grade``, it must also pass its checks there. Saving calls nothing in this
+    process: an unfinished stub is saved too, and graded when it is used."""
     if name is not None and len(objs) != 1:
         raise ValueError("name= renames one object: save the others separately")
     out = folder(path)
     out.mkdir(parents=True, exist_ok=True)
-    written = []
-    for obj in objs:
-        piece = name or obj.__name__
-        helpers = [_globals_of(obj).get(h) for h in HELPERS.get(piece, ())]
-        parts = [source_of(h) for h in helpers if h is not None] + [source_of(obj)]
-        if obj.__name__ != piece:
-            parts.append(f"{piece} = {obj.__name__}\n")
-        text = f"# {piece}: saved by minifer_course.workbench.save; the notebook's cell is the original.\n{PRELUDE}\n\n"
-        file = out / f"{piece}.py"
-        file.write_text(text + "\n\n".join(parts))
-        written.append(file)
-    return written
+    return [_save_one(obj, name or obj.__name__, out, grade, prelude, saved_by, set())[0] for obj in objs]
+
+
+def _save_one(obj: Any, piece: str, out: Path, grade: bool, prelude: str, saved_by: str,
+              saving: set[str]) -> tuple[Path, list[Path]]:
+    """Save one piece (and first the pieces it builds on, saved as themselves); its file and the files it needs,
+    in the order they run."""
+    saving.add(piece)
+    source = source_of(obj)
+    carried = carry(obj, source, _globals_of(obj), prelude, set(PIECES) | set(_quant_pieces()), source_of)
+    needs: list[Path] = []
+    for other, value in carried.pieces.items():
+        if other not in saving:
+            file, before = _save_one(value, other, out, False, prelude, saved_by, saving)
+            needs += [p for p in [*before, file] if p not in needs]
+    alias = f"\n\n{piece} = {obj.__name__}\n" if obj.__name__ != piece else ""
+    built_on = f"# it builds on the saved pieces: {', '.join(carried.pieces)}\n" if carried.pieces else ""
+    text = (f"# {piece}: saved by {saved_by} for minifer {__version__}; the notebook's cell is the original.\n"
+            f"{built_on}{prelude}\n\n{carried.text()}\n\n{source}{alias}").replace("\n\n\n\n\n", "\n\n\n")
+    file = out / f"{piece}.py"
+    with tempfile.TemporaryDirectory() as tmp:
+        trial = Path(tmp) / file.name
+        trial.write_text(text)
+        problem = check_in_fresh_process(piece, trial, needs, grade)
+    if problem is not None:
+        raise PieceRefused(_refusal(piece, problem, carried, file))
+    file.write_text(text)
+    return file, needs
+
+
+def _quant_pieces() -> dict[str, Any]:
+    """Exercise 05's pieces (a piece may build on one of them), if its module is loaded."""
+    module = sys.modules.get("minifer_course.workbench_quant")
+    return getattr(module, "QUANT_PIECES", {})
+
+
+def _refusal(piece: str, problem: str, carried: Carried, file: Path) -> str:
+    why = next((f": {reason}" for missing, reason in carried.left_out.items() if repr(missing) in problem), "")
+    if any(repr(missing) in problem for missing in carried.undefined):
+        why = ": it is not defined in this notebook either (a typo, or a cell not run since a restart?)"
+    kept = f" ({file} keeps what was saved before)" if file.is_file() else ""
+    return (f"{piece} was not saved: its file does not run on its own, as the capstone runs it after a restart "
+            f"({problem}{why}). Define what it uses in a cell of this notebook (a helper function, a constant, an "
+            f"import) and run that cell and this one again{kept}")
+
+
+def saved_for(file: Path) -> str:
+    """The minifer version a saved file was written for (its first line), in words."""
+    match = re.match(r"# \S+: saved by \S+ for minifer (\S+);", file.read_text().split("\n", 1)[0])
+    return f"minifer {match.group(1)}" if match else "a course older than minifer 0.1.0"
 
 
 def load_saved(path: str | Path | None = None, errors: dict[str, str] | None = None,
@@ -252,7 +296,8 @@ def outdated(name: str, piece: Any, file: Path) -> str | None:
         return None
     if want is None or have == want:
         return None
-    return (f"{name}: the saved {file} takes ({', '.join(have)}), the signature of an older exercise; {name} now "
+    return (f"{name}: the saved {file} takes ({', '.join(have)}), the signature of an older exercise (it was saved "
+            f"for {saved_for(file)}; this is minifer {__version__}); {name} now "
             f"takes ({', '.join(want)}), as the engine's own does: rewrite it in "
             f"exercises/{PIECES[name].notebook}.ipynb and run its `in the engine` cell, which saves it again")
 

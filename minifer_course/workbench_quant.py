@@ -24,10 +24,8 @@ launches large tiles (up to 64 x 512 x 256: about 1 s a step, measured) and the 
 
 from __future__ import annotations
 
-import inspect
 import os
 import sys
-import textwrap
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -39,7 +37,7 @@ from minifer.quantization.formats import QuantizedWeight, quantize_int4
 from minifer.quantization.linear import QuantKernel, QuantLinear, decoder_linears, set_module
 from minifer.quantization.model import QuantizationConfig, group_for
 from minifer_course import workbench
-from minifer_course.workbench import PRELUDE, Piece, source_of
+from minifer_course.workbench import PRELUDE, Piece
 
 NO_SEAM = "none (applied to the loaded model before serving)"
 QUANT_PIECES: dict[str, Piece] = {p.name: p for p in (
@@ -47,8 +45,6 @@ QUANT_PIECES: dict[str, Piece] = {p.name: p for p in (
     Piece("quantize_linears", "05_quantization", NO_SEAM, "the workbench quantizes the loaded model with it"),
     Piece("int4_matmul", "05_quantization", "quant_kernel"),
 )}
-# Given code a saved piece calls (saved with it): the wrapper launches the learner's kernel.
-QUANT_HELPERS = {"int4_matmul": ("int4_matmul_kernel",)}
 
 # What a saved piece of exercise 05 may use besides workbench.PRELUDE: Triton (in its interpreter without a GPU,
 # which must be chosen before a kernel is decorated) and minifer's quantized layer.
@@ -73,26 +69,14 @@ INT4 = {"group_size": 128, "symmetric": True}  # LLM(quantization="int4"): g128,
 # --- saving and loading -------------------------------------------------------------------------------------
 
 
-def save_quant(obj: Any, name: str | None = None, path: str | Path | None = None) -> Path:
+def save_quant(obj: Any, name: str | None = None, path: str | Path | None = None, grade: bool = False) -> Path:
     """``workbench.save`` for exercise 05's pieces: the file also imports Triton and minifer's quantized layer, and
-    ``int4_matmul``'s file carries the ``@triton.jit`` kernel it launches."""
+    ``int4_matmul``'s file carries the ``@triton.jit`` kernel it launches (found as any helper is)."""
     piece = name or obj.__name__
     if piece not in QUANT_PIECES:
         raise ValueError(f"{piece!r} is not a piece of exercise 05 (those are {', '.join(QUANT_PIECES)})")
-    parts = []
-    for helper in QUANT_HELPERS.get(piece, ()):
-        h = workbench._globals_of(obj).get(helper)
-        if h is not None:  # a Triton kernel's own function is in .fn; its source starts at the decorator
-            parts.append(textwrap.dedent(inspect.getsource(getattr(h, "fn", h))))
-    parts.append(source_of(obj))
-    if obj.__name__ != piece:
-        parts.append(f"{piece} = {obj.__name__}\n")
-    out = workbench.folder(path)
-    out.mkdir(parents=True, exist_ok=True)
-    file = out / f"{piece}.py"
-    file.write_text(f"# {piece}: saved by minifer_course.workbench_quant.save_quant; the notebook's cell is the "
-                    f"original.\n{PRELUDE}{QUANT_PRELUDE}\n\n" + "\n\n".join(parts))
-    return file
+    return workbench.save(obj, path=path, name=piece, grade=grade, prelude=PRELUDE + QUANT_PRELUDE,
+                          saved_by="minifer_course.workbench_quant.save_quant")[0]
 
 
 def load_quant(path: str | Path | None = None, errors: dict[str, str] | None = None) -> dict[str, Any]:

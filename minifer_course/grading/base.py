@@ -19,16 +19,19 @@ Adding a grader for a new exercise:
   values;
 * draw inputs from a local ``torch.Generator`` (see :func:`seeded`), never the global RNG, so a check is
   reproducible and leaves the learner's random state alone;
+* a check that cannot run on some machines (it needs Triton) raises :class:`Blocked` with the reason there
+  (:func:`blocked_by`): reported ``blocked``, counted apart, never failed;
 * keep it quick (well under a second on CPU) and make it fail on the likely mistakes, with a test of
   each in ``tests/course/test_exercises.py``.
 """
 
 from __future__ import annotations
 
+import contextlib
 import numbers
 import os
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -39,8 +42,34 @@ Check = tuple[str, Callable[[], None]]
 # --- the machinery ----------------------------------------------------------------------------------
 
 
+class Blocked(Exception):
+    """Raised by a check that cannot run on this machine (Triton is not installed): the check is reported
+    ``blocked`` with this reason, neither passed nor failed."""
+
+
+def blocked_by(reason: str) -> Callable[[], None]:
+    """A check that is blocked for ``reason``."""
+    def check() -> None:
+        raise Blocked(reason)
+    return check
+
+
+_nesting = [0]  # above 0 while a check runs: a grader run inside another's check passes "blocked" up to it
+
+
+@contextlib.contextmanager
+def nested() -> Iterator[None]:
+    """Within this block a ``run_checks`` that has blocked checks raises ``Blocked`` after its report, so that the
+    check that ran it (``grade_quietly`` inside a check in the engine) is blocked too, not passed."""
+    _nesting[0] += 1
+    try:
+        yield
+    finally:
+        _nesting[0] -= 1
+
+
 def run_checks(name: str, checks: Sequence[Check]) -> None:
-    """Run ``checks`` in order and print a report (``ok``/``FAIL`` per check, then a summary); raise an
+    """Run ``checks`` in order and print a report (``ok``/``FAIL``/``blocked`` per check, then a summary); raise an
     ``AssertionError`` at the first failure.
 
     A ``NotImplementedError`` (the untouched exercise stub) becomes an ``AssertionError`` that says so. An
@@ -48,9 +77,15 @@ def run_checks(name: str, checks: Sequence[Check]) -> None:
     other exception, and an ``AssertionError`` raised elsewhere (an ``assert`` in the learner's own code), is
     reported as "your function raised ..." with the check that triggered it and chained, so its traceback
     still points into the learner's function.
+
+    A check that raises ``Blocked`` cannot run here (no Triton): it is reported ``blocked`` with the reason and
+    counted apart in the summary, and the checks after it still run; one of those that then fails may need what
+    was blocked, so it is blocked too, not failed. Blocked is not failed: nothing is raised (but ``Blocked``, when
+    this report runs inside another's check).
     """
     total = len(checks)
     report = [name]
+    reasons: list[str] = []
 
     def fail(label: str) -> None:
         report.append(f"  FAIL  {label}")
@@ -58,21 +93,42 @@ def run_checks(name: str, checks: Sequence[Check]) -> None:
 
     for i, (label, check) in enumerate(checks, start=1):
         try:
-            check()
-        except NotImplementedError:
-            fail(label)
-            raise AssertionError(
-                f"{name}: not implemented yet. Replace the `raise NotImplementedError(...)` in the cell that "
-                f"defines it with your code, run that cell, then run this check again.") from None
+            with nested():
+                check()
+        except Blocked as why:
+            reasons.append(str(why))
+            report.append(f"  blocked  {label}: {why}")
+            continue
         except Exception as exc:
+            if reasons and not isinstance(exc, NotImplementedError):
+                report.append(f"  blocked  {label}: it needs what is blocked above ({type(exc).__name__})")
+                continue
             fail(label)
+            if isinstance(exc, NotImplementedError):
+                raise AssertionError(
+                    f"{name}: not implemented yet. Replace the `raise NotImplementedError(...)` in the cell that "
+                    f"defines it with your code, run that cell, then run this check again.") from None
             if isinstance(exc, AssertionError) and not raised_by_learner(exc):
                 raise AssertionError(f"{name}: check {i}/{total} failed ({label}):\n{exc}") from None
             # the learner's code crashed (or failed its own assert): say where, keep its traceback
             raise AssertionError(f"{name}: check {i}/{total} ({label}): {learner_error(exc)}") from exc
         report.append(f"  ok    {label}")
-    report.append(f"{name}: {total}/{total} checks passed")
+    summarise(name, total, report, reasons)
+
+
+def summarise(name: str, total: int, report: list[str], reasons: list[str]) -> None:
+    """Print the report's summary line; with blocked checks, raise ``Blocked`` to a check that ran this one."""
+    if not reasons:
+        report.append(f"{name}: {total}/{total} checks passed")
+        emit(report)
+        return
+    n_blocked = sum(line.startswith("  blocked") for line in report)
+    why = "; ".join(dict.fromkeys(reasons))
+    report.append(f"{name}: {total - n_blocked}/{total} checks passed, {n_blocked} blocked ({why}): not failed, "
+                  f"not checked on this machine")
     emit(report)
+    if _nesting[0]:
+        raise Blocked(why)
 
 
 _GRADER_DIR = os.path.dirname(os.path.abspath(__file__))

@@ -12,12 +12,13 @@ with a seam, at once. The report holds no measured value, so nbval compares it; 
 from __future__ import annotations
 
 import functools
+import textwrap
 from collections.abc import Callable
 from typing import Any
 
 from minifer_course import workbench
 from minifer_course.grading import batching, building_blocks, paging, quant, quant_load, spec, spec_step
-from minifer_course.grading.base import run_checks
+from minifer_course.grading.base import nested, run_checks
 from minifer_course.workbench import CAPSTONE, PROMPTS, WORKLOADS, Workload, engine, reference_llm, tokens
 from minifer_course.workbench_spec import CAPSTONE_EAGLE
 
@@ -37,33 +38,37 @@ GRADERS: dict[str, Callable[[Any], None]] = {
 
 
 def grade_quietly(name: str, obj: Any) -> str | None:
-    """None when ``obj`` passes its exercise's checks, else the grader's message (with its hint)."""
+    """None when ``obj`` passes its exercise's checks, else the grader's message (with its hint); ``Blocked`` is
+    raised when a check cannot run here (no Triton)."""
     import contextlib
     import io
 
     try:
-        with contextlib.redirect_stdout(io.StringIO()):
+        with contextlib.redirect_stdout(io.StringIO()), nested():
             GRADERS[name](obj)
     except AssertionError as e:
         return str(e)
     return None
 
 
-def load_pieces(solution: bool = False, path=None) -> tuple[dict[str, Any], dict[str, str]]:
+def load_pieces(solution: bool = False, path=None,
+                reasons: dict[str, str] | None = None) -> tuple[dict[str, Any], dict[str, str]]:
     """The learner's saved pieces that pass their checks, and where each piece comes from: ``"yours"``, or with
-    ``solution=True`` ``"minifer's (...)"`` for one not saved or failing its checks. Without ``solution`` a missing
-    or failing piece raises ``AssertionError`` with the grader's message. The allocator is one piece: the
+    ``solution=True`` ``"minifer's (...)"`` for one not saved or failing its checks, why in ``reasons`` (the grader's
+    message, with its hint). Without ``solution`` a missing or failing piece raises ``AssertionError`` with it. The allocator is one piece: the
     ``ForkingAllocator`` when it is saved (it extends the ``PrefixCachingAllocator``), else the latter."""
     broken: dict[str, str] = {}
     saved = workbench.load_saved(path, broken)
     skip = "PrefixCachingAllocator" if "ForkingAllocator" in saved else "ForkingAllocator"
-    return sort_saved(saved, broken, {n: p for n, p in workbench.PIECES.items() if n != skip}, solution, path)
+    return sort_saved(saved, broken, {n: p for n, p in workbench.PIECES.items() if n != skip}, solution, path,
+                      reasons)
 
 
 def sort_saved(saved: dict[str, Any], broken: dict[str, str], wanted: dict[str, workbench.Piece], solution: bool,
-               path=None) -> tuple[dict[str, Any], dict[str, str]]:
+               path=None, reasons: dict[str, str] | None = None) -> tuple[dict[str, Any], dict[str, str]]:
     """``load_pieces``' verdict on each ``wanted`` piece, saved (``saved``) or not, or saved but not running
-    (``broken``): graded, and kept, or replaced by minifer's (``solution``), or the reason raised."""
+    (``broken``): graded, and kept, or replaced by minifer's (``solution``, the reason put in ``reasons``), or the
+    reason raised."""
     pieces, origin = {}, {}
     for name, piece in wanted.items():
         if name in broken:
@@ -77,7 +82,10 @@ def sort_saved(saved: dict[str, Any], broken: dict[str, str], wanted: dict[str, 
         if problem is None:
             pieces[name], origin[name] = saved[name], "yours"
         elif solution:
-            origin[name] = "minifer's (" + ("not saved yet" if name not in saved else "yours fails its checks") + ")"
+            origin[name] = "minifer's (" + ("yours does not run" if name in broken else "not saved yet"
+                                            if name not in saved else "yours fails its checks") + ")"
+            if reasons is not None and (name in saved or name in broken):
+                reasons[name] = problem
         else:
             raise AssertionError(problem + "\n(or run the capstone with solution=True: minifer's piece takes its place)")
     return pieces, origin
@@ -170,12 +178,19 @@ def saved_and_graded(name: str, piece: Any, save: Callable[..., Any], notebook: 
     it passes its grader (so a wrong piece stops with the grader's hint, before any engine runs it), and the hint for
     a piece that passes and then fails in the engine."""
     try:
-        save(piece, name=name)
+        problem: str | Exception | None = grade_quietly(name, piece)
+    except Exception as e:  # Blocked, or a grader that stopped: raised again by its check, which reports it
+        problem = e
+    try:
+        save(piece, name=name, grade=problem is None)  # passing here, it must pass from its file too
     except (OSError, TypeError):  # no source to save (a lambda, a built-in): it is graded and served all the same
         pass
+    except workbench.PieceRefused as e:  # after its grader's verdict, which says more when it fails
+        problem = problem or AssertionError(f"it runs in this notebook only:\n{e}")
 
     def graded() -> None:
-        problem = grade_quietly(name, piece)
+        if isinstance(problem, Exception):
+            raise problem
         if problem is not None:
             gate = "it does not go into the engine until it passes its checks" if served else "it fails its checks"
             raise AssertionError(f"{gate}:\n{problem}")
@@ -208,6 +223,7 @@ def check_on_its_own(name: str, piece: Any) -> None:
 # rather than grade every piece again).
 _last_pieces: dict[str, Any] = {}
 _last_origin: dict[str, str] = {}
+_last_reasons: dict[str, str] = {}  # why minifer's piece ran in place of a saved one of yours
 
 
 def check_capstone(solution: bool = False) -> None:
@@ -216,7 +232,8 @@ def check_capstone(solution: bool = False) -> None:
     pieces: dict[str, Any] = {}
 
     def loaded() -> None:
-        found, where = load_pieces(solution)
+        _last_reasons.clear()
+        found, where = load_pieces(solution, reasons=_last_reasons)
         pieces.update(found)
         _last_pieces.clear()
         _last_pieces.update(found)
@@ -241,6 +258,13 @@ def print_origins() -> None:
     for name, where in _last_origin.items():
         piece = workbench.PIECES[name]
         print(f"  {name:24} {where:36} {piece.seam}{f': {piece.via}' if piece.via else ''}")
+        print_reason(_last_reasons.get(name))
+
+
+def print_reason(reason: str | None) -> None:
+    """Why a saved piece did not run, under its row: the grader's message and hint, indented."""
+    if reason:
+        print(textwrap.indent(reason, " " * 6))
 
 
 def capstone_throughput(solution: bool = False, rounds: int = 3) -> None:

@@ -10,7 +10,7 @@
   output placed inside larger NaN-filled buffers (an unmasked load reads NaN, an unmasked store is seen in
   the margin), the output poisoned with NaN before every launch. Without a GPU it runs under Triton's
   interpreter (``TRITON_INTERPRET=1``, set before triton is imported); where Triton is not installed
-  (macOS) it says so and skips;
+  (macOS) its check is reported blocked, with the reason (not failed);
 * :func:`check_perplexity` grades ``fn(model_fn, token_ids, window) -> perplexity`` on a synthetic model
   (a bigram table plus position biases, so the framing of the windows matters) and on the bundled
   ``tinystories-target`` against :func:`minifer.eval.perplexity`.
@@ -32,7 +32,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from minifer_course.grading.base import Check, call_unmodified, emit, fmt_index, raised_by_learner, run_checks, seeded
+from minifer_course.grading.base import (Check, blocked_by, call_unmodified, fmt_index, raised_by_learner, run_checks,
+                                         seeded)
 
 __all__ = ["check_quantize_int4", "check_int4_matmul_kernel", "check_perplexity", "launch_int4_matmul",
            "triton_modules"]
@@ -370,7 +371,7 @@ def check_int4_matmul_kernel(kernel_or_wrapper: Any) -> None:
 
     name = "int4_matmul_kernel"
     if not HAS_TRITON:
-        emit([name, f"  skipped: {TRITON_ERROR}", f"{name}: not checked (no Triton)"])
+        run_checks(name, [("the kernel runs on the grader's inputs (a Triton kernel)", blocked_by(TRITON_ERROR))])
         return
     on_gpu = torch.cuda.is_available()
     if not on_gpu and os.environ.get("TRITON_INTERPRET") != "1":

@@ -21,7 +21,7 @@ from typing import Any
 
 from minifer_course import workbench_quant
 from minifer_course.grading.base import Check, run_checks
-from minifer_course.grading.engine import saved_and_graded, sort_saved
+from minifer_course.grading.engine import print_reason, saved_and_graded, sort_saved
 from minifer_course.workbench import PROMPTS, interleaved_ratio, print_ratio
 
 INT4_PROMPTS = PROMPTS[:4]
@@ -133,22 +133,24 @@ def check_quant_in_engine(name: str, piece: Any) -> None:
     run_checks(f"{name} in the int4 engine", checks)
 
 
-def load_quant_pieces(solution: bool = False, path=None) -> tuple[dict[str, Any], dict[str, str]]:
+def load_quant_pieces(solution: bool = False, path=None,
+                      reasons: dict[str, str] | None = None) -> tuple[dict[str, Any], dict[str, str]]:
     """``grading.engine.load_pieces`` for exercise 05's pieces: the saved ones that pass their checks and where each
-    comes from; a missing or failing one raises, or with ``solution=True`` stays minifer's."""
+    comes from; a missing or failing one raises, or with ``solution=True`` stays minifer's (why, in ``reasons``)."""
     broken: dict[str, str] = {}
     saved = workbench_quant.load_quant(path, broken)
-    return sort_saved(saved, broken, workbench_quant.QUANT_PIECES, solution, path)
+    return sort_saved(saved, broken, workbench_quant.QUANT_PIECES, solution, path, reasons)
 
 
-_last: dict[str, dict[str, Any]] = {"pieces": {}, "origin": {}}  # the latest int4 check's, for the cells after it
+_last: dict[str, dict[str, Any]] = {"pieces": {}, "origin": {}, "reasons": {}}  # the latest int4 check's, for the cells after it
 
 
 def check_int4_engine(solution: bool = False) -> None:
     """Every saved piece of exercise 05 at once (``solution=True`` fills the missing ones with minifer's): the int4
     engine with your quantizer, your load step and your kernel serves the batch, as minifer's int4 engine does."""
     def loaded() -> None:
-        _last["pieces"], _last["origin"] = load_quant_pieces(solution)
+        _last["reasons"] = {}
+        _last["pieces"], _last["origin"] = load_quant_pieces(solution, reasons=_last["reasons"])
 
     checks = [("every int4 piece is saved and passes its checks" if not solution else
                "the saved int4 pieces are graded; minifer's fill the gaps (solution=True)", loaded)]
@@ -164,6 +166,7 @@ def print_int4_origins() -> None:
         print("the int4 check has not loaded your pieces yet (run the cell above)")
     for name, where in _last["origin"].items():
         print(f"  {name:24} {where}")
+        print_reason(_last["reasons"].get(name))
 
 
 def int4_throughput(solution: bool = False, rounds: int = 1) -> float | None:

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from minifer_course import workbench
+from minifer_course import workbench, workbench_save
 from minifer_course.grading import engine as graded
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -104,7 +104,8 @@ def test_a_piece_without_a_seam_is_saved_and_graded_on_its_own(name, solutions, 
 
 
 @pytest.mark.parametrize("name", list(workbench.PIECES))
-def test_an_untouched_stub_is_a_graded_failure_not_a_crash(name, stubs, my_engine):
+def test_an_untouched_stub_is_a_graded_failure_not_a_crash(name, stubs, my_engine, monkeypatch):
+    monkeypatch.setenv(workbench_save.CHECK_ENV, "0")  # a stub's file runs: test_workbench_save.py checks one
     gate = "does not go into the engine" if name in SERVED else "it fails its checks"
     with pytest.raises(AssertionError, match=f"(?s){gate}.*not implemented yet"):
         _check(name, stubs[name])
@@ -221,7 +222,8 @@ def _wrong(solutions) -> dict:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name", list(workbench.PIECES))
-def test_a_wrong_piece_is_stopped_by_its_grader_with_a_hint(name, solutions, capsys):
+def test_a_wrong_piece_is_stopped_by_its_grader_with_a_hint(name, solutions, capsys, monkeypatch):
+    monkeypatch.setenv(workbench_save.CHECK_ENV, "0")  # graded here already: its file is not run again
     wrong = _wrong(solutions)[name]
     with pytest.raises(AssertionError) as err:
         _check(name, wrong)
@@ -257,7 +259,9 @@ def test_saved_pieces_load_in_a_fresh_namespace_and_keep_their_helpers(solutions
     assert set(loaded) == {"rms_norm", "PrefixCachingAllocator", "ForkingAllocator"}
     x, w = torch.randn(3, 8), torch.randn(8)
     assert torch.equal(loaded["rms_norm"](x, w, 1e-6), solutions["rms_norm"](x, w, 1e-6))
-    assert "def chain_hash" in (my_engine / "ForkingAllocator.py").read_text()
+    assert "def chain_hash" in (my_engine / "PrefixCachingAllocator.py").read_text()  # its default hash_fn
+    # the class it extends is a piece of its own: saved as that piece, and named as needed, not copied
+    assert "# it builds on the saved pieces: PrefixCachingAllocator" in (my_engine / "ForkingAllocator.py").read_text()
     assert issubclass(loaded["ForkingAllocator"], loaded["PrefixCachingAllocator"])
     graded.GRADERS["ForkingAllocator"](loaded["ForkingAllocator"])  # the loaded class still passes its checks
 
@@ -306,6 +310,9 @@ def test_the_solution_switch_fills_every_gap_with_minifers_piece(stubs):
     assert pieces == {}
     assert origin["rms_norm"] == "minifer's (not saved yet)"
     assert origin["apply_rotary"] == "minifer's (yours fails its checks)"
+    reasons: dict[str, str] = {}
+    graded.load_pieces(solution=True, reasons=reasons)
+    assert list(reasons) == ["apply_rotary"] and "apply_rotary: not implemented yet" in reasons["apply_rotary"]
     assert workbench.components_from(pieces).given() == {}  # the reference engine
 
 
