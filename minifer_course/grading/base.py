@@ -5,7 +5,7 @@ inputs (random tensors from a fixed seed, odd shapes, edge cases) and compares t
 per check and a summary such as ``rms_norm: 6/6 checks passed``, and raises ``AssertionError`` at the
 first failure, saying which check failed, where, by how much, and a hint. The printed report never
 contains numbers that vary from run to run or machine to machine, so nbval can compare it (the check
-cells of the notebooks start with ``# NBVAL_CHECK_OUTPUT``).
+cells of the notebooks carry the cell tag ``nbval-check-output``).
 
 Because a grader only receives a function, the same checks grade the notebook's solution, the learner's
 attempt, the reference in ``minifer`` (the tests check that it passes) and deliberately wrong versions
