@@ -117,7 +117,7 @@ class LLMEngine:
         cfg, device, dtype = model.config, model.lm_head.weight.device, model.lm_head.weight.dtype
         cache_config, parts = config.cache_config, components or Components()
         num_blocks = cache_config.num_blocks(kv_block_bytes(model, cache_config, draft_model), device)
-        self.tokenizer = tokenizer
+        self.tokenizer, self.cache_config = tokenizer, cache_config
         self._make_sequence = make_sequence
         self.kv_cache_manager = (parts.block_allocator or KVCacheManager)(
             num_blocks, cache_config.block_size, cache_config.enable_prefix_caching)
@@ -127,7 +127,7 @@ class LLMEngine:
         self.scheduler = (parts.scheduler or Scheduler)(config.scheduler_config, self.kv_cache_manager)
         self.runner = ModelRunner(model, self.kv_cache, self.kv_cache_manager)
         self.sampler: Sampler = parts.sampler or ModelRunner.sample
-        self._scheduled = False  # whether the current step's scheduler gave it a batch to execute
+        self.step_tokens = 0  # the tokens the current step's batches gave the model (0: nothing was scheduled)
         if self.kv_cache.kv_cache_scales == "head":
             self._calibrate_kv_scales()
         self.owner: threading.Thread | None = None  # the one thread allowed to drive the engine (a server's loop)
@@ -286,11 +286,11 @@ class LLMEngine:
         (``engine_step`` with drafts, ``engine/spec_step.py``); around it the engine reports the outputs and merges a
         request's ``n`` completions."""
         self._check_thread()
-        self._scheduled = False
+        self.step_tokens = 0
         spec = self.speculator
         parts = StepParts(self.scheduler, self._execute, self.sampler, self.kv_cache_manager, self.tokenizer)
         sampled = spec.step(parts, self._num_waiting) if spec is not None else engine_step(parts)
-        if not self._scheduled and self.scheduler.has_unfinished():
+        if not self.step_tokens and self.scheduler.has_unfinished():
             raise RuntimeError("scheduler made no progress: no request fits in the free KV blocks")
         outputs = self._group_outputs(sampled, [seq.to_output(self.tokenizer) for seq in sampled])
         for seq in sampled:
@@ -300,7 +300,7 @@ class LLMEngine:
 
     def _execute(self, batch: ScheduledBatch, drafts: list[list[int]] | None = None) -> tuple[list[int], torch.Tensor]:
         """The step's ``execute``: the runner's, noting when each sequence was first scheduled (TTFT's queueing)."""
-        self._scheduled = True
+        self.step_tokens += sum(batch.num_new_tokens)
         now = time.perf_counter()
         for seq in batch.seqs:
             seq.metrics.first_scheduled_time = seq.metrics.first_scheduled_time or now

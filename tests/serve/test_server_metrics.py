@@ -1,6 +1,6 @@
-"""``/metrics``: parsed by ``prometheus_client``'s own parser, under vLLM's names, and moving by exactly what the
-requests in between did (tokens, finished requests, latency observations); a speculative server adds vLLM's
-speculative-decoding counters."""
+"""``/metrics``: parsed by ``prometheus_client``'s own parser, under vLLM's names and labels, and moving by exactly
+what the requests in between did (tokens, finished requests, latency observations: each completion of an n > 1
+request counts as a request, as in vLLM v1); a speculative server adds vLLM's speculative-decoding counters."""
 
 from __future__ import annotations
 
@@ -28,12 +28,12 @@ def scrape(srv) -> dict[tuple[str, tuple], float]:
 
 
 def value(samples, name: str, **labels) -> float:
-    return samples[name, tuple(sorted({"model_name": MODEL, **labels}.items()))]
+    return samples[name, tuple(sorted({"model_name": MODEL, "engine": "0", **labels}.items()))]
 
 
-def complete(srv, prompt: str, max_tokens: int, stream: bool = False) -> str:
+def complete(srv, prompt: str, max_tokens: int, stream: bool = False, **fields) -> str:
     body = {"model": MODEL, "prompt": prompt, "max_tokens": max_tokens, "ignore_eos": True, "temperature": 0,
-            "stream": stream}
+            "stream": stream, **fields}
     req = urllib.request.Request(srv.url + "/v1/completions", json.dumps(body).encode(),
                                  {"Content-Type": "application/json"})
     with urllib.request.urlopen(req, timeout=60) as r:
@@ -78,6 +78,41 @@ def test_metrics_parse_and_move_by_what_the_requests_did(server):
     assert value(after, "vllm:num_requests_running") == 0 and value(after, "vllm:num_requests_waiting") == 0
     assert 0 <= value(after, "vllm:kv_cache_usage_perc") <= 1
     assert value(after, "vllm:prefix_cache_hits_total") <= value(after, "vllm:prefix_cache_queries_total")
+
+
+PER_COMPLETION = ["e2e_request_latency_seconds", "request_queue_time_seconds", "request_prefill_time_seconds",
+                  "request_decode_time_seconds", "request_inference_time_seconds", "request_prompt_tokens",
+                  "request_generation_tokens", "request_params_max_tokens", "time_to_first_token_seconds"]
+
+
+def test_each_completion_counts_as_a_request_under_its_own_finish_reason(server):
+    before, steps = scrape(server), server.loop.steps
+    # n=3 whose choices end apart (seed 3: one on the stop string ".", two at max_tokens), and an n=1 at max_tokens
+    answer = json.loads(complete(server, "Once upon a time", 8, n=3, temperature=1.0, seed=3, stop=["."],
+                                 ignore_eos=False))
+    json.loads(complete(server, "Tom", 5))
+    after = scrape(server)
+
+    def moved(name: str, **labels) -> float:
+        return value(after, f"vllm:{name}", **labels) - value(before, f"vllm:{name}", **labels)
+
+    reasons = [c["finish_reason"] for c in answer["choices"]]
+    assert sorted(set(reasons)) == ["length", "stop"]  # the case this test is about
+    assert moved("request_success_total", finished_reason="stop") == reasons.count("stop")
+    assert moved("request_success_total", finished_reason="length") == reasons.count("length") + 1
+    for name in PER_COMPLETION:
+        assert moved(f"{name}_count") == 4, name
+    assert moved("request_params_n_count") == 2 and moved("request_params_n_sum") == 3 + 1
+    assert moved("request_params_max_tokens_sum") == 3 * 8 + 5
+    assert moved("request_generation_tokens_sum") == answer["usage"]["completion_tokens"] + 5
+    tok = server.loop.engine.tokenizer
+    assert moved("request_prompt_tokens_sum") == 3 * len(tok("Once upon a time")["input_ids"]) + len(
+        tok("Tom")["input_ids"])
+    assert moved("iteration_tokens_total_count") == server.loop.steps - steps > 0
+    info = next(k for k in after if k[0] == "vllm:cache_config_info")
+    assert dict(info[1])["block_size"] == str(server.loop.engine.kv_cache_manager.block_size)
+    assert dict(info[1])["engine"] == "0" and after[info] == 1
+    assert after["process_resident_memory_bytes", ()] > 0  # prometheus_client's default collectors
 
 
 def test_a_running_stream_is_counted_as_running(server):

@@ -1,4 +1,4 @@
-"""vLLM's extra routes and flags: /version, /ping, /tokenize and /detokenize (equal to the tokenizer),
+"""vLLM's extra routes and flags: /version, /ping, /tokenize and /detokenize (equal to the tokenizer), /tokenizer_info,
 /v1/models/{id} and max_model_len, several served names, /openapi.json and /docs, CORS (a 500's too), the command
 line's flags (the API key from the environment, a bundled model's chat template by default)."""
 
@@ -71,6 +71,15 @@ def test_tokenize_and_detokenize_match_the_tokenizer(server):
     assert status == 400 and got["error"]["param"] == "tokens"
     status, _, got = call(server.url + "/tokenize", {"prompt": "x" * 10**6})
     assert status == 400 and "characters" in got["error"]["message"]
+
+
+def test_tokenizer_info_is_the_tokenizers_config(server):
+    tok = server.loop.engine.tokenizer
+    status, _, got = call(server.url + "/tokenizer_info")
+    assert status == 200 and got["tokenizer_class"] == type(tok).__name__
+    assert got["model_max_length"] == tok.model_max_length and got["eos_token"] == tok.eos_token
+    assert got["chat_template"] == server._pre.tokenizer.chat_template  # the template served, not the tokenizer's
+    assert "vocab_file" not in got
 
 
 def test_cors_follows_the_allowed_origins(server):
@@ -149,6 +158,7 @@ def test_command_line_server_with_an_api_key_from_the_environment_and_the_bundle
         url = line.split()[1].removesuffix("/v1")
         body = {"model": "tinystories-draft", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3}
         assert call(url + "/v1/chat/completions", body)[0] == 401
+        assert call(url + "/tokenizer_info")[0] == 200  # open, as /tokenize is
         status, _, got = call(url + "/v1/chat/completions", body, {"Authorization": "Bearer secret"})
         assert status == 200 and got["usage"]["completion_tokens"] <= 3
         status, _, got = call(url + "/v1/completions", {"model": "tinystories-draft", "prompt": "Tom", "logprobs": 4},

@@ -7,6 +7,7 @@
     POST /v1/completions          prompt (a text, token ids, or a list of either) -> choices, usage; SSE if "stream"
     POST /v1/chat/completions     messages through the chat template
     POST /tokenize, /detokenize   vLLM's: text or messages to token ids, and back
+    GET  /tokenizer_info          vLLM's: the tokenizer's config (class, special tokens, chat template)
     GET  /openapi.json, /docs     FastAPI's: these routes' OpenAPI schema, and Swagger UI over it
 
 Each request costs the event loop only its I/O: the body is read under a size cap and a deadline, then parsed,
@@ -237,6 +238,11 @@ async def tokenize(request: Request) -> JSONResponse:
 async def detokenize(request: Request) -> JSONResponse:
     pre = server_state(request).pre
     return JSONResponse(await pre.run(pre.detokenize, await read_body(request)))
+
+
+@router.get("/tokenizer_info")
+async def get_tokenizer_info(request: Request) -> JSONResponse:
+    return JSONResponse(server_state(request).pre.tokenizer_info())
 
 
 # generation

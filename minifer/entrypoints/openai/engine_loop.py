@@ -22,7 +22,7 @@ from collections.abc import Callable
 from typing import Any
 
 from minifer.entrypoints.openai.protocol import RequestError, engine_error_param
-from minifer.request import Request
+from minifer.request import Request, sequences_of
 
 DONE = object()  # delivered once none of an HTTP request's engine requests will report again
 
@@ -141,10 +141,13 @@ class EngineLoop:
         if kind == "abort":
             for rid in items:
                 if rid in self.engine.requests:
+                    route, now = self._routes.get(rid), time.perf_counter()
+                    if self.metrics is not None and route is not None:  # its completions not finished yet
+                        for seq in sequences_of(route.request):
+                            if not seq.is_finished:
+                                self.metrics.completion_finished(seq, "abort", now, route.arrival)
                     self.engine.abort_request(rid)
                     self.aborted += 1
-                    if self.metrics is not None:
-                        self.metrics.request_finished("abort", self._routes.get(rid), time.perf_counter())
                 self._finish(rid)
             return
         if kind == "stats":
@@ -172,6 +175,8 @@ class EngineLoop:
         for seq, request in zip(seqs, added):
             self._routes[seq.request_id] = _Route(deliver, ids, stream, request, arrival)
             self.prompt_tokens += len(seq.prompt_token_ids)
+            if self.metrics is not None:  # n once per request; all else per completion
+                self.metrics.n.observe(seq.params.n)
 
     def _step(self) -> None:
         try:
@@ -183,6 +188,8 @@ class EngineLoop:
         self.steps += 1
         now = time.perf_counter()
         metrics = self.metrics
+        if metrics is not None:
+            metrics.iteration_tokens.observe(self.engine.step_tokens)
         for o in outputs:
             route = self._routes.get(o.request_id)
             if route is None:
@@ -194,12 +201,12 @@ class EngineLoop:
                         last = route.last_token.get(c.index)
                         metrics.token_step(now - (route.arrival if last is None else last), first=last is None)
                         route.last_token[c.index] = now
+                if c.finished() and metrics is not None:  # a completion counts when it ends, as vLLM's children
+                    metrics.completion_finished(sequences_of(route.request)[c.index], c.finish_reason, now,
+                                                route.arrival)
             if route.stream or o.finished or any(c.finished() for c in o.outputs):
                 route.deliver(o)
             if o.finished:
-                if metrics is not None:
-                    metrics.request_finished(o.outputs[0].finish_reason if len(o.outputs) == 1 else "stop",
-                                             route, now)
                 self._finish(o.request_id)
 
     def _fail_all(self, error: Exception) -> None:

@@ -117,7 +117,7 @@ def start_server(llm, *, host: str = "127.0.0.1", port: int = 8000, model_name: 
     names = [model_name] if isinstance(model_name, str) else list(model_name or [])
     names = names or [str(getattr(llm, "model_name", None) or llm.model_path.name)]
     pre = Preprocessor(llm, names, resolve_chat_template(chat_template))
-    metrics = ServerMetrics(names[0])
+    metrics = ServerMetrics(names[0], llm.max_model_len)
     loop = EngineLoop(llm.engine, metrics).start()
     metrics.attach(loop)
     state = ServerState(loop, pre, metrics, names, llm.max_model_len, api_key, read_timeout)

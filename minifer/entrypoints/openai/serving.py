@@ -261,5 +261,16 @@ class Preprocessor:
                                "tokens")
         return {"prompt": self.tokenizer.decode(ids)}
 
+    def tokenizer_info(self) -> dict[str, Any]:
+        """vLLM's /tokenizer_info: the arguments the tokenizer was built with (its config: special tokens,
+        ``model_max_length`` ...), less its files' paths, with ``tokenizer_class`` and the chat template in use."""
+        if self.tokenizer is None:
+            raise RequestError("this model has no tokenizer (dummy weights?)", status=HTTPStatus.NOT_FOUND)
+        config = {k: v for k, v in self.tokenizer.init_kwargs.items() if k not in ("vocab_file", "merges_file")}
+        config = json.loads(json.dumps(config, default=lambda v: getattr(v, "content", str(v))))  # AddedToken: text
+        template = getattr(self.tokenizer, "chat_template", None)
+        return {**config, "tokenizer_class": type(self.tokenizer).__name__, **({"chat_template": template}
+                                                                                 if template else {})}
+
 
 __all__ = ["MAX_COMPLETIONS_PER_REQUEST", "Prepared", "Preprocessor", "max_token_chars"]
