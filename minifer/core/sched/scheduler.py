@@ -196,18 +196,20 @@ class Scheduler:
             budget -= n
             i += 1
         # 2. admit waiting requests first-come-first-served (never past a preemption in this step)
-        for seq in list(self.waiting):
-            if budget <= 0 or len(self.running) >= self.config.max_num_seqs or batch.preempted:
-                break
+        i = 0  # the first waiting request not passed over
+        while (i < len(self.waiting) and budget > 0 and len(self.running) < self.config.max_num_seqs
+               and not batch.preempted):
+            seq = self.waiting[i]
             if self._over_half(seq):
-                continue  # its request's other completions hold half the slots, and another request waits
+                i += 1  # its request's other completions hold half the slots, and another request waits
+                continue
             tokens = seq.all_token_ids
             use_cache = not seq.needs_prompt_logprobs
             if not self.blocks.can_allocate(tokens, use_cache):
                 break
             if not self.config.enable_chunked_prefill and len(tokens) > budget:
                 break
-            self.waiting.remove(seq)
+            del self.waiting[i]
             cached = self.blocks.allocate(seq.request_id, tokens, use_cache)
             seq.num_computed_tokens = cached
             n = min(len(tokens) - cached, budget)
