@@ -256,12 +256,3 @@ def decode_eager_vs_fused(model: Any, fused: Any, context: int = 128, rounds: in
     return {"eager_ms": 1e3 * statistics.median(eager_s), "fused_ms": 1e3 * statistics.median(fused_s),
             "speedup": statistics.median(ratios), "speedup_min": ratios[0], "speedup_max": ratios[-1]}
 
-
-def peer_target_rows(result: Mapping[str, Any]) -> list[dict[str, Any]]:
-    """Issue 28's targets from a committed ``cpu_peer.json`` (its ``targets`` section, computed by
-    ``minifer_course.experiments.cpu_targets`` when the benchmark ran): measured value, goal and verdict, one row each."""
-    rows = []
-    for t in result["targets"]:
-        verdict = ("not measured" if t["met"] is None else "met" if t["met"] else f"missed by {t['missed_by']:.2f}")
-        rows.append({"measure": t["measure"], "measured": t["measured"], "target": t["target"], "verdict": verdict})
-    return rows

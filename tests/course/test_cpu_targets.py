@@ -5,6 +5,8 @@ benchmark's result. The results here are made up; no timing is judged."""
 from __future__ import annotations
 
 import argparse
+import json
+from pathlib import Path
 
 import pytest
 
@@ -94,3 +96,12 @@ def test_without_the_bounds_their_targets_are_not_measured(monkeypatch):
     monkeypatch.setattr(cpu_peer, "run", lambda *a, **kw: {"configs": {}, "ratios": {}})
     res = cpu_targets.measure(_args("--sections", "peer"), log=lambda _: None)
     assert "real_shape_decode" not in res and all(t["measured"] is None for t in res["targets"])
+
+
+RESULT = Path(__file__).resolve().parents[2] / "benchmarks" / "results" / "cpu_peer.json"
+
+
+def test_the_committed_result_carries_the_targets_its_own_figures_give():
+    """The lab book's table of targets is the committed ``cpu_peer.json``'s own, not typed by hand."""
+    result = json.loads(RESULT.read_text())
+    assert result["targets"] == json.loads(json.dumps(targets(result, cpu_peer.left_out(result))))
