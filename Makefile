@@ -1,5 +1,5 @@
 # The two commands of the README. Each installs what it needs first, so both work on a fresh clone.
-# Without make (Windows, or a machine without it), README's "Install routes" gives the same steps as commands.
+# Without make (Windows, or a machine without it), docs/install.md gives the same steps as commands.
 PY ?= python3
 PIP = $(PY) -m pip install --quiet
 # The chapters under nbval. The solutions run once, in the unit tests (tests/course/test_exercises.py executes each
@@ -61,6 +61,6 @@ results: install
 constraints:
 	$(PY) tools/pin_constraints.py
 
-# An offline wheelhouse for a room without a network: build once, hand out the folder (README, "Offline").
+# An offline wheelhouse for a room without a network: build once, hand out the folder (docs/install.md, "offline").
 wheelhouse:
 	bash scripts/build_wheelhouse.sh wheelhouse

@@ -4,7 +4,7 @@ Prints versions, the compute device, whether Triton can run kernels (GPU, or the
 compile them ahead of time for the GPUs learners have (sm_75 T4, sm_80 A100, sm_89 L4, sm_90 H100/H200),
 whether the bundled models load and generate, and whether a model hub is reachable. Then the install
 route: a torch outside the tested range, a CUDA build of torch on a machine without a GPU (gigabytes of
-NVIDIA libraries for nothing: the README's CPU route avoids them), a missing course extra, which track the
+NVIDIA libraries for nothing: docs/install.md's CPU route avoids them), a missing course extra, which track the
 notebooks will run and what the GPU track would download. Exit code 0 when everything the CPU track needs
 works; warnings do not change it.
 """

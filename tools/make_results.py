@@ -101,7 +101,7 @@ PARTS = [
     Part("aot_archs", f"python -m minifer_course.experiments.aot --ccs 75 80 89 90 --out {RESULTS}/aot_report_archs.json", 20,
          "the same for every GPU CI checks (T4, A100, L4, H100/H200; README, tests/kernels/test_aot_archs.py)"),
     Part("aot_all_configs", f"python -m minifer_course.experiments.aot --all-configs --out {RESULTS}/aot_report_all_configs.json", 15,
-         "every distinct config of the quantized kernels' GPU autotuning lists, sm_80 and sm_90 (README)"),
+         "every distinct config of the quantized kernels' GPU autotuning lists, sm_80 and sm_90 (docs/engine.md)"),
     Part("notebooks", "python tools/make_results.py --execute-notebooks", 12,
          "re-execute every chapter and solution notebook, storing outputs"),
 ]

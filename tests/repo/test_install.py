@@ -1,6 +1,6 @@
 """The install routes as files: pyproject's ranges, CI's constraints, the Makefile, environment.yml, the
 wheelhouse script, and what dtype='auto' picks on each GPU generation. (Installing for real takes minutes
-and a network: README's "Install routes" records which routes were run and how.)"""
+and a network: docs/install.md records which routes were run and how.)"""
 
 from __future__ import annotations
 

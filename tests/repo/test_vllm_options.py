@@ -1,7 +1,7 @@
 """minifer's option names against vLLM's, recorded as data (references/vllm_options.json, with the vLLM source
 and commit each list came from). An option minifer adds, renames or drops must either carry vLLM's name or be
 named in the file's ``minifer_differs`` with what vLLM calls it (or why it has no counterpart); and the
-README's section on moving to vLLM must name every one that differs."""
+docs/vllm.md (moving to vLLM) must name every one that differs."""
 
 from __future__ import annotations
 
@@ -79,10 +79,8 @@ def test_speculative_methods_are_vllms():
 
 
 def test_readme_maps_every_difference():
-    readme = (ROOT / "README.md").read_text()
-    section = readme[readme.index("## Moving to vLLM"):]
-    section = section[:section.index("\n## ", 4)] if "\n## " in section[4:] else section
+    section = (ROOT / "docs" / "vllm.md").read_text()
     for group in ("LLM", "SpeculativeConfig", "values"):
         for name in DIFFERS[group]:
-            assert f"`{name}`" in section, f"README's 'Moving to vLLM' does not name {group}.{name}"
+            assert f"`{name}`" in section, f"docs/vllm.md does not name {group}.{name}"
     assert "references/vllm_options.json" in section
