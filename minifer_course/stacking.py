@@ -10,7 +10,8 @@ The levers, in the order the course applies them:
 - ``speculative``: the draft model proposes ``k`` tokens per step, the target verifies them (chapter 04);
 - ``int8_weights``: int8 weights, per output channel, run as W8A8 (``INT8_WEIGHTS``: each token's activations rounded
   to int8 too, so that on the CPU the layers multiply in an integer GEMM instead of dequantizing every weight at every
-  step; chapter 05 measures the weight-only format's quality, this lever is about speed and memory);
+  step; chapter 05 measures the weight-only format's quality, this lever is about speed and memory). Whether the
+  integer GEMM is fast depends on the CPU (``int8_dot_instructions``);
 - ``int8_kv``: the paged KV cache in int8 with a scale per (token, head) (chapter 05).
 
 **One memory budget.** A GPU holds the weights and the KV cache in one memory, and vLLM gives the cache what the
@@ -58,6 +59,24 @@ LEVERS = ("continuous", "speculative", "int8_weights", "int8_kv")
 INT8_WEIGHTS = "w8a8"  # the int8_weights lever's quantization (the module docstring says why W8A8)
 SHORT = {"continuous": "CB", "speculative": "spec", "int8_weights": "W8", "int8_kv": "KV8"}
 DRAFT = "tinystories-draft"
+INT8_DOT_FLAGS = ("avx512_vnni", "avx_vnni", "amx_int8")  # x86 instructions that multiply int8 codes natively
+
+
+def int8_dot_instructions(cpuinfo: str | None = None) -> tuple[bool | None, str]:
+    """Whether this CPU multiplies int8 codes natively, and the instruction set that says so (``/proc/cpuinfo``).
+
+    Why it matters: W8A8's integer GEMM (``torch._int_mm``) runs on oneDNN's VNNI or AMX kernels when the CPU has
+    them; without them PyTorch falls back to a generic loop many times slower than a float32 GEMM, and the
+    int8_weights lever loses on step time what it wins in memory. (None: not known, e.g. not Linux.)"""
+    if cpuinfo is None:
+        try:
+            with open("/proc/cpuinfo") as f:
+                cpuinfo = f.read()
+        except OSError:
+            return None, "unknown (no /proc/cpuinfo)"
+    flags = set(cpuinfo.split())
+    found = [f for f in INT8_DOT_FLAGS if f in flags]
+    return (True, ", ".join(found)) if found else (False, "none (no AVX-512 VNNI, AVX-VNNI or AMX)")
 
 
 # --- the configurations --------------------------------------------------------------------------------

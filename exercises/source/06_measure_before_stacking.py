@@ -179,7 +179,8 @@ print(", ".join(f"{key} {median([a[key] for a in rounds]):.2f}" for key in ("pro
 # `benchmarks/results/stacking.json`, about 1.4 times). Two of the levers buy the same thing (cache
 # blocks), and once the cache holds everything the workload keeps in flight the second buys nothing; speculation's
 # gain depends on the concurrency the others raise. Read `in_stack` before you decide which levers to keep: here
-# int8 weights earn their place on top of the others (on this CPU, run as W8A8, they also make the step faster); the
+# int8 weights earn their place on top of the others (run as W8A8 on a CPU that multiplies int8 natively, they also
+# make the step faster); the
 # int8 cache and speculation (for this workload and budget) do not: added last, neither is clear of the A/A band.
 #
 # ## 4 · Is a difference real? An A/A control and the median's interval
@@ -329,6 +330,9 @@ def timed(llm):
     return run
 
 
+from minifer_course.stacking import int8_dot_instructions
+
+print("int8 dot-product instructions on this CPU:", int8_dot_instructions()[1])
 engines = {"base": LLM("tinystories-target"), "again": LLM("tinystories-target"),
            "int8": LLM("tinystories-target", quantization="w8a8")}
 for llm in engines.values():
@@ -347,9 +351,10 @@ print(f"int8 speedups: {', '.join(f'{x:.3f}' for x in lever)}; median {statistic
 print("int8 weights:", verdict_of(lever, aa, 0.95))
 
 # %% [markdown]
-# Compare your verdict with your prediction. On the development machine, its 2 cores shared with other jobs, one
-# run gave an A/A band of 0.78-1.32 (a spread of 57%) and int8 weights a median speedup of 1.35 whose interval,
-# 1.24-1.46, reached into that band: no measurable difference, by this method, on that machine at that time. Whole
+# Compare your verdict with your prediction. Two things about your machine decide it: whether its CPU multiplies
+# int8 codes natively (the first line the cell printed: without those instructions W8A8 is many times slower than
+# float32), and how busy it is (the A/A band: on a shared 2-core machine it can span tens of percent, wide enough
+# to hide a real 20% gain). Whole
 # runs of half a second each, back to back, see different moments of a busy machine; chapter 06's benchmark
 # interleaves single engine steps in a random order (`run_interleaved`) to narrow the band, and keeps a `CB (A/A)`
 # row for the same reason as here: the range of its ratios over the rounds is the band inside which a reading is not

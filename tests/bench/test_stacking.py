@@ -175,3 +175,11 @@ def _tensor_bytes(cache) -> int:
 def test_static_rows_reserve_the_longest_prompt_and_the_longest_output():
     w = st.Workload([[1] * 10, [1] * 3], [2, 20])
     assert w.longest == 23 and w.static_row_tokens == 30  # one batch pads to 10 and decodes to 20
+
+
+def test_int8_dot_instructions_reads_the_cpu_flags():
+    """The flag that decides whether W8A8's integer GEMM is fast is read from the CPU's own list, not guessed."""
+    assert st.int8_dot_instructions("flags : fpu sse avx2 avx512f avx512_vnni") == (True, "avx512_vnni")
+    assert st.int8_dot_instructions("flags : fpu sse avx2 avx_vnni amx_int8") == (True, "avx_vnni, amx_int8")
+    has, what = st.int8_dot_instructions("flags : fpu sse avx2 fma")
+    assert has is False and "VNNI" in what
