@@ -38,15 +38,17 @@ if TYPE_CHECKING:  # imported lazily at run time: matplotlib is a course extra
     from minifer.entrypoints.llm import LLM
 
 # One colour per meaning, the same in every picture.
-COLORS = {"prefill": "#f5a54a", "decode": "#4c8fd6", "waiting": "#d9d9d9", "preempted": "#d62728",
-          "finished": "#222222", "requeued": "#f3b6b6", "shared": "#f2c14e", "private": "#7fb3e6", "cached": "#b9e0b0", "free": "#ffffff",
+COLORS = {"prefill": "#f5a54a", "decode": "#4c8fd6", "waiting": "#d9d9d9", "requeued": "#f3b6b6",
+          "preempted": "#d62728", "finished": "#222222",
+          "shared": "#f2c14e", "private": "#7fb3e6", "cached": "#b9e0b0", "free": "#ffffff",
           "accepted": "#8fd18f", "rejected": "#f19c99", "untested": "#eeeeee", "bonus": "#4c8fd6",
           "correction": "#f5a54a"}
 
 # Stories of different lengths, arriving at different steps, asking for different lengths: continuous batching has
 # slots to refill, a prompt longer than the step's token budget is cut into chunks, and the small cache runs out.
 TIMELINE_PROMPTS = ("Once upon a time, there was a little girl named Lily.",
-                    "Tom and his dog went to the park to play with a big red ball. The sun was warm and the sky was blue.",
+                    "Tom and his dog went to the park to play with a big red ball. "
+                    "The sun was warm and the sky was blue.",
                     "The cat sat",
                     "One day, a bird",
                     "Mom baked a cake for the party and",
@@ -181,6 +183,7 @@ class SchedulerRun:
     block_size: int
     max_num_seqs: int
     max_num_batched_tokens: int
+    engine_stats: dict[str, Any] = field(default_factory=dict)  # ``LLMEngine.stats()`` once the run ended
 
     @property
     def requests(self) -> list[str]:
@@ -228,7 +231,8 @@ def record_run(llm: "LLM", prompts: Sequence[str] = TIMELINE_PROMPTS,
     sched = engine.scheduler
     return SchedulerRun(sched.steps, dict(sched.arrivals),
                         {rid: len(seq.prompt_token_ids) for rid, seq in sched.seqs.items()}, outputs, step_tokens,
-                        engine.kv_cache_manager.num_blocks, block_size, max_num_seqs, max_num_batched_tokens)
+                        engine.kv_cache_manager.num_blocks, block_size, max_num_seqs, max_num_batched_tokens,
+                        engine.stats())
 
 
 # --- drawing the timeline -----------------------------------------------------------------------------
@@ -251,8 +255,9 @@ def _draw_budget(ax: "Axes", run: SchedulerRun) -> None:
     ax.bar(steps, decode, width=0.9, color=COLORS["decode"])
     ax.bar(steps, prefill, width=0.9, bottom=decode, color=COLORS["prefill"])
     ax.axhline(run.max_num_batched_tokens, color="#555555", ls="--", lw=1)
-    ax.text(-0.5, run.max_num_batched_tokens * 1.04, f"step budget: max_num_batched_tokens={run.max_num_batched_tokens}",
-            va="bottom", ha="left", fontsize=8, color="#555555")
+    budget = run.max_num_batched_tokens
+    ax.text(-0.5, budget * 1.04, f"step budget: max_num_batched_tokens={budget}", va="bottom", ha="left",
+            fontsize=8, color="#555555")
     ax.set_ylabel("tokens\nin the step")
     ax.set_ylim(0, run.max_num_batched_tokens * 1.35)
     ax.spines[["top", "right"]].set_visible(False)
@@ -369,7 +374,8 @@ def _annotate_life(ax: "Axes", run: SchedulerRun, request_id: str) -> None:
             share = next(s for s in run.steps[step].scheduled if s.request_id == request_id)
             context, prompt = share.context, run.prompt_tokens[request_id]
             if context == prompt:
-                text += f"\nits {prompt}-token prompt" + (" in chunks" if share.num_tokens + share.cached < context else "")
+                chunked = share.num_tokens + share.cached < context
+                text += f"\nits {prompt}-token prompt" + (" in chunks" if chunked else "")
             else:
                 text += f" again: recomputes\n{prompt} prompt + {context - prompt} generated tokens"
             text += f"\n({share.cached} found in the prefix cache)" if share.cached else ""
@@ -403,7 +409,8 @@ def draw_request_life(run: SchedulerRun, request_id: str | None = None) -> "Figu
     steps = [r.step for r in run.steps if xs[0] <= r.step <= xs[-1]]
     low.bar(steps, [run.steps[s].blocks_held.get(rid, 0) for s in steps], width=0.8, color=COLORS["private"],
             label=f"blocks {rid} holds")
-    low.plot(steps, [run.steps[s].free_blocks for s in steps], color="#444444", lw=1.2, label="free blocks (whole cache)")
+    low.plot(steps, [run.steps[s].free_blocks for s in steps], color="#444444", lw=1.2,
+             label="free blocks (whole cache)")
     low.set(ylabel="KV blocks\n(after the step)", xlabel="engine step", ylim=(0, run.num_blocks + 1))
     low.legend(fontsize=8, loc="upper left", ncol=2, frameon=False, bbox_to_anchor=(0, 1.12))
     for a in (ax, low):
@@ -465,7 +472,8 @@ def snapshot_blocks(engine: "LLMEngine", step: int = 0, prompts: dict[str, str] 
     ``KVCacheManager``: the counts are its ``BlockPool``'s own, not recounted from the tables)."""
     manager = engine.kv_cache_manager
     running = engine.scheduler.running
-    return BlockSnapshot(step, manager.block_size, {s.request_id: list(manager.block_table(s.request_id)) for s in running},
+    return BlockSnapshot(step, manager.block_size,
+                         {s.request_id: list(manager.block_table(s.request_id)) for s in running},
                          {s.request_id: s.num_computed_tokens for s in running},
                          [b.ref_count for b in manager.block_pool.blocks],
                          [b.block_hash is not None for b in manager.block_pool.blocks], dict(prompts or {}))
@@ -585,7 +593,8 @@ class RecordingVerifier(RejectionVerifier):
     def greedy(self, draft_tokens: list[list[int]], target_argmax: torch.Tensor) -> list[list[int]]:
         out = verify_greedy(draft_tokens, target_argmax)
         rows = target_argmax.tolist()
-        self.log += [(self.step, list(d), rows[i][: len(o)], list(o)) for i, (d, o) in enumerate(zip(draft_tokens, out))]
+        self.log += [(self.step, list(d), rows[i][: len(o)], list(o))
+                     for i, (d, o) in enumerate(zip(draft_tokens, out))]
         return out
 
     def sample(self, draft_tokens: list[list[int]], draft_probs: torch.Tensor, target_probs: torch.Tensor,
@@ -679,7 +688,8 @@ def _draw_spec_step(ax: "Axes", s: SpecStep, y: float, k: int) -> None:
         ax.text(j + 0.48, y + 1.45, word, ha="center", va="center", fontsize=9,
                 color="white" if kind == "bonus" else "black")
     verdict = "all accepted: bonus token" if s.bonus else f"draft {s.accepted + 1} rejected: target's correction"
-    ax.text(k + 1.1, y + 0.95, f"{s.accepted} of {len(s.proposed)} kept → {len(s.emitted)} token{'s' * (len(s.emitted) > 1)}\n{verdict}",
+    tokens = f"{len(s.emitted)} token{'s' * (len(s.emitted) > 1)}"
+    ax.text(k + 1.1, y + 0.95, f"{s.accepted} of {len(s.proposed)} kept → {tokens}\n{verdict}",
             va="center", fontsize=8, color="#333333")
 
 
@@ -704,9 +714,9 @@ def draw_speculation(run: SpecRun, steps: int = 6) -> "Figure":
     ax.spines[:].set_visible(False)
     c = run.counts()
     more = f" (the first {len(shown)} of {len(run.steps)} steps shown)" if len(shown) < len(run.steps) else ""
-    ax.set_title(f"speculative decoding ({run.method}, k={run.k}){more}: {c['accepted']} of {c['proposed']} drafts kept, "
-                 f"{c['tokens_per_verify']} tokens per target forward\nafter the prompt “{run.prompt}”", fontsize=10,
-                 pad=22)
+    ax.set_title(f"speculative decoding ({run.method}, k={run.k}){more}: {c['accepted']} of {c['proposed']} drafts "
+                 f"kept, {c['tokens_per_verify']} tokens per target forward\nafter the prompt “{run.prompt}”",
+                 fontsize=10, pad=22)
     labels = {"accepted": "accepted draft", "rejected": "first rejected draft", "untested": "not tested",
               "correction": "target's correction", "bonus": "bonus token"}
     fig.legend(handles=[Patch(facecolor=COLORS[kk], edgecolor="#777777", label=v) for kk, v in labels.items()],
