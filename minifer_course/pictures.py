@@ -481,27 +481,41 @@ def snapshot_blocks(engine: "LLMEngine", step: int = 0, prompts: dict[str, str] 
 
 def shared_prefix_engine(llm: "LLM", prefix: str = SHARED_PREFIX, suffixes: Sequence[str] = SUFFIXES,
                          other: str = OTHER_PROMPT, decode_steps: int = 3, *, block_size: int = 8,
-                         num_kv_blocks: int = 24) -> tuple["LLMEngine", dict[str, str]]:
+                         num_kv_blocks: int = 24, after_step: Callable[["LLMEngine", int], None] | None = None
+                         ) -> tuple["LLMEngine", dict[str, str]]:
     """A fresh engine (prefix caching on) stopped mid-run: at step 0 ``other`` (asking for 2 tokens: it finishes
     early and leaves its blocks behind) and the first ``prefix + suffix`` arrive; at step 1, once the first has
     computed (and so published) the prefix's blocks, the other suffixes arrive and find them in the cache; then
-    ``decode_steps`` more steps. Returns the engine and the prompts by request id."""
+    ``decode_steps`` more steps. ``after_step(engine, step)`` is called after each. Returns the engine and the
+    prompts by request id."""
     engine = fresh_engine(llm, block_size=block_size, num_kv_blocks=num_kv_blocks, enable_prefix_caching=True)
     prompts = {f"s{i}": prefix + s for i, s in enumerate(suffixes)}
     engine.add_request("other", other, greedy(2))
     engine.add_request("s0", prompts["s0"], greedy(32))
-    engine.step()
-    for rid in list(prompts)[1:]:
-        engine.add_request(rid, prompts[rid], greedy(32))
-    for _ in range(decode_steps + 1):
+    for step in range(decode_steps + 2):
+        if step == 1:
+            for rid in list(prompts)[1:]:
+                engine.add_request(rid, prompts[rid], greedy(32))
         engine.step()
+        if after_step is not None:
+            after_step(engine, step)
     return engine, {"other": other, **prompts}
 
 
-def record_block_table(llm: "LLM", decode_steps: int = 3, **kwargs: Any) -> BlockSnapshot:
-    """``shared_prefix_engine(llm, ...)``'s cache, read after its last step."""
-    engine, prompts = shared_prefix_engine(llm, decode_steps=decode_steps, **kwargs)
-    return snapshot_blocks(engine, step=decode_steps + 2, prompts=prompts)
+def record_block_tables(llm: "LLM", **kwargs: Any) -> list[BlockSnapshot]:
+    """``shared_prefix_engine(llm, **kwargs)``'s cache read after every step (for a slider over the steps: draw
+    ``snapshots[step]``); the last one is ``record_block_table``'s."""
+    snapshots: list[BlockSnapshot] = []
+    prompts = {f"s{i}": kwargs.get("prefix", SHARED_PREFIX) + s for i, s in enumerate(kwargs.get("suffixes", SUFFIXES))}
+    prompts["other"] = kwargs.get("other", OTHER_PROMPT)
+    shared_prefix_engine(llm, after_step=lambda engine, step: snapshots.append(snapshot_blocks(engine, step, prompts)),
+                         **kwargs)
+    return snapshots
+
+
+def record_block_table(llm: "LLM", **kwargs: Any) -> BlockSnapshot:
+    """``shared_prefix_engine(llm, **kwargs)``'s cache, read after its last step."""
+    return record_block_tables(llm, **kwargs)[-1]
 
 
 def _draw_tables(ax: "Axes", snap: BlockSnapshot, per_row: int = 16) -> None:
@@ -517,17 +531,17 @@ def _draw_tables(ax: "Axes", snap: BlockSnapshot, per_row: int = 16) -> None:
                       alpha=0.7)
             ax.text(i + 0.47, y + 0.4, str(block), ha="center", va="center", fontsize=10, fontweight="bold")
         prompt = snap.prompts.get(rid, "")
-        ax.text(len(table) + 0.15, y + 0.4, f"{snap.num_tokens[rid]} tokens: “…{prompt[-26:]}” + generated",
+        ax.text(len(table) + 0.15, y + 0.4, f"{snap.num_tokens[rid]} tokens of KV: “…{prompt[-26:]}” + generated",
                 va="center", fontsize=8, color="#444444")
-    width = max(len(t) for t in snap.tables.values())
-    first = next(iter(snap.tables.values()))
+    width = max((len(t) for t in snap.tables.values()), default=0)
+    first = next(iter(snap.tables.values()), [])
     common = next((i for i, b in enumerate(first) if snap.ref_counts[b] < 2), len(first))
     if common:
         ax.annotate(f"{common * snap.block_size} prompt tokens in common: computed once, read by {len(snap.tables)}",
                     (0, -0.05), ha="left", va="bottom", fontsize=8, color="#7a5b00")
     ax.set_yticks([y + 0.4 for y in range(len(snap.tables))], list(snap.tables), fontsize=9)
     ax.set_xticks([i + 0.47 for i in range(width)], [f"logical\n{i}" for i in range(width)], fontsize=7)
-    ax.set(xlim=(-0.1, max(per_row, width + 7) + 0.1), ylim=(len(snap.tables), -0.45))
+    ax.set(xlim=(-0.1, max(per_row, width + 7) + 0.1), ylim=(max(len(snap.tables), 1), -0.45))
     ax.set_title("block tables: logical block → physical block (the number)", fontsize=9, loc="left")
     ax.tick_params(length=0)
     ax.spines[:].set_visible(False)
@@ -556,7 +570,7 @@ def draw_block_table(snap: BlockSnapshot) -> "Figure":
 
     rows = -(-snap.num_blocks // 16)
     fig, (top, low) = plt.subplots(2, 1, figsize=(10, 1.6 + 0.5 * len(snap.tables) + 0.5 * rows),
-                                   gridspec_kw={"height_ratios": [len(snap.tables), rows]})
+                                   gridspec_kw={"height_ratios": [max(len(snap.tables), 1), rows]})
     _draw_tables(top, snap)
     _draw_pool(low, snap)
     c = snap.counts()

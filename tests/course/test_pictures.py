@@ -98,6 +98,10 @@ def test_the_block_table_is_the_allocators(target_llm):
     assert sorted(p.get_x() + 16 * p.get_y() for p in gids(fig, "pool:shared")) == pytest.approx(snap.shared, abs=0.5)
     assert len(gids(fig, "table:")) == sum(len(manager.block_table(rid)) for rid in snap.tables)
     assert len(gids(fig, "table:shared")) == len(snap.shared) * len(snap.tables) == 3 * len(pictures.SUFFIXES)
+    steps = pictures.record_block_tables(target_llm)  # the same run, read after every step (a slider's frames)
+    assert [s.step for s in steps] == list(range(len(steps)))
+    assert (steps[-1].tables, steps[-1].ref_counts) == (snap.tables, snap.ref_counts)
+    assert steps[0].shared == [] and "other" in steps[0].tables  # before the later requests found the prefix
 
 
 def test_the_speculative_steps_are_the_verifiers(target_llm, draft_llm):
