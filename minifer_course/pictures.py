@@ -667,13 +667,16 @@ def _token_text(tokenizer: Any, token: int) -> str:
 def record_speculation(llm: "LLM", prompt: str = SPEC_PROMPT, *, draft: Any = "tinystories-draft",
                        method: str = "draft_model", k: int = 4, max_tokens: int = 24) -> SpecRun:
     """Generate ``max_tokens`` greedy tokens for ``prompt`` on a fresh speculating engine over ``llm``'s weights
-    (``method`` ``"draft_model"`` with ``draft``, a model name or a loaded ``LLM``; or ``"ngram"``), its verifier
+    (``method`` ``"draft_model"`` with ``draft``: a model name, the ``LLM`` of the draft model, or a loaded draft
+    module such as a speculating ``LLM``'s ``draft_model``; or ``"ngram"``), its verifier
     recording every step."""
     from minifer.engine.components import Components
 
     config: dict[str, Any] = {"method": method, "num_speculative_tokens": k}
     if method == "draft_model":
-        config["model"] = getattr(draft, "model", draft)
+        from minifer import LLM
+
+        config["model"] = draft.model if isinstance(draft, LLM) else draft  # a loaded draft's weights, or a name
     verifier = RecordingVerifier()
     engine = fresh_engine(llm, Components(verifier=verifier), speculative_config=config, num_kv_blocks=32,
                           block_size=16)
