@@ -271,14 +271,12 @@ print(f"the roofline's compute-bound batch on this machine: {ridge_b}")
 print("residuals (ms):", ", ".join(f"b{b}: {1e3 * (s - t0 - b * t1):+.2f}" for b, s in zip(BATCHES, seconds)))
 
 # %% [markdown]
-# Two runs on the development machine (2 cores shared with other jobs, float32) gave $t_0$ = 8.7 and 19.0 ms, of
-# which reading the weights and the cache at the copy bandwidth measured beside them explained 12% and 18%, and
-# crossovers near batch 10 and 16: the bundled model's batch-1 decode is overhead-bound, far above both the
-# bandwidth and the compute floor, and batching is nearly free until the crossover. That fixed overhead is what
+# Read the printed share: on a CPU, reading the weights and the cache at the copy bandwidth explains only a small
+# part of the bundled model's $t_0$, so its batch-1 decode is overhead-bound, far above both the bandwidth and the
+# compute floor, and batching is nearly free until the crossover the cell printed. That fixed overhead is what
 # CUDA graphs remove on a GPU.
 # A model whose weights are 2.4 GB (Qwen3-0.6B in float32, chapter 01's section 5) reverses the proportions: its
-# $t_0$ is mostly weight reads. The numbers above are from this machine and this run (the stored ones from a third
-# run); rerun the timing cell and the fit moves, which is why section 4 of exercise 06 measures the noise before
+# $t_0$ is mostly weight reads. The numbers above are from this machine and this run; rerun the timing cell and the fit moves, which is why section 4 of exercise 06 measures the noise before
 # believing a difference.
 #
 # ## Where these live in the engine
