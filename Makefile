@@ -16,7 +16,7 @@ TORCH_SPEC := $(shell sed -n 's/^ *"\(torch[<>=!~][^"]*\)",.*/\1/p' pyproject.to
 CONSTRAINTS ?=
 PIP_C = $(PIP) $(if $(CONSTRAINTS),-c $(CONSTRAINTS),)
 
-.PHONY: course test test-core install install-course torch doctor exercises constraints wheelhouse results
+.PHONY: course test test-core install install-course torch doctor exercises constraints wheelhouse results slides
 
 # pip reads no index when the installed torch already satisfies the range, so this is a no-op then.
 torch:
@@ -51,6 +51,11 @@ doctor:
 # Regenerate exercises/ and solutions/ from their single source.
 exercises:
 	$(PY) tools/build_exercises.py
+
+# Lecture slides (reveal.js) from every chapter's stored outputs into build/slides/; the chapters are not edited:
+# tools/make_slides.py derives each slide from the headings on a copy (docs/instructor-guide.md, "Slides").
+slides:
+	$(PY) tools/make_slides.py
 
 # Re-run every CPU benchmark the chapters cite, at a clean commit, then re-execute the notebooks (hours on
 # 2 cores). One part: make results ONLY="speculative kv_quant"; the list: python3 tools/make_results.py --list

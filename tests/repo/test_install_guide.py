@@ -3,7 +3,9 @@ spread table comes from (tools/notebook_spread.py) lines numbers up correctly.""
 
 from __future__ import annotations
 
+import importlib.util
 import json
+import re
 import sys
 from pathlib import Path
 
@@ -42,3 +44,38 @@ def test_spread_lines_up_numbers_by_position(tmp_path):
     assert (v["min"], v["max"], v["label"]) == (1.2, 1.5, "speedup")
     assert abs(v["spread"] - 0.3 / 1.35) < 1e-9
     assert res["reshaped_cells"] == [2]  # the second code cell printed another count of numbers in run b
+
+
+def _row(table_start: str) -> str:
+    """The guide's table row that begins with ``table_start``."""
+    (row,) = [line for line in GUIDE.splitlines() if line.startswith(table_start)]
+    return row
+
+
+def test_the_guide_gives_every_exercise_a_working_time_naming_what_the_learner_writes():
+    for path in sorted((ROOT / "exercises").glob("[0-9][0-9]_*.ipynb")):
+        row = _row(f"| `{path.stem}` |")
+        source = "".join("".join(c["source"]) for c in json.loads(path.read_text())["cells"])
+        for name in re.findall(r'NotImplementedError\("implement (\w+)', source):
+            assert f"`{name}`" in row, f"the working-times row of {path.stem} does not name {name}"
+        assert re.search(r"\d+(-[\d.]+)? (min|h)\b", row.split("|")[3]), f"{path.stem}: no working time"
+    assert "not yet timed by an engineer solving it from its instructions" in " ".join(GUIDE.split())
+
+
+def test_the_ninety_minute_format_has_a_hands_on_exercise_with_its_measured_time():
+    ninety = GUIDE[GUIDE.index("**90 minutes"):GUIDE.index("**Half a day")]
+    hands_on = [line for line in ninety.splitlines() if "**hands-on**" in line]
+    assert hands_on and "exercises/" in hands_on[0]
+    assert re.search(r"spent \d+ s in §1's three grading cells", ninety)
+
+
+def test_troubleshooting_gives_the_reset_command_and_the_requirements_are_one_table():
+    row = _row("| my notebook broke")
+    assert "`python -m minifer_course.reset NN`" in row
+    assert importlib.util.find_spec("minifer_course.reset") is not None
+    requirements = (ROOT / "docs" / "requirements.md").read_text()
+    assert "(requirements.md)" in GUIDE and "make slides" in GUIDE
+    rows = [line for line in requirements.splitlines() if line.startswith("| **")]
+    assert [r.split("**")[1] for r in rows[:3]] == ["disk", "memory", "install minutes"]
+    for r in rows:
+        assert r.rstrip(" |").endswith("not run | not run"), "macOS and Windows were not run: say so"
