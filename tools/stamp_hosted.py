@@ -137,28 +137,36 @@ def _text(nb: NotebookNode) -> str:
     return text if text.endswith("\n") else text + "\n"
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--check", action="store_true", help="exit 1 if a notebook's hosted cells are stale")
-    args = parser.parse_args(argv)
-    cfg, stale, written = read_config(), [], 0
-    for path in targets():
-        rel = path.relative_to(ROOT).as_posix()
+def stamp_all(root: Path = ROOT, check: bool = False) -> tuple[list[Path], list[str]]:
+    """Stamp every notebook under ``root`` (or, with ``check``, only list what is stale); returns the notebooks
+    written and the problems found. ``make release`` calls it after moving the version (the tag) on."""
+    cfg, stale, written = read_config(root / "pyproject.toml"), [], []
+    for path in targets(root):
+        rel = path.relative_to(root).as_posix()
         nb = nbformat.read(path, as_version=4)
-        if args.check:
+        if check:
             stale += problems(nb, rel, cfg)
             continue
         text = _text(stamp(nb, rel, cfg))
         if path.read_text(encoding="utf-8") != text:
             path.write_text(text, encoding="utf-8")
-            written += 1
+            written.append(path)
+    return written, stale
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--check", action="store_true", help="exit 1 if a notebook's hosted cells are stale")
+    args = parser.parse_args(argv)
+    cfg, n = read_config(), len(targets())
+    written, stale = stamp_all(ROOT, args.check)
     for line in stale:
         print(line, file=sys.stderr)
     if args.check:
-        print(f"{len(targets())} notebooks checked against {cfg.repository} at {cfg.tag}: "
+        print(f"{n} notebooks checked against {cfg.repository} at {cfg.tag}: "
               f"{'stale, run python3 tools/stamp_hosted.py' if stale else 'up to date'}")
         return 1 if stale else 0
-    print(f"{written} of {len(targets())} notebooks stamped ({cfg.repository} at {cfg.tag})")
+    print(f"{len(written)} of {n} notebooks stamped ({cfg.repository} at {cfg.tag})")
     return 0
 
 
