@@ -16,7 +16,7 @@ TORCH_SPEC := $(shell sed -n 's/^ *"\(torch[<>=!~][^"]*\)",.*/\1/p' pyproject.to
 CONSTRAINTS ?=
 PIP_C = $(PIP) $(if $(CONSTRAINTS),-c $(CONSTRAINTS),)
 
-.PHONY: course test test-core install install-course torch doctor exercises constraints wheelhouse results slides
+.PHONY: course test test-core install install-course torch doctor exercises constraints wheelhouse results slides release hosted
 
 # pip reads no index when the installed torch already satisfies the range, so this is a no-op then.
 torch:
@@ -56,6 +56,14 @@ exercises:
 # tools/make_slides.py derives each slide from the headings on a copy (docs/instructor-guide.md, "Slides").
 slides:
 	$(PY) tools/make_slides.py
+
+# The hosted notebooks' badges and setup cell, from pyproject's [project.urls] Repository and version.
+hosted:
+	$(PY) tools/stamp_hosted.py
+
+# Tag a release (what a hosted notebook installs) and write its CHANGELOG.md entry: make release [VERSION=0.2.0]
+release:
+	$(PY) tools/release.py $(VERSION)
 
 # Re-run every CPU benchmark the chapters cite, at a clean commit, then re-execute the notebooks (hours on
 # 2 cores). One part: make results ONLY="speculative kv_quant"; the list: python3 tools/make_results.py --list

@@ -17,6 +17,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from minifer_course.hosted import TRITON_MIN_CAPABILITY, choose_track
+
 if TYPE_CHECKING:  # imported lazily at run time: matplotlib and ipywidgets are course extras
 
     from minifer.entrypoints.llm import LLM
@@ -25,6 +27,7 @@ if TYPE_CHECKING:  # imported lazily at run time: matplotlib and ipywidgets are 
 BUNDLED_PAIR = ("tinystories-target", "tinystories-draft")
 GPU_PAIR = ("Qwen/Qwen3-1.7B", "Qwen/Qwen3-0.6B")
 TRACK_ENV = "MINIFER_TRACK"  # "gpu" opts into the GPU track; anything else (or unset) is the CPU track
+# (a hosted notebook's setup cell sets it: minifer_course.hosted.setup)
 
 # --- which models ------------------------------------------------------------------------------------
 
@@ -170,6 +173,9 @@ def choose_models(env: Mapping[str, str] | None = None, *, chapter: str | None =
     if not cuda:
         why = f"{TRACK_ENV}=gpu, but " if gpu_track else ""
         return ModelPair(*BUNDLED_PAIR, "cpu", f"{why}no CUDA GPU: the bundled TinyStories pair")
+    if gpu_track and tuple(torch.cuda.get_device_capability()) < TRITON_MIN_CAPABILITY:
+        _, why = choose_track("gpu", tuple(torch.cuda.get_device_capability()), hosted=False)
+        return ModelPair(*BUNDLED_PAIR, "cpu", f"{TRACK_ENV}=gpu, but {why}")
     if not gpu_track:
         return ModelPair(*BUNDLED_PAIR, "cpu", f"the CPU track; {TRACK_ENV}=gpu for the GPU track, which "
                                                f"{gpu_track_download_note()}")

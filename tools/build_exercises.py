@@ -12,6 +12,9 @@ Each ``exercises/source/NAME.py`` gives two notebooks:
 * ``solutions/NAME.ipynb``: the markers stripped, executed with nbclient so its outputs are stored
   (readers see the results on GitHub; nbval re-runs it in CI and compares the check cells).
 
+Both start with the hosted notebooks' badges and setup cell (``tools/stamp_hosted.py``, which writes the same two
+cells into the chapters).
+
 The source is a Python file in the "percent" format (the one jupytext and VS Code read):
 
     # %% [markdown]
@@ -60,6 +63,9 @@ from pathlib import Path
 import nbformat
 from nbformat import NotebookNode
 from nbformat.v4 import new_code_cell, new_markdown_cell, new_notebook
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from stamp_hosted import stamp  # noqa: E402 - the tools folder is not a package
 
 ROOT = Path(__file__).resolve().parents[1]
 SOURCE_DIR = ROOT / "exercises" / "source"
@@ -340,8 +346,12 @@ class Exercise:
         return parse_source(self.source.read_text(encoding="utf-8"), self.origin)
 
     def notebooks(self) -> dict[str, NotebookNode]:
+        """Both variants, each with the hosted notebooks' badges and setup cell first (``stamp_hosted.stamp``, the
+        same cells the stamp tool writes, so its ``--check`` and this one's agree)."""
         cells = self.cells()
-        nbs = {v: build_notebook(cells, v, self.origin) for v in VARIANTS}
+        paths = {"exercise": self.exercise_path, "solution": self.solution_path}
+        nbs = {v: stamp(build_notebook(cells, v, self.origin), paths[v].relative_to(ROOT).as_posix())
+               for v in VARIANTS}
         if not any(is_check_cell(c) for c in nbs["solution"].cells):
             raise SourceError(f"{self.origin}: no check cell (a code cell tagged {CHECK_TAG!r})")
         return nbs
