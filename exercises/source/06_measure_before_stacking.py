@@ -300,8 +300,8 @@ check_noise_verdict(noise_verdict)
 # ### On the engine
 #
 # Now a real measurement: the bundled target serving 8 greedy requests of 24 tokens, against itself (a second
-# engine of the same configuration: the A/A control) and against int8 weights (the benchmark's lever: W8A8,
-# `quantization="w8a8"`, which also rounds each token's activations to int8), 9 rounds of
+# engine of the same configuration: the A/A control) and against int8 weights (weight-only, `quantization="int8"`:
+# the codes are dequantized to float32 inside every layer at every step), 9 rounds of
 # each. **Before you run it**, write down whether int8 weights will be faster, slower or not measurably different
 # for this small model on this machine. The numbers are yours and vary from run to run: nothing compares them.
 # (Your functions are used once they run; until then, minifer's.)
@@ -330,11 +330,8 @@ def timed(llm):
     return run
 
 
-from minifer_course.stacking import int8_dot_instructions
-
-print("int8 dot-product instructions on this CPU:", int8_dot_instructions()[1])
 engines = {"base": LLM("tinystories-target"), "again": LLM("tinystories-target"),
-           "int8": LLM("tinystories-target", quantization="w8a8")}
+           "int8": LLM("tinystories-target", quantization="int8")}
 for llm in engines.values():
     timed(llm)()  # warm-up
 speedups_of = or_minifer(interleaved_speedups, ref.interleaved_speedups)
@@ -351,10 +348,12 @@ print(f"int8 speedups: {', '.join(f'{x:.3f}' for x in lever)}; median {statistic
 print("int8 weights:", verdict_of(lever, aa, 0.95))
 
 # %% [markdown]
-# Compare your verdict with your prediction. Two things about your machine decide it: whether its CPU multiplies
-# int8 codes natively (the first line the cell printed: without those instructions W8A8 is many times slower than
-# float32), and how busy it is (the A/A band: on a shared 2-core machine it can span tens of percent, wide enough
-# to hide a real 20% gain). Whole
+# Compare your verdict with your prediction. Weight-only int8 reads a quarter of float32's weight bytes but turns
+# them back into float32 before every product, so on a CPU, where this small model's step is mostly overhead and
+# its weights sit in the caches, expect little difference either way; how busy the machine is (the A/A band: on a
+# shared 2-core machine it can span tens of percent) decides whether a small one can be seen at all. Chapter 06's
+# lever multiplies int8 codes directly (W8A8), which is faster only on CPUs with int8 dot-product instructions.
+# Whole
 # runs of half a second each, back to back, see different moments of a busy machine; chapter 06's benchmark
 # interleaves single engine steps in a random order (`run_interleaved`) to narrow the band, and keeps a `CB (A/A)`
 # row for the same reason as here: the range of its ratios over the rounds is the band inside which a reading is not
