@@ -10,7 +10,7 @@ module whose own body says Triton, or names what an earlier statement of the not
 defined with Triton in it, the result of a Triton call: ``tri = kvm.triton_vs_reference(...)``). A notebook with such a
 cell runs whole under the shim; an exercise notebook runs through its solved twin (its untouched stubs fail by
 design: ``tests/course/test_exercise_stubs.py``). Every other notebook runs its first code cell (its imports and
-model loading: the smoke test that it starts without Triton).
+model loading: the smoke test that it starts without Triton), once per distinct cell (an exercise's is its twin's).
 
 A cell that uses Triton and *acts* on it (one of its top-level statements that use Triton is not a definition, an
 import or an assignment: a call, a ``print``, an ``if triton_ok``) must print why Triton did not run (``REASONS``);
@@ -169,16 +169,26 @@ def scan(path: Path) -> Notebook:
     return nb
 
 
+def first_code_cell(path: Path) -> str:
+    return next("".join(c["source"]) for c in json.loads(path.read_text())["cells"] if c["cell_type"] == "code")
+
+
 def plan() -> tuple[list[Notebook], list[Path]]:
     """The notebooks to run whole (Triton users; an exercise's solved twin in its place) and those whose first code
-    cell runs (all the others)."""
+    cell runs (all the others, but one whose first code cell is one already run: an exercise and its solved twin
+    share theirs, and every notebook sits one folder below the root, so the cell runs the same)."""
     found = {p: scan(p) for folder in FOLDERS for p in sorted((ROOT / folder).glob("*.ipynb"))}
     whole: dict[Path, Notebook] = {}
     for path, nb in found.items():
         if nb.triton_cells:
             twin = ROOT / "solutions" / path.name if path.parent.name == "exercises" else path
             whole[twin] = found[twin]
-    return list(whole.values()), [p for p in found if p not in whole]
+    seen, first = {first_code_cell(p) for p in whole}, []
+    for path in (p for p in found if p not in whole):
+        if first_code_cell(path) not in seen:
+            seen.add(first_code_cell(path))
+            first.append(path)
+    return list(whole.values()), first
 
 
 def main() -> None:
