@@ -35,11 +35,18 @@ LAB_FLAGS = $(if $(filter 0,$(shell id -u 2>/dev/null)),--allow-root,)
 course: install-course
 	$(PY) -m jupyter lab $(LAB_FLAGS) --ServerApp.root_dir=. notebooks/00_model_and_generation.ipynb
 
-# Install, then run the whole suite: unit tests, then every notebook executed and checked by nbval.
+# Install, then run the whole suite: unit tests, every notebook executed and checked by nbval, then the course without
+# Triton (NO_TRITON, below).
 test: install
 	$(PY) -c "import sys; from importlinter.cli import lint_imports; sys.exit(lint_imports())"  # the import contracts (pyproject.toml)
 	$(PY) -m pytest -n 2 --dist loadfile tests
 	$(PY) -m pytest -n 2 --dist loadfile --nbval-lax --nbval-sanitize-with tests/nbval_sanitize.cfg -p no:randomly $(NOTEBOOKS)
+	MINIFER_NO_TRITON_STEP=1 PYTHONPATH=$(CURDIR)/tools/no_triton $(PY) -m pytest -n 2 --dist load -p no:randomly $(NO_TRITON)
+
+# The course on a machine without Triton, played by Linux: tools/no_triton's sitecustomize hides the installed Triton
+# from every process. The notebooks that use Triton (found by tools/no_triton/scan.py) run whole, every Triton cell
+# saying why it skipped; the others run their first code cell. Proves Linux without Triton, not macOS or Windows.
+NO_TRITON = tests/no_triton/test_notebooks_without_triton.py
 
 # The core tier: the engine's guarantees in under a minute, to run on every change (tests/README.md).
 test-core:

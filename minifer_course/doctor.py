@@ -182,10 +182,12 @@ def main() -> int:
         rows.append(("device", f"cuda: {torch.cuda.get_device_name(0)} (capability {torch.cuda.get_device_capability(0)})"))
     else:
         rows.append(("device", f"cpu ({os.cpu_count()} cores); no CUDA GPU"))
-    triton_version = _version("triton")
-    rows.append(("triton", triton_version))
-    if triton_version.startswith("missing"):
-        rows.append(("triton kernels", "skipped: Triton has no wheels for this platform (macOS?); the CPU path runs"))
+    from minifer.kernels import triton_available  # the one detection (tools/no_triton's shim answers it too)
+
+    have_triton, why = triton_available()
+    rows.append(("triton", _version("triton") if have_triton else "missing"))
+    if not have_triton:
+        rows.append(("triton kernels", f"skipped: {why}"))
     else:
         interp, aot = _triton_status()
         rows += [("triton interpreter (CPU)", interp), ("triton AOT compile", aot)]
@@ -208,7 +210,7 @@ def main() -> int:
         torch.__version__, torch.version.cuda, torch.cuda.get_device_capability(0) if cuda else None,
         torch.cuda.get_device_properties(0).total_memory if cuda else None, platform.system(),
         os.environ.get("MINIFER_TRACK"), torch_requirement(), importlib.util.find_spec("jupyterlab") is not None,
-        not triton_version.startswith("missing"))
+        have_triton)
     for name, level, message in checks:
         rows.append((name, message if level == "ok" else f"{level.upper()}: {message}"))
         ok &= level != "fail"

@@ -7,7 +7,9 @@ Exercise 05 writes three pieces:
 * ``quantize_linears(model, quantize, group_size, symmetric, kernel)``: the load step that swaps every decoder
   projection for a ``QuantLinear`` holding ``quantize``'s bytes;
 * ``int4_matmul(x, packed, scales, zeros, group_size, out, BLOCK_M, BLOCK_N, BLOCK_K)``: the wrapper that launches
-  their Triton kernel.
+  their Triton kernel, or, where Triton is not installed (macOS, Windows), ``int4_matmul_torch`` of the same
+  signature, the same unpack-scale-dot in PyTorch (``pick_int4_matmul`` chooses, and says which). Either is graded
+  by ``check_int4_matmul_kernel`` and goes in as the piece ``int4_matmul``.
 
 The third goes in through the engine's quantized linear kernel seam (``Components.quant_kernel``, a ``QuantKernel``,
 as vLLM's quantized linear methods). The first two have no engine seam (vLLM has none for its load step): the
@@ -47,20 +49,19 @@ QUANT_PIECES: dict[str, Piece] = {p.name: p for p in (
 )}
 
 # What a saved piece of exercise 05 may use besides workbench.PRELUDE: Triton (in its interpreter without a GPU,
-# which must be chosen before a kernel is decorated) and minifer's quantized layer.
+# which must be chosen before a kernel is decorated; stand-ins where Triton is not installed, so that a file holding a
+# kernel still loads there, and the kernel's launch is blocked) and minifer's quantized layer.
 QUANT_PRELUDE = """\
 import os
 
 from torch import nn
 
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-import triton
-import triton.language as tl
-
 from minifer.quantization import QuantizedWeight
 from minifer.quantization.linear import QuantLinear
 from minifer.quantization.model import group_for
+from minifer_course.grading.quant import triton_modules
+
+triton, tl, _ = triton_modules()
 """
 
 INT4 = {"group_size": 128, "symmetric": True}  # LLM(quantization="int4"): g128, symmetric (the fallback: group_for)
@@ -79,11 +80,25 @@ def save_quant(obj: Any, name: str | None = None, path: str | Path | None = None
                           saved_by="minifer_course.workbench_quant.save_quant")[0]
 
 
+def pick_int4_matmul(triton_piece: Callable[..., Any], torch_piece: Callable[..., Any]) -> Callable[..., Any]:
+    """The learner's kernel piece for this machine: the Triton wrapper where Triton is installed, else the PyTorch
+    function (both take ``int4_matmul``'s arguments and fill ``out``); prints which, and why."""
+    from minifer.kernels import HAS_TRITON, TRITON_ERROR  # triton_available()'s answer
+
+    if HAS_TRITON:
+        print(f"int4_matmul: your Triton kernel ({triton_piece.__name__}), since Triton is installed here")
+        return triton_piece
+    print(f"int4_matmul: your PyTorch {torch_piece.__name__}, since {TRITON_ERROR}")
+    return torch_piece
+
+
 def load_quant(path: str | Path | None = None, errors: dict[str, str] | None = None) -> dict[str, Any]:
     """The saved pieces of exercise 05, by name (``workbench.load_saved``). Without a GPU the kernel needs Triton's
-    interpreter, chosen before triton is imported: if it was imported without it, the kernel is left out (why, in
-    ``errors``)."""
-    late = not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1" and "triton" in sys.modules
+    interpreter, chosen before triton is imported: if it was imported without it, a Triton kernel is left out (why,
+    in ``errors``); a PyTorch one runs anyway."""
+    kernel = workbench.folder(path) / "int4_matmul.py"
+    late = (not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1" and "triton" in sys.modules
+            and kernel.is_file() and "@triton.jit" in kernel.read_text())
     if not torch.cuda.is_available():
         os.environ.setdefault("TRITON_INTERPRET", "1")  # before a saved kernel is decorated
     found = workbench.load_saved(path, errors, names=QUANT_PIECES)

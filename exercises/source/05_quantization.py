@@ -17,7 +17,8 @@
 # 2. **quantize and load**: the step that swaps a loaded model's float linear layers for `QuantLinear` layers
 #    holding those bytes;
 # 3. **a Triton kernel** that multiplies by those bytes directly, unpacking and scaling them tile by tile
-#    (a puzzle in the style of Sasha Rush's *Triton puzzles*: the skeleton is given, you fill in the body);
+#    (a puzzle in the style of Sasha Rush's *Triton puzzles*: the skeleton is given, you fill in the body); on a
+#    machine without Triton (macOS, Windows) the same unpack-scale-dot **in PyTorch** instead (section 3b);
 # 4. **perplexity**, the measurement that says what the quantization cost.
 #
 # The first three then run inside a real engine, `LLM("tinystories-target", ...)`: its weights quantized by your
@@ -40,8 +41,9 @@
 # %% [markdown]
 # Without a GPU, Triton runs kernels on the CPU with its **interpreter**, which executes each program of the
 # grid one after the other in numpy. It has to be switched on (`TRITON_INTERPRET=1`) before `triton` is
-# imported, so this cell comes first. On macOS, where Triton publishes no wheels, the kernel cell still
-# defines its function and the kernel check says it skips.
+# imported, so this cell comes first. On macOS and Windows, where Triton publishes no wheels, the kernel cell
+# still defines its function, the kernel's check says **blocked** (not failed), and you write the same computation
+# in PyTorch (section 3b) instead: this cell says which path this machine takes.
 
 # %%
 import os
@@ -55,6 +57,7 @@ import torch.nn.functional as F
 import transformers
 
 import minifer
+import minifer.kernels
 from minifer.eval import causal_forward, heldout_windows, perplexity as minifer_perplexity, stdlib_windows
 from minifer_course.grading.quant import triton_modules
 from minifer.quantization import dequantize, quantize, quantize_int4
@@ -64,6 +67,8 @@ torch.set_num_threads(1)
 transformers.utils.logging.set_verbosity_error()  # no tokenizer warnings in the outputs
 triton, tl, triton_status = triton_modules()  # the real modules (or stand-ins where Triton is missing)
 print(triton_status)
+print("your int4 kernel: section 3, in Triton (section 3b, in PyTorch, is optional here)" if minifer.kernels.HAS_TRITON
+      else "your int4 kernel: section 3b, in PyTorch (section 3's Triton checks say blocked on this machine)")
 llm = minifer.LLM("tinystories-target", device="cpu")  # the bundled model, float32 (on the CPU even with a GPU)
 model = llm.model
 
@@ -372,17 +377,68 @@ from minifer_course.grading.quant import check_int4_matmul_kernel
 check_int4_matmul_kernel(int4_matmul)
 
 # %% [markdown]
-# ### Now your kernel serves requests
+# ## 3b · Without Triton: the same unpack-scale-dot in PyTorch
 #
-# Every `QuantLinear` of the int4 engine now multiplies through your `int4_matmul` (minifer's quantizer and load
-# step around it): 48 projections per step. Seam: the quantized linear kernel (`LLM(components=Components(quant_kernel=...))`, a
-# `QuantKernel`, as vLLM's quantized linear methods pick a kernel). Without a GPU each launch runs in Triton's interpreter, one program
-# after another, so the engine launches your kernel with large tiles (up to 64 × 512 × 256; with 16 × 16 tiles a
-# step would take ten times longer) and the cell takes a minute or so. The tokens must be minifer's int4 engine's,
-# and teacher-forced log-probabilities may differ by float32 rounding only (your kernel sums in another order).
+# Triton publishes wheels for Linux only. On macOS and Windows the cells above define the kernel with stand-ins and
+# its check says **blocked**: not failed, just not runnable there. There, write the kernel's computation in PyTorch,
+# `int4_matmul_torch`: the wrapper's arguments (the tile sizes are accepted and unused), `out` filled in place. It
+# is the kernel's loop body for the whole of K at once, even and odd columns apart as the kernel keeps them:
+#
+# 1. byte `j` of a row holds columns `2j` (low nibble) and `2j + 1` (high nibble), both in group `2j // group_size`
+#    (`group_size` is even): index `scales` (and `zeros`) with each byte's group to get `[N, K // 2]` tensors;
+# 2. unpack and dequantize: `w_even = ((packed & 0xF) - z) * s` and `w_odd = ((packed >> 4) - z) * s` in float32,
+#    `z` being 8 when `zeros` is None;
+# 3. `x`'s even columns times `w_even^T` plus its odd columns times `w_odd^T`, written into `out` (`out.copy_(...)`:
+#    the check hands you a view inside a larger buffer, and reads that buffer, not a tensor you return).
+#
+# This builds the float weight in memory, what the fused kernel exists to avoid: on a CPU that costs little (minifer's
+# own CPU path, `quant_linear_reference`, dequantizes the same way). The check is the kernel's, on the same shapes.
+# Where Triton runs this section is optional: its check fails with "not implemented yet" until you write it.
+
+# %%
+def int4_matmul_torch(x, packed, scales, zeros, group_size, out, BLOCK_M=16, BLOCK_N=16, BLOCK_K=32):
+    """out[M, N] = x[M, K] @ dequantize(W)^T in PyTorch, the kernel's unpack-scale-dot without Triton: the arguments
+    of int4_matmul (the tile sizes unused); out is filled in place and returned."""
+    ### BEGIN SOLUTION
+    group = (2 * torch.arange(packed.shape[1], device=packed.device)) // group_size  # byte j: column 2j's group
+    s = scales[:, group]  # [N, K // 2], the scale of each byte's two columns
+    z = 8.0 if zeros is None else zeros[:, group].float()
+    w_even = ((packed & 0xF).float() - z) * s  # columns 0, 2, 4, ...
+    w_odd = ((packed >> 4).float() - z) * s  # columns 1, 3, 5, ...
+    out.copy_(x[:, 0::2] @ w_even.T + x[:, 1::2] @ w_odd.T)
+    return out
+    ### END SOLUTION
+    ### BEGIN STUB
+    # 1. each byte's group, (2 * j) // group_size, and its scale s and zero point z ([N, K // 2]; z = 8.0 if no zeros)
+    # 2. w_even = ((packed & 0xF) - z) * s and w_odd = ((packed >> 4) - z) * s, in float32
+    # 3. out.copy_(x's even columns @ w_even.T + x's odd columns @ w_odd.T); return out
+    # YOUR CODE HERE
+    raise NotImplementedError("implement int4_matmul_torch")
+    ### END STUB
+
 
 # %% nbval-check-output
-check_quant_in_engine("int4_matmul", int4_matmul)
+check_int4_matmul_kernel(int4_matmul_torch)
+
+# %% [markdown]
+# ### Now your kernel serves requests
+#
+# Every `QuantLinear` of the int4 engine now multiplies through your kernel (minifer's quantizer and load step
+# around it): 48 projections per step. Which kernel: your Triton `int4_matmul` where Triton is installed, your
+# `int4_matmul_torch` elsewhere (the next cell says which; either is saved as the piece `int4_matmul`). Seam: the
+# quantized linear kernel (`LLM(components=Components(quant_kernel=...))`, a `QuantKernel`, as vLLM's quantized linear
+# methods pick a kernel). Without a GPU each Triton launch runs in Triton's interpreter, one program after another,
+# so the engine launches your kernel with large tiles (up to 64 × 512 × 256; with 16 × 16 tiles a step would take
+# ten times longer) and the cell takes a minute or so. The tokens must be minifer's int4 engine's, and
+# teacher-forced log-probabilities may differ by float32 rounding only (your kernel sums in another order).
+
+# %%
+from minifer_course.workbench_quant import pick_int4_matmul
+
+your_int4_matmul = pick_int4_matmul(int4_matmul, int4_matmul_torch)
+
+# %% nbval-check-output
+check_quant_in_engine("int4_matmul", your_int4_matmul)
 
 # %% [markdown]
 # ### All three together
@@ -493,6 +549,7 @@ for label, method, group, symmetric in [("int8", "int8", 128, True), ("int4 g128
 #   loader calls when `LLM(quantization="int4")` asks (your step ran on the loaded model instead: no seam);
 # * `int4_matmul_kernel` is a simple version of `minifer/kernels/quant_matmul.py`: its `tiled` path is the
 #   same loop with tensor-core tiles, and its `gemv` path for decode splits K across programs and decodes a
-#   32-bit word of eight codes at a time;
+#   32-bit word of eight codes at a time; `int4_matmul_torch` is what `quant_linear_reference`
+#   (`minifer/quantization/formats.py`) does, minifer's CPU path and the kernels' oracle;
 # * `perplexity` is `minifer.eval.perplexity` (with `token_windows`, `score_windows`), beside greedy and
 #   generation agreement, the other two quality measures of chapter 05.

@@ -2,10 +2,9 @@
 fp8 decoding (``fp8.py``), and the fused dequantize-matmul of quantized weights (``quant_matmul.py``, its kernels in
 ``quant_matmul_jit.py``), which ``quant_kernel_for`` hands a quantized model on CUDA.
 
-``HAS_TRITON`` says whether Triton imported (Linux wheels only; the CPU path never needs it). Kernels run on a
-CUDA GPU, or on CPU tensors under Triton's interpreter (``TRITON_INTERPRET=1``, set *before* triton is imported),
-which is how the tests and notebooks check them without a GPU (``minifer_course.experiments.aot`` compiles them
-for GPUs).
+``triton_available()`` alone asks if Triton imports (Linux wheels only; ``tools/no_triton``'s shim is obeyed). Kernels
+run on a CUDA GPU, or on CPU tensors under Triton's interpreter (``TRITON_INTERPRET=1``, set *before* triton is
+imported): how tests and notebooks check them without a GPU (``minifer_course.experiments.aot`` compiles for GPUs).
 """
 
 from __future__ import annotations
@@ -14,15 +13,17 @@ import os
 
 import torch
 
-try:
-    import triton  # noqa: F401
 
-    HAS_TRITON = True
-    TRITON_ERROR = ""
-except ImportError as e:  # macOS, or a minimal install
-    HAS_TRITON = False
-    TRITON_ERROR = f"Triton is not installed ({e}); it publishes Linux wheels only, so the CPU path is used"
+def triton_available() -> tuple[bool, str]:
+    """``(True, "")`` when Triton imports; else ``(False, why)``, the reason the Triton cells print when they skip."""
+    try:
+        import triton  # noqa: F401
+    except ImportError as e:  # macOS, Windows, a minimal install, or tools/no_triton's shim
+        return False, f"Triton is not installed ({e}); it publishes Linux wheels only, so the CPU path is used"
+    return True, ""
 
+
+HAS_TRITON, TRITON_ERROR = triton_available()
 INTERPRETING = os.environ.get("TRITON_INTERPRET") == "1"
 
 

@@ -5,12 +5,13 @@
   round-trip bound. A wrong answer is matched against the classic mistakes (nibbles swapped, ``absmax / 8``,
   the ``+ 8`` offset forgotten, groups along the wrong axis, a zero point outside 0..15, a range that does
   not include 0, an all-zero group divided by 0) to name the one made;
-* :func:`check_int4_matmul_kernel` grades a Triton int4 dequantize-matmul kernel, or a wrapper that
-  launches one, against :func:`~minifer.quantization.formats.quant_linear_reference`: odd shapes, inputs and
-  output placed inside larger NaN-filled buffers (an unmasked load reads NaN, an unmasked store is seen in
-  the margin), the output poisoned with NaN before every launch. Without a GPU it runs under Triton's
-  interpreter (``TRITON_INTERPRET=1``, set before triton is imported); where Triton is not installed
-  (macOS) its check is reported blocked, with the reason (not failed);
+* :func:`check_int4_matmul_kernel` grades an int4 dequantize-matmul (a Triton kernel, the wrapper that launches
+  one, or the same unpack-scale-dot written in PyTorch, the exercise's path where Triton is missing) against
+  :func:`~minifer.quantization.formats.quant_linear_reference`: odd shapes, inputs and output placed inside larger
+  NaN-filled buffers (an unmasked load reads NaN, an unmasked store is seen in the margin), the output poisoned
+  with NaN before every launch. Without a GPU a kernel runs under Triton's interpreter (``TRITON_INTERPRET=1``, set
+  before triton is imported); where Triton is not installed (macOS, Windows) a kernel's checks are reported
+  blocked, with the reason (not failed), and a PyTorch function is graded as anywhere;
 * :func:`check_perplexity` grades ``fn(model_fn, token_ids, window) -> perplexity`` on a synthetic model
   (a bigram table plus position biases, so the framing of the windows matters) and on the bundled
   ``tinystories-target`` against :func:`minifer.eval.perplexity`.
@@ -32,8 +33,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from minifer_course.grading.base import (Check, blocked_by, call_unmodified, fmt_index, raised_by_learner, run_checks,
-                                         seeded)
+from minifer_course.grading.base import (Blocked, Check, call_unmodified, fmt_index, raised_by_learner,
+                                         run_checks, seeded)
 
 __all__ = ["check_quantize_int4", "check_int4_matmul_kernel", "check_perplexity", "launch_int4_matmul",
            "triton_modules"]
@@ -253,11 +254,26 @@ def check_quantize_int4(fn: Callable[[torch.Tensor, int, bool], Any]) -> None:
 # --- chapter 05: the Triton dequantize-matmul kernel -----------------------------------------------------
 
 
+class StandInKernel:
+    """What ``@triton.jit`` makes where Triton is not installed: the function, kept (``fn``, for saving it), and a
+    launch, ``kernel[grid](...)``, that raises ``Blocked`` with the reason: a grader reports the check blocked, not
+    failed."""
+
+    stand_in_for_triton = True
+
+    def __init__(self, fn: Callable[..., Any], reason: str) -> None:
+        self.fn, self.reason = fn, reason
+        functools.update_wrapper(self, fn)
+
+    def __getitem__(self, grid: Any) -> Callable[..., Any]:
+        raise Blocked(self.reason)
+
+
 def triton_modules() -> tuple[Any, Any, str]:
     """``(triton, triton.language, status)``: the real modules, switching Triton to its CPU interpreter
-    first when there is no CUDA GPU; where Triton is not installed (macOS), stand-ins with which a kernel
-    cell still *defines* its kernel (``@triton.jit`` does nothing, ``tl.constexpr`` is ``int``), and a status
-    saying that the kernel checks skip."""
+    first when there is no CUDA GPU; where Triton is not installed (macOS, Windows), stand-ins with which a kernel
+    cell still *defines* its kernel (``@triton.jit`` makes a ``StandInKernel``, ``tl.constexpr`` is ``int``), and a
+    status saying that the kernel checks skip."""
     if not torch.cuda.is_available():
         os.environ.setdefault("TRITON_INTERPRET", "1")  # must be set before triton is imported
     from minifer.kernels import HAS_TRITON, TRITON_ERROR
@@ -270,8 +286,11 @@ def triton_modules() -> tuple[Any, Any, str]:
                  "in Triton's CPU interpreter (TRITON_INTERPRET=1)" if os.environ.get("TRITON_INTERPRET") == "1" else
                  "nowhere: there is no GPU and TRITON_INTERPRET is set, but not to 1")
         return triton, tl, f"Triton kernels run {where}"
-    stand_in = types.SimpleNamespace(jit=lambda fn=None, **kw: fn if fn is not None else (lambda f: f),
-                                     cdiv=lambda a, b: -(-a // b))
+
+    def jit(fn: Callable[..., Any] | None = None, **options: Any) -> Any:
+        return StandInKernel(fn, TRITON_ERROR) if fn is not None else (lambda f: StandInKernel(f, TRITON_ERROR))
+
+    stand_in = types.SimpleNamespace(jit=jit, cdiv=lambda a, b: -(-a // b))
     return stand_in, types.SimpleNamespace(constexpr=int), f"Triton kernel checks skip: {TRITON_ERROR}"
 
 
@@ -282,13 +301,11 @@ def launch_int4_matmul(kernel: Any, x: torch.Tensor, packed: torch.Tensor, scale
     ``out[M, N] = x[M, K] @ dequantize(W)^T``: one program per ``[BLOCK_M, BLOCK_N]`` tile of ``out``.
     Rows may be strided (the grader passes views into larger buffers); ``zeros`` and ``scales`` share
     their row stride. ``meta``: extra constexprs of a test kernel."""
-    import triton
-
     m, k = x.shape
     n = packed.shape[0]
     if zeros is not None and zeros.stride(0) != scales.stride(0):
         raise ValueError("zeros and scales must have the same row stride")
-    kernel[(triton.cdiv(m, BLOCK_M), triton.cdiv(n, BLOCK_N))](
+    kernel[(-(-m // BLOCK_M), -(-n // BLOCK_N))](  # a StandInKernel (no Triton) raises Blocked here
         x, packed, scales, scales if zeros is None else zeros, out, m, n, k,
         x.stride(0), packed.stride(0), scales.stride(0), out.stride(0),
         GROUP=group_size, HAS_ZEROS=zeros is not None, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, **meta)
@@ -296,6 +313,8 @@ def launch_int4_matmul(kernel: Any, x: torch.Tensor, packed: torch.Tensor, scale
 
 
 def _is_triton_kernel(obj: Any) -> bool:
+    if isinstance(obj, StandInKernel):
+        return True
     return hasattr(obj, "fn") and callable(getattr(obj, "__getitem__", None)) and hasattr(obj, "run")
 
 
@@ -362,29 +381,56 @@ def _kernel_mistakes(qw: Any) -> list[tuple[torch.Tensor, str]]:
     ]
 
 
-def check_int4_matmul_kernel(kernel_or_wrapper: Any) -> None:
-    """Grade an int4 dequantize-matmul: a Triton kernel with the notebook's signature (launched by
-    :func:`launch_int4_matmul` with 16 x 16 output tiles and 32-column K tiles), or a wrapper
-    ``fn(x, packed, scales, zeros, group_size, out)`` that writes ``out`` ``[M, N]`` float32. Compared with
-    ``quant_linear_reference`` on odd shapes; float32 inputs."""
+_NO_INTERPRETER = ("no GPU, and Triton's interpreter is off. TRITON_INTERPRET=1 must be set before triton is imported: "
+                   "restart the kernel and run the notebook from its first cell.")
+
+
+def _under_test(name: str, kernel_or_fn: Any) -> Callable[..., Any]:
+    """``fn(x, packed, scales, zeros, group_size, out)`` for the grader to call: a kernel launched by
+    ``launch_int4_matmul``, or the learner's function itself (a wrapper that launches a kernel, or PyTorch)."""
+    from minifer.kernels import HAS_TRITON
+
+    if _is_triton_kernel(kernel_or_fn):
+        if HAS_TRITON and not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
+            raise AssertionError(f"{name}: {_NO_INTERPRETER}")
+        return functools.partial(launch_int4_matmul, kernel_or_fn)
+    if callable(kernel_or_fn):
+        return kernel_or_fn
+    raise AssertionError(f"{name}: expected a @triton.jit kernel or a function, got {type(kernel_or_fn).__name__}")
+
+
+def _called(fn: Callable[..., Any], *args: Any) -> None:
+    """``fn(*args)``, its failures in the grader's terms: a stub's ``NotImplementedError`` (the interpreter wraps it,
+    the GPU compiler quotes it); Triton missing (a launch of a ``StandInKernel``, an ``import triton``): ``Blocked``;
+    Triton there but neither a GPU nor its interpreter: say so."""
     from minifer.kernels import HAS_TRITON, TRITON_ERROR
 
+    try:
+        fn(*args)
+    except Blocked:
+        raise
+    except Exception as exc:
+        if _not_implemented(exc):
+            raise NotImplementedError from None
+        if isinstance(exc, ImportError) and (exc.name or "").split(".")[0] == "triton":
+            raise Blocked(TRITON_ERROR) from exc
+        if HAS_TRITON and not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
+            raise AssertionError(f"{_NO_INTERPRETER} (your function raised {type(exc).__name__}: {exc})") from exc
+        raise
+
+
+def check_int4_matmul_kernel(kernel_or_fn: Any) -> None:
+    """Grade an int4 dequantize-matmul: a Triton kernel with the notebook's signature (launched by
+    :func:`launch_int4_matmul` with 16 x 16 output tiles and 32-column K tiles), or a function
+    ``fn(x, packed, scales, zeros, group_size, out)`` that writes ``out`` ``[M, N]`` float32: the wrapper that
+    launches the kernel, or the same unpack-scale-dot in PyTorch (exercise 05's path where Triton is not installed).
+    Compared with ``quant_linear_reference`` on odd shapes; float32 inputs. Where Triton is not installed, a kernel's
+    launch raises ``Blocked`` (``StandInKernel``): its checks are blocked, not failed; a PyTorch function is graded
+    as anywhere."""
     name = "int4_matmul_kernel"
-    if not HAS_TRITON:
-        run_checks(name, [("the kernel runs on the grader's inputs (a Triton kernel)", blocked_by(TRITON_ERROR))])
-        return
+    fn = _under_test(name, kernel_or_fn)
     on_gpu = torch.cuda.is_available()
-    if not on_gpu and os.environ.get("TRITON_INTERPRET") != "1":
-        raise AssertionError(f"{name}: no GPU, and Triton's interpreter is off. TRITON_INTERPRET=1 must be set "
-                             "before triton is imported: restart the kernel and run the notebook from its first cell.")
     device = "cuda" if on_gpu else "cpu"
-    if _is_triton_kernel(kernel_or_wrapper):
-        fn = functools.partial(launch_int4_matmul, kernel_or_wrapper)
-    elif callable(kernel_or_wrapper):
-        fn = kernel_or_wrapper
-    else:
-        raise AssertionError(f"{name}: expected a @triton.jit kernel or a wrapper function, got "
-                             f"{type(kernel_or_wrapper).__name__}")
 
     every = frozenset(_STRIDES)
 
@@ -398,12 +444,7 @@ def check_int4_matmul_kernel(kernel_or_wrapper: Any) -> None:
         sv, _ = _in_margin(qw.scales, s_fill, device, "scales" in strided)
         zv = None if qw.zeros is None else _in_margin(qw.zeros, 0xFF, device, "scales" in strided)[0]
         out, buf = _in_margin(torch.full((m, n), float("nan")), float("nan"), device, "out" in strided)
-        try:
-            fn(xv, qv, sv, zv, qw.group_size, out)
-        except Exception as exc:
-            if _not_implemented(exc):
-                raise NotImplementedError from None
-            raise
+        _called(fn, xv, qv, sv, zv, qw.group_size, out)
         if on_gpu:
             torch.cuda.synchronize()
         return out.cpu(), buf.cpu()
@@ -426,7 +467,8 @@ def check_int4_matmul_kernel(kernel_or_wrapper: Any) -> None:
                         f"need not be a multiple of BLOCK_K: mask the last K tile's loads (columns < K) with other=0")
             return (f"{int(again.isnan().sum())} of {got.numel()} outputs were never written (still NaN); first at "
                     f"{fmt_index(int(again.isnan().flatten().nonzero()[0]), got.shape)}\nhint: every program "
-                    f"stores its [BLOCK_M, BLOCK_N] tile of acc into out (the wrapper's out, not a new tensor)")
+                    f"stores its [BLOCK_M, BLOCK_N] tile of acc into out (the wrapper's out, not a new tensor; "
+                    f"in PyTorch, out.copy_(...))")
         scale = float(want.abs().max())
         bad = (got - want).abs() > 5e-3 * scale
         if bool(bad.any()):

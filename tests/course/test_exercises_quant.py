@@ -266,12 +266,46 @@ def test_kernel_stub_is_not_implemented():
 
 
 def test_kernel_grader_is_blocked_not_failed_without_triton(monkeypatch, capsys):
+    """Where Triton is missing, ``@triton.jit`` is the grader's stand-in: a kernel, and a wrapper that launches one,
+    are blocked (every check, with the reason); a function that computes in PyTorch is graded as anywhere."""
     import minifer.kernels
 
     monkeypatch.setattr(minifer.kernels, "HAS_TRITON", False)
     monkeypatch.setattr(minifer.kernels, "TRITON_ERROR", "Triton is not installed (test)")
-    grading_quant.check_int4_matmul_kernel(lambda *a: None)
-    assert "blocked (Triton is not installed (test)): not failed" in capsys.readouterr().out
+    triton, tl, status = grading_quant.triton_modules()
+    assert status == "Triton kernel checks skip: Triton is not installed (test)" and tl.constexpr is int
+
+    @triton.jit
+    def kernel(x_ptr, q_ptr, s_ptr, z_ptr, out_ptr, M, N, K, stride_xm, stride_qn, stride_sn, stride_om,
+               GROUP: tl.constexpr, HAS_ZEROS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+               BLOCK_K: tl.constexpr):
+        raise AssertionError("a stand-in kernel never runs")
+
+    def wrapper(x, packed, scales, zeros, group_size, out):
+        return grading_quant.launch_int4_matmul(kernel, x, packed, scales, zeros, group_size, out)
+
+    def imports_triton(x, packed, scales, zeros, group_size, out):
+        import triton  # noqa: F401  (ModuleNotFoundError where it is missing)
+        raise ModuleNotFoundError("No module named 'triton'", name="triton")
+
+    blocked = "int4_matmul_kernel: 0/5 checks passed, 5 blocked (Triton is not installed (test)): not failed"
+    for piece in (kernel, wrapper, imports_triton):
+        grading_quant.check_int4_matmul_kernel(piece)  # returns: blocked is not failed
+        out = capsys.readouterr().out
+        assert blocked in out and "FAIL" not in out
+    grading_quant.check_int4_matmul_kernel(_pytorch_int4_matmul)
+    assert capsys.readouterr().out.rstrip().endswith("int4_matmul_kernel: 5/5 checks passed")
+    with pytest.raises(AssertionError, match="outputs were never written"):  # graded, so a wrong one fails
+        grading_quant.check_int4_matmul_kernel(lambda *a: None)
+
+
+def _pytorch_int4_matmul(x, packed, scales, zeros, group_size, out):
+    """The exercise's PyTorch path, through minifer's reference."""
+    from minifer.quantization.formats import quant_linear_reference
+
+    qw = QuantizedWeight("int4", packed.contiguous(), scales.contiguous(),
+                         None if zeros is None else zeros.contiguous(), group_size, (packed.shape[0], x.shape[1]))
+    return out.copy_(quant_linear_reference(x, qw))
 
 
 # --- perplexity: classic mistakes -----------------------------------------------------------------------

@@ -36,7 +36,7 @@ def exercise_pieces(variant: str) -> dict:
     first cell makes ``triton`` and ``tl``)."""
     triton, tl, _ = triton_modules()
     scope = definitions(variant, [STEM], {"triton": triton, "tl": tl})
-    return {name: scope[name] for name in workbench_quant.QUANT_PIECES}
+    return {name: scope[name] for name in [*workbench_quant.QUANT_PIECES, "int4_matmul_torch"]}
 
 
 @pytest.fixture(scope="module")
@@ -117,13 +117,13 @@ def test_every_solution_piece_serves_minifers_int4_tokens(name, solutions, capsy
     assert (my_engine / f"{name}.py").is_file()
 
 
-@pytest.mark.parametrize("name", list(workbench_quant.QUANT_PIECES))
+@pytest.mark.parametrize("name", [*workbench_quant.QUANT_PIECES, "int4_matmul_torch"])
 def test_untouched_stubs_are_not_implemented_yet(name, stubs, monkeypatch):
     if name == "int4_matmul" and not HAS_TRITON:
         pytest.skip(TRITON_ERROR)
     monkeypatch.setattr(quant_engine, "int4_engine", _no_engine)
     with pytest.raises(AssertionError, match="not implemented yet"):
-        quant_engine.check_quant_in_engine(name, stubs[name])
+        quant_engine.check_quant_in_engine(name.removesuffix("_torch"), stubs[name])
 
 
 def _no_engine(pieces):
@@ -199,8 +199,8 @@ def test_a_kernel_that_rounds_to_bf16_misses_the_logprob_bound(monkeypatch):
 
 @needs_triton
 def test_saved_pieces_load_in_a_fresh_namespace_and_pass_their_checks(solutions, my_engine):
-    for name, piece in solutions.items():
-        workbench_quant.save_quant(piece, name=name)
+    for name in workbench_quant.QUANT_PIECES:
+        workbench_quant.save_quant(solutions[name], name=name)
     assert "@triton.jit" in (my_engine / "int4_matmul.py").read_text()
     errors: dict = {}
     loaded = workbench_quant.load_quant(errors=errors)
@@ -240,3 +240,84 @@ def test_a_kernel_saved_for_a_process_that_imported_triton_without_the_interpret
     errors: dict = {}
     assert "int4_matmul" not in workbench_quant.load_quant(errors=errors)
     assert "restart the kernel and run the notebook from its first cell" in errors["int4_matmul"]
+
+
+# --- the PyTorch path, for machines without Triton ---------------------------------------------------------
+
+
+def test_the_pytorch_kernel_passes_the_kernels_grader(solutions, capsys):
+    from minifer_course.grading.quant import check_int4_matmul_kernel
+
+    check_int4_matmul_kernel(solutions["int4_matmul_torch"])
+    out = capsys.readouterr().out
+    assert out.rstrip().endswith("int4_matmul_kernel: 5/5 checks passed") and "blocked" not in out
+
+
+@pytest.mark.slow
+def test_the_pytorch_kernel_serves_minifers_int4_tokens_and_loads_as_the_piece(solutions, capsys, my_engine):
+    quant_engine.check_quant_in_engine("int4_matmul", solutions["int4_matmul_torch"])
+    out = capsys.readouterr().out
+    assert out.rstrip().endswith("int4_matmul in the int4 engine: 4/4 checks passed"), out
+    saved = (my_engine / "int4_matmul.py").read_text()
+    assert "def int4_matmul_torch(" in saved and "int4_matmul = int4_matmul_torch" in saved
+    pieces, origin = quant_engine.load_quant_pieces(solution=True)
+    assert origin["int4_matmul"] == "yours" and pieces["int4_matmul"] is not solutions["int4_matmul_torch"]
+
+
+def test_a_wrong_pytorch_kernel_is_stopped_by_the_same_grader(solutions, monkeypatch):
+    def returns_a_new_tensor(x, packed, scales, zeros, group_size, out, **tiles):
+        return solutions["int4_matmul_torch"](x, packed, scales, zeros, group_size, torch.empty_like(out))
+
+    monkeypatch.setattr(quant_engine, "int4_engine", _no_engine)
+    with pytest.raises(AssertionError, match=r"never written(?s:.*)out\.copy_"):
+        quant_engine.check_quant_in_engine("int4_matmul", returns_a_new_tensor)
+
+
+@pytest.fixture
+def no_triton(monkeypatch):
+    """This process as one without Triton: the detection's answer says so (the notebooks' own run under the import
+    shim is ``tests/no_triton``)."""
+    import minifer.kernels
+
+    monkeypatch.setattr(minifer.kernels, "HAS_TRITON", False)
+    monkeypatch.setattr(minifer.kernels, "TRITON_ERROR", "Triton is not installed (test)")
+
+
+def test_without_triton_the_kernel_is_blocked_and_the_pytorch_piece_is_picked(no_triton, capsys):
+    from minifer_course.grading.quant import check_int4_matmul_kernel
+
+    pieces = exercise_pieces("solution")  # the kernel defined with the stand-ins, as the notebook's cells do there
+    check_int4_matmul_kernel(pieces["int4_matmul"])  # blocked: returns, raises nothing
+    out = capsys.readouterr().out
+    assert "int4_matmul_kernel: 0/5 checks passed, 5 blocked (Triton is not installed (test)): not failed" in out
+    check_int4_matmul_kernel(pieces["int4_matmul_torch"])
+    assert capsys.readouterr().out.rstrip().endswith("int4_matmul_kernel: 5/5 checks passed")
+    assert workbench_quant.pick_int4_matmul(pieces["int4_matmul"], pieces["int4_matmul_torch"]) \
+        is pieces["int4_matmul_torch"]
+    assert "your PyTorch int4_matmul_torch, since Triton is not installed (test)" in capsys.readouterr().out
+
+
+def test_with_triton_the_triton_piece_is_picked(solutions, capsys):
+    if not HAS_TRITON:
+        pytest.skip(TRITON_ERROR)
+    assert workbench_quant.pick_int4_matmul(solutions["int4_matmul"], solutions["int4_matmul_torch"]) \
+        is solutions["int4_matmul"]
+    assert "your Triton kernel (int4_matmul)" in capsys.readouterr().out
+
+
+def test_without_triton_a_saved_kernel_file_loads_and_its_launch_is_blocked(no_triton, my_engine, monkeypatch):
+    """The stand-in ``@triton.jit`` is saved as the kernel's source; the file loads where Triton is missing (its
+    prelude takes the stand-ins too), and grading it there is blocked, not failed."""
+    from minifer_course.grading.base import Blocked
+    from minifer_course.grading.engine import grade_quietly
+
+    monkeypatch.setenv(workbench_save.CHECK_ENV, "0")  # the fresh process would have the real Triton
+    pieces = exercise_pieces("solution")
+    workbench_quant.save_quant(pieces["int4_matmul"], name="int4_matmul")
+    text = (my_engine / "int4_matmul.py").read_text()
+    assert "@triton.jit" in text and "triton, tl, _ = triton_modules()" in text and "\nimport triton" not in text
+    errors: dict = {}
+    loaded = workbench_quant.load_quant(errors=errors)
+    assert not errors and "int4_matmul" in loaded
+    with pytest.raises(Blocked, match="Triton is not installed"):
+        grade_quietly("int4_matmul", loaded["int4_matmul"])

@@ -170,3 +170,11 @@ case "$*" in *--no-deps*) for a; do [ "$prev" = --dest ] && touch "$a/torch-2.13
     assert first.endswith(f"--no-deps --dest {out} {torch_spec} --index-url https://download.pytorch.org/whl/cpu")
     assert f"--find-links {out}" in second and ".[course] setuptools>=69 wheel" in second
     assert "torch 2.13.0+cpu" in r.stdout
+
+
+def test_make_test_ends_with_the_course_without_triton():
+    """Its last step runs the notebooks with tools/no_triton's shim on every process's path (Jupyter kernels start
+    in the notebooks' folder, so the path is absolute), and refuses to pass by skipping."""
+    last = make_n("test", "CONSTRAINTS=constraints/ci.txt", "TORCH_INDEX=").strip().splitlines()[-1]
+    assert f"PYTHONPATH={ROOT}/tools/no_triton " in last and "MINIFER_NO_TRITON_STEP=1" in last
+    assert last.endswith("tests/no_triton/test_notebooks_without_triton.py")
