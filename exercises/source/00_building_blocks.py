@@ -36,6 +36,10 @@
 # %%
 import torch
 
+from minifer_course.common import setup_notebook
+
+print(setup_notebook())  # CPU threads (one on a machine of two cores or fewer), quiet progress bars
+
 # %% [markdown]
 # ## 1 · RMSNorm
 #

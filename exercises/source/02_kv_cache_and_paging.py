@@ -34,6 +34,10 @@ from dataclasses import dataclass
 
 import torch
 
+from minifer_course.common import setup_notebook
+
+print(setup_notebook())  # CPU threads (one on a machine of two cores or fewer), quiet progress bars
+
 # %% [markdown]
 # ## 1 · Why page the KV cache, and the slot mapping
 #

@@ -35,6 +35,10 @@ from minifer_course.common import show_source
 from minifer.core.kv_cache_manager import KVBlockAllocator
 from minifer.request import Request, RequestStatus
 
+from minifer_course.common import setup_notebook
+
+print(setup_notebook())  # CPU threads (one on a machine of two cores or fewer), quiet progress bars
+
 # %% [markdown]
 # ## 1 · One step of continuous batching
 #

@@ -45,6 +45,10 @@ from minifer.sample.rejection_sampler import rejection_sample as minifer_rejecti
 
 torch.set_num_threads(1)
 
+from minifer_course.common import setup_notebook
+
+print(setup_notebook())  # CPU threads (one on a machine of two cores or fewer), quiet progress bars
+
 # %% [markdown]
 # ## 1 · One step, and greedy verification
 #

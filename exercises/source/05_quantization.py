@@ -72,6 +72,10 @@ print("your int4 kernel: section 3, in Triton (section 3b, in PyTorch, is option
 llm = minifer.LLM("tinystories-target", device="cpu")  # the bundled model, float32 (on the CPU even with a GPU)
 model = llm.model
 
+from minifer_course.common import setup_notebook
+
+print(setup_notebook())  # CPU threads (one on a machine of two cores or fewer), quiet progress bars
+
 # %% [markdown]
 # ## 1 · int4 in groups: scales, zero points, two codes per byte
 #

@@ -43,6 +43,10 @@ from minifer_course.stacking import split_budget
 
 RESULTS = Path(minifer.__file__).resolve().parents[1] / "benchmarks" / "results"
 
+from minifer_course.common import setup_notebook
+
+print(setup_notebook())  # CPU threads (one on a machine of two cores or fewer), quiet progress bars
+
 # %% [markdown]
 # ## 1 · One budget, in blocks
 #

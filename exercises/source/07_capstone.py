@@ -33,7 +33,7 @@
 # | `eagle_forward` (the EAGLE head) | `04_speculative_decoding`, section 6 | `model_registry`: an `EagleHead` subclass | its "now your EAGLE head serves" cell; here, the fourth batch |
 # | `quantize_int4_groupwise` | `05_quantization`, section 1 | none: applied to the loaded model before it serves | its "now your quantizer serves requests" cell; here, "Your int4 engine" |
 # | `quantize_linears` (the load step) | `05_quantization`, section 2 | none: applied to the loaded model before it serves | its "now your load step serves requests" cell; here, "Your int4 engine" |
-# | `int4_matmul` (the Triton kernel) | `05_quantization`, section 3 | `quant_kernel` | its "now your kernel serves requests" cell; here, "Your int4 engine" |
+# | `int4_matmul` (the Triton kernel, or its PyTorch version on a machine without Triton) | `05_quantization`, section 3 (3b) | `quant_kernel` | its "now your kernel serves requests" cell; here, "Your int4 engine" |
 #
 # The check below loads each saved piece, grades it again with its exercise's checks, and builds
 # `LLM("tinystories-target", components=...)` from them (`minifer_course.workbench.components_from` puts each piece
@@ -53,6 +53,10 @@ import torch
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported: your int4 kernel runs on the CPU
+
+from minifer_course.common import setup_notebook
+
+print(setup_notebook())  # CPU threads (one on a machine of two cores or fewer), quiet progress bars
 
 # %% exercise-only
 SOLUTION = False  # True: minifer's pieces fill the gaps
@@ -92,7 +96,7 @@ capstone_throughput(solution=SOLUTION)
 #
 # Chapter 05's pieces change the weights themselves, so they run in an engine of their own,
 # `LLM("tinystories-target", ...)`: your `quantize_int4_groupwise` makes the bytes, your `quantize_linears` swaps
-# them into the loaded model before it serves, your Triton `int4_matmul` multiplies by them in every projection
+# them into the loaded model before it serves, your `int4_matmul` (Triton or PyTorch) multiplies by them in every projection
 # (`quant_kernel`) (`05_quantization`, sections 1, 2 and 3, each ending with its "now your ... serves requests"
 # cell). int4 is not float32, so the reference is minifer's own int4 engine: the same greedy tokens, request by
 # request, and teacher-forced log-probabilities equal up to float32 rounding. Without a GPU your kernel runs in

@@ -64,11 +64,13 @@ def unlinked_first_uses(cells: list[str], terms: dict[str, str]) -> list[tuple[s
         pattern = re.compile(r"(?<![\w`/#-])" + re.escape(term) + r"(?![\w`-])", 0 if exact else re.I)
         for cell in cells:
             body = re.sub(r"^#.*$", "", cell, flags=re.M)  # a heading names its section; the prose defines
-            m = pattern.search(re.sub(r"\]\([^)]*\)", "]", body))  # a link's target is not a use
+            # a link to this term is a use; another term's link text ("[chunked prefill]") is not a use of this one
+            body = re.sub(r"\[([^\]]*)\]\(([^)]*)\)", lambda k: k.group(1) if k.group(2).endswith("#" + anchor)
+                          else " " * len(k.group(0)), body)
+            m = pattern.search(body)
             if m:
                 if f"glossary.md#{anchor}" not in cell:
-                    missing.append((term, re.sub(r"\]\([^)]*\)", "]", body)[max(0, m.start() - 40):m.end() + 20]
-                                    .replace("\n", " ")))
+                    missing.append((term, body[max(0, m.start() - 40):m.end() + 20].replace("\n", " ")))
                 break
     return missing
 
