@@ -41,6 +41,7 @@ BUDGET = 1500
 NOTES = ("review questions",)
 SKIPPED = ("exercises", "exercise", "next", "appendix")
 
+HOSTED = {"minifer-badges", "minifer-setup"}  # stamped by tools/stamp_hosted.py
 
 def split_at_headings(source: str) -> list[str]:
     """``source`` cut before each heading line outside a code fence: one piece per heading, plus the text
@@ -116,6 +117,8 @@ def with_slides(nb: dict) -> dict:
     out = copy.deepcopy(nb)
     cells = []
     for cell in out["cells"]:
+        if cell.get("id") in HOSTED:  # the hosted notebooks' badges and setup cell: not lecture material
+            continue
         if cell["cell_type"] != "markdown":
             cells.append(cell)
             continue

@@ -43,7 +43,7 @@ if clone is None and importlib.util.find_spec("minifer_course") is None:
 elif clone is not None and importlib.util.find_spec("minifer_course") is None:
     sys.path.insert(0, str(clone))
 from minifer_course.hosted import setup
-setup(since=t0)'''
+track = setup(since=t0)'''
 
 
 @dataclass(frozen=True)

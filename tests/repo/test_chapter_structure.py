@@ -20,8 +20,12 @@ WORDS_PER_MINUTE = 200  # technical prose; code cells are counted in words too
 CORE_PATH_MINUTES = 35
 
 
+HOSTED = {"minifer-badges", "minifer-setup"}  # the hosted notebooks' badges and setup cell (tools/stamp_hosted.py)
+
+
 def _cells(path: Path) -> list[dict]:
-    return json.loads(path.read_text())["cells"]
+    """The chapter's own cells: the hosted badges and setup cell stamped above them are not part of its frame."""
+    return [c for c in json.loads(path.read_text())["cells"] if c.get("id") not in HOSTED]
 
 
 def _text(cell: dict) -> str:
