@@ -19,12 +19,19 @@ import threading
 import time
 import traceback
 from collections.abc import Callable
+from http import HTTPStatus
 from typing import Any
 
 from minifer.entrypoints.openai.protocol import RequestError, engine_error_param
 from minifer.request import Request, sequences_of
 
 DONE = object()  # delivered once none of an HTTP request's engine requests will report again
+
+
+def stopped() -> RequestError:
+    """What a request in flight or arriving gets once the loop stops (the server shuts down): a 503, which a stream
+    in progress reports as its last event before it closes."""
+    return RequestError("the engine loop has stopped: the server is shutting down", status=HTTPStatus.SERVICE_UNAVAILABLE)
 
 Deliver = Callable[[Any], None]
 
@@ -78,7 +85,7 @@ class EngineLoop:
         completion finished are delivered (a plain answer needs nothing else), so its handler wakes once per
         completion instead of at every step. ``arrival``: ``time.perf_counter()`` when the HTTP request came."""
         if self._stop.is_set() or not self.alive():
-            deliver(RuntimeError("the engine loop has stopped"))
+            deliver(stopped())
             deliver(DONE)
             return
         self._commands.put(("add", (seqs, deliver, stream, arrival or time.perf_counter()), None))
@@ -107,7 +114,7 @@ class EngineLoop:
                     self._fail_all(RuntimeError(f"engine failed: {type(e).__name__}: {e}"))
         finally:  # stopped: nobody may wait for this loop any more
             self._stop.set()
-            self._fail_all(RuntimeError("the engine loop has stopped"))
+            self._fail_all(stopped())
             self.engine.owner = None
             while True:
                 try:
@@ -116,7 +123,7 @@ class EngineLoop:
                     break
                 if cmd is not None and cmd[0] == "add":
                     deliver = cmd[1][1]
-                    deliver(RuntimeError("the engine loop has stopped"))
+                    deliver(stopped())
                     deliver(DONE)
                 elif cmd is not None and cmd[0] == "stats":
                     cmd[2].set_exception(RuntimeError("the engine loop has stopped"))
