@@ -14,6 +14,7 @@ a step fails the requests in flight (their blocks are freed) while the loop goes
 from __future__ import annotations
 
 import concurrent.futures
+import ctypes
 import queue
 import threading
 import time
@@ -34,6 +35,16 @@ def stopped() -> RequestError:
     return RequestError("the engine loop has stopped: the server is shutting down", status=HTTPStatus.SERVICE_UNAVAILABLE)
 
 Deliver = Callable[[Any], None]
+
+
+def trim_heap() -> None:
+    """Give the C heap's free pages back to the OS (glibc's ``malloc_trim``; elsewhere nothing). A large request's
+    transient buffers (prompt logprobs, a 10 MB answer) leave free memory that glibc keeps in its arenas: after
+    one, the server's RSS stayed ~20-90 MB up until this ran when the engine went idle (about 0.1-2 ms)."""
+    try:
+        ctypes.CDLL(None).malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc
+        pass
 
 
 class _Route:
@@ -143,6 +154,8 @@ class EngineLoop:
         self.peak_in_flight = max(self.peak_in_flight, len(self.engine.requests))
         if self.engine.has_unfinished_requests():
             self._step()
+            if not self.engine.has_unfinished_requests():
+                trim_heap()
 
     def _apply(self, kind: str, items: Any, answer: concurrent.futures.Future | None) -> None:
         if kind == "abort":
