@@ -275,26 +275,61 @@ def test_cli_help(capsys):
     assert e.value.code == 0 and "--port" in capsys.readouterr().out
 
 
-def test_command_line_server_starts_answers_and_stops_on_ctrl_c():
+def cli_server(*args: str):
+    """``python -m minifer serve tinystories-draft --port 0 ARGS`` in a subprocess, and its URL once it listens."""
     import os
-    import signal
     import subprocess
     import sys
 
-    proc = subprocess.Popen([sys.executable, "-m", "minifer", "serve", "tinystories-draft", "--port", "0",
-                             "--served-model-name", "d", "--max-num-seqs", "2"],
+    proc = subprocess.Popen([sys.executable, "-m", "minifer", "serve", "tinystories-draft", "--port", "0", *args],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    line = proc.stdout.readline()
+    if not line.startswith("serving http://"):
+        proc.kill()
+        raise AssertionError((line, proc.stderr.read()))
+    return proc, line.split()[1].removesuffix("/v1")
+
+
+def test_command_line_server_starts_answers_and_stops_on_ctrl_c():
+    import signal
+
+    proc, url = cli_server("--served-model-name", "d", "--max-num-seqs", "2")
     try:
-        line = proc.stdout.readline()
-        assert line.startswith("serving http://"), (line, proc.stderr.read() if proc.poll() is not None else "")
-        url = line.split()[1].removesuffix("/v1")
         req = urllib.request.Request(url + "/v1/completions", json.dumps(
             {"model": "d", "prompt": "Tom", "max_tokens": 4}).encode(), {"Content-Type": "application/json"})
         with urllib.request.urlopen(req, timeout=60) as r:
             assert r.status == 200 and json.loads(r.read())["usage"]["completion_tokens"] == 4
         proc.send_signal(signal.SIGINT)
         assert proc.wait(timeout=30) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+
+
+def test_sigterm_ends_a_stream_in_progress_with_an_error_event_and_exits_cleanly():
+    """A process manager's SIGTERM during a stream: the stream's last event is an error (503, the server is
+    shutting down), then ``[DONE]``, and the connection closes; the server exits 0 with no traceback in its log.
+    The stream asks for 8 x 1,000 tokens (about 25 s here) and SIGTERM follows its first event."""
+    import signal
+
+    proc, url = cli_server("--max-num-seqs", "8", "--max-model-len", "1024")
+    try:
+        host, port = url.removeprefix("http://").split(":")
+        conn = http.client.HTTPConnection(host, int(port), timeout=60)
+        conn.request("POST", "/v1/completions", json.dumps({"model": "tinystories-draft", "prompt": "Tom", "n": 8,
+                     "max_tokens": 1000, "ignore_eos": True, "stream": True}), {"Content-Type": "application/json"})
+        r = conn.getresponse()
+        assert r.status == 200 and r.readline().startswith(b"data: {")
+        proc.send_signal(signal.SIGTERM)
+        rest = r.read().decode()  # returns only once the server closed the stream
+        chunks = rest.split("\n\n")
+        assert chunks[-3:] == [chunks[-3], "data: [DONE]", ""], rest[-500:]
+        err = json.loads(chunks[-3].removeprefix("data: "))["error"]
+        assert err["code"] == 503 and "shutting down" in err["message"]
+        assert proc.wait(timeout=30) == 0
+        log = proc.stderr.read()
+        assert "Traceback" not in log and "CancelledError" not in log, log[-3000:]
     finally:
         if proc.poll() is None:
             proc.kill()
@@ -421,9 +456,9 @@ def test_shutdown_with_requests_in_flight_answers_them_and_the_engine_is_free_ag
         llm.generate(["Tom"], SamplingParams(max_tokens=2), use_tqdm=False)
     srv.loop.stop()  # the engine stops first; the HTTP side still answers
     t.join(timeout=30)
-    assert result["r"][0] == 500 and "stopped" in result["r"][1]["error"]["message"]
+    assert result["r"][0] == 503 and "stopped" in result["r"][1]["error"]["message"]
     status, err = post(srv, "/v1/completions", greedy(4, prompt="Tom"))
-    assert status == 500 and "stopped" in err["error"]["message"]
+    assert status == 503 and "stopped" in err["error"]["message"]
     with pytest.raises(urllib.error.HTTPError) as health:  # 503: a load balancer stops sending it traffic
         urllib.request.urlopen(srv.url + "/health")
     assert health.value.code == 503 and json.loads(health.value.read()) == {"status": "down"}

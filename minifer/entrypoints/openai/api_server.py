@@ -22,6 +22,7 @@ code}}``, with ``param`` naming the field at fault. With an API key, the ``/v1``
 from __future__ import annotations
 
 import asyncio
+import copy
 import json
 import logging
 import secrets
@@ -46,6 +47,7 @@ from minifer.entrypoints.openai.metrics import CONTENT_TYPE, ServerMetrics
 from minifer.entrypoints.openai.protocol import (
     KNOWN_FIELDS,
     RequestError,
+    body_schema,
     chat_logprobs_json,
     choice_index,
     echoed_choice,
@@ -119,6 +121,10 @@ def _openapi(app: FastAPI) -> dict[str, Any]:
             for ops in FastAPI.openapi(app)["paths"].values():
                 for method, op in ops.items():
                     op["operationId"] = f"{op['operationId'].rsplit('_', 1)[0]}_{method}"
+                    if "requestBody" in op:  # a copy (the route's is shared), naming the models this server serves
+                        op["requestBody"] = copy.deepcopy(op["requestBody"])
+                        fields = op["requestBody"]["content"]["application/json"]["schema"]["properties"]
+                        fields["model"] = {"enum": app.state.server.served_names}
     return app.openapi_schema
 
 
@@ -221,7 +227,7 @@ async def show_model(model_id: str, request: Request) -> JSONResponse:
 
 def _json_body(*fields: str, required: tuple[str, ...] = ()) -> dict[str, Any]:
     """OpenAPI's schema of a JSON body that a route reads itself (``read_body``), for clients and fuzzers."""
-    schema = {"type": "object", "properties": {f: {} for f in fields}, "required": list(required)}
+    schema = body_schema(fields, required)
     return {"requestBody": {"required": True, "content": {"application/json": {"schema": schema}}}}
 
 
@@ -247,13 +253,15 @@ async def get_tokenizer_info(request: Request) -> JSONResponse:
 
 # generation
 
-@v1_router.post("/v1/completions", openapi_extra=_json_body(*sorted(KNOWN_FIELDS), required=("model", "prompt")))
+@v1_router.post("/v1/completions", openapi_extra=_json_body(*sorted(KNOWN_FIELDS - {"messages", "top_logprobs"}),
+                                                            required=("model", "prompt")))
 async def create_completion(request: Request) -> Response:
     return await generate(request, chat=False)
 
 
 @v1_router.post("/v1/chat/completions",
-                openapi_extra=_json_body(*sorted(KNOWN_FIELDS), required=("model", "messages")))
+                openapi_extra=_json_body(*sorted(KNOWN_FIELDS - {"prompt", "echo", "prompt_logprobs"}),
+                                         required=("model", "messages")))
 async def create_chat_completion(request: Request) -> Response:
     return await generate(request, chat=True)
 

@@ -14,11 +14,13 @@ a step fails the requests in flight (their blocks are freed) while the loop goes
 from __future__ import annotations
 
 import concurrent.futures
+import ctypes
 import queue
 import threading
 import time
 import traceback
 from collections.abc import Callable
+from http import HTTPStatus
 from typing import Any
 
 from minifer.entrypoints.openai.protocol import RequestError, engine_error_param
@@ -26,7 +28,23 @@ from minifer.request import Request, sequences_of
 
 DONE = object()  # delivered once none of an HTTP request's engine requests will report again
 
+
+def stopped() -> RequestError:
+    """What a request in flight or arriving gets once the loop stops (the server shuts down): a 503, which a stream
+    in progress reports as its last event before it closes."""
+    return RequestError("the engine loop has stopped: the server is shutting down", status=HTTPStatus.SERVICE_UNAVAILABLE)
+
 Deliver = Callable[[Any], None]
+
+
+def trim_heap() -> None:
+    """Give the C heap's free pages back to the OS (glibc's ``malloc_trim``; elsewhere nothing). A large request's
+    transient buffers (prompt logprobs, a 10 MB answer) leave free memory that glibc keeps in its arenas: after
+    one, the server's RSS stayed ~20-90 MB up until this ran when the engine went idle (about 0.1-2 ms)."""
+    try:
+        ctypes.CDLL(None).malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc
+        pass
 
 
 class _Route:
@@ -78,7 +96,7 @@ class EngineLoop:
         completion finished are delivered (a plain answer needs nothing else), so its handler wakes once per
         completion instead of at every step. ``arrival``: ``time.perf_counter()`` when the HTTP request came."""
         if self._stop.is_set() or not self.alive():
-            deliver(RuntimeError("the engine loop has stopped"))
+            deliver(stopped())
             deliver(DONE)
             return
         self._commands.put(("add", (seqs, deliver, stream, arrival or time.perf_counter()), None))
@@ -107,7 +125,7 @@ class EngineLoop:
                     self._fail_all(RuntimeError(f"engine failed: {type(e).__name__}: {e}"))
         finally:  # stopped: nobody may wait for this loop any more
             self._stop.set()
-            self._fail_all(RuntimeError("the engine loop has stopped"))
+            self._fail_all(stopped())
             self.engine.owner = None
             while True:
                 try:
@@ -116,7 +134,7 @@ class EngineLoop:
                     break
                 if cmd is not None and cmd[0] == "add":
                     deliver = cmd[1][1]
-                    deliver(RuntimeError("the engine loop has stopped"))
+                    deliver(stopped())
                     deliver(DONE)
                 elif cmd is not None and cmd[0] == "stats":
                     cmd[2].set_exception(RuntimeError("the engine loop has stopped"))
@@ -136,6 +154,8 @@ class EngineLoop:
         self.peak_in_flight = max(self.peak_in_flight, len(self.engine.requests))
         if self.engine.has_unfinished_requests():
             self._step()
+            if not self.engine.has_unfinished_requests():
+                trim_heap()
 
     def _apply(self, kind: str, items: Any, answer: concurrent.futures.Future | None) -> None:
         if kind == "abort":

@@ -73,6 +73,28 @@ KNOWN_FIELDS = frozenset({"model", "prompt", "messages", "stream", "stream_optio
                           "max_completion_tokens", "echo", *_SAMPLING_FIELDS, *_NO_OP_FIELDS})
 
 
+_INT, _NUM, _BOOL, _STR = ({"type": t} for t in ("integer", "number", "boolean", "string"))
+_FIELD_SCHEMAS = {  # OpenAPI's schema of the fields with a type; the no-op fields: their accepted values
+    "prompt": {"anyOf": [_STR, {"type": "array", "items": _STR}, {"type": "array", "items": {**_INT, "minimum": 0}}]},
+    "messages": {"type": "array", "minItems": 1, "items": {"type": "object", "required": ["role", "content"], "properties": {
+        "role": {"enum": ["system", "user", "assistant"]}, "content": _STR}}},
+    "n": {**_INT, "minimum": 1}, "max_tokens": {**_INT, "minimum": 1}, "max_completion_tokens": {**_INT, "minimum": 1},
+    "min_tokens": {**_INT, "minimum": 0}, "temperature": {**_NUM, "minimum": 0}, "top_k": _INT, "seed": _INT,
+    "top_p": {**_NUM, "exclusiveMinimum": 0, "maximum": 1}, "min_p": {**_NUM, "minimum": 0, "maximum": 1},
+    "stop": {"anyOf": [_STR, {"type": "array", "items": _STR}]}, "stop_token_ids": {"type": "array", "items": _INT},
+    "stream_options": {"type": "object", "properties": {"include_usage": _BOOL}}, "top_logprobs": _INT,
+    "logit_bias": {"type": "object", "additionalProperties": _NUM}, "prompt_logprobs": {**_INT, "minimum": 0},
+    **dict.fromkeys(["stream", "echo", "ignore_eos", "skip_special_tokens", "include_stop_str_in_output"], _BOOL),
+    **dict.fromkeys(["presence_penalty", "frequency_penalty", "repetition_penalty"], _NUM),
+    **{name: {"enum": list(allowed)} for name, allowed in _NO_OP_FIELDS.items() if allowed is not None}}
+
+
+def body_schema(fields, required: tuple[str, ...] = ()) -> dict[str, Any]:
+    """The JSON schema of a request body with ``fields`` (for ``/openapi.json``: clients, Swagger UI, fuzzers);
+    a field without a type here takes any value, as the parser checks each itself."""
+    return {"type": "object", "properties": {f: _FIELD_SCHEMAS.get(f, {}) for f in fields}, "required": list(required)}
+
+
 def ignored_fields(body: dict[str, Any]) -> list[str]:
     """The fields of ``body`` that minifer does not know, which it ignores (the server logs them)."""
     return sorted(set(body) - KNOWN_FIELDS)

@@ -51,9 +51,12 @@ class Server:
                                                                                    pre, metrics, url)
 
     def shutdown(self) -> None:
+        """Stop listening, then stop the engine loop, which ends every request in flight with a 503 (a stream's
+        last event), so uvicorn finds their connections closed rather than cancelling them after its grace time
+        (with a traceback in the log and no word to the client)."""
         self._uvicorn.should_exit = True
-        self._thread.join(timeout=30)
         self.loop.stop()
+        self._thread.join(timeout=30)
         self._pre.close()
 
     def __enter__(self) -> "Server":
