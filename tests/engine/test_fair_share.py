@@ -38,3 +38,17 @@ def test_single_requests_keep_first_come_first_served():
     for rid in "abc":
         sched.add(_request(rid))
     assert [s.request_id for s in sched.schedule().seqs] == ["a", "b"]
+
+
+def test_a_request_arriving_after_the_completions_took_every_slot_gets_half_back():
+    """Admitted while nobody waited, eight completions hold all 4 slots; a request that arrives then preempts the
+    newest two (they recompute later) and runs at the next step, instead of waiting for the completions to finish."""
+    sched = _scheduler(max_num_seqs=4)
+    for s in _request("many", n=8).seqs:
+        sched.add(s)
+    assert len(sched.schedule().seqs) == 4
+    sched.add(_request("late"))
+    step = sched.schedule()
+    assert [s.request_id for s in step.preempted] == ["3_many", "2_many"]
+    assert [s.request_id for s in sched.schedule().seqs][-1] == "late"
+    assert sum(s.parent_id == "many" for s in sched.running) == 2

@@ -21,7 +21,7 @@ that finished.
 
 from __future__ import annotations
 
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
@@ -179,6 +179,7 @@ class Scheduler:
     def schedule(self) -> ScheduledBatch:
         batch = ScheduledBatch()
         budget = self.config.max_num_batched_tokens
+        self._yield_half(batch)
         # 1. running requests, oldest first; preempt the newest when blocks run out
         i = 0
         while i < len(self.running) and budget > 0:
@@ -219,6 +220,21 @@ class Scheduler:
             batch.num_new_tokens.append(n)
             budget -= n
         return batch
+
+    def _yield_half(self, batch: ScheduledBatch) -> None:
+        """Every slot is taken, a request waits, and one request's completions hold more than half the slots (they
+        were admitted while nobody else waited): preempt its newest completions down to half, so that the waiting
+        request is admitted at the next step instead of after them. They recompute when their turn comes."""
+        half = max(1, self.config.max_num_seqs // 2)
+        if len(self.running) < self.config.max_num_seqs or not self.waiting:
+            return
+        counts = Counter(s.parent_id for s in self.running if s.parent_id is not None)
+        for parent, count in counts.items():
+            if count > half and any(w.parent_id != parent for w in self.waiting):
+                for seq in [s for s in reversed(self.running) if s.parent_id == parent][:count - half]:
+                    self.running.remove(seq)
+                    self.running.append(seq)  # the newest now: ``preempt`` takes the newest
+                    self.preempt_newest(batch)
 
     def _over_half(self, seq: Request) -> bool:
         """Whether ``seq`` is a completion of an ``n > 1`` request whose completions already run in half the slots
