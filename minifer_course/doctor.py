@@ -182,6 +182,11 @@ def main() -> int:
         rows.append(("device", f"cuda: {torch.cuda.get_device_name(0)} (capability {torch.cuda.get_device_capability(0)})"))
     else:
         rows.append(("device", f"cpu ({os.cpu_count()} cores); no CUDA GPU"))
+    from minifer_course.stacking import int8_dot_instructions
+
+    fast_int8, which = int8_dot_instructions()  # decides whether quantization="w8a8" is fast on this CPU
+    rows.append(("int8 dot-product (CPU)", which + ("" if fast_int8 is not False else
+                                                    ": W8A8's integer matmul runs slower than float32 here")))
     from minifer.kernels import triton_available  # the one detection (tools/no_triton's shim answers it too)
 
     have_triton, why = triton_available()
