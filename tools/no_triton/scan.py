@@ -169,8 +169,13 @@ def scan(path: Path) -> Notebook:
     return nb
 
 
+HOSTED_SETUP = "minifer-setup"  # the hosted setup cell stamped above every notebook's own (tools/stamp_hosted.py)
+
+
 def first_code_cell(path: Path) -> str:
-    return next("".join(c["source"]) for c in json.loads(path.read_text())["cells"] if c["cell_type"] == "code")
+    """The notebook's own first code cell (after the hosted setup cell, which is the same everywhere)."""
+    return next("".join(c["source"]) for c in json.loads(path.read_text())["cells"]
+                if c["cell_type"] == "code" and c.get("id") != HOSTED_SETUP)
 
 
 def plan() -> tuple[list[Notebook], list[Path]]:
