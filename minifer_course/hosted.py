@@ -31,6 +31,10 @@ TRACK_ENV = "MINIFER_TRACK"  # the same switch as minifer_course.common.TRACK_EN
 TRITON_MIN_CAPABILITY = (7, 0)  # Triton's GPU compiler refuses older GPUs (Pascal: P100 sm_60, GTX 10xx sm_61)
 KEPT = ("torch", "triton")  # what a hosted service preinstalled and must not be reinstalled
 COURSE_EXTRA = "course"
+# The ids of the two cells stamped above every notebook's own (tools/stamp_hosted.py): the badges and the setup
+# cell. The tools that read a notebook's own cells (slides, the no-Triton step, the chapter-frame test) skip these.
+BADGES_ID, SETUP_ID = "minifer-badges", "minifer-setup"
+HOSTED_IDS = frozenset({BADGES_ID, SETUP_ID})
 
 
 def _packaging():

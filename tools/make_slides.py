@@ -32,6 +32,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from minifer_course.hosted import HOSTED_IDS
+
 ROOT = Path(__file__).resolve().parents[1]
 HEADING = re.compile(r"^(#{1,6})\s+(.*)$")
 FENCE = re.compile(r"^\s*(```|~~~)")
@@ -41,7 +43,6 @@ BUDGET = 1500
 NOTES = ("review questions",)
 SKIPPED = ("exercises", "exercise", "next", "appendix")
 
-HOSTED = {"minifer-badges", "minifer-setup"}  # stamped by tools/stamp_hosted.py
 
 def split_at_headings(source: str) -> list[str]:
     """``source`` cut before each heading line outside a code fence: one piece per heading, plus the text
@@ -117,7 +118,7 @@ def with_slides(nb: dict) -> dict:
     out = copy.deepcopy(nb)
     cells = []
     for cell in out["cells"]:
-        if cell.get("id") in HOSTED:  # the hosted notebooks' badges and setup cell: not lecture material
+        if cell.get("id") in HOSTED_IDS:  # the hosted notebooks' badges and setup cell: not lecture material
             continue
         if cell["cell_type"] != "markdown":
             cells.append(cell)

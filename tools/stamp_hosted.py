@@ -26,8 +26,9 @@ import nbformat
 from nbformat import NotebookNode
 from nbformat.v4 import new_code_cell, new_markdown_cell
 
+from minifer_course.hosted import BADGES_ID, SETUP_ID  # one definition, which the other tools read too
+
 ROOT = Path(__file__).resolve().parents[1]
-BADGES_ID, SETUP_ID = "minifer-badges", "minifer-setup"
 FOLDERS = ("notebooks", "exercises", "solutions")
 COLAB_BADGE = "https://colab.research.google.com/assets/colab-badge.svg"
 KAGGLE_BADGE = "https://kaggle.com/static/images/open-in-kaggle.svg"

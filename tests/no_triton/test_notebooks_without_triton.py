@@ -70,6 +70,6 @@ def test_a_notebook_that_uses_triton_runs_whole_and_its_triton_cells_say_why_the
 @pytest.mark.parametrize("path", FIRST, ids=[p.relative_to(ROOT).as_posix() for p in FIRST])
 def test_every_other_notebook_runs_its_first_code_cell(path):
     nb = nbformat.read(path, as_version=4)
-    first = next(i for i, c in enumerate(nb.cells) if c.cell_type == "code" and c.get("id") != scan.HOSTED_SETUP)
+    first = next(i for i, c in enumerate(nb.cells) if c.cell_type == "code" and c.get("id") != scan.SETUP_ID)
     nb.cells = nb.cells[: first + 1]  # the hosted setup cell (run too: a learner runs it first) and its own first
     execute(nb, path)

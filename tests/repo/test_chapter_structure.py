@@ -11,6 +11,8 @@ from pathlib import Path
 
 import pytest
 
+from minifer_course.hosted import HOSTED_IDS
+
 ROOT = Path(__file__).resolve().parents[2]
 NOTEBOOKS = ROOT / "notebooks"
 CHAPTERS = sorted(NOTEBOOKS.glob("[0-9][0-9]_*.ipynb"))
@@ -20,12 +22,11 @@ WORDS_PER_MINUTE = 200  # technical prose; code cells are counted in words too
 CORE_PATH_MINUTES = 35
 
 
-HOSTED = {"minifer-badges", "minifer-setup"}  # the hosted notebooks' badges and setup cell (tools/stamp_hosted.py)
 
 
 def _cells(path: Path) -> list[dict]:
     """The chapter's own cells: the hosted badges and setup cell stamped above them are not part of its frame."""
-    return [c for c in json.loads(path.read_text())["cells"] if c.get("id") not in HOSTED]
+    return [c for c in json.loads(path.read_text())["cells"] if c.get("id") not in HOSTED_IDS]
 
 
 def _text(cell: dict) -> str:

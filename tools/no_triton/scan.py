@@ -27,6 +27,8 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from minifer_course.hosted import SETUP_ID  # the hosted setup cell stamped above every notebook's own
+
 ROOT = Path(__file__).resolve().parents[2]
 FOLDERS = ("notebooks", "exercises", "solutions")
 PACKAGES = ("minifer", "minifer_course")
@@ -169,13 +171,10 @@ def scan(path: Path) -> Notebook:
     return nb
 
 
-HOSTED_SETUP = "minifer-setup"  # the hosted setup cell stamped above every notebook's own (tools/stamp_hosted.py)
-
-
 def first_code_cell(path: Path) -> str:
     """The notebook's own first code cell (after the hosted setup cell, which is the same everywhere)."""
     return next("".join(c["source"]) for c in json.loads(path.read_text())["cells"]
-                if c["cell_type"] == "code" and c.get("id") != HOSTED_SETUP)
+                if c["cell_type"] == "code" and c.get("id") != SETUP_ID)
 
 
 def plan() -> tuple[list[Notebook], list[Path]]:
