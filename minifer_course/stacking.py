@@ -68,14 +68,12 @@ def int8_dot_instructions(cpuinfo: str | None = None) -> tuple[bool | None, str]
     Why it matters: W8A8's integer GEMM (``torch._int_mm``) runs on oneDNN's VNNI or AMX kernels when the CPU has
     them; without them PyTorch falls back to a generic loop many times slower than a float32 GEMM, and the
     int8_weights lever loses on step time what it wins in memory. (None: not known, e.g. not Linux.)"""
-    if cpuinfo is None:
-        try:
-            with open("/proc/cpuinfo") as f:
-                cpuinfo = f.read()
-        except OSError:
-            return None, "unknown (no /proc/cpuinfo)"
-    flags = set(cpuinfo.split())
-    found = [f for f in INT8_DOT_FLAGS if f in flags]
+    from minifer.bench.machine import cpuinfo_field
+
+    flags = cpuinfo_field("flags", cpuinfo)
+    if flags is None:
+        return None, "unknown (no /proc/cpuinfo)"
+    found = [f for f in INT8_DOT_FLAGS if f in flags.split()]
     return (True, ", ".join(found)) if found else (False, "none (no AVX-512 VNNI, AVX-VNNI or AMX)")
 
 

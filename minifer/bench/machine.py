@@ -54,17 +54,20 @@ def measure_copy_bandwidth(device: str | torch.device | None = None, mib: int | 
     return 2 * n * 4 / best
 
 
+def cpuinfo_field(key: str, cpuinfo: str | None = None) -> str | None:
+    """The first ``key`` line of ``/proc/cpuinfo`` (or of ``cpuinfo``); None where there is none (not Linux)."""
+    if cpuinfo is None:
+        try:
+            cpuinfo = Path("/proc/cpuinfo").read_text()
+        except OSError:
+            return None
+    return next((line.split(":", 1)[1].strip() for line in cpuinfo.splitlines() if line.startswith(key)), None)
+
+
 def device_name(device: torch.device) -> str:
     if device.type == "cuda":
         return torch.cuda.get_device_name(device)
-    name = platform.processor() or platform.machine()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                name = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
+    name = cpuinfo_field("model name") or platform.processor() or platform.machine()
     n = torch.get_num_threads()
     return f"{name} ({n} thread{'s' if n != 1 else ''})"
 
